@@ -1,0 +1,124 @@
+"""The dilated pattern: which keys each query sees (DESIGN.md section 3).
+
+A pattern is a list of branches ``(w, r)``: segment length and dilation rate. Branch ``i`` cuts
+the sequence into consecutive segments of length ``w`` starting at position 0; head ``h`` uses
+offset ``h % r``; position ``p`` of the segment starting at ``s`` is selected for head ``h`` iff
+``(p - s) % r == h % r``. A selected query attends to the selected keys of its own segment.
+The attention output is one softmax over the multiset union of the keys all branches give.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DilatedPattern:
+    """Segment lengths and dilation rates of LongNet dilated attention.
+
+    Example: ``DilatedPattern(segment_lengths=(2048, 4096), dilation_rates=(1, 2))``.
+    Segment lengths must be strictly increasing and each rate must be at most its segment length.
+    """
+
+    segment_lengths: tuple[int, ...]
+    dilation_rates: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        segments = tuple(self.segment_lengths)
+        rates = tuple(self.dilation_rates)
+        object.__setattr__(self, "segment_lengths", segments)
+        object.__setattr__(self, "dilation_rates", rates)
+        if len(segments) == 0:
+            raise ValueError("pattern: segment_lengths is empty; give at least one branch.")
+        if len(segments) != len(rates):
+            raise ValueError(
+                f"pattern: segment_lengths has {len(segments)} entries but dilation_rates has "
+                f"{len(rates)}; give one dilation rate per segment length."
+            )
+        for name, values in (("segment_lengths", segments), ("dilation_rates", rates)):
+            for value in values:
+                if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                    raise ValueError(
+                        f"pattern: {name} must be positive integers, got {values}."
+                    )
+        if any(b <= a for a, b in zip(segments, segments[1:])):
+            raise ValueError(
+                f"pattern: segment_lengths must be strictly increasing, got {segments}; "
+                "sort the branches by segment length and merge duplicates."
+            )
+        for w, r in zip(segments, rates):
+            if r > w:
+                raise ValueError(
+                    f"pattern: dilation rate {r} is larger than its segment length {w}; "
+                    "use a rate of at most the segment length."
+                )
+
+    @classmethod
+    def coerce(cls, pattern: DilatedPattern | Iterable[tuple[int, int]]) -> DilatedPattern:
+        """Accept a ``DilatedPattern`` or a list of ``(segment_length, dilation_rate)`` pairs."""
+        if isinstance(pattern, DilatedPattern):
+            return pattern
+        try:
+            pairs = [tuple(pair) for pair in pattern]
+        except TypeError:
+            raise TypeError(
+                "pattern must be a DilatedPattern or a list of (segment_length, dilation_rate) "
+                f"pairs, got {type(pattern).__name__}."
+            ) from None
+        if any(len(pair) != 2 for pair in pairs):
+            raise ValueError(
+                f"pattern: every entry must be a (segment_length, dilation_rate) pair, got {pairs}."
+            )
+        return cls(tuple(w for w, _ in pairs), tuple(r for _, r in pairs))
+
+    @classmethod
+    def dense(cls, max_length: int) -> DilatedPattern:
+        """Plain full attention for sequences of up to ``max_length`` tokens."""
+        return cls((max_length,), (1,))
+
+    @classmethod
+    def geometric(cls, num_branches: int, base_segment: int = 2048) -> DilatedPattern:
+        """LongNet's geometric pattern: ``w = base_segment * 2**i``, ``r = 2**i``."""
+        return cls(
+            tuple(base_segment * 2**i for i in range(num_branches)),
+            tuple(2**i for i in range(num_branches)),
+        )
+
+    @property
+    def branches(self) -> tuple[tuple[int, int], ...]:
+        """The ``(segment_length, dilation_rate)`` pairs."""
+        return tuple(zip(self.segment_lengths, self.dilation_rates))
+
+    def key_multiplicity(
+        self,
+        query_positions: torch.Tensor,
+        key_positions: torch.Tensor,
+        num_heads: int,
+        causal: bool,
+    ) -> torch.Tensor:
+        """How many branches give each query each key, per head.
+
+        Args:
+            query_positions: ``(q,)`` global positions of the queries.
+            key_positions: ``(k,)`` global positions of the keys.
+        Returns:
+            ``(num_heads, q, k)`` int64 counts ``C``; attention is ``softmax(q k^T * scale + log C)``.
+        """
+        heads = torch.arange(num_heads, device=query_positions.device)[:, None, None]
+        p = query_positions[None, :, None]
+        t = key_positions[None, None, :]
+        counts = torch.zeros(
+            num_heads, len(query_positions), len(key_positions),
+            dtype=torch.int64, device=query_positions.device,
+        )
+        for w, r in self.branches:
+            offset = heads % r
+            same_segment = (p // w) == (t // w)
+            selected = (((p % w) % r) == offset) & (((t % w) % r) == offset)
+            counts += (same_segment & selected).long()
+        if causal:
+            counts = counts * (t <= p)
+        return counts
