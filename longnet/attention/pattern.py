@@ -105,7 +105,8 @@ class DilatedPattern:
             query_positions: ``(q,)`` global positions of the queries.
             key_positions: ``(k,)`` global positions of the keys.
         Returns:
-            ``(num_heads, q, k)`` int64 counts ``C``; attention is ``softmax(q k^T * scale + log C)``.
+            ``(num_heads, q, k)`` int64 counts ``C``;
+            attention is ``softmax(q k^T * scale + log C)``.
         """
         heads = torch.arange(num_heads, device=query_positions.device)[:, None, None]
         p = query_positions[None, :, None]
