@@ -41,9 +41,7 @@ class DilatedPattern:
         for name, values in (("segment_lengths", segments), ("dilation_rates", rates)):
             for value in values:
                 if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                    raise ValueError(
-                        f"pattern: {name} must be positive integers, got {values}."
-                    )
+                    raise ValueError(f"pattern: {name} must be positive integers, got {values}.")
         if any(b <= a for a, b in zip(segments, segments[1:])):
             raise ValueError(
                 f"pattern: segment_lengths must be strictly increasing, got {segments}; "
@@ -112,8 +110,11 @@ class DilatedPattern:
         p = query_positions[None, :, None]
         t = key_positions[None, None, :]
         counts = torch.zeros(
-            num_heads, len(query_positions), len(key_positions),
-            dtype=torch.int64, device=query_positions.device,
+            num_heads,
+            len(query_positions),
+            len(key_positions),
+            dtype=torch.int64,
+            device=query_positions.device,
         )
         for w, r in self.branches:
             offset = heads % r

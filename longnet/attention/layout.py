@@ -1,0 +1,102 @@
+"""Where each branch's dense blocks live in the sequence, and how to gather/scatter them.
+
+A branch ``(w, r)`` over a sequence of ``n`` tokens cuts it into segments; in every segment
+head ``h`` selects the rows ``h % r, h % r + r, ...``. Heads whose selections have the same
+length form one dense block shape, so a branch becomes a few :class:`BlockGroup` s, each run as
+one batched kernel call on tensors of layout ``(batch * segments, heads, rows, dim)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+import torch
+from einops import rearrange
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class BlockGroup:
+    """``num_segments`` segments of ``segment_length`` tokens starting at ``start``; head
+    ``heads[i]`` selects rows ``offsets[i] + j * rate`` (``j < rows``) of every segment."""
+
+    start: int
+    segment_length: int
+    num_segments: int
+    rate: int
+    heads: tuple[int, ...]
+    offsets: tuple[int, ...]
+    rows: int
+
+    @property
+    def is_contiguous(self) -> bool:
+        """True when the blocks are plain views (rate 1: every head takes the whole segment)."""
+        return self.rate == 1
+
+    def chunks(self, max_elements: int, row_elements: int) -> Iterator[BlockGroup]:
+        """Split into groups of whole segments holding at most ``max_elements`` elements
+        (``row_elements`` = batch * head_dim elements per row and head)."""
+        per_segment = self.rows * len(self.heads) * row_elements
+        step = max(1, max_elements // max(per_segment, 1))
+        for first in range(0, self.num_segments, step):
+            count = min(step, self.num_segments - first)
+            yield replace(self, start=self.start + first * self.segment_length, num_segments=count)
+
+
+def branch_groups(seq_len: int, num_heads: int, segment_length: int, rate: int) -> list[BlockGroup]:
+    """The block groups of branch ``(segment_length, rate)`` over ``seq_len`` tokens."""
+    full = seq_len // segment_length
+    regions = [(0, segment_length, full)] if full else []
+    tail = seq_len - full * segment_length
+    if tail:
+        regions.append((full * segment_length, tail, 1))
+    groups = []
+    for start, length, count in regions:
+        by_rows: dict[int, list[tuple[int, int]]] = {}
+        for head in range(num_heads):
+            offset = head % rate
+            rows = -(-(length - offset) // rate)
+            if rows > 0:
+                by_rows.setdefault(rows, []).append((head, offset))
+        for rows, members in by_rows.items():
+            heads, offsets = zip(*members)
+            groups.append(BlockGroup(start, length, count, rate, heads, offsets, rows))
+    return groups
+
+
+def _segments(x: Tensor, group: BlockGroup) -> Tensor:
+    """``x`` ``(batch, seq, heads, dim)`` -> view ``(batch, segments, length, heads, dim)``."""
+    end = group.start + group.num_segments * group.segment_length
+    return x[:, group.start : end].unflatten(1, (group.num_segments, group.segment_length))
+
+
+def _indices(group: BlockGroup, device: torch.device) -> tuple[Tensor, Tensor]:
+    heads = torch.tensor(group.heads, device=device)
+    offsets = torch.tensor(group.offsets, device=device)
+    rows = offsets[None, :] + group.rate * torch.arange(group.rows, device=device)[:, None]
+    return rows, heads  # (rows, heads), (heads,)
+
+
+def gather(x: Tensor, group: BlockGroup) -> Tensor:
+    """Blocks of ``x`` ``(batch, seq, heads, dim)`` -> ``(batch * segments, heads, rows, dim)``."""
+    segments = _segments(x, group)
+    if group.is_contiguous:
+        return rearrange(segments, "b n w h d -> (b n) h w d")
+    rows, heads = _indices(group, x.device)
+    return rearrange(segments[:, :, rows, heads], "b n c h d -> (b n) h c d")
+
+
+def scatter_(x: Tensor, group: BlockGroup, blocks: Tensor, accumulate: bool = False) -> None:
+    """Write (or add, with ``accumulate``) ``blocks`` ``(batch * segments, heads, rows, dim)``
+    into their places in ``x`` ``(batch, seq, heads, dim)``, in place."""
+    segments = _segments(x, group)
+    blocks = rearrange(blocks, "(b n) h c d -> b n c h d", b=x.shape[0])
+    if group.is_contiguous:
+        (segments.add_ if accumulate else segments.copy_)(blocks)
+        return
+    rows, heads = _indices(group, x.device)
+    if accumulate:
+        segments[:, :, rows, heads] += blocks  # rows are distinct, so this is a true add
+    else:
+        segments[:, :, rows, heads] = blocks

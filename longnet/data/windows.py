@@ -1,0 +1,74 @@
+"""Cutting token streams into shifted windows of ``seq_len + 1`` tokens.
+
+Every document is framed as ``[EOS] + bytes`` and ends with the next document's ``EOS`` (or a
+final one), so the model always sees a document start after an EOS and learns to predict the
+end of a document.
+
+- Training windows are *packed*: the framed training documents are concatenated into one stream
+  and cut every ``seq_len`` tokens into windows of ``seq_len + 1`` tokens (consecutive windows
+  share one token, so every token after the first is a label exactly once). A trailing partial
+  window is dropped; training windows are never padded and may span documents.
+- Evaluation windows never cross a document boundary: each framed document
+  ``[EOS] + bytes + [EOS]`` is cut the same way on its own, and its last window is padded with
+  ``PAD_ID`` inputs whose labels are ``IGNORE_INDEX``. Documents shorter than a window are thus
+  padded, not skipped, so every byte of every evaluation document is scored exactly once.
+
+Inputs are returned as uint8 and labels as int16 (compact on disk; the torch format of
+``datasets`` hands them out as int64).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from longnet.data.samples import IGNORE_INDEX
+from longnet.data.tokenizer import EOS_ID, PAD_ID
+
+
+def _cut(tokens: np.ndarray, seq_len: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """``count`` windows of ``seq_len + 1`` tokens at stride ``seq_len``, split into
+    ``(count, seq_len)`` inputs and shifted labels."""
+    windows = np.lib.stride_tricks.sliding_window_view(tokens, seq_len + 1)[::seq_len][:count]
+    return windows[:, :-1].astype(np.uint8), windows[:, 1:].astype(np.int16)
+
+
+def packed_windows(documents: Sequence[np.ndarray], seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Training windows packed from the concatenated framed documents.
+
+    Args:
+        documents: uint8 token arrays, one per document, in stream order.
+        seq_len: tokens per sample.
+
+    Returns:
+        ``(inputs, labels)``, each ``(n, seq_len)`` with ``n = (stream_len - 1) // seq_len``
+        (``n`` may be 0 when the documents are shorter than one window).
+    """
+    eos = np.array([EOS_ID], dtype=np.uint8)
+    stream = np.concatenate([part for doc in documents for part in (eos, doc)] + [eos])
+    return _cut(stream, seq_len, (len(stream) - 1) // seq_len)
+
+
+def document_windows(
+    document: np.ndarray, seq_len: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Evaluation windows of one framed document, the last one padded.
+
+    Args:
+        document: ``(n_bytes,)`` uint8 tokens of one document.
+        seq_len: tokens per sample.
+
+    Returns:
+        ``(inputs, labels, offsets)``: ``(k, seq_len)`` inputs, ``(k, seq_len)`` labels and
+        ``(k,)`` offsets of each window's first input token in the framed document
+        ``[EOS] + document + [EOS]``, with ``k = ceil((n_bytes + 1) / seq_len)``.
+    """
+    length = len(document) + 2
+    count = -(-(length - 1) // seq_len)
+    padding = np.full(count * seq_len + 1 - length, PAD_ID, dtype=np.uint8)
+    eos = np.array([EOS_ID], dtype=np.uint8)
+    inputs, labels = _cut(np.concatenate([eos, document, eos, padding]), seq_len, count)
+    offsets = np.arange(count, dtype=np.int64) * seq_len
+    labels[offsets[:, None] + np.arange(1, seq_len + 1) >= length] = IGNORE_INDEX
+    return inputs, labels, offsets

@@ -1,0 +1,113 @@
+"""Position-wise feed-forward networks: a plain MLP (GELU) and a gated one (SwiGLU)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from longnet.nn.norm import build_norm
+
+FFN_KINDS = ("mlp", "glu")
+
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+}
+
+
+def get_activation(name: str) -> Callable[[Tensor], Tensor]:
+    """The activation function called ``name`` (one of :data:`ACTIVATIONS`)."""
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(
+            f"activation: unknown name {name!r}; use one of {sorted(ACTIVATIONS)}."
+        ) from None
+
+
+class MLP(nn.Module):
+    """``down_proj(dropout?(sub_norm?(act(up_proj(x)))))`` then dropout.
+
+    With ``sub_ln`` (MAGNETO) a norm sits before the second linear layer.
+    Shapes: ``(..., embed_dim)`` -> ``(..., embed_dim)``.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        hidden_dim: int,
+        *,
+        activation: str = "gelu",
+        bias: bool = True,
+        dropout: float = 0.0,
+        sub_ln: bool = False,
+        norm: str = "layernorm",
+        norm_eps: float = 1e-5,
+    ) -> None:
+        super().__init__()
+        self.activation_name = activation
+        self.activation = get_activation(activation)
+        self.up_proj = nn.Linear(embed_dim, hidden_dim, bias=bias)
+        self.sub_norm = build_norm(norm, hidden_dim, norm_eps) if sub_ln else None
+        self.down_proj = nn.Linear(hidden_dim, embed_dim, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def hidden(self, x: Tensor) -> Tensor:
+        """The activations before the second linear layer ``(..., hidden_dim)``."""
+        return self.activation(self.up_proj(x))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.hidden(x)
+        if self.sub_norm is not None:
+            h = self.sub_norm(h)
+        return self.dropout(self.down_proj(h))
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation_name}"
+
+
+class GatedMLP(MLP):
+    """Gated linear unit: ``down_proj(act(gate_proj(x)) * up_proj(x))``; SwiGLU with ``silu``.
+
+    Shapes: ``(..., embed_dim)`` -> ``(..., embed_dim)``.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        hidden_dim: int,
+        *,
+        activation: str = "silu",
+        bias: bool = False,
+        dropout: float = 0.0,
+        sub_ln: bool = False,
+        norm: str = "layernorm",
+        norm_eps: float = 1e-5,
+    ) -> None:
+        super().__init__(
+            embed_dim,
+            hidden_dim,
+            activation=activation,
+            bias=bias,
+            dropout=dropout,
+            sub_ln=sub_ln,
+            norm=norm,
+            norm_eps=norm_eps,
+        )
+        self.gate_proj = nn.Linear(embed_dim, hidden_dim, bias=bias)
+
+    def hidden(self, x: Tensor) -> Tensor:
+        return self.activation(self.gate_proj(x)) * self.up_proj(x)
+
+
+def build_feed_forward(kind: str, embed_dim: int, hidden_dim: int, **kwargs) -> MLP:
+    """``"mlp"`` -> :class:`MLP`, ``"glu"`` -> :class:`GatedMLP` (keyword args as theirs)."""
+    if kind == "mlp":
+        return MLP(embed_dim, hidden_dim, **kwargs)
+    if kind == "glu":
+        return GatedMLP(embed_dim, hidden_dim, **kwargs)
+    raise ValueError(f"ffn_kind: unknown kind {kind!r}; use one of {FFN_KINDS}.")

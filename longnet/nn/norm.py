@@ -1,0 +1,41 @@
+"""Normalisation layers: LayerNorm and RMSNorm, chosen by name."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+NORM_KINDS = ("layernorm", "rmsnorm")
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm: ``weight * x / sqrt(mean(x**2) + eps)`` over the last dimension.
+
+    Computed in at least float32 (bfloat16/float16 inputs are upcast, float64 stays float64),
+    then cast back to the input dtype before the weight is applied (the Llama convention).
+
+    Shapes: ``x`` ``(..., dim)`` -> ``(..., dim)``.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = float(eps)
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        compute_dtype = torch.promote_types(x.dtype, torch.float32)
+        h = x.to(compute_dtype)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+def build_norm(kind: str, dim: int, eps: float) -> nn.Module:
+    """A norm layer over the last dimension: ``"layernorm"`` or ``"rmsnorm"``."""
+    if kind == "layernorm":
+        return nn.LayerNorm(dim, eps=eps)
+    if kind == "rmsnorm":
+        return RMSNorm(dim, eps=eps)
+    raise ValueError(f"norm: unknown kind {kind!r}; use one of {NORM_KINDS}.")

@@ -1,0 +1,203 @@
+"""Positional encodings applied with GLOBAL positions: RoPE, xPos and learned absolute.
+
+Every encoding here is a function of the global position of each token (``position_ids``),
+never of its index in the local tensor, so a shard of a sequence (sequence parallelism, or
+new tokens appended to a KV cache) is encoded exactly as the same tokens of the whole
+sequence.
+
+``position_ids`` is ``(seq,)`` (shared by the batch) or ``(batch, seq)``, integer dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from longnet.attention import DilatedPattern
+
+POSITION_ENCODINGS = ("learned", "rope", "xpos", "none")
+
+
+def check_position_ids(position_ids: Tensor, batch: int, seq: int) -> Tensor:
+    """Validate ``position_ids`` against ``(batch, seq)``; returns them unchanged."""
+    if not isinstance(position_ids, Tensor):
+        raise TypeError(
+            f"position_ids must be an integer torch.Tensor, got {type(position_ids).__name__}."
+        )
+    if position_ids.is_floating_point() or position_ids.is_complex():
+        raise TypeError(
+            f"position_ids must have an integer dtype, got {position_ids.dtype}; use torch.long."
+        )
+    shape = tuple(position_ids.shape)
+    if shape not in ((seq,), (batch, seq), (1, seq)):
+        raise ValueError(
+            f"position_ids has shape {shape}, expected ({seq},) or ({batch}, {seq}) for an "
+            f"input of batch {batch} and length {seq}."
+        )
+    return position_ids
+
+
+def _angle_dtype(device: torch.device) -> torch.dtype:
+    # Angles position * frequency are computed in float64: float32 angles are off by up to
+    # position * 2**-24 radians, which is 0.06 rad at position 1e6.  MPS has no float64.
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def rotary_inverse_frequencies(head_dim: int, theta: float, device: torch.device) -> Tensor:
+    """``1 / theta ** (2i / head_dim)`` for ``i < head_dim / 2``, rounded to float32.
+
+    The float32 rounding is the GPT-NeoX / Llama convention, kept so imported checkpoints
+    use exactly the frequencies they were trained with.
+    """
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
+    return 1.0 / (float(theta) ** exponent)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """``(x1, x2) -> (-x2, x1)`` on the two halves of the last dimension."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x`` ``(batch, seq, heads, head_dim)`` by ``cos, sin`` ``(..., seq, head_dim)``."""
+    cos = cos.unsqueeze(-2).to(x.dtype)
+    sin = sin.unsqueeze(-2).to(x.dtype)
+    return (x * cos) + (rotate_half(x) * sin)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (Su et al. 2021), split-half layout (as Llama / GPT-NeoX).
+
+    Dimension ``i`` and ``i + head_dim / 2`` of each head form a pair rotated by angle
+    ``position * inv_freq[i]``.  (The interleaved layout of other codebases is the same map
+    up to a fixed permutation of the q/k projection rows.)
+
+    Shapes: ``q`` ``(batch, seq, heads, head_dim)``, ``k`` ``(batch, seq, kv_heads, head_dim)``,
+    ``position_ids`` ``(seq,)`` or ``(batch, seq)``; returns rotated ``q, k`` of the same shapes.
+    """
+
+    def __init__(self, head_dim: int, theta: float = 10000.0) -> None:
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"rotary embedding: head_dim must be even, got {head_dim}.")
+        self.head_dim = head_dim
+        self.theta = float(theta)
+
+    def cos_sin(self, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """``cos, sin`` of shape ``(..., seq, head_dim)`` in float64 (float32 on MPS)."""
+        dtype = _angle_dtype(position_ids.device)
+        inv_freq = rotary_inverse_frequencies(self.head_dim, self.theta, position_ids.device)
+        angles = position_ids.to(dtype)[..., None] * inv_freq.to(dtype)
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos(), angles.sin()
+
+    def forward(self, q: Tensor, k: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+        cos, sin = self.cos_sin(position_ids)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, theta={self.theta}"
+
+
+class XPos(RotaryEmbedding):
+    """xPos (Sun et al. 2022, "A Length-Extrapolatable Transformer"), the LongNet paper's encoding.
+
+    RoPE plus an exponential decay: pair ``i`` of a query at position ``n`` is scaled by
+    ``zeta_i ** ((n - c) / scale_base)`` and of a key at ``m`` by ``zeta_i ** -((m - c) / scale_base)``
+    with ``zeta_i = (2i / head_dim + 0.4) / 1.4``, so the score of ``(n, m)`` is multiplied by
+    ``zeta_i ** ((n - m) / scale_base)``, a decay with distance.
+
+    The centre ``c`` only keeps the scales in floating-point range and cancels in every score
+    whose query and key share it.  The reference implementation centres on the current
+    sequence, which would make a shard's encoding depend on the shard; here
+    ``c = (p // block_size) * block_size + block_size // 2`` depends only on the global position
+    ``p``.  With ``block_size`` the largest segment length of a pattern whose segment lengths all
+    divide it, every pair of positions the dilated attention compares shares its centre, so
+    the result is exact (see :meth:`check_pattern`).  Scales reach
+    ``zeta_0 ** -(block_size / 2 / scale_base)``: about 3e17 for block 32768 and base 512,
+    fine in float32/bfloat16, not in float16 (refused with an error).
+    """
+
+    def __init__(
+        self, head_dim: int, block_size: int, theta: float = 10000.0, scale_base: float = 512.0
+    ) -> None:
+        super().__init__(head_dim, theta)
+        if block_size <= 0:
+            raise ValueError(f"xPos: block_size must be positive, got {block_size}.")
+        if scale_base <= 0:
+            raise ValueError(f"xPos: scale_base must be positive, got {scale_base}.")
+        self.block_size = int(block_size)
+        self.scale_base = float(scale_base)
+
+    def check_pattern(self, pattern: DilatedPattern) -> None:
+        """Refuse a pattern that compares positions across the centring blocks."""
+        bad = [w for w in pattern.segment_lengths if self.block_size % w]
+        if bad:
+            raise ValueError(
+                f"xPos: segment lengths {bad} do not divide the xPos block size "
+                f"{self.block_size}; use segment lengths that all divide the largest one "
+                "(e.g. powers of two) so every attended pair shares its xPos centre."
+            )
+
+    def zeta(self, device: torch.device, dtype: torch.dtype) -> Tensor:
+        """Per-pair decay base ``(head_dim / 2,)``."""
+        i = torch.arange(0, self.head_dim, 2, device=device, dtype=dtype)
+        return (i + 0.4 * self.head_dim) / (1.4 * self.head_dim)
+
+    def max_scale(self) -> float:
+        """The largest factor any q or k element is multiplied by."""
+        zeta_min = 0.4 / 1.4
+        return zeta_min ** (-(self.block_size / 2) / self.scale_base)
+
+    def scales(self, position_ids: Tensor) -> Tensor:
+        """Query scales ``(..., seq, head_dim)``; keys use the reciprocal."""
+        dtype = _angle_dtype(position_ids.device)
+        centre = (position_ids // self.block_size) * self.block_size + self.block_size // 2
+        power = (position_ids - centre).to(dtype)[..., None] / self.scale_base
+        scale = self.zeta(position_ids.device, dtype) ** power
+        return torch.cat((scale, scale), dim=-1)
+
+    def forward(self, q: Tensor, k: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+        largest = self.max_scale()
+        if largest * 1e3 > torch.finfo(q.dtype).max or math.isinf(largest):
+            raise ValueError(
+                f"xPos: block_size {self.block_size} with scale_base {self.scale_base} scales "
+                f"q/k by up to {largest:.3g}, beyond the range of {q.dtype}; run attention in "
+                "bfloat16, float32 or float64, or use a smaller largest segment."
+            )
+        cos, sin = self.cos_sin(position_ids)
+        scale = self.scales(position_ids)
+        q = apply_rotary(q, cos * scale, sin * scale)
+        k = apply_rotary(k, cos / scale, sin / scale)
+        return q, k
+
+    def extra_repr(self) -> str:
+        return (
+            f"head_dim={self.head_dim}, theta={self.theta}, scale_base={self.scale_base}, "
+            f"block_size={self.block_size}"
+        )
+
+
+class LearnedPositionalEmbedding(nn.Embedding):
+    """Learned absolute position embeddings (GPT-2), looked up by global position.
+
+    Shapes: ``position_ids`` ``(seq,)`` or ``(batch, seq)`` -> ``(..., seq, dim)``.
+    Positions at or beyond ``max_positions`` raise a ``ValueError``.
+    """
+
+    def __init__(self, max_positions: int, dim: int) -> None:
+        super().__init__(max_positions, dim)
+
+    def forward(self, position_ids: Tensor) -> Tensor:  # type: ignore[override]
+        if position_ids.numel() and (
+            int(position_ids.max()) >= self.num_embeddings or int(position_ids.min()) < 0
+        ):
+            raise ValueError(
+                f"learned position embeddings cover positions 0..{self.num_embeddings - 1}, got "
+                f"positions up to {int(position_ids.max())}; shorten the input (or the "
+                "generation) or use position_encoding='rope'/'xpos', which have no limit."
+            )
+        return super().forward(position_ids)

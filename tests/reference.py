@@ -1,0 +1,40 @@
+"""An independent dense reference for LongNet dilated attention (DESIGN.md section 3).
+
+Written from the spec with explicit loops over branches, segments and heads; it shares no code
+with ``longnet.attention``. ``out = softmax(q k^T * scale + log C) v`` where ``C[h, p, t]`` counts
+the branches that give query ``p`` the key ``t`` for head ``h``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def branch_counts(seq_len: int, num_heads: int, branches, causal: bool) -> torch.Tensor:
+    """``(heads, seq, seq)`` multiplicity ``C`` built by enumerating every segment."""
+    counts = torch.zeros(num_heads, seq_len, seq_len, dtype=torch.float64)
+    for w, r in branches:
+        for start in range(0, seq_len, w):
+            segment = torch.arange(start, min(start + w, seq_len))
+            for head in range(num_heads):
+                chosen = segment[(segment - start) % r == head % r]
+                counts[head, chosen[:, None], chosen[None, :]] += 1
+    if causal:
+        counts = counts.tril()
+    return counts
+
+
+def dense_dilated_attention(q, k, v, branches, causal: bool, scale: float | None = None):
+    """Reference ``out`` ``(batch, seq, heads, dim)`` and ``lse`` ``(batch, heads, seq)``.
+
+    Rows with no key give ``out = 0`` and ``lse = -inf``; gradients are finite everywhere.
+    """
+    _, seq_len, num_heads, head_dim = q.shape
+    scale = head_dim**-0.5 if scale is None else scale
+    counts = branch_counts(seq_len, num_heads, branches, causal).to(q.device)
+    scores = torch.einsum("bphd,bthd->bhpt", q, k) * scale + counts.clamp(min=1).log()
+    scores = scores.masked_fill(counts == 0, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    finite_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    probs = torch.exp(scores - finite_lse[..., None])
+    return torch.einsum("bhpt,bthd->bphd", probs, v), lse
