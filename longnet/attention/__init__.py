@@ -1,6 +1,7 @@
-"""Exact LongNet dilated attention: the pattern, the block kernels and the public function."""
+"""Exact LongNet dilated attention on one device or across a sequence-parallel group."""
 
 from longnet.attention.dilated import dilated_attention
 from longnet.attention.pattern import DilatedPattern
+from longnet.attention.ring import padded_length
 
-__all__ = ["DilatedPattern", "dilated_attention"]
+__all__ = ["DilatedPattern", "dilated_attention", "padded_length"]

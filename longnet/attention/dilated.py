@@ -1,129 +1,132 @@
-"""Exact LongNet dilated attention on one device (DESIGN.md section 3).
+"""Exact LongNet dilated attention on one device or a sequence-parallel group (DESIGN §3-4).
 
-Forward: for every branch, gather each block shape's selected rows into dense blocks, run a
-block kernel returning ``(out, lse)`` and merge it into a running result by log-sum-exp. The
-result is one softmax over the multiset union of all branches' keys.
+Forward: every branch's selected rows are gathered into dense blocks, a block kernel returns
+``(out, lse)`` and each block is merged into a running result by log-sum-exp: one softmax over
+the multiset union of all branches' keys. Branches whose segments span ranks run as ring (or
+all-gather) exchanges of the selected K/V rows (``ring``).
 
-Backward: every block's kernel backward runs with the global merged ``out`` and ``lse`` (the
+Backward: each block's kernel backward runs with the GLOBAL merged ``out`` and ``lse`` (the
 flash-attention identity), which is exactly that block's share of the gradient of the mixture.
-Only ``q, k, v, out, lse`` are saved; blocks are processed in chunks of whole segments so no
-per-branch full-size buffer ever exists.
+Only ``q, k, v, out, lse`` are saved.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 from einops import rearrange
 from torch import Tensor
 
-from longnet.attention.kernels import accumulation_dtype, math_backward, select_kernels
-from longnet.attention.layout import BlockGroup, branch_groups, gather, scatter_
-from longnet.attention.merge import lse_merge
+from longnet.attention.blocks import accumulators, attend_local_, attend_local_backward_
+from longnet.attention.layout import BlockGroup, branch_groups
 from longnet.attention.pattern import DilatedPattern
-
-CHUNK_ELEMENTS = 2**24
-"""Upper bound on the elements of one gathered tensor (bounds the working memory)."""
+from longnet.attention.ring import (
+    TRANSPORTS,
+    RingBranch,
+    check_same_call_everywhere,
+    plan_sequence_parallel,
+)
 
 
 def block_groups(pattern: DilatedPattern, seq_len: int, num_heads: int) -> list[BlockGroup]:
     """All block groups of all branches of ``pattern`` over ``seq_len`` tokens."""
-    return [group for w, r in pattern.branches for group in branch_groups(seq_len, num_heads, w, r)]
-
-
-def _chunks(groups: Sequence[BlockGroup], batch: int, head_dim: int) -> Iterator[BlockGroup]:
-    for group in groups:
-        yield from group.chunks(CHUNK_ELEMENTS, batch * head_dim)
-
-
-def dilated_forward(
-    q: Tensor, k: Tensor, v: Tensor, groups: Sequence[BlockGroup], causal: bool, scale: float
-) -> tuple[Tensor, Tensor]:
-    """Merged attention of all ``groups``.
-
-    Args:
-        q, k, v: ``(batch, seq, heads, dim)``.
-    Returns:
-        ``out`` ``(batch, seq, heads, dim)`` and ``lse`` ``(batch, seq, heads, 1)``, both in the
-        accumulation dtype; rows no block covers have ``out = 0`` and ``lse = -inf``.
-    """
-    batch, seq_len, heads, dim = q.shape
-    acc = accumulation_dtype(q.dtype)
-    out = q.new_zeros(batch, seq_len, heads, dim, dtype=acc)
-    lse = q.new_full((batch, seq_len, heads, 1), float("-inf"), dtype=acc)
-    forward, _ = select_kernels(q.device, q.dtype)
-    for chunk in _chunks(groups, batch, dim):
-        block_out, block_lse = forward(
-            gather(q, chunk), gather(k, chunk), gather(v, chunk), causal, scale
-        )
-        merged_out, merged_lse = lse_merge(
-            gather(out, chunk), gather(lse, chunk)[..., 0], block_out, block_lse
-        )
-        scatter_(out, chunk, merged_out)
-        scatter_(lse, chunk, merged_lse[..., None])
-    return out, lse
-
-
-def dilated_backward(
-    d_out: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    groups: Sequence[BlockGroup],
-    causal: bool,
-    scale: float,
-    d_lse: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Exact gradients of :func:`dilated_forward`.
-
-    Args:
-        d_out, q, k, v, out: ``(batch, seq, heads, dim)``; ``out`` is the merged output.
-        lse: ``(batch, seq, heads, 1)`` merged log-sum-exp; ``d_lse`` its upstream gradient.
-    Returns:
-        ``dq, dk, dv`` ``(batch, seq, heads, dim)`` in the accumulation dtype.
-    """
-    batch, _, _, dim = q.shape
-    acc = accumulation_dtype(q.dtype)
-    grads = [torch.zeros(q.shape, dtype=acc, device=q.device) for _ in range(3)]
-    _, backward = select_kernels(q.device, q.dtype)
-    for chunk in _chunks(groups, batch, dim):
-        blocks = [gather(t, chunk) for t in (d_out, q, k, v, out)]
-        block_lse = gather(lse, chunk)[..., 0].contiguous()
-        if d_lse is None:
-            block_grads = backward(*blocks, block_lse, causal, scale)
-        else:  # a gradient into lse shifts delta; only the math kernel takes delta directly
-            d_out_b, out_b = blocks[0], blocks[4]
-            delta = (d_out_b.to(acc) * out_b.to(acc)).sum(-1) - gather(d_lse, chunk)[..., 0]
-            block_grads = math_backward(*blocks, block_lse, causal, scale, delta=delta)
-        for grad, block_grad in zip(grads, block_grads):
-            scatter_(grad, chunk, block_grad, accumulate=True)
-    return tuple(grads)
+    return [g for w, r in pattern.branches for g in branch_groups(seq_len, num_heads, w, r)]
 
 
 class _DilatedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, groups, causal, scale):
-        out, lse = dilated_forward(q, k, v, groups, causal, scale)
+    def forward(
+        ctx, q, k, v, local: list[BlockGroup], rings: list[RingBranch], causal, scale, group
+    ):
+        out, lse = accumulators(q)
+        attend_local_(out, lse, q, k, v, local, causal, scale)
+        for ring in rings:
+            ring.forward_(out, lse, q, k, v, causal, scale, group)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.groups, ctx.causal, ctx.scale = groups, causal, scale
+        ctx.plan = (local, rings, causal, scale, group)
         ctx.set_materialize_grads(False)
         return out, rearrange(lse, "b n h 1 -> b h n").contiguous()
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
         q, k, v, out, lse = ctx.saved_tensors
+        local, rings, causal, scale, group = ctx.plan
         if d_out is None:
             d_out = torch.zeros_like(out)
         if d_lse is not None:
             d_lse = rearrange(d_lse, "b h n -> b n h 1").to(lse.dtype)
-        d_q, d_k, d_v = dilated_backward(
-            d_out, q, k, v, out, lse, ctx.groups, ctx.causal, ctx.scale, d_lse
+        grads = [torch.zeros(q.shape, dtype=lse.dtype, device=q.device) for _ in range(3)]
+        attend_local_backward_(grads, d_out, q, k, v, out, lse, d_lse, local, causal, scale)
+        for ring in rings:
+            ring.backward_(grads, d_out, q, k, v, out, lse, d_lse, causal, scale, group)
+        d_q, d_k, d_v = (grad.to(q.dtype) for grad in grads)
+        return d_q, d_k, d_v, None, None, None, None, None
+
+
+def dilated_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pattern: DilatedPattern | Sequence[tuple[int, int]],
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    group: dist.ProcessGroup | None = None,
+    return_lse: bool = False,
+    transport: str | Sequence[str] = "ring",
+) -> Tensor | tuple[Tensor, Tensor]:
+    """LongNet dilated attention, exact in forward and backward.
+
+    Args:
+        q, k, v: ``(batch, seq, heads, head_dim)``, same shape, dtype and device.
+        pattern: a :class:`DilatedPattern` or ``[(segment_length, dilation_rate), ...]``.
+        causal: queries see only keys at positions ``<=`` their own.
+        scale: score scale, default ``head_dim ** -0.5``.
+        group: sequence-parallel process group of ``P`` ranks. ``q, k, v`` are then this rank's
+            contiguous shard (group-rank order, equal lengths ``L = N / P``) and the result is this
+            rank's shard of the single-device result. Every segment length (capped at ``N``)
+            must divide ``L`` or be a multiple of it (see ``padded_length``).
+        return_lse: also return the log-sum-exp of the scores.
+        transport: how branches spanning several ranks move K/V: ``"ring"`` or ``"allgather"``,
+            one for all branches or one per branch.
+    Returns:
+        ``out`` ``(batch, seq, heads, head_dim)`` in the input dtype, and with ``return_lse``
+        ``lse`` ``(batch, heads, seq)`` in float32 (float64 for float64 inputs). Queries that no
+        branch covers get ``out = 0`` and ``lse = -inf``.
+    """
+    _check_inputs(q, k, v, scale)
+    pattern = DilatedPattern.coerce(pattern)
+    scale = float(scale) if scale is not None else q.shape[-1] ** -0.5
+    transports = _check_transport(transport, len(pattern.branches))
+    batch, seq_len, heads, dim = q.shape
+    world = 1 if group is None else dist.get_world_size(group)
+    if world == 1:
+        local, rings = block_groups(pattern, seq_len, heads), []
+    else:
+        check_same_call_everywhere(
+            f"shape={tuple(q.shape)} dtype={q.dtype} pattern={pattern.branches} causal={causal} "
+            f"scale={scale} transport={transports}",
+            group,
+            q.device,
         )
-        return d_q.to(q.dtype), d_k.to(k.dtype), d_v.to(v.dtype), None, None, None
+        local, rings = plan_sequence_parallel(
+            pattern, seq_len, world, dist.get_rank(group), heads, transports
+        )
+    out, lse = _DilatedAttention.apply(q, k, v, local, rings, bool(causal), scale, group)
+    return (out, lse) if return_lse else out
+
+
+def _check_transport(transport: str | Sequence[str], num_branches: int) -> tuple[str, ...]:
+    transports = (transport,) * num_branches if isinstance(transport, str) else tuple(transport)
+    if len(transports) != num_branches or any(t not in TRANSPORTS for t in transports):
+        raise ValueError(
+            f"dilated_attention: transport must be one of {TRANSPORTS} or a list of them, one "
+            f"per branch ({num_branches}), got {transport!r}."
+        )
+    return transports
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> None:
@@ -158,48 +161,10 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> None:
             f"dilated_attention: q, k, v are on different devices ({q.device}, {k.device}, "
             f"{v.device}); move them to one device."
         )
-    if q.shape[1] == 0 or q.shape[0] == 0 or q.shape[2] == 0 or q.shape[3] == 0:
+    if 0 in q.shape:
         raise ValueError(
             f"dilated_attention: q has an empty dimension, shape {tuple(q.shape)}; every "
             "dimension (batch, seq, heads, head_dim) must be at least 1."
         )
     if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
         raise ValueError(f"dilated_attention: scale must be a positive number, got {scale!r}.")
-
-
-def dilated_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    pattern: DilatedPattern | Sequence[tuple[int, int]],
-    *,
-    causal: bool = False,
-    scale: float | None = None,
-    group: torch.distributed.ProcessGroup | None = None,
-    return_lse: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """LongNet dilated attention, exact in forward and backward.
-
-    Args:
-        q, k, v: ``(batch, seq, heads, head_dim)``, same shape, dtype and device.
-        pattern: a :class:`DilatedPattern` or ``[(segment_length, dilation_rate), ...]``.
-        causal: queries see only keys at positions ``<=`` their own.
-        scale: score scale, default ``head_dim ** -0.5``.
-        group: sequence-parallel process group; ``q, k, v`` are then this rank's contiguous
-            shard and the result is this rank's shard of the single-device result.
-        return_lse: also return the log-sum-exp of the scores.
-    Returns:
-        ``out`` ``(batch, seq, heads, head_dim)`` in the input dtype, and with ``return_lse``
-        ``lse`` ``(batch, heads, seq)`` in float32 (float64 for float64 inputs). Queries that no
-        branch covers get ``out = 0`` and ``lse = -inf``.
-    """
-    _check_inputs(q, k, v, scale)
-    pattern = DilatedPattern.coerce(pattern)
-    scale = float(scale) if scale is not None else q.shape[-1] ** -0.5
-    if group is not None and torch.distributed.get_world_size(group) > 1:
-        raise NotImplementedError(
-            "dilated_attention: sequence-parallel groups are not supported yet."
-        )
-    groups = block_groups(pattern, q.shape[1], q.shape[2])
-    out, lse = _DilatedAttention.apply(q, k, v, groups, bool(causal), scale)
-    return (out, lse) if return_lse else out

@@ -8,7 +8,7 @@ one batched kernel call on tensors of layout ``(batch * segments, heads, rows, d
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -44,25 +44,46 @@ class BlockGroup:
             yield replace(self, start=self.start + first * self.segment_length, num_segments=count)
 
 
+def region_groups(
+    start: int, length: int, count: int, num_heads: int, rate: int, shift: int = 0
+) -> list[BlockGroup]:
+    """Block groups of ``count`` regions of ``length`` tokens from ``start``.
+
+    ``shift`` is the distance from the enclosing segment's start to the region's start (non-zero
+    when a sequence shard begins inside a segment): head ``h`` then selects the region rows
+    ``r`` with ``(r + shift) % rate == h % rate``.
+    """
+    by_rows: dict[int, list[tuple[int, int]]] = {}
+    for head in range(num_heads):
+        offset = (head - shift) % rate
+        rows = -(-(length - offset) // rate)
+        if rows > 0:
+            by_rows.setdefault(rows, []).append((head, offset))
+    groups = []
+    for rows, members in by_rows.items():
+        heads, offsets = zip(*members)
+        groups.append(BlockGroup(start, length, count, rate, heads, offsets, rows))
+    return groups
+
+
 def branch_groups(seq_len: int, num_heads: int, segment_length: int, rate: int) -> list[BlockGroup]:
     """The block groups of branch ``(segment_length, rate)`` over ``seq_len`` tokens."""
     full = seq_len // segment_length
-    regions = [(0, segment_length, full)] if full else []
+    groups = region_groups(0, segment_length, full, num_heads, rate) if full else []
     tail = seq_len - full * segment_length
     if tail:
-        regions.append((full * segment_length, tail, 1))
-    groups = []
-    for start, length, count in regions:
-        by_rows: dict[int, list[tuple[int, int]]] = {}
-        for head in range(num_heads):
-            offset = head % rate
-            rows = -(-(length - offset) // rate)
-            if rows > 0:
-                by_rows.setdefault(rows, []).append((head, offset))
-        for rows, members in by_rows.items():
-            heads, offsets = zip(*members)
-            groups.append(BlockGroup(start, length, count, rate, heads, offsets, rows))
+        groups += region_groups(full * segment_length, tail, 1, num_heads, rate)
     return groups
+
+
+def restrict(group: BlockGroup, heads: Sequence[int]) -> BlockGroup:
+    """``group`` limited to ``heads`` (a subset of its heads)."""
+    keep = [i for i, head in enumerate(group.heads) if head in heads]
+    return replace(
+        group,
+        heads=tuple(group.heads[i] for i in keep),
+        offsets=tuple(group.offsets[i] for i in keep),
+    )
 
 
 def _segments(x: Tensor, group: BlockGroup) -> Tensor:

@@ -1,0 +1,350 @@
+"""Sequence-parallel dilated attention: queries stay local, selected K/V rows travel (DESIGN §4).
+
+A group of ``P`` ranks holds contiguous shards of ``L = N / P`` tokens. A branch whose segment
+length ``w`` divides ``L`` is local (no communication). A branch with ``w`` a multiple of ``L``
+has segments spanning ``g = w / L`` consecutive ranks (its segment group); only the dilated rows
+of K and V travel, only among those ranks:
+
+- ``ring``: the packed K/V block rotates around the sub-ring with one batched send/recv per
+  hop; the next hop is posted before the current block is computed. In the backward, the dK/dV
+  accumulator travels with its block and arrives home after the full loop.
+- ``allgather``: LongNet's scheme: every rank receives every block of its segment group at once;
+  the backward sends each block's dK/dV partial sums straight to the block's owner.
+
+Dilation offsets may drift from rank to rank (when ``r`` does not divide ``L``): every rank
+knows every member's selected rows from the global geometry, so this is handled exactly.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from longnet.attention.blocks import block_backward, merge_into_, query_side
+from longnet.attention.kernels import select_kernels
+from longnet.attention.layout import (
+    BlockGroup,
+    branch_groups,
+    gather,
+    region_groups,
+    restrict,
+    scatter_,
+)
+from longnet.attention.pattern import DilatedPattern
+
+TRANSPORTS = ("ring", "allgather")
+
+
+def _branch_fits(segment_length: int, shard_len: int) -> bool:
+    return shard_len % segment_length == 0 or segment_length % shard_len == 0
+
+
+def padded_length(
+    seq_len: int, pattern: DilatedPattern | Sequence[tuple[int, int]], world_size: int
+) -> int:
+    """The smallest length ``>= seq_len`` that ``world_size`` ranks can run ``pattern`` on.
+
+    Every branch's segment length (capped at the sequence length) must divide the shard length
+    ``L = length / world_size`` or be a multiple of it. Padding at the end is exact for causal
+    attention (no real query sees a later token); for bidirectional attention pad tokens are keys.
+    """
+    pattern = DilatedPattern.coerce(pattern)
+    if seq_len < 1 or world_size < 1:
+        raise ValueError(
+            f"padded_length: need seq_len >= 1 and world_size >= 1, got {seq_len}, {world_size}."
+        )
+    shard_len = -(-seq_len // world_size)
+    while not all(
+        _branch_fits(min(w, shard_len * world_size), shard_len) for w in pattern.segment_lengths
+    ):
+        shard_len += 1
+    return shard_len * world_size
+
+
+@dataclass(frozen=True)
+class RingBranch:
+    """One branch whose segments span several ranks, as seen from one rank.
+
+    ``members`` are the group ranks of this rank's segment group in sequence order, ``index``
+    this rank's place among them, ``member_groups[m]`` the rows member ``m`` selects (shard
+    coordinates; a few head groups when dilation offsets drift).
+    """
+
+    members: tuple[int, ...]
+    index: int
+    member_groups: tuple[tuple[BlockGroup, ...], ...]
+    transport: str
+    label: str
+
+    @property
+    def rows_max(self) -> int:
+        return max(group.rows for groups in self.member_groups for group in groups)
+
+    def pairs(self, source: int):
+        """``(query group, key group, heads)`` for the block of keys from member ``source``."""
+        for query_group in self.member_groups[self.index]:
+            for key_group in self.member_groups[source]:
+                heads = tuple(sorted(set(query_group.heads) & set(key_group.heads)))
+                if heads:
+                    yield restrict(query_group, heads), key_group.rows, heads
+
+    def skipped(self, source: int, causal: bool) -> bool:
+        """Causal: keys of later ranks are all in the future."""
+        return causal and source > self.index
+
+    def pack(self, k: Tensor, v: Tensor) -> Tensor:
+        """This rank's selected K and V rows as one ``(2, batch, heads, rows_max, dim)`` message."""
+        batch, _, heads, dim = k.shape
+        packed = k.new_zeros(2, batch, heads, self.rows_max, dim)
+        for group in self.member_groups[self.index]:
+            index = torch.tensor(group.heads, device=k.device)
+            packed[0][:, index, : group.rows] = gather(k, group)
+            packed[1][:, index, : group.rows] = gather(v, group)
+        return packed
+
+    def unpack_add_(self, d_k: Tensor, d_v: Tensor, packed: Tensor) -> None:
+        """Add a ``pack``-shaped gradient of this rank's rows into ``d_k``/``d_v`` (in place)."""
+        for group in self.member_groups[self.index]:
+            index = torch.tensor(group.heads, device=d_k.device)
+            scatter_(d_k, group, packed[0][:, index, : group.rows], accumulate=True)
+            scatter_(d_v, group, packed[1][:, index, : group.rows], accumulate=True)
+
+    # -- forward ---------------------------------------------------------------------------
+
+    def forward_(self, out, lse, q, k, v, causal: bool, scale: float, group) -> None:
+        """Merge the attention of this branch into ``out``/``lse`` (sequence layout, in place)."""
+        peers = _Peers(group, self, "forward")
+        kv = self.pack(k, v)
+        if self.transport == "allgather":
+            blocks = peers.all_gather(kv)
+            for source, block in enumerate(blocks):
+                if not self.skipped(source, causal):
+                    self._attend(out, lse, q, block, source, causal, scale)
+            return
+        size = len(self.members)
+        for hop in range(size):
+            source = (self.index - hop) % size
+            incoming = peers.shift(kv, hop) if hop + 1 < size else None
+            if not self.skipped(source, causal):
+                self._attend(out, lse, q, kv, source, causal, scale)
+            if incoming is not None:
+                kv = incoming()
+
+    def _attend(self, out, lse, q, kv, source: int, causal: bool, scale: float) -> None:
+        forward, _ = select_kernels(q.device, q.dtype)
+        diagonal = causal and source == self.index
+        for query_group, rows, heads in self.pairs(source):
+            index = torch.tensor(heads, device=q.device)
+            block_out, block_lse = forward(
+                gather(q, query_group),
+                kv[0][:, index, :rows],
+                kv[1][:, index, :rows],
+                diagonal,
+                scale,
+            )
+            merge_into_(out, lse, query_group, block_out, block_lse)
+
+    # -- backward --------------------------------------------------------------------------
+
+    def backward_(
+        self, grads, d_out, q, k, v, out, lse, d_lse, causal: bool, scale: float, group
+    ) -> None:
+        """Add this branch's gradients into ``grads = (dq, dk, dv)`` (sequence layout, in place)."""
+        peers = _Peers(group, self, "backward")
+        kv = self.pack(k, v)
+        size = len(self.members)
+        if self.transport == "allgather":
+            blocks = peers.all_gather(kv)
+            partials = [None] * size
+            for source, block in enumerate(blocks):
+                if not self.skipped(source, causal):
+                    partials[source] = torch.zeros_like(kv, dtype=grads[0].dtype)
+                    self._attend_backward(
+                        grads[0],
+                        partials[source],
+                        d_out,
+                        q,
+                        out,
+                        lse,
+                        d_lse,
+                        block,
+                        source,
+                        causal,
+                        scale,
+                    )
+            own = peers.reduce_to_owners(partials, causal)
+        else:
+            own = torch.zeros_like(kv, dtype=grads[0].dtype)
+            for hop in range(size):
+                source = (self.index - hop) % size
+                incoming = peers.shift(kv, hop) if hop + 1 < size else None
+                if not self.skipped(source, causal):
+                    self._attend_backward(
+                        grads[0], own, d_out, q, out, lse, d_lse, kv, source, causal, scale
+                    )
+                own = peers.shift(own, hop, tag=1)()  # the accumulator travels with its block
+                if incoming is not None:
+                    kv = incoming()
+        self.unpack_add_(grads[1], grads[2], own)
+
+    def _attend_backward(
+        self, d_q, d_kv, d_out, q, out, lse, d_lse, kv, source, causal, scale
+    ) -> None:
+        diagonal = causal and source == self.index
+        for query_group, rows, heads in self.pairs(source):
+            index = torch.tensor(heads, device=q.device)
+            d_out_b, q_b, out_b, lse_b, d_lse_b = query_side(d_out, q, out, lse, d_lse, query_group)
+            d_q_b, d_k_b, d_v_b = block_backward(
+                d_out_b,
+                q_b,
+                kv[0][:, index, :rows],
+                kv[1][:, index, :rows],
+                out_b,
+                lse_b,
+                d_lse_b,
+                diagonal,
+                scale,
+            )
+            scatter_(d_q, query_group, d_q_b, accumulate=True)
+            d_kv[0][:, index, :rows] += d_k_b
+            d_kv[1][:, index, :rows] += d_v_b
+
+
+class _Peers:
+    """Batched point-to-point exchanges among the members of one segment group."""
+
+    def __init__(self, group, branch: RingBranch, phase: str) -> None:
+        group_ranks = dist.get_process_group_ranks(group)
+        self.group = group
+        self.branch = branch
+        self.ranks = [group_ranks[member] for member in branch.members]
+        self.where = f"rank {dist.get_rank()} ({branch.label}, {phase})"
+
+    def _run(self, ops: list[dist.P2POp], step: str) -> None:
+        try:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        except Exception as error:  # a dead or mismatched peer: say who and where
+            raise RuntimeError(
+                f"dilated_attention: {self.where} failed at {step}: {error}"
+            ) from error
+
+    def shift(self, tensor: Tensor, hop: int, tag: int = 0) -> Callable[[], Tensor]:
+        """Post: send ``tensor`` to the next member, receive the previous member's; returns a
+        function that waits and gives the received tensor."""
+        size = len(self.ranks)
+        if size == 1:
+            return lambda: tensor
+        index = self.branch.index
+        received = torch.empty_like(tensor)
+        ops = [
+            dist.P2POp(
+                dist.isend, tensor.contiguous(), self.ranks[(index + 1) % size], self.group, tag
+            ),
+            dist.P2POp(dist.irecv, received, self.ranks[(index - 1) % size], self.group, tag),
+        ]
+        works = dist.batch_isend_irecv(ops)
+
+        def wait() -> Tensor:
+            try:
+                for work in works:
+                    work.wait()
+            except Exception as error:
+                raise RuntimeError(
+                    f"dilated_attention: {self.where} failed at hop {hop}: {error}"
+                ) from error
+            return received
+
+        return wait
+
+    def all_gather(self, tensor: Tensor) -> list[Tensor]:
+        """Every member's ``tensor`` (same shape everywhere), in member order."""
+        blocks = [
+            tensor if m == self.branch.index else torch.empty_like(tensor)
+            for m in range(len(self.ranks))
+        ]
+        ops = []
+        for member, rank in enumerate(self.ranks):
+            if member != self.branch.index:
+                ops.append(dist.P2POp(dist.isend, tensor.contiguous(), rank, self.group))
+                ops.append(dist.P2POp(dist.irecv, blocks[member], rank, self.group))
+        if ops:
+            self._run(ops, "all-gather")
+        return blocks
+
+    def reduce_to_owners(self, partials: list[Tensor | None], causal: bool) -> Tensor:
+        """Send ``partials[m]`` to member ``m``; return the sum of the partials for this rank's
+        block (causal: member ``i`` has a partial for ``m`` only when ``m <= i``)."""
+        me = self.branch.index
+        total = partials[me].clone()
+        received, ops = [], []
+        for member, rank in enumerate(self.ranks):
+            if member == me:
+                continue
+            if partials[member] is not None:
+                ops.append(dist.P2POp(dist.isend, partials[member], rank, self.group))
+            if not (causal and me > member):
+                buffer = torch.empty_like(total)
+                received.append(buffer)
+                ops.append(dist.P2POp(dist.irecv, buffer, rank, self.group))
+        if ops:
+            self._run(ops, "reduce")
+        for buffer in received:
+            total += buffer
+        return total
+
+
+def plan_sequence_parallel(
+    pattern: DilatedPattern,
+    shard_len: int,
+    world_size: int,
+    rank: int,
+    num_heads: int,
+    transports: Sequence[str],
+) -> tuple[list[BlockGroup], list[RingBranch]]:
+    """Split ``pattern`` into local block groups and ring branches for group rank ``rank``."""
+    seq_len = shard_len * world_size
+    local: list[BlockGroup] = []
+    rings: list[RingBranch] = []
+    for (w, r), transport in zip(pattern.branches, transports):
+        segment = min(w, seq_len)
+        if not _branch_fits(segment, shard_len):
+            raise ValueError(
+                f"dilated_attention: branch (w={w}, r={r}) cannot be split over {world_size} "
+                "ranks: "
+                f"its segment length {segment} neither divides nor is a multiple of the shard "
+                f"length {shard_len}. Pad the sequence to "
+                f"longnet.attention.padded_length({seq_len}, pattern, {world_size}) = "
+                f"{padded_length(seq_len, pattern, world_size)} tokens, or change the pattern."
+            )
+        if segment <= shard_len:
+            local += branch_groups(shard_len, num_heads, segment, r)
+            continue
+        start = rank * shard_len // segment * segment
+        members = tuple(range(start // shard_len, min(start + segment, seq_len) // shard_len))
+        member_groups = tuple(
+            tuple(region_groups(0, shard_len, 1, num_heads, r, shift=m * shard_len - start))
+            for m in members
+        )
+        rings.append(
+            RingBranch(members, rank - members[0], member_groups, transport, f"branch w={w} r={r}")
+        )
+    return local, rings
+
+
+def check_same_call_everywhere(signature: str, group, device: torch.device) -> None:
+    """Raise on every rank if any rank of ``group`` called with a different ``signature``."""
+    code = zlib.crc32(signature.encode())
+    both = torch.tensor([code, -code], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    if both[0].item() != code or -both[1].item() != code:
+        raise ValueError(
+            f"dilated_attention: rank {dist.get_rank(group)} of the sequence-parallel group was "
+            f"called with ({signature}) but another rank passed different shapes, dtype, pattern "
+            "or options; every rank must pass equal-length shards and the same arguments."
+        )

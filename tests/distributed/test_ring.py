@@ -1,0 +1,22 @@
+"""Sequence-parallel dilated attention equals the single-device result on every rank."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed.launcher import run_workers
+from tests.distributed.ring_cases import check_ring_cases
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_ring_matches_single_device_and_reference(world_size):
+    failures = run_workers(check_ring_cases, world_size, timeout=600)
+    assert not any(failures), "\n".join(f for rank_failures in failures for f in rank_failures)
+
+
+@pytest.mark.slow
+def test_ring_matches_single_device_and_reference_world_8():
+    failures = run_workers(check_ring_cases, 8, timeout=1200)
+    assert not any(failures), "\n".join(f for rank_failures in failures for f in rank_failures)
