@@ -106,8 +106,9 @@ class XPos(RotaryEmbedding):
     """xPos (Sun et al. 2022, "A Length-Extrapolatable Transformer"), the LongNet paper's encoding.
 
     RoPE plus an exponential decay: pair ``i`` of a query at position ``n`` is scaled by
-    ``zeta_i ** ((n - c) / scale_base)`` and of a key at ``m`` by ``zeta_i ** -((m - c) / scale_base)``
-    with ``zeta_i = (2i / head_dim + 0.4) / 1.4``, so the score of ``(n, m)`` is multiplied by
+    ``zeta_i ** ((n - c) / scale_base)`` and of a key at ``m`` by
+    ``zeta_i ** -((m - c) / scale_base)`` with ``zeta_i = (2i / head_dim + 0.4) / 1.4``, so
+    the score of ``(n, m)`` is multiplied by
     ``zeta_i ** ((n - m) / scale_base)``, a decay with distance.
 
     The centre ``c`` only keeps the scales in floating-point range and cancels in every score
@@ -201,3 +202,22 @@ class LearnedPositionalEmbedding(nn.Embedding):
                 "generation) or use position_encoding='rope'/'xpos', which have no limit."
             )
         return super().forward(position_ids)
+
+
+def default_position_ids(
+    seq_len: int,
+    device: torch.device,
+    *,
+    offset: int = 0,
+    group: torch.distributed.ProcessGroup | None = None,
+) -> Tensor:
+    """Global positions ``(seq_len,)`` of a local input when none are given.
+
+    Without a group: ``offset .. offset + seq_len - 1``.  With a sequence-parallel group the
+    input is taken to be this rank's contiguous shard of a sequence split into equal shards in
+    group-rank order, so positions start at ``offset + rank * seq_len``; pass ``position_ids``
+    explicitly for anything else.
+    """
+    if group is not None and torch.distributed.get_world_size(group) > 1:
+        offset = offset + torch.distributed.get_rank(group) * seq_len
+    return torch.arange(offset, offset + seq_len, device=device)

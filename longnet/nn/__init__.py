@@ -1,0 +1,47 @@
+"""Building blocks of LongNet models: attention, positional encodings, FFNs, norms, blocks.
+
+All modules take activations as ``(batch, seq, embed_dim)`` and global ``position_ids``
+(``(seq,)`` or ``(batch, seq)``); attention and blocks take the sequence-parallel ``group``.
+"""
+
+from longnet.nn.attention import (
+    KVCache,
+    LayerKVCache,
+    MultiheadDilatedAttention,
+    multiplicity_attention,
+)
+from longnet.nn.block import TransformerBlock
+from longnet.nn.feedforward import ACTIVATIONS, FFN_KINDS, MLP, GatedMLP, build_feed_forward
+from longnet.nn.norm import NORM_KINDS, RMSNorm, build_norm
+from longnet.nn.positional import (
+    POSITION_ENCODINGS,
+    LearnedPositionalEmbedding,
+    RotaryEmbedding,
+    XPos,
+    apply_rotary,
+    default_position_ids,
+    rotate_half,
+)
+
+__all__ = [
+    "ACTIVATIONS",
+    "FFN_KINDS",
+    "MLP",
+    "NORM_KINDS",
+    "POSITION_ENCODINGS",
+    "GatedMLP",
+    "KVCache",
+    "LayerKVCache",
+    "LearnedPositionalEmbedding",
+    "MultiheadDilatedAttention",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "TransformerBlock",
+    "XPos",
+    "apply_rotary",
+    "build_feed_forward",
+    "build_norm",
+    "default_position_ids",
+    "multiplicity_attention",
+    "rotate_half",
+]

@@ -1,0 +1,295 @@
+"""Multi-head dilated attention: projections, positional encoding, the dilated core, KV cache."""
+
+from __future__ import annotations
+
+import torch
+from einops import rearrange, repeat
+from torch import Tensor, nn
+
+from longnet.attention import DilatedPattern, dilated_attention
+from longnet.nn.norm import build_norm
+from longnet.nn.positional import XPos, check_position_ids, default_position_ids
+
+
+class LayerKVCache:
+    """Keys and values one attention layer has produced, for incremental causal decoding.
+
+    Holds ``key``/``value`` ``(batch, length, kv_heads, head_dim)`` (after the positional
+    encoding, before grouped heads are expanded) for the global positions
+    ``start .. end - 1``.  Keys that no future query can attend to (before the start of the
+    segment, in every branch, of the next position) are dropped, so the cache holds at most
+    about one largest segment.
+    """
+
+    def __init__(self) -> None:
+        self.key: Tensor | None = None
+        self.value: Tensor | None = None
+        self.start = 0
+        self.end = 0
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def append(self, key: Tensor, value: Tensor) -> None:
+        """Add the keys/values of positions ``end .. end + key.shape[1] - 1``."""
+        if self.key is None:
+            self.key, self.value = key, value
+        else:
+            self.key = torch.cat((self.key, key), dim=1)
+            self.value = torch.cat((self.value, value), dim=1)
+        self.end += key.shape[1]
+
+    def trim(self, keep_from: int) -> None:
+        """Drop the entries before global position ``keep_from``."""
+        drop = keep_from - self.start
+        if drop <= 0 or self.key is None:
+            return
+        self.key = self.key[:, drop:].clone()
+        self.value = self.value[:, drop:].clone()
+        self.start = keep_from
+
+    def window(self, from_position: int) -> tuple[Tensor, Tensor]:
+        """Cached keys/values of positions ``from_position .. end - 1``."""
+        assert self.key is not None and self.value is not None
+        offset = from_position - self.start
+        if offset < 0:
+            raise RuntimeError(
+                f"KV cache: position {from_position} was already dropped (cache starts at "
+                f"{self.start}); this is a bug, please report it."
+            )
+        return self.key[:, offset:], self.value[:, offset:]
+
+
+class KVCache:
+    """One :class:`LayerKVCache` per layer; ``next_position`` is the next global position."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.layers = [LayerKVCache() for _ in range(num_layers)]
+
+    @property
+    def next_position(self) -> int:
+        return self.layers[0].end if self.layers else 0
+
+    def __getitem__(self, index: int) -> LayerKVCache:
+        return self.layers[index]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+
+def multiplicity_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    query_positions: Tensor,
+    key_positions: Tensor,
+    pattern: DilatedPattern,
+    *,
+    causal: bool,
+    scale: float,
+) -> Tensor:
+    """Dilated attention of queries at known global positions, written out explicitly.
+
+    ``softmax(q k^T * scale + log C) v`` with ``C = pattern.key_multiplicity(...)`` (the
+    definition in DESIGN.md section 3); a query with no key outputs 0.  Costs
+    ``O(q * k)``: meant for the few new queries of a decoding step against a window of cached
+    keys.
+
+    Shapes: ``q`` ``(batch, q, heads, head_dim)``, ``k, v`` ``(batch, k, heads, head_dim)``,
+    positions ``(q,)`` and ``(k,)``; returns ``(batch, q, heads, head_dim)``.
+    """
+    compute = torch.promote_types(q.dtype, torch.float32)
+    counts = pattern.key_multiplicity(query_positions, key_positions, q.shape[2], causal)
+    bias = counts.to(compute).log()  # log 0 = -inf
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.to(compute), k.to(compute)) * scale + bias
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    weights = torch.exp(scores - lse.nan_to_num(neginf=0.0))  # rows without keys: all zeros
+    out = torch.einsum("bhqk,bkhd->bqhd", weights, v.to(compute))
+    return out.to(q.dtype)
+
+
+class MultiheadDilatedAttention(nn.Module):
+    """Multi-head LongNet dilated self-attention with optional grouped K/V heads.
+
+    ``x -> q, k, v projections -> positional encoding (global positions) -> dilated
+    attention -> [sub-LN] -> output projection -> dropout``.
+
+    Args:
+        embed_dim: model width.
+        num_heads: query heads.
+        pattern: a :class:`DilatedPattern` or ``[(segment_length, dilation_rate), ...]``.
+        causal: queries see only keys at positions ``<=`` their own.
+        dropout: applied to the output (the exact attention core has no dropout on
+            attention probabilities).
+        bias: biases on the four projections.
+        num_kv_heads: K/V heads (grouped-query attention); must divide ``num_heads``;
+            default ``num_heads``.  K/V head ``j`` serves query heads
+            ``j * g .. (j + 1) * g - 1`` with ``g = num_heads // num_kv_heads``.
+        head_dim: per-head width, default ``embed_dim // num_heads``.
+        positional: a module ``(q, k, position_ids) -> (q, k)`` (:class:`RotaryEmbedding`,
+            :class:`XPos`) or ``None``.
+        sub_ln: MAGNETO sub-LN: a norm over the attention output before the output projection.
+        norm, norm_eps: kind and epsilon of that norm.
+        scale: score scale, default ``head_dim ** -0.5``.
+
+    Shapes: ``x`` ``(batch, seq, embed_dim)`` -> ``(batch, seq, embed_dim)``.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        pattern: DilatedPattern | list[tuple[int, int]],
+        *,
+        causal: bool = True,
+        dropout: float = 0.0,
+        bias: bool = True,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        positional: nn.Module | None = None,
+        sub_ln: bool = False,
+        norm: str = "layernorm",
+        norm_eps: float = 1e-5,
+        scale: float | None = None,
+    ) -> None:
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads ({num_kv_heads}) must be positive and divide num_heads "
+                f"({num_heads})."
+            )
+        if head_dim is None:
+            if embed_dim % num_heads:
+                raise ValueError(
+                    f"embed_dim ({embed_dim}) is not divisible by num_heads ({num_heads}); "
+                    "choose them so it is, or give head_dim explicitly."
+                )
+            head_dim = embed_dim // num_heads
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.pattern = DilatedPattern.coerce(pattern)
+        self.causal = bool(causal)
+        self.scale = float(scale) if scale is not None else head_dim**-0.5
+        self.q_proj = nn.Linear(embed_dim, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=bias)
+        self.positional = positional
+        if isinstance(positional, XPos):
+            positional.check_pattern(self.pattern)
+        self.sub_norm = build_norm(norm, num_heads * head_dim, norm_eps) if sub_ln else None
+        self.out_proj = nn.Linear(num_heads * head_dim, embed_dim, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def extra_repr(self) -> str:
+        return (
+            f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"pattern={self.pattern.branches}, causal={self.causal}"
+        )
+
+    def _expand_kv(self, t: Tensor) -> Tensor:
+        groups = self.num_heads // self.num_kv_heads
+        return t if groups == 1 else repeat(t, "b n hk d -> b n (hk g) d", g=groups)
+
+    def forward(
+        self,
+        x: Tensor,
+        position_ids: Tensor | None = None,
+        group: torch.distributed.ProcessGroup | None = None,
+        cache: LayerKVCache | None = None,
+    ) -> Tensor:
+        """Self-attention over ``x`` ``(batch, seq, embed_dim)``.
+
+        ``position_ids``: global positions ``(seq,)`` or ``(batch, seq)``; default: the
+        positions following the cache, or this rank's equal contiguous shard with ``group``.
+        ``group``: sequence-parallel process group, passed to the attention core.
+        ``cache``: a :class:`LayerKVCache` for incremental causal decoding (inference): the
+        new tokens attend to the cached keys and are appended to them.
+        """
+        batch, seq, _ = x.shape
+        if position_ids is None:
+            offset = cache.end if cache is not None else 0
+            position_ids = default_position_ids(seq, x.device, offset=offset, group=group)
+        check_position_ids(position_ids, batch, seq)
+        q = rearrange(self.q_proj(x), "b n (h d) -> b n h d", h=self.num_heads)
+        k = rearrange(self.k_proj(x), "b n (h d) -> b n h d", h=self.num_kv_heads)
+        v = rearrange(self.v_proj(x), "b n (h d) -> b n h d", h=self.num_kv_heads)
+        if self.positional is not None:
+            q, k = self.positional(q, k, position_ids)
+        if cache is None:
+            out = dilated_attention(
+                q,
+                self._expand_kv(k),
+                self._expand_kv(v),
+                self.pattern,
+                causal=self.causal,
+                scale=self.scale,
+                group=group,
+            )
+        else:
+            out = self._cached_attention(q, k, v, position_ids, group, cache)
+        out = rearrange(out, "b n h d -> b n (h d)")
+        if self.sub_norm is not None:
+            out = self.sub_norm(out)
+        return self.dropout(self.out_proj(out))
+
+    def _cached_attention(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        position_ids: Tensor,
+        group: torch.distributed.ProcessGroup | None,
+        cache: LayerKVCache,
+    ) -> Tensor:
+        if not self.causal:
+            raise ValueError("a KV cache needs causal attention; this layer is bidirectional.")
+        if group is not None:
+            raise ValueError("a KV cache cannot be combined with a sequence-parallel group.")
+        positions = position_ids if position_ids.dim() == 1 else position_ids[0]
+        seq = q.shape[1]
+        expected = torch.arange(cache.end, cache.end + seq, device=positions.device)
+        if position_ids.dim() == 2 and not bool((position_ids == positions).all()):
+            raise ValueError("with a KV cache every row of position_ids must be the same.")
+        if not torch.equal(positions, expected):
+            raise ValueError(
+                f"with a KV cache the new tokens must continue the cached ones: expected "
+                f"positions {cache.end}..{cache.end + seq - 1}, got {positions.tolist()[:8]}..."
+            )
+        first = cache.end
+        if len(cache) == 0 and first == 0:
+            # Prefill from position 0: the ordinary O(n) dilated attention.
+            out = dilated_attention(
+                q,
+                self._expand_kv(k),
+                self._expand_kv(v),
+                self.pattern,
+                causal=True,
+                scale=self.scale,
+            )
+        else:
+            # Only keys inside some segment of the first query can be attended to.
+            window_start = min((first // w) * w for w in self.pattern.segment_lengths)
+            if len(cache):
+                past_k, past_v = cache.window(max(window_start, cache.start))
+                keys, values = torch.cat((past_k, k), dim=1), torch.cat((past_v, v), dim=1)
+                start = max(window_start, cache.start)
+            else:
+                keys, values, start = k, v, first
+            key_positions = torch.arange(start, first + seq, device=positions.device)
+            out = multiplicity_attention(
+                q,
+                self._expand_kv(keys),
+                self._expand_kv(values),
+                positions,
+                key_positions,
+                self.pattern,
+                causal=True,
+                scale=self.scale,
+            )
+        cache.append(k.detach(), v.detach())
+        next_position = cache.end
+        cache.trim(min((next_position // w) * w for w in self.pattern.segment_lengths))
+        return out
