@@ -1,0 +1,38 @@
+"""LongNet models: config, causal LM, encoder, pretrained I/O, the zoo, Hugging Face import.
+
+Zoo names (``"longnet-tiny"``, ...) resolve to folders of ``models/`` at the repository root,
+found relative to the package as ``Path(__file__).parents[2] / "models"`` (override with the
+``LONGNET_MODELS_DIR`` environment variable); see :func:`list_models`.
+"""
+
+from longnet.modeling.config import LongNetConfig
+from longnet.modeling.hub import list_models, models_dir, resolve_model_dir
+from longnet.modeling.importers import import_hf_checkpoint
+from longnet.modeling.model import (
+    LongNetEncoder,
+    LongNetLM,
+    LongNetModel,
+    LongNetPreTrained,
+    build_block,
+)
+from longnet.modeling.outputs import EncoderOutput, LMOutput
+from longnet.modeling.pretrained import count_parameters, model_card
+from longnet.modeling.serialization import WeightsMismatchError
+
+__all__ = [
+    "EncoderOutput",
+    "LMOutput",
+    "LongNetConfig",
+    "LongNetEncoder",
+    "LongNetLM",
+    "LongNetModel",
+    "LongNetPreTrained",
+    "WeightsMismatchError",
+    "build_block",
+    "count_parameters",
+    "import_hf_checkpoint",
+    "list_models",
+    "model_card",
+    "models_dir",
+    "resolve_model_dir",
+]

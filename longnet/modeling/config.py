@@ -1,0 +1,322 @@
+"""``LongNetConfig``: every hyper-parameter of a LongNet model, validated, JSON round-trip."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from longnet.attention import DilatedPattern
+from longnet.nn.feedforward import ACTIVATIONS, FFN_KINDS
+from longnet.nn.norm import NORM_KINDS
+from longnet.nn.positional import POSITION_ENCODINGS
+
+CONFIG_NAME = "config.json"
+MODEL_TYPE = "longnet"
+POOLINGS = ("mean", "first", "last")
+
+
+@dataclass
+class LongNetConfig:
+    """Hyper-parameters of :class:`LongNetLM` / :class:`LongNetEncoder`.
+
+    Architecture:
+        vocab_size: token ids are ``0 .. vocab_size - 1``.
+        hidden_size, num_layers, num_heads: width, depth, query heads.
+        num_kv_heads: K/V heads (grouped-query attention), dividing ``num_heads``;
+            ``None`` = ``num_heads``.
+        head_dim: per-head width; ``None`` = ``hidden_size // num_heads``.
+        ffn_kind: ``"mlp"`` (``down(act(up(x)))``) or ``"glu"`` (``down(act(gate(x)) * up(x))``,
+            SwiGLU with ``activation="silu"``).
+        ffn_hidden_size: FFN inner width; ``None`` = ``4 * hidden_size`` for ``"mlp"`` and
+            ``8/3 * hidden_size`` rounded up to a multiple of 64 for ``"glu"``.
+        activation: ``"gelu"`` (erf), ``"gelu_tanh"`` (GPT-2's gelu_new), ``"relu"``, ``"silu"``.
+        norm: ``"layernorm"`` or ``"rmsnorm"``; ``norm_eps`` its epsilon.
+        sub_ln: MAGNETO sub-LN: extra norms before the attention output projection and before
+            the FFN's second linear layer (on top of pre-LN).
+        attention_bias, mlp_bias: biases on the attention projections / FFN linears.
+        tie_word_embeddings: the LM head shares the token embedding matrix.
+    Positions and attention pattern:
+        max_positions: context length the model is built for: size of learned position
+            embeddings, and the segment length of the default dense pattern.
+        segment_lengths, dilation_rates: the dilated pattern (DESIGN.md section 3); both
+            ``None`` = dense attention, one branch ``(max_positions, 1)``.
+        position_encoding: ``"xpos"`` (the LongNet paper's), ``"rope"``, ``"learned"``
+            (absolute, GPT-2) or ``"none"``.
+        rope_theta: base of the rotary frequencies (RoPE and xPos).
+        xpos_scale_base: xPos decay length (gamma in the paper, 512).
+    Training:
+        dropout: residual dropout of every sub-layer and of the embeddings.
+        initializer_range: std of the normal initialisation.
+        gradient_checkpointing: recompute each block's activations in backward.
+    Encoder head:
+        num_labels, pooling (``"mean"``, ``"first"``, ``"last"``).
+    Tokens:
+        bos_token_id, eos_token_id, pad_token_id: optional special ids (generation stops at
+            ``eos_token_id``).
+    """
+
+    vocab_size: int = 256
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    ffn_kind: str = "mlp"
+    ffn_hidden_size: int | None = None
+    activation: str = "gelu"
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    sub_ln: bool = False
+    attention_bias: bool = True
+    mlp_bias: bool = True
+    tie_word_embeddings: bool = True
+    max_positions: int = 1024
+    segment_lengths: tuple[int, ...] | None = None
+    dilation_rates: tuple[int, ...] | None = None
+    position_encoding: str = "xpos"
+    rope_theta: float = 10000.0
+    xpos_scale_base: float = 512.0
+    dropout: float = 0.0
+    initializer_range: float = 0.02
+    gradient_checkpointing: bool = False
+    num_labels: int = 2
+    pooling: str = "mean"
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.segment_lengths is not None:
+            self.segment_lengths = _int_tuple("segment_lengths", self.segment_lengths)
+        if self.dilation_rates is not None:
+            self.dilation_rates = _int_tuple("dilation_rates", self.dilation_rates)
+        self.validate()
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def pattern(self) -> DilatedPattern:
+        """The dilated pattern; dense ``(max_positions, 1)`` when none is set."""
+        if self.segment_lengths is None:
+            return DilatedPattern.dense(self.max_positions)
+        return DilatedPattern(self.segment_lengths, self.dilation_rates)
+
+    @property
+    def resolved_num_kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.hidden_size // self.num_heads if self.head_dim is None else self.head_dim
+
+    @property
+    def resolved_ffn_hidden_size(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        if self.ffn_kind == "glu":
+            return 64 * math.ceil(8 * self.hidden_size / 3 / 64)
+        return 4 * self.hidden_size
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first bad field and how to fix it."""
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_positions"):
+            _positive_int(name, getattr(self, name))
+        for name in ("num_kv_heads", "head_dim", "ffn_hidden_size"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        _positive_int("num_labels", self.num_labels)
+        _choice("ffn_kind", self.ffn_kind, FFN_KINDS)
+        _choice("activation", self.activation, tuple(ACTIVATIONS))
+        _choice("norm", self.norm, NORM_KINDS)
+        _choice("position_encoding", self.position_encoding, POSITION_ENCODINGS)
+        _choice("pooling", self.pooling, POOLINGS)
+        for name in ("sub_ln", "attention_bias", "mlp_bias", "tie_word_embeddings"):
+            _bool(name, getattr(self, name))
+        _bool("gradient_checkpointing", self.gradient_checkpointing)
+        for name in ("norm_eps", "rope_theta", "xpos_scale_base", "initializer_range"):
+            _positive_float(name, getattr(self, name))
+        if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}.")
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) is not divisible by num_heads "
+                f"({self.num_heads}); change one of them or set head_dim explicitly."
+            )
+        if self.num_heads % self.resolved_num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads}); "
+                "use a divisor of num_heads (or None for one K/V head per query head)."
+            )
+        if self.position_encoding in ("rope", "xpos") and self.resolved_head_dim % 2:
+            raise ValueError(
+                f"head_dim ({self.resolved_head_dim}) must be even for "
+                f"position_encoding={self.position_encoding!r}; change hidden_size/num_heads "
+                "or head_dim."
+            )
+        if (self.segment_lengths is None) != (self.dilation_rates is None):
+            raise ValueError(
+                "segment_lengths and dilation_rates must be given together (or both None for "
+                f"dense attention); got segment_lengths={self.segment_lengths}, "
+                f"dilation_rates={self.dilation_rates}."
+            )
+        if self.segment_lengths is not None:
+            try:
+                pattern = DilatedPattern(self.segment_lengths, self.dilation_rates)
+            except ValueError as err:
+                raise ValueError(f"segment_lengths/dilation_rates: {err}") from None
+            if self.position_encoding == "xpos":
+                largest = pattern.segment_lengths[-1]
+                bad = [w for w in pattern.segment_lengths if largest % w]
+                if bad:
+                    raise ValueError(
+                        f"segment_lengths: with position_encoding='xpos' every segment length "
+                        f"must divide the largest ({largest}); {bad} do not. Use nested "
+                        "segments (e.g. powers of two) or position_encoding='rope'."
+                    )
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or not 0 <= value < self.vocab_size
+            ):
+                raise ValueError(
+                    f"{name} must be None or a token id in 0..{self.vocab_size - 1}, got {value!r}."
+                )
+        if not isinstance(self.extra, dict):
+            raise ValueError(f"extra must be a dict of JSON values, got {self.extra!r}.")
+
+    # ------------------------------------------------------------------ editing
+    def replace(self, **overrides: Any) -> LongNetConfig:
+        """A validated copy with fields replaced.
+
+        ``pattern=`` is accepted as a :class:`DilatedPattern`, a list of
+        ``(segment_length, dilation_rate)`` pairs, or ``"dense"``/``None`` (dense attention).
+        """
+        overrides = dict(overrides)
+        if "pattern" in overrides:
+            pattern = overrides.pop("pattern")
+            if pattern is None or pattern == "dense":
+                overrides["segment_lengths"] = overrides["dilation_rates"] = None
+            else:
+                pattern = DilatedPattern.coerce(pattern)
+                overrides["segment_lengths"] = pattern.segment_lengths
+                overrides["dilation_rates"] = pattern.dilation_rates
+        _check_names(overrides)
+        return dataclasses.replace(self, **overrides)
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (with ``"model_type": "longnet"``)."""
+        data: dict[str, Any] = {"model_type": MODEL_TYPE}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            data[f.name] = list(value) if isinstance(value, tuple) else value
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], **overrides: Any) -> LongNetConfig:
+        """Build from :meth:`to_dict` output; unknown keys raise with the known field names."""
+        data = dict(data)
+        model_type = data.pop("model_type", MODEL_TYPE)
+        if model_type != MODEL_TYPE:
+            raise ValueError(
+                f"config has model_type {model_type!r}, not {MODEL_TYPE!r}; import foreign "
+                "checkpoints with LongNetLM.from_pretrained(folder)."
+            )
+        data.pop("architecture", None)  # written by save_pretrained; not a hyper-parameter
+        _check_names(data)
+        config = cls(**data)
+        return config.replace(**overrides) if overrides else config
+
+    def to_json_string(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n"
+
+    def save(self, path: str | Path) -> None:
+        """Write JSON to ``path`` (a file, or a folder that gets ``config.json``)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / CONFIG_NAME
+        path.write_text(self.to_json_string())
+
+    @classmethod
+    def load(cls, path: str | Path, **overrides: Any) -> LongNetConfig:
+        """Read JSON from ``path`` (a file, or a folder holding ``config.json``)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / CONFIG_NAME
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no LongNet config at {path}.") from None
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} is not valid JSON: {err}.") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}.")
+        return cls.from_dict(data, **overrides)
+
+    @classmethod
+    def from_pretrained(cls, name_or_dir: str | Path, **overrides: Any) -> LongNetConfig:
+        """The config of a zoo model (``"longnet-tiny"``) or of a saved model folder."""
+        from longnet.modeling.hub import resolve_model_dir
+
+        return cls.load(resolve_model_dir(name_or_dir), **overrides)
+
+
+# ---------------------------------------------------------------------- helpers
+def _field_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(LongNetConfig)]
+
+
+def _check_names(data: Iterable[str]) -> None:
+    known = _field_names()
+    for name in data:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ValueError(
+                f"LongNetConfig has no field {name!r}.{hint} Known fields: {', '.join(known)}."
+            )
+
+
+def _int_tuple(name: str, value: Any) -> tuple[int, ...]:
+    try:
+        items = tuple(value)
+    except TypeError:
+        raise ValueError(f"{name} must be a list of positive integers, got {value!r}.") from None
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, int):
+            raise ValueError(f"{name} must be a list of positive integers, got {value!r}.")
+    return items
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+
+def _positive_float(name: str, value: Any) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}.")
+
+
+def _bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}.")
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}.")

@@ -1,0 +1,92 @@
+"""Autoregressive generation with a KV cache that follows the dilated pattern."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from longnet.modeling.model import LongNetLM
+
+
+def sample_next(
+    logits: Tensor,
+    temperature: float,
+    top_k: int | None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Next token ids ``(batch,)`` from last-position logits ``(batch, vocab)``."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _check(model: LongNetLM, input_ids: Tensor, max_new_tokens, temperature, top_k) -> None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+        raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}.")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}.")
+    if not isinstance(temperature, (int, float)) or temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}.")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be None or a positive int, got {top_k!r}.")
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError(
+            "input_ids must be a (batch, seq) tensor with seq >= 1, got "
+            f"{getattr(input_ids, 'shape', input_ids)!r}."
+        )
+    config = model.config
+    total = input_ids.shape[1] + max_new_tokens
+    if config.position_encoding == "learned" and total > config.max_positions:
+        raise ValueError(
+            f"prompt ({input_ids.shape[1]}) + max_new_tokens ({max_new_tokens}) = {total} "
+            f"exceeds the {config.max_positions} learned positions of this model; generate "
+            "fewer tokens or shorten the prompt."
+        )
+
+
+@torch.no_grad()
+def generate(
+    model: LongNetLM,
+    input_ids: Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    eos_token_id: int | None = None,
+    generator: torch.Generator | None = None,
+    use_cache: bool = True,
+) -> Tensor:
+    """See :meth:`longnet.modeling.LongNetLM.generate`."""
+    _check(model, input_ids, max_new_tokens, temperature, top_k)
+    was_training = model.training
+    model.eval()
+    try:
+        tokens = input_ids
+        if max_new_tokens == 0:
+            return tokens
+        cache = model.new_cache() if use_cache else None
+        logits = model(tokens, cache=cache).logits[:, -1]
+        finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+        for step in range(max_new_tokens):
+            next_ids = sample_next(logits, temperature, top_k, generator)
+            if eos_token_id is not None:
+                next_ids = next_ids.masked_fill(finished, eos_token_id)
+                finished = finished | (next_ids == eos_token_id)
+            tokens = torch.cat((tokens, next_ids[:, None].to(tokens.dtype)), dim=1)
+            if step == max_new_tokens - 1 or bool(finished.all()):
+                break
+            if use_cache:
+                logits = model(tokens[:, -1:], cache=cache).logits[:, -1]
+            else:
+                logits = model(tokens).logits[:, -1]
+        return tokens
+    finally:
+        model.train(was_training)

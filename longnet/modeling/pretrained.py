@@ -1,0 +1,168 @@
+"""``save_pretrained`` / ``from_pretrained`` and model cards."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from longnet.modeling.config import CONFIG_NAME, MODEL_TYPE, LongNetConfig
+from longnet.modeling.hub import resolve_model_dir
+from longnet.modeling.importers import import_hf_checkpoint, is_hf_config
+from longnet.modeling.serialization import (
+    WEIGHTS_NAME,
+    load_state_checked,
+    read_safetensors,
+    save_weights,
+)
+
+if TYPE_CHECKING:
+    from longnet.modeling.model import LongNetPreTrained
+
+CARD_NAME = "README.md"
+
+
+def count_parameters(config: LongNetConfig, architecture: str = "LongNetLM") -> int:
+    """Exact parameter count of a model built from ``config`` (built on the meta device, so
+    no memory is used)."""
+    from longnet.modeling import model as model_module
+
+    cls = getattr(model_module, architecture)
+    with torch.device("meta"):
+        model = cls(config)
+    return model.num_parameters()
+
+
+def model_card(
+    config: LongNetConfig,
+    name: str,
+    *,
+    architecture: str = "LongNetLM",
+    has_weights: bool,
+    description: str = "",
+) -> str:
+    """A Markdown card: size (computed), shape, pattern, context, and whether weights exist."""
+    params = count_parameters(config, architecture)
+    pattern = config.pattern
+    branches = ", ".join(f"({w}, {r})" for w, r in pattern.branches)
+    dense = config.segment_lengths is None
+    norm = f"pre-LN {config.norm}" + (" + sub-LN (MAGNETO)" if config.sub_ln else "")
+    ffn = f"{config.ffn_kind} ({config.activation}), inner width {config.resolved_ffn_hidden_size}"
+    kv = (
+        f", {config.resolved_num_kv_heads} K/V heads"
+        if config.resolved_num_kv_heads != config.num_heads
+        else ""
+    )
+    weights = (
+        f"`{WEIGHTS_NAME}` in this folder."
+        if has_weights
+        else "**No weights exist yet**: this folder holds the configuration only. Build an "
+        f'untrained model with `{architecture}(LongNetConfig.from_pretrained("{name}"))`.'
+    )
+    lines = [
+        f"# {name}",
+        "",
+        description or f"A LongNet model (`{architecture}`).",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| Parameters | {params:,} ({params / 1e6:.2f} M, computed from `config.json`) |",
+        f"| Architecture | `{architecture}`, {config.num_layers} layers, hidden "
+        f"{config.hidden_size}, {config.num_heads} heads of {config.resolved_head_dim}{kv} |",
+        f"| Attention pattern | {'dense: ' if dense else ''}(segment length, dilation rate) = "
+        f"{branches} |",
+        f"| Context length | {config.max_positions:,} tokens |",
+        f"| Position encoding | {config.position_encoding} |",
+        f"| Norm | {norm}, eps {config.norm_eps} |",
+        f"| Feed-forward | {ffn} |",
+        f"| Vocabulary | {config.vocab_size} |",
+        f"| Tied embeddings | {config.tie_word_embeddings} |",
+        "",
+        f"Weights: {weights}",
+        "",
+        "```python",
+        "from longnet.modeling import LongNetConfig, " + architecture,
+        f'config = LongNetConfig.from_pretrained("{name}")',
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def save_pretrained(model: LongNetPreTrained, directory: str | Path, name: str | None = None):
+    """Write ``config.json`` (with the architecture), ``model.safetensors`` and ``README.md``."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    architecture = type(model).__name__
+    data = {"architecture": architecture, **model.config.to_dict()}
+    (directory / CONFIG_NAME).write_text(json.dumps(data, indent=2) + "\n")
+    save_weights(model, directory / WEIGHTS_NAME)
+    card = model_card(
+        model.config, name or directory.name, architecture=architecture, has_weights=True
+    )
+    (directory / CARD_NAME).write_text(card)
+    return directory
+
+
+def from_pretrained(
+    cls: type, name_or_dir: str | Path, *, dtype: torch.dtype | None = None, **overrides: Any
+):
+    """See :meth:`longnet.modeling.LongNetLM.from_pretrained`.  Returns the model in eval mode."""
+    folder = resolve_model_dir(name_or_dir)
+    config_path = folder / CONFIG_NAME
+    try:
+        data = json.loads(config_path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{config_path} is not valid JSON: {err}.") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{config_path} must hold a JSON object.")
+    if is_hf_config(data):
+        config, tensors = import_hf_checkpoint(folder, data, **overrides)
+        source = f"Hugging Face checkpoint {folder}"
+    else:
+        architecture = data.get("architecture", cls.__name__)
+        if data.get("model_type", MODEL_TYPE) == MODEL_TYPE and architecture != cls.__name__:
+            raise ValueError(
+                f"{folder} holds a {architecture}; load it with {architecture}.from_pretrained "
+                f"(or build a fresh {cls.__name__} from LongNetConfig.from_pretrained)."
+            )
+        config = LongNetConfig.from_dict(data, **overrides)
+        weights = folder / WEIGHTS_NAME
+        if not weights.is_file():
+            raise FileNotFoundError(
+                f"{folder} has a config but no {WEIGHTS_NAME} (no trained weights yet). Build an "
+                f"untrained model with {cls.__name__}(LongNetConfig.from_pretrained("
+                f"{str(name_or_dir)!r}))."
+            )
+        tensors = read_safetensors(weights)
+        source = str(weights)
+    model = cls(config)
+    if dtype is not None:
+        model = model.to(dtype)
+    load_state_checked(model, tensors, source=source)
+    return model.eval()
+
+
+def write_model_folder(
+    directory: str | Path,
+    config: LongNetConfig,
+    *,
+    architecture: str = "LongNetLM",
+    description: str = "",
+) -> Path:
+    """Write a weightless model folder (zoo entry): ``config.json`` and its ``README.md`` card."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    data = {"architecture": architecture, **config.to_dict()}
+    (directory / CONFIG_NAME).write_text(json.dumps(data, indent=2) + "\n")
+    card = model_card(
+        config,
+        directory.name,
+        architecture=architecture,
+        has_weights=(directory / WEIGHTS_NAME).is_file(),
+        description=description,
+    )
+    (directory / CARD_NAME).write_text(card)
+    return directory

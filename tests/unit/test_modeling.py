@@ -1,0 +1,311 @@
+"""Unit tests of longnet.modeling: config, LM / encoder, pretrained I/O, the zoo."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from longnet.attention import DilatedPattern
+from longnet.modeling import (
+    LongNetConfig,
+    LongNetEncoder,
+    LongNetLM,
+    WeightsMismatchError,
+    count_parameters,
+    list_models,
+    model_card,
+    models_dir,
+)
+
+F64 = torch.float64
+
+
+def small_config(**overrides) -> LongNetConfig:
+    base = dict(
+        vocab_size=40,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        max_positions=64,
+        segment_lengths=(4, 8, 16),
+        dilation_rates=(1, 2, 4),
+        position_encoding="xpos",
+        xpos_scale_base=16.0,
+        sub_ln=True,
+    )
+    base.update(overrides)
+    return LongNetConfig(**base)
+
+
+def make_lm(seed: int = 0, **overrides) -> LongNetLM:
+    torch.manual_seed(seed)
+    return LongNetLM(small_config(**overrides))
+
+
+# ---------------------------------------------------------------------- config
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"hidden_size": 0}, "hidden_size"),
+        ({"vocab_size": 2.5}, "vocab_size"),
+        ({"hidden_size": 30}, "hidden_size"),
+        ({"num_kv_heads": 3}, "num_kv_heads"),
+        ({"ffn_kind": "moe"}, "ffn_kind"),
+        ({"activation": "tanh"}, "activation"),
+        ({"norm": "batchnorm"}, "norm"),
+        ({"position_encoding": "alibi"}, "position_encoding"),
+        ({"dropout": 1.0}, "dropout"),
+        ({"norm_eps": -1.0}, "norm_eps"),
+        ({"sub_ln": "yes"}, "sub_ln"),
+        ({"segment_lengths": (4, 8), "dilation_rates": None}, "dilation_rates"),
+        ({"segment_lengths": (8, 4), "dilation_rates": (1, 2)}, "segment_lengths"),
+        ({"segment_lengths": (4, 6), "dilation_rates": (1, 2)}, "segment_lengths"),  # xPos
+        ({"head_dim": 5}, "head_dim"),
+        ({"eos_token_id": 40}, "eos_token_id"),
+        ({"pooling": "max"}, "pooling"),
+    ],
+)
+def test_config_validation_names_the_field(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        small_config(**overrides)
+
+
+def test_config_json_round_trip_and_overrides(tmp_path):
+    config = small_config(num_kv_heads=2, ffn_kind="glu", activation="silu", extra={"note": 1})
+    assert LongNetConfig.from_dict(json.loads(config.to_json_string())) == config
+    config.save(tmp_path)
+    assert LongNetConfig.load(tmp_path) == config
+    assert LongNetConfig.load(tmp_path / "config.json", dropout=0.1).dropout == 0.1
+    changed = config.replace(pattern=[(8, 1), (16, 2)])
+    assert changed.pattern == DilatedPattern((8, 16), (1, 2))
+    assert config.replace(pattern="dense").pattern == DilatedPattern.dense(64)
+    with pytest.raises(ValueError, match="Did you mean 'hidden_size'"):
+        LongNetConfig.from_dict({**config.to_dict(), "hiden_size": 3})
+    with pytest.raises(ValueError, match="model_type"):
+        LongNetConfig.from_dict({"model_type": "gpt2"})
+    assert small_config(ffn_kind="glu").resolved_ffn_hidden_size == 128  # 8/3 * 32 -> 64k
+    assert small_config().resolved_ffn_hidden_size == 128
+
+
+# ---------------------------------------------------------------------- LM behaviour
+@pytest.mark.parametrize("encoding", ["xpos", "rope", "learned"])
+def test_lm_is_causal(encoding):
+    model = make_lm(position_encoding=encoding).double().eval()
+    x = torch.randint(0, 40, (2, 40))
+    p = 21
+    y = x.clone()
+    y[:, p + 1 :] = torch.randint(0, 40, (2, 40 - p - 1))
+    with torch.no_grad():
+        a, b = model(x).logits, model(y).logits
+    torch.testing.assert_close(a[:, : p + 1], b[:, : p + 1], rtol=0, atol=1e-12)
+    assert not torch.allclose(a[:, p + 1 :], b[:, p + 1 :])
+
+
+@pytest.mark.parametrize("encoding", ["xpos", "rope", "learned", "none"])
+def test_last_shard_with_global_positions_and_earlier_context_equals_full_run(encoding):
+    model = make_lm(position_encoding=encoding, num_kv_heads=2).double().eval()
+    x = torch.randint(0, 40, (2, 48))
+    with torch.no_grad():
+        full = model(x).logits
+        cache = model.new_cache()
+        model(x[:, :32], cache=cache)  # the K/V context of the earlier shards
+        shard = model(x[:, 32:], position_ids=torch.arange(32, 48), cache=cache).logits
+    torch.testing.assert_close(shard, full[:, 32:], rtol=1e-10, atol=1e-10)
+
+
+def test_loss_is_mean_over_labelled_tokens():
+    model = make_lm().double()
+    x = torch.randint(0, 40, (2, 16))
+    labels = torch.randint(0, 40, (2, 16))
+    labels[0, :5] = -100
+    out = model(x, labels=labels)
+    keep = labels != -100
+    ref = F.cross_entropy(out.logits[keep], labels[keep])
+    torch.testing.assert_close(out.loss, ref, rtol=1e-12, atol=1e-12)
+    assert int(out.num_tokens) == int(keep.sum())
+    torch.testing.assert_close(out.loss_sum, ref * keep.sum(), rtol=1e-12, atol=1e-12)
+    none = model(x, labels=torch.full_like(labels, -100))
+    assert float(none.loss.detach()) == 0.0 and int(none.num_tokens) == 0
+    with pytest.raises(ValueError, match="labels"):
+        model(x, labels=labels[:, :-1])
+
+
+def test_input_errors():
+    model = make_lm()
+    with pytest.raises(ValueError, match="vocab_size"):
+        model(torch.tensor([[1, 40]]))
+    with pytest.raises(ValueError, match="batch"):
+        model(torch.tensor([1, 2, 3]))
+    with pytest.raises(TypeError, match="integer"):
+        model(torch.zeros(1, 3))
+
+
+def test_gradient_checkpointing_gives_equal_gradients():
+    x = torch.randint(0, 40, (2, 30))
+    labels = torch.randint(0, 40, (2, 30))
+    grads = []
+    for checkpointing in (False, True):
+        model = make_lm(seed=3, gradient_checkpointing=checkpointing, num_kv_heads=2).double()
+        model.train()
+        assert all(b.gradient_checkpointing == checkpointing for b in model.model.layers)
+        model(x, labels=labels).loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-12, atol=1e-12)
+    model.set_gradient_checkpointing(False)
+    assert not model.config.gradient_checkpointing
+
+
+def test_tied_and_untied_heads():
+    tied, untied = make_lm(), make_lm(tie_word_embeddings=False)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    assert untied.lm_head.weight is not untied.model.embed_tokens.weight
+    assert untied.num_parameters() - tied.num_parameters() == 40 * 32
+
+
+# ---------------------------------------------------------------------- encoder
+@pytest.mark.parametrize("pooling", ["mean", "first", "last"])
+def test_encoder_is_bidirectional_and_classifies(pooling):
+    torch.manual_seed(0)
+    model = LongNetEncoder(small_config(pooling=pooling, num_labels=3)).double().eval()
+    x = torch.randint(0, 40, (2, 24))
+    out = model(x, labels=torch.tensor([0, 2]))
+    assert out.logits.shape == (2, 3) and out.pooled.shape == (2, 32)
+    torch.testing.assert_close(out.loss, F.cross_entropy(out.logits, torch.tensor([0, 2])))
+    y = x.clone()
+    y[:, 12] = (y[:, 12] + 1) % 40  # a later key in position 0's 16-segment (head 0, rate 4)
+    assert not torch.allclose(model(y).hidden_states[:, 0], out.hidden_states[:, 0])
+    with pytest.raises(ValueError, match="labels"):
+        model(x, labels=torch.tensor([[0], [1]]))
+
+
+# ---------------------------------------------------------------------- pretrained I/O
+def test_save_load_round_trip_is_bit_exact(tmp_path):
+    model = make_lm(num_kv_heads=2, tie_word_embeddings=False).eval()
+    model.save_pretrained(tmp_path / "m")
+    assert {p.name for p in (tmp_path / "m").iterdir()} == {
+        "config.json",
+        "model.safetensors",
+        "README.md",
+    }
+    loaded = LongNetLM.from_pretrained(tmp_path / "m")
+    assert not loaded.training and loaded.config == model.config
+    for (na, a), (nb, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert na == nb and torch.equal(a, b)
+    x = torch.randint(0, 40, (1, 20))
+    assert torch.equal(model(x).logits, loaded(x).logits)
+
+
+def test_tied_weights_are_stored_once_and_restored_tied(tmp_path):
+    model = make_lm()
+    model.save_pretrained(tmp_path)
+    names = load_file(tmp_path / "model.safetensors").keys()
+    assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+    loaded = LongNetLM.from_pretrained(tmp_path)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+
+
+def test_from_pretrained_overrides_and_dtype(tmp_path):
+    model = make_lm()
+    model.save_pretrained(tmp_path)
+    loaded = LongNetLM.from_pretrained(tmp_path, pattern=[(8, 1), (16, 2)], dropout=0.1, dtype=F64)
+    assert loaded.config.pattern == DilatedPattern((8, 16), (1, 2))
+    assert loaded.model.layers[0].attn.pattern == loaded.config.pattern
+    assert loaded.model.embed_tokens.weight.dtype == F64
+    with pytest.raises(WeightsMismatchError, match="wrong shapes"):
+        LongNetLM.from_pretrained(tmp_path, ffn_hidden_size=64)
+    with pytest.raises(ValueError, match="LongNetLM"):
+        LongNetEncoder.from_pretrained(tmp_path)
+
+
+def _edit_weights(path, edit):
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda t: t.pop("model.layers.1.attn.k_proj.weight"), "missing tensors: model.layers.1"),
+        (lambda t: t.update(extra_tensor=torch.zeros(2)), "unexpected tensors: extra_tensor"),
+        (
+            lambda t: t.update({"model.final_norm.weight": torch.ones(31)}),
+            r"wrong shapes: model\.final_norm\.weight \(checkpoint \(31,\), model \(32,\)\)",
+        ),
+    ],
+)
+def test_mismatched_weights_name_the_tensor(tmp_path, edit, message):
+    make_lm().save_pretrained(tmp_path)
+    _edit_weights(tmp_path / "model.safetensors", edit)
+    with pytest.raises(WeightsMismatchError, match=message):
+        LongNetLM.from_pretrained(tmp_path)
+
+
+def test_corrupt_weights_file_gives_clear_error(tmp_path):
+    make_lm().save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="corrupt or truncated"):
+        LongNetLM.from_pretrained(tmp_path)
+    path.write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(ValueError, match="corrupt or truncated"):
+        LongNetLM.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        LongNetLM.from_pretrained(tmp_path)
+
+
+# ---------------------------------------------------------------------- the zoo
+ZOO = ["longnet-base", "longnet-small", "longnet-tiny"]
+
+
+def test_zoo_names_resolve_and_unknown_names_list_them(tmp_path):
+    assert models_dir().name == "models"
+    assert set(ZOO) <= set(list_models())
+    with pytest.raises(FileNotFoundError, match="longnet-tiny"):
+        LongNetLM.from_pretrained("longnet-nonexistent")
+    with pytest.raises(FileNotFoundError, match="no trained weights"):
+        LongNetLM.from_pretrained("longnet-tiny")
+    assert LongNetConfig.from_pretrained("longnet-tiny", dropout=0.1).dropout == 0.1
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_zoo_model_builds_and_runs(name):
+    config = LongNetConfig.from_pretrained(name)
+    torch.manual_seed(0)
+    model = LongNetLM(config).eval()
+    assert model.num_parameters() == count_parameters(config)
+    x = torch.randint(0, config.vocab_size, (1, 64))
+    with torch.no_grad():
+        out = model(x, labels=x)
+    assert out.logits.shape == (1, 64, config.vocab_size)
+    assert torch.isfinite(out.logits).all() and torch.isfinite(out.loss)
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_zoo_card_is_current(name):
+    """The card's parameter count etc. are computed: regenerating it changes nothing."""
+    folder = models_dir() / name
+    data = json.loads((folder / "config.json").read_text())
+    assert data["architecture"] == "LongNetLM"
+    card = (folder / "README.md").read_text()
+    config = LongNetConfig.from_dict(data)
+    assert f"{count_parameters(config):,}" in card
+    assert "No weights exist yet" in card
+    description = card.split("\n")[2]
+    assert card == model_card(config, name, has_weights=False, description=description)
+
+
+def test_base_has_the_paper_shape():
+    config = LongNetConfig.from_pretrained("longnet-base")
+    assert (config.num_layers, config.hidden_size, config.num_heads) == (12, 768, 12)
+    assert config.pattern == DilatedPattern((2048, 4096, 8192, 16384, 32768), (1, 2, 4, 6, 12))
+    assert config.position_encoding == "xpos" and config.sub_ln
