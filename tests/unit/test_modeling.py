@@ -20,6 +20,8 @@ from longnet.modeling import (
     model_card,
     models_dir,
 )
+from longnet.modeling.zoo import ZOO as ZOO_DEFINITIONS
+from longnet.modeling.zoo import write_zoo
 
 F64 = torch.float64
 
@@ -302,6 +304,15 @@ def test_zoo_card_is_current(name):
     assert "No weights exist yet" in card
     description = card.split("\n")[2]
     assert card == model_card(config, name, has_weights=False, description=description)
+
+
+def test_zoo_folders_match_their_definitions(tmp_path):
+    """models/ is what ``python -m longnet.modeling.zoo`` writes (configs and cards)."""
+    assert sorted(ZOO_DEFINITIONS) == ZOO
+    write_zoo(tmp_path)
+    for name in ZOO:
+        for file in ("config.json", "README.md"):
+            assert (tmp_path / name / file).read_text() == (models_dir() / name / file).read_text()
 
 
 def test_base_has_the_paper_shape():
