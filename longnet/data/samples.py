@@ -11,7 +11,24 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from longnet.data.splits import SPLITS
+
 IGNORE_INDEX = -100
+SPLIT_STREAMS = {split: stream for stream, split in enumerate(SPLITS)}
+
+
+def sample_rng(seed: int, split: str, index: int) -> np.random.Generator:
+    """The random generator of sample ``index`` of a synthetic ``split`` under ``seed``.
+
+    Seeded by ``(seed, split, index)`` through ``numpy.random.SeedSequence``, so any sample can
+    be regenerated alone (map-style datasets, any sampler, any worker), the three splits of one
+    seed are independent streams, and different seeds give different samples.
+    """
+    if split not in SPLIT_STREAMS:
+        raise ValueError(f"split must be one of {sorted(SPLIT_STREAMS)}, got {split!r}.")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}.")
+    return np.random.default_rng([seed, SPLIT_STREAMS[split], index])
 
 
 def shifted_sample(
@@ -28,8 +45,8 @@ def shifted_sample(
     Returns:
         ``{"input_ids": (seq_len,), "labels": (seq_len,)}``, both int64.
     """
-    tokens = torch.as_tensor(np.asarray(tokens), dtype=torch.long)
+    tokens = torch.tensor(np.asarray(tokens), dtype=torch.long)
     labels = tokens[1:].clone()
     if labelled is not None:
-        labels[~torch.as_tensor(np.asarray(labelled), dtype=torch.bool)] = IGNORE_INDEX
-    return {"input_ids": tokens[:-1].clone(), "labels": labels}
+        labels[~torch.tensor(np.asarray(labelled), dtype=torch.bool)] = IGNORE_INDEX
+    return {"input_ids": tokens[:-1], "labels": labels}

@@ -30,6 +30,8 @@ from longnet.data.tokenizer import EOS_ID, PAD_ID
 def _cut(tokens: np.ndarray, seq_len: int, count: int) -> tuple[np.ndarray, np.ndarray]:
     """``count`` windows of ``seq_len + 1`` tokens at stride ``seq_len``, split into
     ``(count, seq_len)`` inputs and shifted labels."""
+    if count == 0:
+        return np.empty((0, seq_len), dtype=np.uint8), np.empty((0, seq_len), dtype=np.int16)
     windows = np.lib.stride_tricks.sliding_window_view(tokens, seq_len + 1)[::seq_len][:count]
     return windows[:, :-1].astype(np.uint8), windows[:, 1:].astype(np.int16)
 
