@@ -1,0 +1,228 @@
+"""Long-document corpora processed into windows with ``datasets`` and cached on disk.
+
+Pipeline (``build_long_document_splits``), every step a ``datasets`` operation:
+
+1. read the source's documents (``sources.load_documents``);
+2. batched ``map``: UTF-8 bytes, a content hash and a split per document; empty documents
+   are dropped;
+3. keep the first documents (source order) up to ``max_documents`` and until their bytes
+   reach ``max_bytes`` (the last kept document may cross it);
+4. per split, batched ``map`` into windows (``windows.py``): training windows packed across
+   documents, evaluation windows inside one document each, tagged with ``doc_id``/``offset``;
+5. ``save_to_disk`` under a cache entry keyed by the file list (sizes, mtimes) and settings.
+
+A later call with the same files and settings loads the entry (memory-mapped) and runs no map.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow.compute as pc
+from datasets import Dataset, Features, Sequence, Value, load_from_disk
+
+from longnet.data.cache import build_once, fingerprint
+from longnet.data.sources import DocumentSource, load_documents
+from longnet.data.splits import SPLITS, check_fractions, document_hash, split_of
+from longnet.data.tokenizer import ByteTokenizer
+from longnet.data.windows import document_windows, packed_windows
+
+CORPUS_FORMAT_VERSION = 1
+SAMPLE_COLUMNS = ["input_ids", "labels"]
+
+
+@dataclass(frozen=True)
+class CorpusSettings:
+    """Processing settings; every field is part of the cache key.
+
+    Attributes:
+        seq_len: tokens per sample (windows hold ``seq_len + 1`` tokens).
+        val_fraction, test_fraction: expected shares of documents in validation and test.
+        max_documents: keep at most this many (non-empty) documents, in source order.
+        max_bytes: stop keeping documents once their bytes reach this many.
+    """
+
+    seq_len: int
+    val_fraction: float = 0.05
+    test_fraction: float = 0.05
+    max_documents: int | None = None
+    max_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_positive("seq_len", self.seq_len)
+        check_fractions(self.val_fraction, self.test_fraction)
+        for name in ("max_documents", "max_bytes"):
+            if getattr(self, name) is not None:
+                _check_positive(name, getattr(self, name))
+
+
+@dataclass(frozen=True)
+class LongDocumentSplits:
+    """The processed corpus.
+
+    Attributes:
+        train: packed windows, torch format ``{"input_ids", "labels"}`` each ``(seq_len,)``.
+        validation, test: windows inside one document each, same torch format; the hidden
+            columns ``doc_id`` (the document's hash) and ``offset`` (of the window's first input
+            in ``[EOS] + document + [EOS]``) are readable through ``.with_format(None)``.
+        documents: one row per kept document in stream order: ``doc_id``, ``split``,
+            ``num_bytes``.
+        path: the cache entry.
+        built: True when this call processed the data, False when it loaded the cache.
+    """
+
+    train: Dataset
+    validation: Dataset
+    test: Dataset
+    documents: Dataset
+    path: Path
+    built: bool
+
+
+def _check_positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+
+def corpus_cache_key(source: DocumentSource, settings: CorpusSettings) -> str:
+    """The cache key of ``source`` processed with ``settings``."""
+    return fingerprint({
+        "version": CORPUS_FORMAT_VERSION,
+        "format": source.format,
+        "text_column": source.text_column,
+        "files": source.file_stats(),
+        "settings": asdict(settings),
+    })
+
+
+def _encode_batch(
+    batch: dict[str, list], val_fraction: float, test_fraction: float
+) -> dict[str, list]:
+    tokenizer = ByteTokenizer()
+    out: dict[str, list] = {"tokens": [], "doc_id": [], "split": []}
+    for text in batch["text"]:
+        tokens = tokenizer.encode_array(text or "")
+        if len(tokens) == 0:
+            continue
+        doc_id = document_hash(tokens)
+        out["tokens"].append(tokens)
+        out["doc_id"].append(doc_id)
+        out["split"].append(split_of(doc_id, val_fraction, test_fraction))
+    return out
+
+
+def _pack_batch(batch: dict[str, list], seq_len: int) -> dict[str, np.ndarray]:
+    inputs, labels = packed_windows(list(batch["tokens"]), seq_len)
+    return {"input_ids": inputs, "labels": labels}
+
+
+def _document_batch(batch: dict[str, list], seq_len: int) -> dict[str, np.ndarray]:
+    parts = [document_windows(tokens, seq_len) for tokens in batch["tokens"]]
+    counts = [len(offsets) for _, _, offsets in parts]
+    return {
+        "input_ids": np.concatenate([inputs for inputs, _, _ in parts]),
+        "labels": np.concatenate([labels for _, labels, _ in parts]),
+        "doc_id": np.repeat(np.asarray(batch["doc_id"], dtype=object), counts),
+        "offset": np.concatenate([offsets for _, _, offsets in parts]),
+    }
+
+
+def _documents_kept(num_bytes: np.ndarray, settings: CorpusSettings) -> int:
+    """How many leading documents the ``max_documents``/``max_bytes`` limits keep."""
+    count = len(num_bytes)
+    if settings.max_documents is not None:
+        count = min(count, settings.max_documents)
+    if settings.max_bytes is not None:
+        reached = np.flatnonzero(np.cumsum(num_bytes[:count]) >= settings.max_bytes)
+        if reached.size:
+            count = int(reached[0]) + 1
+    return count
+
+
+def _window_features(seq_len: int, with_document: bool) -> Features:
+    columns = {
+        "input_ids": Sequence(Value("uint8"), length=seq_len),
+        "labels": Sequence(Value("int16"), length=seq_len),
+    }
+    if with_document:
+        columns |= {"doc_id": Value("string"), "offset": Value("int64")}
+    return Features(columns)
+
+
+def _build(source: DocumentSource, settings: CorpusSettings, staging: Path) -> None:
+    documents = load_documents(source, staging / "hf")
+    documents = documents.map(
+        _encode_batch,
+        batched=True,
+        remove_columns=documents.column_names,
+        fn_kwargs={"val_fraction": settings.val_fraction, "test_fraction": settings.test_fraction},
+        features=Features({
+            "tokens": Sequence(Value("uint8")), "doc_id": Value("string"), "split": Value("string"),
+        }),
+        desc="encode documents",
+    )
+    num_bytes = pc.list_value_length(documents.data.column("tokens")).to_numpy()
+    documents = documents.select(range(_documents_kept(num_bytes, settings)))
+    if len(documents) == 0:
+        raise ValueError(f"{source.name} corpus: no non-empty document in {len(source.files)} "
+                         "files; point data_files at files with text.")
+    split_column = np.asarray(documents["split"][:])
+    counts = {}
+    for split in SPLITS:
+        part = documents.select(np.flatnonzero(split_column == split)).with_format("numpy")
+        counts[split] = len(part)
+        if len(part) == 0:
+            raise ValueError(
+                f"{source.name} corpus: the {split} split is empty ({len(documents)} documents "
+                f"kept, val_fraction={settings.val_fraction}, test_fraction="
+                f"{settings.test_fraction}); raise max_documents/max_bytes or give more files."
+            )
+        train = split == "train"
+        windows = part.map(
+            _pack_batch if train else _document_batch,
+            batched=True,
+            batch_size=None if train else 256,
+            remove_columns=part.column_names,
+            fn_kwargs={"seq_len": settings.seq_len},
+            features=_window_features(settings.seq_len, with_document=not train),
+            desc=f"{split} windows",
+        )
+        if len(windows) == 0:
+            raise ValueError(
+                f"{source.name} corpus: the train split's {counts[split]} documents make no "
+                f"window of seq_len + 1 = {settings.seq_len + 1} tokens; lower seq_len or "
+                "raise max_documents/max_bytes."
+            )
+        windows.save_to_disk(str(staging / split))
+    index = documents.remove_columns("tokens").add_column("num_bytes", num_bytes[:len(documents)])
+    index.save_to_disk(str(staging / "documents"))
+    info = {"source": source.name, "format": source.format, "files": len(source.files),
+            "settings": asdict(settings), "documents": counts}
+    (staging / "info.json").write_text(json.dumps(info, indent=2) + "\n")
+    shutil.rmtree(staging / "hf")  # intermediate arrow files are not part of the entry
+
+
+def build_long_document_splits(
+    source: DocumentSource, settings: CorpusSettings, cache_dir: str | Path
+) -> LongDocumentSplits:
+    """Process ``source`` into train/validation/test windows, or load them from the cache.
+
+    The cache entry is ``<cache_dir>/<source.name>-<corpus_cache_key>``; it is rebuilt when
+    the files (list, sizes, mtimes) or the settings change.
+
+    Raises:
+        ValueError: no document, an empty split, or no full training window.
+    """
+    entry = Path(cache_dir) / f"{source.name}-{corpus_cache_key(source, settings)}"
+    built = build_once(entry, lambda staging: _build(source, settings, staging))
+    splits = {}
+    for split in SPLITS:
+        splits[split] = load_from_disk(str(entry / split))
+        splits[split].set_format("torch", columns=SAMPLE_COLUMNS)
+    return LongDocumentSplits(
+        documents=load_from_disk(str(entry / "documents")), path=entry, built=built, **splits
+    )
