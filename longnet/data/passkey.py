@@ -1,0 +1,157 @@
+"""Passkey retrieval (Mohtashami & Jaggi 2023): find a number hidden in filler text.
+
+A sample of ``length`` bytes (all ASCII, so bytes and characters coincide) reads::
+
+    <TASK><filler...><NEEDLE with the key><...filler>\\nWhat is the pass key? The pass key is <key>
+
+The needle starts at a sentence boundary of the filler nearest to the requested depth (0 = right
+after the task line, 1 = right before the question); the key has ``num_digits`` digits and no
+leading zero. The prompt is everything before the key, so an evaluator feeds the prompt and
+greedily generates ``num_digits`` bytes (``passkey_examples`` + ``passkey_match``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from longnet.data.samples import sample_rng, shifted_sample
+from longnet.data.tokenizer import ByteTokenizer
+
+TASK = (
+    "There is an important piece of information hidden inside a lot of irrelevant text. "
+    "Find it and memorize it. I will quiz you about it.\n"
+)
+FILLER = (
+    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+)
+NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
+QUESTION = "\nWhat is the pass key? The pass key is "
+LabelMode = Literal["answer", "all"]
+
+
+@dataclass(frozen=True)
+class PasskeyExample:
+    """One passkey prompt and its answer.
+
+    Attributes:
+        prompt: the text up to the answer (``len(prompt) + len(answer)`` is the length asked).
+        answer: the key's digits.
+        depth: where the needle starts, as a fraction of the filler in ``[0, 1]``.
+    """
+
+    prompt: str
+    answer: str
+    depth: float
+
+
+def min_passkey_length(num_digits: int = 5) -> int:
+    """The shortest sample (bytes, answer included) with ``num_digits`` digits and no filler."""
+    return len(TASK) + len(NEEDLE.format(key="0" * num_digits)) + len(QUESTION) + num_digits
+
+
+def make_passkey_example(
+    length: int, rng: np.random.Generator, depth: float | None = None, num_digits: int = 5
+) -> PasskeyExample:
+    """A passkey example of exactly ``length`` bytes, prompt plus answer.
+
+    Args:
+        length: total bytes, at least ``min_passkey_length(num_digits)``.
+        rng: the source of the key and, when ``depth`` is None, of the depth.
+        depth: needle depth in ``[0, 1]``; None draws it uniformly.
+        num_digits: digits of the key (1-18).
+    """
+    _check_passkey_args(length, depth, num_digits)
+    key = str(int(rng.integers(10 ** (num_digits - 1), 10**num_digits)))
+    depth = float(rng.random()) if depth is None else depth
+    budget = length - min_passkey_length(num_digits)
+    filler = (FILLER * (budget // len(FILLER) + 1))[:budget]
+    boundaries = np.array([0, *(m.end() for m in re.finditer(r"\. ", filler)), budget])
+    cut = int(boundaries[np.argmin(np.abs(boundaries - depth * budget))])
+    prompt = TASK + filler[:cut] + NEEDLE.format(key=key) + filler[cut:] + QUESTION
+    return PasskeyExample(prompt=prompt, answer=key, depth=cut / budget if budget else 0.0)
+
+
+def _check_passkey_args(length: int, depth: float | None, num_digits: int) -> None:
+    if isinstance(num_digits, bool) or not isinstance(num_digits, int) or not 1 <= num_digits <= 18:
+        raise ValueError(f"num_digits must be an integer in [1, 18], got {num_digits!r}.")
+    if length < min_passkey_length(num_digits):
+        raise ValueError(
+            f"passkey length {length} is too short: the task, needle and question need "
+            f"{min_passkey_length(num_digits)} bytes with num_digits={num_digits}; raise seq_len."
+        )
+    if depth is not None and not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be in [0, 1] or None (random), got {depth!r}.")
+
+
+def passkey_examples(
+    count: int, length: int, depth: float | None = None, seed: int = 0, num_digits: int = 5
+) -> list[PasskeyExample]:
+    """``count`` (prompt, answer) examples of ``length`` bytes for evaluation.
+
+    Example ``i`` is example ``i`` of ``PasskeyDataset(length - 1, ..., seed=seed,
+    split="test")`` when the depth and digits agree.
+    """
+    return [
+        make_passkey_example(length, sample_rng(seed, "test", index), depth, num_digits)
+        for index in range(count)
+    ]
+
+
+def passkey_match(generated: str, answer: str) -> bool:
+    """Exact match: ``generated`` starts with ``answer`` and no further digit follows it."""
+    return generated.startswith(answer) and not generated[len(answer):len(answer) + 1].isdigit()
+
+
+class PasskeyDataset(Dataset):
+    """Map-style dataset of passkey samples, each generated from ``(seed, split, index)``.
+
+    A sample is ``{"input_ids": (seq_len,), "labels": (seq_len,)}`` (int64) of an example of
+    ``seq_len + 1`` bytes. ``label_mode="answer"`` labels only the positions that predict the
+    key's digits (``num_digits`` positions); ``"all"`` labels every position (language
+    modelling on the whole text, the key included).
+    """
+
+    def __init__(
+        self,
+        seq_len: int,
+        size: int,
+        seed: int = 0,
+        split: str = "train",
+        depth: float | None = None,
+        num_digits: int = 5,
+        label_mode: LabelMode = "answer",
+    ) -> None:
+        if label_mode not in ("answer", "all"):
+            raise ValueError(f"label_mode must be 'answer' or 'all', got {label_mode!r}.")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"size must be a non-negative integer, got {size!r}.")
+        _check_passkey_args(seq_len + 1, depth, num_digits)
+        sample_rng(seed, split, 0)  # validates seed and split
+        self.seq_len, self.size, self.seed, self.split = seq_len, size, seed, split
+        self.depth, self.num_digits, self.label_mode = depth, num_digits, label_mode
+        self.tokenizer = ByteTokenizer()
+
+    def __len__(self) -> int:
+        return self.size
+
+    def example(self, index: int) -> PasskeyExample:
+        """The text behind sample ``index``."""
+        if not 0 <= index < self.size:
+            raise IndexError(f"index {index} out of range for a dataset of {self.size}.")
+        rng = sample_rng(self.seed, self.split, index)
+        return make_passkey_example(self.seq_len + 1, rng, self.depth, self.num_digits)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        example = self.example(index)
+        tokens = self.tokenizer.encode_array(example.prompt + example.answer)
+        if self.label_mode == "all":
+            return shifted_sample(tokens)
+        labelled = np.zeros(self.seq_len, dtype=bool)
+        labelled[len(example.prompt) - 1:] = True
+        return shifted_sample(tokens, labelled)
