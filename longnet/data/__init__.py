@@ -1,0 +1,50 @@
+"""Data for longnet: byte tokenization, long-document corpora and generated long-range tasks.
+
+Every dataset is map-style and yields ``{"input_ids": LongTensor (seq_len,), "labels":
+LongTensor (seq_len,)}`` with labels already shifted (``-100`` where no loss is taken).
+Recipes and cache layout: ``data/README.md``.
+"""
+
+from longnet.data.answers import answer_accuracy, answer_exact_match
+from longnet.data.corpus import CorpusSettings, LongDocumentSplits, build_long_document_splits
+from longnet.data.long_document import LongDocumentDataModule
+from longnet.data.mqar import MQARDataset, MQARExample, make_mqar_example
+from longnet.data.passkey import (
+    PasskeyDataset,
+    PasskeyExample,
+    make_passkey_example,
+    passkey_examples,
+    passkey_match,
+)
+from longnet.data.samples import IGNORE_INDEX, sample_rng
+from longnet.data.sources import DocumentSource, files_source, stdlib_source
+from longnet.data.synthetic import MQARDataModule, PasskeyDataModule
+from longnet.data.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE, ByteTokenizer
+
+__all__ = [
+    "EOS_ID",
+    "IGNORE_INDEX",
+    "PAD_ID",
+    "VOCAB_SIZE",
+    "ByteTokenizer",
+    "CorpusSettings",
+    "DocumentSource",
+    "LongDocumentDataModule",
+    "LongDocumentSplits",
+    "MQARDataModule",
+    "MQARDataset",
+    "MQARExample",
+    "PasskeyDataModule",
+    "PasskeyDataset",
+    "PasskeyExample",
+    "answer_accuracy",
+    "answer_exact_match",
+    "build_long_document_splits",
+    "files_source",
+    "make_mqar_example",
+    "make_passkey_example",
+    "passkey_examples",
+    "passkey_match",
+    "sample_rng",
+    "stdlib_source",
+]

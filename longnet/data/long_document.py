@@ -1,0 +1,133 @@
+"""``LongDocumentDataModule``: causal-LM windows of long documents, optionally mixed with
+passkey examples."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+from torch.utils.data import ConcatDataset, DataLoader, Dataset
+
+from longnet.data.cache import default_cache_dir
+from longnet.data.corpus import CorpusSettings, LongDocumentSplits, build_long_document_splits
+from longnet.data.loaders import check_loader_args, make_loader
+from longnet.data.passkey import LabelMode, PasskeyDataset
+from longnet.data.sources import files_source, stdlib_source
+from longnet.data.tokenizer import ByteTokenizer
+
+
+class LongDocumentDataModule(L.LightningDataModule):
+    """Byte-level windows of long documents (see ``data/README.md`` for the recipe).
+
+    Samples are ``{"input_ids": (seq_len,), "labels": (seq_len,)}`` int64 with shifted labels;
+    batches stack them to ``(batch_size, seq_len)``. Training windows are packed across
+    documents and shuffled; validation/test windows lie inside one document each, the last
+    window of a document padded (labels ``-100``), in document order.
+
+    Args:
+        seq_len: tokens per sample.
+        batch_size: samples per training batch.
+        data_files: glob(s) of local text/json/parquet files; None uses the running Python's
+            standard-library sources.
+        text_column: column holding the text in json/parquet rows.
+        val_fraction, test_fraction: expected shares of documents held out (hash split).
+        max_documents, max_bytes: keep only the first documents (source order) to bound size.
+        passkey_fraction: share in ``[0, 1)`` of training samples that are passkey examples
+            (drawn on the fly from ``seed``); validation and test stay pure text.
+        passkey_label_mode: ``"all"`` (language modelling on the whole passkey text) or
+            ``"answer"`` (loss on the key's digits only) for the mixed-in examples.
+        seed: seed of the mixed-in passkey examples.
+        cache_dir: where processed corpora are cached; None is the repository's ``data/cache``.
+        num_workers: DataLoader worker processes.
+        eval_batch_size: samples per validation/test batch; None uses ``batch_size``.
+
+    Raises:
+        FileNotFoundError: a ``data_files`` pattern matches nothing (raised here, before work).
+        ValueError: an argument is out of range (the message names it).
+    """
+
+    def __init__(
+        self,
+        seq_len: int = 1024,
+        batch_size: int = 8,
+        data_files: str | list[str] | None = None,
+        text_column: str = "text",
+        val_fraction: float = 0.05,
+        test_fraction: float = 0.05,
+        max_documents: int | None = None,
+        max_bytes: int | None = None,
+        passkey_fraction: float = 0.0,
+        passkey_label_mode: LabelMode = "all",
+        seed: int = 0,
+        cache_dir: str | None = None,
+        num_workers: int = 0,
+        eval_batch_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.settings = CorpusSettings(
+            seq_len=seq_len,
+            val_fraction=val_fraction,
+            test_fraction=test_fraction,
+            max_documents=max_documents,
+            max_bytes=max_bytes,
+        )
+        self.batch_size = batch_size
+        self.eval_batch_size = batch_size if eval_batch_size is None else eval_batch_size
+        self.num_workers = num_workers
+        check_loader_args(batch_size, num_workers)
+        check_loader_args(self.eval_batch_size, num_workers)
+        if not 0.0 <= passkey_fraction < 1.0:
+            raise ValueError(f"passkey_fraction must be in [0, 1), got {passkey_fraction!r}.")
+        if passkey_fraction > 0:  # validates seq_len, seed and label mode for passkeys now
+            PasskeyDataset(seq_len, 0, seed=seed, label_mode=passkey_label_mode)
+        self.passkey_fraction, self.passkey_label_mode, self.seed = (
+            passkey_fraction, passkey_label_mode, seed
+        )
+        self.source = (
+            stdlib_source() if data_files is None else files_source(data_files, text_column)
+        )
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        self.tokenizer = ByteTokenizer()
+        self.splits: LongDocumentSplits | None = None
+        self.train_dataset: Dataset | None = None
+        self.val_dataset: Dataset | None = None
+        self.test_dataset: Dataset | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids are bytes: 256."""
+        return self.tokenizer.vocab_size
+
+    def prepare_data(self) -> None:
+        """Build the processed corpus in the cache (once per node; a no-op when cached)."""
+        build_long_document_splits(self.source, self.settings, self.cache_dir)
+
+    def setup(self, stage: str | None = None) -> None:
+        """Load the splits from the cache (building them if ``prepare_data`` did not run)."""
+        if self.splits is not None:
+            return
+        self.splits = build_long_document_splits(self.source, self.settings, self.cache_dir)
+        self.train_dataset = self.splits.train
+        self.val_dataset, self.test_dataset = self.splits.validation, self.splits.test
+        if self.passkey_fraction > 0:
+            share = self.passkey_fraction
+            count = round(len(self.splits.train) * share / (1 - share))
+            passkeys = PasskeyDataset(
+                self.settings.seq_len, count, seed=self.seed, label_mode=self.passkey_label_mode
+            )
+            self.train_dataset = ConcatDataset([self.splits.train, passkeys])
+
+    def _loader(self, dataset: Dataset | None, batch_size: int, shuffle: bool) -> DataLoader:
+        if dataset is None:
+            raise RuntimeError("LongDocumentDataModule: call setup() before asking for a loader.")
+        return make_loader(dataset, batch_size, self.num_workers, shuffle)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_dataset, self.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_dataset, self.eval_batch_size, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(self.test_dataset, self.eval_batch_size, shuffle=False)
