@@ -101,3 +101,25 @@ def _check_case(rank: int, world_size: int, device: torch.device, case: dict, se
             assert same_inf and error <= TOL, (
                 f"rank {rank}: {name} vs {label}: max error {error:.2e}"
             )
+
+
+def check_ring_errors(rank: int, world_size: int, device: torch.device) -> list[str]:
+    """Bad sequence-parallel calls raise a clear error on every rank instead of hanging."""
+    failures = []
+
+    def expect(message: str, **kwargs) -> None:
+        shard_len = kwargs.pop("shard_len", 12)
+        q = torch.randn(1, shard_len, 2, 4, dtype=torch.float64, device=device)
+        try:
+            dilated_attention(q, q, q, group=dist.group.WORLD, **kwargs)
+        except ValueError as error:
+            if message not in str(error):
+                failures.append(f"expected {message!r}, got {error}")
+        else:
+            failures.append(f"no error for {kwargs} (expected {message!r})")
+
+    expect("another rank passed different", pattern=[(12, 1)], shard_len=12 + (rank == 0))
+    expect("another rank passed different", pattern=[(12, 1 + (rank == 1))])
+    expect("padded_length", pattern=[(5, 1)], shard_len=6)
+    expect("transport must be one of", pattern=[(12, 1)], transport="broadcast")
+    return failures

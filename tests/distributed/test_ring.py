@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed.launcher import run_workers
-from tests.distributed.ring_cases import check_ring_cases
+from tests.distributed.ring_cases import check_ring_cases, check_ring_errors
 
 pytestmark = pytest.mark.distributed
 
@@ -20,3 +20,9 @@ def test_ring_matches_single_device_and_reference(world_size):
 def test_ring_matches_single_device_and_reference_world_8():
     failures = run_workers(check_ring_cases, 8, timeout=1200)
     assert not any(failures), "\n".join(f for rank_failures in failures for f in rank_failures)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_bad_calls_raise_on_every_rank(world_size):
+    failures = run_workers(check_ring_errors, world_size, timeout=300)
+    assert not any(failures), failures

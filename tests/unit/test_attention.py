@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from longnet.attention import DilatedPattern, dilated_attention
+from longnet.attention import DilatedPattern, dilated_attention, padded_length
 from longnet.attention.kernels import (
     cpu_flash_backward,
     cpu_flash_forward,
@@ -255,3 +255,16 @@ def test_cuda_matches_reference(dtype, tol, causal):
     torch.testing.assert_close(lse.double().cpu(), truth_lse, atol=tol, rtol=0)
     for grad, truth_grad in zip(grads, truth_grads):
         torch.testing.assert_close(grad.double().cpu(), truth_grad, atol=10 * tol, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "seq_len,branches,world,expected",
+    [
+        (100, [(8, 1), (32, 2)], 4, 128),  # shard 25 -> 32 (8 divides it, 32 equals it)
+        (96, [(8, 1), (32, 2)], 4, 128),  # shard 24: 32 is no multiple of 24
+        (30, [(4, 1), (1000, 4)], 3, 36),  # w beyond the sequence is capped at the length
+        (7, [(16, 1)], 1, 7),
+    ],
+)
+def test_padded_length(seq_len, branches, world, expected):
+    assert padded_length(seq_len, branches, world) == expected
