@@ -225,14 +225,22 @@ class _Peers:
         self.ranks = [group_ranks[member] for member in branch.members]
         self.where = f"rank {dist.get_rank()} ({branch.label}, {phase})"
 
-    def _run(self, ops: list[dist.P2POp], step: str) -> None:
-        try:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-        except Exception as error:  # a dead or mismatched peer: say who and where
-            raise RuntimeError(
-                f"dilated_attention: {self.where} failed at {step}: {error}"
-            ) from error
+    def _post(self, ops: list[dist.P2POp], step: str) -> Callable[[], None]:
+        """Start ``ops`` as one batch; returns a function that waits for all of them (and keeps
+        their tensors alive until then), raising an error that names the rank and the step."""
+        works = dist.batch_isend_irecv(ops) if ops else []
+
+        def wait() -> None:
+            try:
+                for work in works:
+                    work.wait()
+            except Exception as error:  # a dead or mismatched peer: say who and where
+                raise RuntimeError(
+                    f"dilated_attention: {self.where} failed at {step}: {error}"
+                ) from error
+            ops.clear()
+
+        return wait
 
     def shift(self, tensor: Tensor, hop: int, tag: int = 0) -> Callable[[], Tensor]:
         """Post: send ``tensor`` to the next member, receive the previous member's; returns a
@@ -248,19 +256,8 @@ class _Peers:
             ),
             dist.P2POp(dist.irecv, received, self.ranks[(index - 1) % size], self.group, tag),
         ]
-        works = dist.batch_isend_irecv(ops)
-
-        def wait() -> Tensor:
-            try:
-                for work in works:
-                    work.wait()
-            except Exception as error:
-                raise RuntimeError(
-                    f"dilated_attention: {self.where} failed at hop {hop}: {error}"
-                ) from error
-            return received
-
-        return wait
+        wait = self._post(ops, f"hop {hop}")
+        return lambda: (wait(), received)[1]
 
     def all_gather(self, tensor: Tensor) -> list[Tensor]:
         """Every member's ``tensor`` (same shape everywhere), in member order."""
@@ -274,7 +271,7 @@ class _Peers:
                 ops.append(dist.P2POp(dist.isend, tensor.contiguous(), rank, self.group))
                 ops.append(dist.P2POp(dist.irecv, blocks[member], rank, self.group))
         if ops:
-            self._run(ops, "all-gather")
+            self._post(ops, "all-gather")()
         return blocks
 
     def reduce_to_owners(self, partials: list[Tensor | None], causal: bool) -> Tensor:
@@ -293,7 +290,7 @@ class _Peers:
                 received.append(buffer)
                 ops.append(dist.P2POp(dist.irecv, buffer, rank, self.group))
         if ops:
-            self._run(ops, "reduce")
+            self._post(ops, "reduce")()
         for buffer in received:
             total += buffer
         return total
