@@ -356,10 +356,11 @@ class LongNetEncoder(LongNetPreTrained):
         rank, world = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
         if pooling == "mean":
             local = hidden.sum(dim=1) / (hidden.shape[1] * world)
-        elif pooling == "first":
-            local = hidden[:, 0] if rank == 0 else torch.zeros_like(hidden[:, 0])
         else:
-            local = hidden[:, -1] if rank == world - 1 else torch.zeros_like(hidden[:, -1])
+            # Multiply by 0 on the other ranks instead of using zeros: every rank's autograd
+            # graph must still reach its blocks, whose backward communicates with the others.
+            owner = 0 if pooling == "first" else world - 1
+            local = hidden[:, 0 if pooling == "first" else -1] * float(rank == owner)
         return _AllReduceSum.apply(local, group)
 
     def forward(

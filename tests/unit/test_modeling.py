@@ -320,3 +320,62 @@ def test_base_has_the_paper_shape():
     assert (config.num_layers, config.hidden_size, config.num_heads) == (12, 768, 12)
     assert config.pattern == DilatedPattern((2048, 4096, 8192, 16384, 32768), (1, 2, 4, 6, 12))
     assert config.position_encoding == "xpos" and config.sub_ln
+
+
+# ---------------------------------------------------------------------- sequence parallel
+def _sequence_parallel_case(rank, world_size, device):
+    """On every rank: the shard results with ``group`` equal the single-device results."""
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    seq = 16 * world_size
+    # the 32-segment spans two ranks' shards, so the ring path is exercised
+    overrides = dict(segment_lengths=(4, 8, 32), dilation_rates=(1, 2, 4), num_kv_heads=2)
+    lm = make_lm(seed=5, gradient_checkpointing=True, **overrides).double().to(device)
+    torch.manual_seed(6)
+    x = torch.randint(0, 40, (2, seq), device=device)
+    labels = torch.randint(0, 40, (2, seq), device=device)
+    full = lm(x, labels=labels)
+    full.loss.backward()
+    full_grads = {n: p.grad.clone() for n, p in lm.named_parameters()}
+    lm.zero_grad()
+    shard = slice(rank * 16, (rank + 1) * 16)
+    local = lm(x[:, shard], labels=labels[:, shard], group=group)  # default global positions
+    explicit = lm(x[:, shard], position_ids=torch.arange(seq, device=device)[shard], group=group)
+    (local.loss_sum / full.num_tokens).backward()
+    failures = []
+    if not torch.allclose(local.logits, full.logits[:, shard], rtol=1e-9, atol=1e-9):
+        failures.append(f"rank {rank}: LM logits differ")
+    if not torch.equal(explicit.logits, local.logits):
+        failures.append(f"rank {rank}: explicit position_ids differ from the default ones")
+    for name, p in lm.named_parameters():
+        grad = p.grad.clone()
+        dist.all_reduce(grad, group=group)
+        if not torch.allclose(grad, full_grads[name], rtol=1e-9, atol=1e-9):
+            failures.append(f"rank {rank}: gradient of {name} differs")
+    classes = labels[:, 0] % 2
+    for pooling in ("mean", "first", "last"):
+        torch.manual_seed(0)
+        encoder = LongNetEncoder(small_config(pooling=pooling, **overrides)).double().to(device)
+        whole = encoder(x, labels=classes)
+        whole.loss.backward()
+        whole_grads = {n: p.grad.clone() for n, p in encoder.named_parameters()}
+        encoder.zero_grad()
+        part = encoder(x[:, shard], labels=classes, group=group)
+        if not torch.allclose(part.logits, whole.logits, rtol=1e-9, atol=1e-9):
+            failures.append(f"rank {rank}: encoder logits differ ({pooling} pooling)")
+        (part.loss / world_size).backward()  # every rank holds the same loss
+        for name, p in encoder.named_parameters():
+            grad = p.grad.clone()
+            dist.all_reduce(grad, group=group)
+            if not torch.allclose(grad, whole_grads[name], rtol=1e-9, atol=1e-9):
+                failures.append(f"rank {rank}: encoder gradient of {name} ({pooling})")
+    return failures
+
+
+@pytest.mark.distributed
+def test_models_on_sequence_parallel_shards_equal_single_device():
+    from tests.distributed.launcher import run_workers
+
+    failures = run_workers(_sequence_parallel_case, 2, timeout=300)
+    assert not any(failures), failures

@@ -270,3 +270,22 @@ def test_block_gradient_checkpointing_gives_equal_gradients():
         grads.append([xi.grad] + [p.grad for p in block.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [DilatedPattern((3, 5, 12), (1, 2, 3)), DilatedPattern((4, 10), (2, 3))],
+    ids=["not-nested", "no-rate-1"],
+)
+def test_cached_chunks_equal_full_run_for_irregular_patterns(pattern):
+    torch.manual_seed(6)
+    attn = MultiheadDilatedAttention(
+        24, 6, pattern, causal=True, positional=RotaryEmbedding(4)
+    ).double()
+    x = torch.randn(2, 41, 24, dtype=F64)
+    full = attn(x)
+    cache = LayerKVCache()
+    chunks = [(0, 7), (7, 8), (8, 20), *[(i, i + 1) for i in range(20, 41)]]
+    out = torch.cat([attn(x[:, a:b], cache=cache) for a, b in chunks], dim=1)
+    assert torch.isfinite(full).all()
+    torch.testing.assert_close(out, full, rtol=1e-10, atol=1e-10)
