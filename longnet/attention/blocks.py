@@ -12,9 +12,9 @@ from torch import Tensor
 
 from longnet.attention.kernels import accumulation_dtype, math_backward, select_kernels
 from longnet.attention.layout import BlockGroup, gather, scatter_
-from longnet.attention.merge import lse_merge
+from longnet.attention.merge import lse_merge_
 
-CHUNK_ELEMENTS = 2**24
+CHUNK_ELEMENTS = 2**18
 """Upper bound on the elements of one gathered tensor (bounds the working memory)."""
 
 
@@ -26,22 +26,30 @@ def accumulators(q: Tensor) -> tuple[Tensor, Tensor]:
     return out, lse
 
 
-def chunks(groups: Sequence[BlockGroup], batch: int, head_dim: int) -> Iterator[BlockGroup]:
-    """``groups`` split into pieces of whole segments of at most ``CHUNK_ELEMENTS`` elements."""
-    for group in groups:
-        yield from group.chunks(CHUNK_ELEMENTS, batch * head_dim)
+def _branch_chunks(
+    branches: Sequence[Sequence[BlockGroup]], q: Tensor
+) -> Iterator[tuple[int, BlockGroup]]:
+    """``(branch index, chunk)``: every group split into pieces of at most ``CHUNK_ELEMENTS``."""
+    for index, groups in enumerate(branches):
+        for group in groups:
+            for chunk in group.chunks(CHUNK_ELEMENTS, q.shape[0] * q.shape[-1]):
+                yield index, chunk
 
 
 def merge_into_(
-    out: Tensor, lse: Tensor, group: BlockGroup, block_out: Tensor, block_lse: Tensor
+    out: Tensor, lse: Tensor, group: BlockGroup, block_out: Tensor, block_lse: Tensor, fresh: bool
 ) -> None:
-    """LSE-merge a block result ``(batch', heads, rows, dim)`` / ``(batch', heads, rows)`` into
-    the accumulators at the rows of ``group``."""
-    merged_out, merged_lse = lse_merge(
-        gather(out, group), gather(lse, group)[..., 0], block_out, block_lse
-    )
-    scatter_(out, group, merged_out)
-    scatter_(lse, group, merged_lse[..., None])
+    """Fold a block result ``(batch', heads, rows, dim)`` / ``(batch', heads, rows)`` into the
+    accumulators at the rows of ``group``; ``fresh``: nothing was written there yet (copy)."""
+    if fresh:
+        scatter_(out, group, block_out)
+        scatter_(lse, group, block_lse[..., None])
+        return
+    acc_out, acc_lse = gather(out, group), gather(lse, group)[..., 0]
+    lse_merge_(acc_out, acc_lse, block_out, block_lse)
+    if not group.is_contiguous:  # gathered copies, not views: write them back
+        scatter_(out, group, acc_out)
+        scatter_(lse, group, acc_lse[..., None])
 
 
 def block_backward(
@@ -84,17 +92,19 @@ def attend_local_(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    groups: Sequence[BlockGroup],
+    branches: Sequence[Sequence[BlockGroup]],
     causal: bool,
     scale: float,
 ) -> None:
-    """Merge the attention of every block of ``groups`` into ``out``/``lse`` (in place)."""
+    """Merge the attention of every block of every branch into fresh ``out``/``lse``
+    accumulators (in place). The first branch covers each (row, head) at most once, so it
+    is copied in rather than merged."""
     forward, _ = select_kernels(q.device, q.dtype)
-    for chunk in chunks(groups, q.shape[0], q.shape[-1]):
+    for index, chunk in _branch_chunks(branches, q):
         block_out, block_lse = forward(
             gather(q, chunk), gather(k, chunk), gather(v, chunk), causal, scale
         )
-        merge_into_(out, lse, chunk, block_out, block_lse)
+        merge_into_(out, lse, chunk, block_out, block_lse, fresh=index == 0)
 
 
 def attend_local_backward_(
@@ -106,12 +116,12 @@ def attend_local_backward_(
     out: Tensor,
     lse: Tensor,
     d_lse: Tensor | None,
-    groups: Sequence[BlockGroup],
+    branches: Sequence[Sequence[BlockGroup]],
     causal: bool,
     scale: float,
 ) -> None:
-    """Add the gradients of every block of ``groups`` into ``grads = (dq, dk, dv)`` (in place)."""
-    for chunk in chunks(groups, q.shape[0], q.shape[-1]):
+    """Add the gradients of every block of every branch into ``grads = (dq, dk, dv)``."""
+    for _, chunk in _branch_chunks(branches, q):
         d_out_b, q_b, out_b, lse_b, d_lse_b = query_side(d_out, q, out, lse, d_lse, chunk)
         block_grads = block_backward(
             d_out_b, q_b, gather(k, chunk), gather(v, chunk), out_b, lse_b, d_lse_b, causal, scale

@@ -30,15 +30,15 @@ from longnet.attention.ring import (
 )
 
 
-def block_groups(pattern: DilatedPattern, seq_len: int, num_heads: int) -> list[BlockGroup]:
-    """All block groups of all branches of ``pattern`` over ``seq_len`` tokens."""
-    return [g for w, r in pattern.branches for g in branch_groups(seq_len, num_heads, w, r)]
+def block_groups(pattern: DilatedPattern, seq_len: int, num_heads: int) -> list[list[BlockGroup]]:
+    """The block groups of each branch of ``pattern`` over ``seq_len`` tokens."""
+    return [branch_groups(seq_len, num_heads, w, r) for w, r in pattern.branches]
 
 
 class _DilatedAttention(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, q, k, v, local: list[BlockGroup], rings: list[RingBranch], causal, scale, group
+        ctx, q, k, v, local: list[list[BlockGroup]], rings: list[RingBranch], causal, scale, group
     ):
         out, lse = accumulators(q)
         attend_local_(out, lse, q, k, v, local, causal, scale)

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
-import torch
 from einops import rearrange
 from torch import Tensor
 
@@ -31,17 +30,24 @@ class BlockGroup:
 
     @property
     def is_contiguous(self) -> bool:
-        """True when the blocks are plain views (rate 1: every head takes the whole segment)."""
-        return self.rate == 1
+        """True when the blocks are plain views: rate 1 (every head takes the whole segment)
+        and the heads form one consecutive range."""
+        return self.rate == 1 and self.heads == tuple(range(self.heads[0], self.heads[-1] + 1))
 
     def chunks(self, max_elements: int, row_elements: int) -> Iterator[BlockGroup]:
-        """Split into groups of whole segments holding at most ``max_elements`` elements
-        (``row_elements`` = batch * head_dim elements per row and head)."""
-        per_segment = self.rows * len(self.heads) * row_elements
-        step = max(1, max_elements // max(per_segment, 1))
-        for first in range(0, self.num_segments, step):
-            count = min(step, self.num_segments - first)
-            yield replace(self, start=self.start + first * self.segment_length, num_segments=count)
+        """Split into groups of at most ``max_elements`` elements: whole segments when one
+        segment fits, else single segments of a few heads (``row_elements`` = batch *
+        head_dim elements per row and head)."""
+        per_head = self.rows * row_elements
+        heads_per_chunk = max(1, min(len(self.heads), max_elements // per_head))
+        for first_head in range(0, len(self.heads), heads_per_chunk):
+            part = restrict(self, self.heads[first_head : first_head + heads_per_chunk])
+            step = max(1, max_elements // (per_head * len(part.heads)))
+            for first in range(0, self.num_segments, step):
+                count = min(step, self.num_segments - first)
+                yield replace(
+                    part, start=self.start + first * self.segment_length, num_segments=count
+                )
 
 
 def region_groups(
@@ -92,20 +98,26 @@ def _segments(x: Tensor, group: BlockGroup) -> Tensor:
     return x[:, group.start : end].unflatten(1, (group.num_segments, group.segment_length))
 
 
-def _indices(group: BlockGroup, device: torch.device) -> tuple[Tensor, Tensor]:
-    heads = torch.tensor(group.heads, device=device)
-    offsets = torch.tensor(group.offsets, device=device)
-    rows = offsets[None, :] + group.rate * torch.arange(group.rows, device=device)[:, None]
-    return rows, heads  # (rows, heads), (heads,)
+def _head_rows(segments: Tensor, group: BlockGroup, head: int, offset: int) -> Tensor:
+    """View ``(batch, segments, rows, dim)`` of the rows ``head`` selects (a strided slice)."""
+    last = offset + (group.rows - 1) * group.rate
+    return segments[:, :, offset : last + 1 : group.rate, head]
 
 
 def gather(x: Tensor, group: BlockGroup) -> Tensor:
-    """Blocks of ``x`` ``(batch, seq, heads, dim)`` -> ``(batch * segments, heads, rows, dim)``."""
+    """Blocks of ``x`` ``(batch, seq, heads, dim)`` -> ``(batch * segments, heads, rows, dim)``.
+
+    A view for contiguous groups; otherwise one strided copy per head (no index kernels).
+    """
     segments = _segments(x, group)
     if group.is_contiguous:
-        return rearrange(segments, "b n w h d -> (b n) h w d")
-    rows, heads = _indices(group, x.device)
-    return rearrange(segments[:, :, rows, heads], "b n c h d -> (b n) h c d")
+        heads = slice(group.heads[0], group.heads[-1] + 1)
+        return rearrange(segments[:, :, :, heads], "b n w h d -> (b n) h w d")
+    batch, count, _, _, dim = segments.shape
+    blocks = x.new_empty(batch, count, group.rows, len(group.heads), dim)
+    for i, (head, offset) in enumerate(zip(group.heads, group.offsets)):
+        blocks[:, :, :, i].copy_(_head_rows(segments, group, head, offset))
+    return rearrange(blocks, "b n c h d -> (b n) h c d")
 
 
 def scatter_(x: Tensor, group: BlockGroup, blocks: Tensor, accumulate: bool = False) -> None:
@@ -114,10 +126,9 @@ def scatter_(x: Tensor, group: BlockGroup, blocks: Tensor, accumulate: bool = Fa
     segments = _segments(x, group)
     blocks = rearrange(blocks, "(b n) h c d -> b n c h d", b=x.shape[0])
     if group.is_contiguous:
-        (segments.add_ if accumulate else segments.copy_)(blocks)
+        target = segments[:, :, :, group.heads[0] : group.heads[-1] + 1]
+        (target.add_ if accumulate else target.copy_)(blocks)
         return
-    rows, heads = _indices(group, x.device)
-    if accumulate:
-        segments[:, :, rows, heads] += blocks  # rows are distinct, so this is a true add
-    else:
-        segments[:, :, rows, heads] = blocks
+    for i, (head, offset) in enumerate(zip(group.heads, group.offsets)):
+        target = _head_rows(segments, group, head, offset)
+        (target.add_ if accumulate else target.copy_)(blocks[:, :, :, i])

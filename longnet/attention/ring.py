@@ -147,7 +147,7 @@ class RingBranch:
                 diagonal,
                 scale,
             )
-            merge_into_(out, lse, query_group, block_out, block_lse)
+            merge_into_(out, lse, query_group, block_out, block_lse, fresh=False)
 
     # -- backward --------------------------------------------------------------------------
 
@@ -303,10 +303,11 @@ def plan_sequence_parallel(
     rank: int,
     num_heads: int,
     transports: Sequence[str],
-) -> tuple[list[BlockGroup], list[RingBranch]]:
-    """Split ``pattern`` into local block groups and ring branches for group rank ``rank``."""
+) -> tuple[list[list[BlockGroup]], list[RingBranch]]:
+    """Split ``pattern`` into local branches (their block groups) and ring branches for group
+    rank ``rank``."""
     seq_len = shard_len * world_size
-    local: list[BlockGroup] = []
+    local: list[list[BlockGroup]] = []
     rings: list[RingBranch] = []
     for (w, r), transport in zip(pattern.branches, transports):
         segment = min(w, seq_len)
@@ -320,7 +321,7 @@ def plan_sequence_parallel(
                 f"{padded_length(seq_len, pattern, world_size)} tokens, or change the pattern."
             )
         if segment <= shard_len:
-            local += branch_groups(shard_len, num_heads, segment, r)
+            local.append(branch_groups(shard_len, num_heads, segment, r))
             continue
         start = rank * shard_len // segment * segment
         members = tuple(range(start // shard_len, min(start + segment, seq_len) // shard_len))

@@ -13,7 +13,7 @@ from longnet.attention.kernels import (
     math_backward,
     math_forward,
 )
-from longnet.attention.merge import lse_merge
+from longnet.attention.merge import lse_merge_
 from tests.reference import branch_counts, dense_dilated_attention
 
 TOL = 1e-10
@@ -191,10 +191,11 @@ def test_lse_merge_handles_empty_sides():
     lse_b = torch.tensor([inf, 1.0, inf], dtype=torch.float64)
     out_a = torch.ones(3, 2, dtype=torch.float64)
     out_b = 2 * torch.ones(3, 2, dtype=torch.float64)
-    out, lse = lse_merge(out_a, lse_a, out_b, lse_b)
-    assert not out.isnan().any()
-    assert torch.equal(lse, torch.tensor([inf, 1.0, 0.5], dtype=torch.float64))
-    assert torch.equal(out, torch.tensor([[0.0, 0.0], [2.0, 2.0], [1.0, 1.0]], dtype=torch.float64))
+    lse_merge_(out_a, lse_a, out_b, lse_b)
+    assert not out_a.isnan().any()
+    assert torch.equal(lse_a, torch.tensor([inf, 1.0, 0.5], dtype=torch.float64))
+    expected = torch.tensor([[0.0, 0.0], [2.0, 2.0], [1.0, 1.0]], dtype=torch.float64)
+    assert torch.equal(out_a, expected)
 
 
 def _qkv(*shape, dtype=torch.float32):
@@ -268,3 +269,20 @@ def test_cuda_matches_reference(dtype, tol, causal):
 )
 def test_padded_length(seq_len, branches, world, expected):
     assert padded_length(seq_len, branches, world) == expected
+
+
+@pytest.mark.parametrize("chunk_elements", [1, 40, 200])
+def test_chunked_execution_is_exact(monkeypatch, chunk_elements):
+    """Tiny chunk budgets force per-head and per-segment pieces (as on long sequences)."""
+    monkeypatch.setattr("longnet.attention.blocks.CHUNK_ELEMENTS", chunk_elements)
+    branches = [(4, 1), (8, 2), (30, 3)]
+    q, k, v = _inputs(2, 30, 4, 4)
+    out, lse = dilated_attention(q, k, v, branches, causal=True, return_lse=True)
+    ref_out, ref_lse = dense_dilated_attention(q, k, v, branches, causal=True)
+    torch.testing.assert_close(out, ref_out, atol=TOL, rtol=0)
+    torch.testing.assert_close(lse, ref_lse, atol=TOL, rtol=0)
+    d_out = torch.randn(out.shape, dtype=torch.float64)
+    for grad, ref_grad in zip(
+        _grads([out], [d_out], (q, k, v)), _grads([ref_out], [d_out], (q, k, v))
+    ):
+        torch.testing.assert_close(grad, ref_grad, atol=TOL, rtol=0)
