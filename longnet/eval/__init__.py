@@ -1,0 +1,68 @@
+"""Long-context evaluations used by ``scripts/``: bits per byte versus context length with
+sliding windows inside documents, compressor baselines, and passkey retrieval grids.
+
+Modules: ``loading`` (zoo names, model folders, Lightning checkpoints), ``documents`` (whole
+held-out documents), ``sliding`` (the sliding-window scorer), ``perplexity`` (rows per model
+and context length), ``compressors``, ``passkey``, ``plotting``, ``reporting`` (CSV, tables).
+See ``docs/evaluation.md``.
+"""
+
+from longnet.eval.compressors import COMPRESSORS, CompressorBaseline, compressor_baselines
+from longnet.eval.documents import EvalDocument, load_eval_documents
+from longnet.eval.loading import (
+    LoadedModel,
+    checkpoint_config,
+    load_lightning_checkpoint,
+    load_model,
+    load_models,
+)
+from longnet.eval.passkey import (
+    PasskeyCell,
+    PasskeyOutcome,
+    answer_examples,
+    check_passkey_grid,
+    evaluate_passkey,
+)
+from longnet.eval.perplexity import default_context_lengths, evaluate_bits_per_byte
+from longnet.eval.plotting import plot_bits_per_byte, plot_passkey_heatmaps
+from longnet.eval.reporting import format_table, parse_length, powers_of_two, write_csv
+from longnet.eval.sliding import (
+    SlidingWindowResult,
+    Window,
+    check_context_length,
+    plan_windows,
+    resolve_stride,
+    score_documents,
+)
+
+__all__ = [
+    "COMPRESSORS",
+    "CompressorBaseline",
+    "EvalDocument",
+    "LoadedModel",
+    "PasskeyCell",
+    "PasskeyOutcome",
+    "SlidingWindowResult",
+    "Window",
+    "answer_examples",
+    "check_context_length",
+    "check_passkey_grid",
+    "checkpoint_config",
+    "compressor_baselines",
+    "default_context_lengths",
+    "evaluate_bits_per_byte",
+    "evaluate_passkey",
+    "format_table",
+    "load_eval_documents",
+    "load_lightning_checkpoint",
+    "load_model",
+    "load_models",
+    "parse_length",
+    "plan_windows",
+    "plot_bits_per_byte",
+    "plot_passkey_heatmaps",
+    "powers_of_two",
+    "resolve_stride",
+    "score_documents",
+    "write_csv",
+]

@@ -1,0 +1,73 @@
+"""Command-line pieces shared by ``scripts/eval_perplexity.py`` and ``scripts/eval_passkey.py``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from longnet.eval.loading import LoadedModel, load_models
+from longnet.eval.reporting import parse_length
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, default_out: str) -> None:
+    """``--models``, ``--labels``, ``--device``, ``--dtype``, ``--batch-size``, ``--seed``,
+    ``--out``, ``--no-progress``."""
+    parser.add_argument(
+        "--models", nargs="+", required=True, metavar="MODEL",
+        help="zoo names, save_pretrained folders or Lightning .ckpt files",
+    )
+    parser.add_argument("--labels", nargs="+", help="names in tables/plots, one per model")
+    parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--batch-size", type=int, default=1, help="sequences per forward pass")
+    parser.add_argument("--seed", type=int, default=0, help="seed of torch and of the examples")
+    parser.add_argument("--out", type=Path, default=Path(default_out), help="output folder")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+
+
+def length_argument(text: str) -> int:
+    """argparse type for lengths like ``2048``, ``16K``, ``1M``."""
+    try:
+        return parse_length(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def stride_argument(text: str) -> int | float:
+    """argparse type: a token count (``512``, ``1K``) or a fraction of the context (``0.5``)."""
+    try:
+        if "." in text:
+            value = float(text)
+            if not 0.0 < value <= 1.0:
+                raise ValueError(f"a fractional stride must be in (0, 1], got {text!r}.")
+            return value
+        return parse_length(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def models_from_args(args: argparse.Namespace) -> list[LoadedModel]:
+    """Seed torch and load ``--models`` on ``--device`` in ``--dtype``."""
+    if args.batch_size < 1:
+        raise SystemExit(f"--batch-size must be >= 1, got {args.batch_size}.")
+    torch.manual_seed(args.seed)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: CUDA is not available on this machine.")
+    return load_models(args.models, device=device, dtype=DTYPES[args.dtype], labels=args.labels)
+
+
+def run_cli(main: Callable[[], int]) -> int:
+    """Run a script's ``main``; bad arguments or inputs (``ValueError``, ``FileNotFoundError``)
+    end with their message and exit status 2 instead of a traceback."""
+    try:
+        return main()
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2

@@ -1,0 +1,102 @@
+"""Held-out documents for evaluation, whole (not cut into windows).
+
+The same documents as the evaluation windows of ``longnet.data``: a source's documents are
+read with the data layer's reader, encoded as UTF-8 bytes, empty ones dropped, the first
+``max_documents`` kept (source order), and assigned to a split by the hash of their bytes
+(``longnet.data.splits``), so ``split="test"`` gives exactly the documents of
+``LongDocumentDataModule(...).test_dataset`` with the same fractions.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from longnet.data.sources import files_source, load_documents, stdlib_source
+from longnet.data.splits import SPLITS, check_fractions, document_hash, split_of
+from longnet.data.tokenizer import ByteTokenizer
+
+
+@dataclass(frozen=True)
+class EvalDocument:
+    """One document.
+
+    Attributes:
+        doc_id: BLAKE2b-64 hash of its bytes (the ``doc_id`` of the data layer's windows).
+        tokens: ``(num_bytes,)`` uint8 byte ids.
+    """
+
+    doc_id: str
+    tokens: np.ndarray
+
+    @property
+    def num_bytes(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+def load_eval_documents(
+    data_files: str | Sequence[str] | None = None,
+    *,
+    split: str = "test",
+    val_fraction: float = 0.05,
+    test_fraction: float = 0.05,
+    text_column: str = "text",
+    max_documents: int | None = None,
+    min_bytes: int = 0,
+) -> list[EvalDocument]:
+    """The documents of one split, in source order.
+
+    Args:
+        data_files: glob(s) of local text/json/parquet files; None = the standard-library
+            corpus (``longnet.data.stdlib_source``).
+        split: ``"train"``, ``"validation"``, ``"test"`` or ``"all"`` (every document).
+        val_fraction, test_fraction: the hash-split fractions (as in the data module).
+        text_column: the text column of json/parquet rows.
+        max_documents: keep only the first non-empty documents of the source (before
+            splitting, as the data layer does).
+        min_bytes: afterwards drop documents shorter than this many bytes (e.g. keep only
+            documents longer than the longest evaluated context).
+
+    Raises:
+        ValueError: a bad argument, or no document left (the message says which filter).
+    """
+    if split not in (*SPLITS, "all"):
+        raise ValueError(f"split must be one of {[*SPLITS, 'all']}, got {split!r}.")
+    check_fractions(val_fraction, test_fraction)
+    if max_documents is not None:
+        _check_int("max_documents", max_documents, minimum=1)
+    _check_int("min_bytes", min_bytes, minimum=0)
+    source = stdlib_source() if data_files is None else files_source(data_files, text_column)
+    tokenizer = ByteTokenizer()
+    documents: list[EvalDocument] = []
+    kept = 0
+    with tempfile.TemporaryDirectory(prefix="longnet-eval-") as scratch:
+        texts = load_documents(source, Path(scratch))
+        for text in texts["text"]:
+            tokens = tokenizer.encode_array(text or "")
+            if len(tokens) == 0:
+                continue
+            kept += 1
+            if max_documents is not None and kept > max_documents:
+                break
+            doc_id = document_hash(tokens)
+            if split != "all" and split_of(doc_id, val_fraction, test_fraction) != split:
+                continue
+            if len(tokens) >= min_bytes:
+                documents.append(EvalDocument(doc_id=doc_id, tokens=tokens.copy()))
+    if not documents:
+        raise ValueError(
+            f"no {split} document in the {source.name} corpus ({kept} non-empty documents read, "
+            f"val_fraction={val_fraction}, test_fraction={test_fraction}, "
+            f"min_bytes={min_bytes}); lower min_bytes or give more data_files."
+        )
+    return documents
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")

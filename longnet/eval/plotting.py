@@ -1,0 +1,125 @@
+"""Figures of the evaluations (matplotlib's object API with the Agg canvas: no global backend
+is touched and no display is needed)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+_BASELINE_STYLES = {"gzip": ":", "bzip2": "--", "xz": "-."}
+
+
+def plot_bits_per_byte(
+    curves: Mapping[str, Sequence[tuple[int, float]]],
+    baselines: Mapping[str, float],
+    path: str | Path,
+    *,
+    title: str = "Bits per byte vs context length",
+    baseline_note: str = "",
+    training_lengths: Mapping[str, int] | None = None,
+) -> Path:
+    """Line plot: one line per model of bits per byte against context length (log2 axis),
+    plus one horizontal reference line per compressor.
+
+    Args:
+        curves: model label -> ``[(context_length, bits_per_byte), ...]``.
+        baselines: compressor name -> bits per byte.
+        path: the PNG to write.
+        baseline_note: appended to the compressor legend entries (e.g. the mode).
+        training_lengths: model label -> training context length, drawn as a thin vertical
+            line in the model's colour.
+    """
+    fig = Figure(figsize=(7.5, 4.8), dpi=120, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for label, points in curves.items():
+        points = sorted(points)
+        (line,) = ax.plot([c for c, _ in points], [b for _, b in points], marker="o",
+                          label=label)
+        if training_lengths and label in training_lengths:
+            ax.axvline(training_lengths[label], color=line.get_color(), linewidth=0.8,
+                       alpha=0.5, linestyle=":")
+    for index, (name, value) in enumerate(baselines.items()):
+        ax.axhline(
+            value,
+            color="0.35",
+            linestyle=_BASELINE_STYLES.get(name, (0, (index + 1, 2))),
+            linewidth=1.2,
+            label=f"{name}{baseline_note} ({value:.3f})",
+        )
+    lengths = sorted({c for points in curves.values() for c, _ in points})
+    if lengths:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [_short(c) for c in lengths])
+    ax.set_xlabel("context length (tokens = bytes)")
+    ax.set_ylabel("bits per byte")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    return _save(fig, path)
+
+
+def plot_passkey_heatmaps(
+    grids: Mapping[str, tuple[Sequence[int], Sequence[float], np.ndarray]],
+    path: str | Path,
+    *,
+    title: str = "Passkey retrieval accuracy",
+) -> Path:
+    """One depth-by-length heatmap per model (side by side), cells annotated with accuracy.
+
+    Args:
+        grids: model label -> ``(lengths, depths, accuracy)`` with ``accuracy`` of shape
+            ``(len(depths), len(lengths))`` in ``[0, 1]``.
+        path: the PNG to write.
+    """
+    if not grids:
+        raise ValueError("no passkey results to plot.")
+    count = len(grids)
+    first_lengths, first_depths, _ = next(iter(grids.values()))
+    width = max(4.0, 0.9 * len(first_lengths) + 2.0)
+    height = max(3.0, 0.5 * len(first_depths) + 1.8)
+    fig = Figure(figsize=(width * count + 1.0, height + 0.6), dpi=120, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, count, squeeze=False)[0]
+    image = None
+    for ax, (label, (lengths, depths, accuracy)) in zip(axes, grids.items()):
+        accuracy = np.asarray(accuracy, dtype=float)
+        if accuracy.shape != (len(depths), len(lengths)):
+            raise ValueError(
+                f"{label}: accuracy has shape {accuracy.shape}, expected "
+                f"(depths, lengths) = ({len(depths)}, {len(lengths)})."
+            )
+        image = ax.imshow(accuracy, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto")
+        for row in range(len(depths)):
+            for col in range(len(lengths)):
+                value = accuracy[row, col]
+                text = "n/a" if math.isnan(value) else f"{value:.2f}"
+                ax.text(col, row, text, ha="center", va="center", fontsize="small")
+        ax.set_xticks(range(len(lengths)), [_short(c) for c in lengths])
+        ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
+        ax.set_xlabel("context length (bytes)")
+        ax.set_ylabel("needle depth")
+        ax.set_title(label)
+    fig.colorbar(image, ax=list(axes), label="accuracy", fraction=0.05)
+    fig.suptitle(title)
+    return _save(fig, path)
+
+
+def _short(length: int) -> str:
+    """1024 -> '1K', 1536 -> '1536', 1048576 -> '1M'."""
+    for unit, size in (("M", 1 << 20), ("K", 1 << 10)):
+        if length >= size and length % size == 0:
+            return f"{length // size}{unit}"
+    return str(length)
+
+
+def _save(fig: Figure, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    return path

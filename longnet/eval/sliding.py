@@ -1,0 +1,262 @@
+"""Sliding-window scoring of whole documents: every token scored exactly once, no window
+crossing a document boundary.
+
+A document of ``n`` bytes is framed as in training, ``[EOS] bytes [EOS]`` (``n + 2`` tokens).
+Input position ``p`` (``0 <= p <= n``) predicts token ``p + 1``, so a document has
+``n + 1`` targets: its bytes and the closing EOS.
+
+For a window (context length) ``C`` and stride ``S <= C``, windows end at input positions
+``C, C + S, C + 2S, ...`` (the last one clipped to ``n + 1``) and each spans the ``C``
+positions before its end (fewer when the document is shorter than ``C``). A window scores
+only the targets after the previous window's end, so every target is scored exactly once and,
+outside the first window, sees at least ``C - S`` preceding tokens of its own document
+(at most ``C - 1``). Targets in the first window of a document see only the tokens before
+them in that document (``p`` tokens of context at input position ``p``). ``S = C`` scores
+each window completely (non-overlapping chunks, cheapest); ``S = 1`` gives every target the
+full ``min(p, C - 1)`` context (one forward per token). Each window is fed as a sequence of
+its own starting at position 0, as in training.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from longnet.data.tokenizer import EOS_ID, PAD_ID
+from longnet.eval.documents import EvalDocument
+from longnet.modeling import LongNetLM
+
+LN2 = math.log(2.0)
+
+
+@dataclass(frozen=True)
+class Window:
+    """Input positions ``[start, end)`` of framed document ``document``; the targets of input
+    positions ``[score_from, end)`` are scored (``start <= score_from < end``)."""
+
+    document: int
+    start: int
+    end: int
+    score_from: int
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+    @property
+    def num_scored(self) -> int:
+        return self.end - self.score_from
+
+
+@dataclass(frozen=True)
+class SlidingWindowResult:
+    """Totals of one sliding-window evaluation.
+
+    Attributes:
+        context_length, stride: the window and its step, in tokens.
+        num_documents, num_bytes: documents and their bytes (EOS excluded).
+        num_tokens: scored targets, ``num_bytes + num_documents`` (each closing EOS).
+        nll_sum: summed negative log-likelihood of the scored targets, in nats.
+        num_windows: forward passes (rows) run.
+        longest_window: the longest window actually used (``< context_length`` when every
+            document is shorter than the context).
+        token_nll: with ``return_token_nll``, per document the ``(num_bytes + 1,)`` float64
+            NLL of each target in nats; otherwise None.
+    """
+
+    context_length: int
+    stride: int
+    num_documents: int
+    num_bytes: int
+    num_tokens: int
+    nll_sum: float
+    num_windows: int
+    longest_window: int
+    token_nll: list[np.ndarray] | None = None
+
+    @property
+    def bits_per_byte(self) -> float:
+        """Code length of the documents (bytes and closing EOS) in bits per document byte."""
+        return self.nll_sum / LN2 / self.num_bytes
+
+    @property
+    def bits_per_token(self) -> float:
+        """Mean bits per scored target (bytes and EOS)."""
+        return self.nll_sum / LN2 / self.num_tokens
+
+    @property
+    def perplexity(self) -> float:
+        """Per-token perplexity ``exp(nll_sum / num_tokens)``."""
+        return math.exp(self.nll_sum / self.num_tokens)
+
+
+def check_context_length(context_length: int, model: LongNetLM | None = None) -> int:
+    """``context_length`` if it is a positive int the model can take, else ``ValueError``."""
+    if isinstance(context_length, bool) or not isinstance(context_length, int):
+        raise ValueError(f"context length must be an integer, got {context_length!r}.")
+    if context_length < 1:
+        raise ValueError(f"context length must be at least 1 token, got {context_length}.")
+    if model is not None and model.config.position_encoding == "learned":
+        limit = model.config.max_positions
+        if context_length > limit:
+            raise ValueError(
+                f"context length {context_length} is longer than possible for this model: it "
+                f"has {limit} learned positions; use context lengths <= {limit}."
+            )
+    return context_length
+
+
+def resolve_stride(context_length: int, stride: int | float | None) -> int:
+    """The stride in tokens: ``None`` = ``context_length``; an int in ``[1, context_length]``;
+    a float in ``(0, 1]`` = that fraction of the context (at least 1 token)."""
+    if stride is None:
+        return context_length
+    if isinstance(stride, bool):
+        raise ValueError(f"stride must be an int or a fraction, got {stride!r}.")
+    if isinstance(stride, int):
+        if not 1 <= stride <= context_length:
+            raise ValueError(
+                f"stride must be in [1, context length {context_length}] tokens, got {stride}; "
+                "a larger stride would skip tokens."
+            )
+        return stride
+    if isinstance(stride, float) and 0.0 < stride <= 1.0:
+        return max(1, round(stride * context_length))
+    raise ValueError(
+        f"stride must be an int in [1, context length] or a fraction in (0, 1], got {stride!r}."
+    )
+
+
+def plan_windows(
+    num_targets: int, context_length: int, stride: int, document: int = 0
+) -> list[Window]:
+    """The windows of one document with ``num_targets`` input positions (``num_bytes + 1``).
+
+    Windows end at ``C, C + S, ...`` (the last clipped to ``num_targets``) and start ``C``
+    positions before their end (at 0 for the first); their ``[score_from, end)`` ranges
+    partition ``[0, num_targets)`` in order.
+    """
+    if num_targets < 1:
+        raise ValueError(f"num_targets must be >= 1, got {num_targets}.")
+    check_context_length(context_length)
+    if not 1 <= stride <= context_length:
+        raise ValueError(f"stride must be in [1, {context_length}], got {stride}.")
+    windows = []
+    end = min(context_length, num_targets)
+    scored = 0
+    while True:
+        windows.append(Window(document, max(0, end - context_length), end, scored))
+        if end == num_targets:
+            return windows
+        scored, end = end, min(end + stride, num_targets)
+
+
+def frame(tokens: np.ndarray) -> np.ndarray:
+    """``[EOS] tokens [EOS]`` as an int64 array ``(len(tokens) + 2,)``."""
+    return np.concatenate(([EOS_ID], np.asarray(tokens, dtype=np.int64), [EOS_ID]))
+
+
+@torch.inference_mode()
+def score_documents(
+    model: LongNetLM,
+    documents: Sequence[EvalDocument],
+    context_length: int,
+    stride: int | float | None = None,
+    *,
+    batch_size: int = 1,
+    return_token_nll: bool = False,
+    progress: bool | str = False,
+) -> SlidingWindowResult:
+    """Score every target of every document once with sliding windows (module docstring).
+
+    Windows are sorted by length and run ``batch_size`` at a time, right-padded with
+    ``PAD_ID`` to the longest in the batch; with causal attention padding after a position
+    never changes it, so the result does not depend on the batching.
+
+    Args:
+        model: a causal LM (eval mode is set here); inputs go to its device.
+        documents: the documents (uint8 byte tokens).
+        context_length: the window length ``C`` in tokens.
+        stride: see :func:`resolve_stride` (default: ``C``).
+        batch_size: windows per forward pass.
+        return_token_nll: also return the per-target NLL arrays.
+        progress: show a tqdm bar (a string is used as its description).
+
+    Returns:
+        The totals; NLL sums are accumulated in float64.
+    """
+    check_context_length(context_length, model)
+    step = resolve_stride(context_length, stride)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
+    if not documents:
+        raise ValueError("documents is empty; give at least one document to score.")
+    model.eval()
+    device = next(model.parameters()).device
+    framed = [frame(doc.tokens) for doc in documents]
+    windows = [
+        window
+        for index, tokens in enumerate(framed)
+        for window in plan_windows(len(tokens) - 1, context_length, step, index)
+    ]
+    windows.sort(key=lambda w: -w.length)
+    token_nll = None
+    if return_token_nll:
+        token_nll = [np.full(len(tokens) - 1, np.nan) for tokens in framed]
+    nll_sum, scored = 0.0, 0
+    batches = range(0, len(windows), batch_size)
+    desc = progress if isinstance(progress, str) else f"context {context_length}"
+    for first in tqdm(batches, desc=desc, disable=not progress, unit="batch", leave=False):
+        batch = windows[first:first + batch_size]
+        for window, values in zip(batch, _score_batch(model, framed, batch, device)):
+            nll_sum += float(values.sum())
+            scored += len(values)
+            if token_nll is not None:
+                slot = token_nll[window.document][window.score_from:window.end]
+                if not np.isnan(slot).all():
+                    raise AssertionError(f"a target was scored twice in {window}")  # a bug
+                slot[:] = values
+    num_bytes = sum(doc.num_bytes for doc in documents)
+    if scored != num_bytes + len(documents):
+        raise AssertionError(f"scored {scored} targets, expected {num_bytes + len(documents)}")
+    return SlidingWindowResult(
+        context_length=context_length,
+        stride=step,
+        num_documents=len(documents),
+        num_bytes=num_bytes,
+        num_tokens=num_bytes + len(documents),
+        nll_sum=nll_sum,
+        num_windows=len(windows),
+        longest_window=max(w.length for w in windows),
+        token_nll=token_nll,
+    )
+
+
+def _score_batch(
+    model: LongNetLM, framed: Sequence[np.ndarray], batch: Sequence[Window], device: torch.device
+) -> list[np.ndarray]:
+    """Per window, the float64 NLL ``(num_scored,)`` of its scored targets."""
+    length = max(w.length for w in batch)
+    inputs = np.full((len(batch), length), PAD_ID, dtype=np.int64)
+    targets = np.zeros((len(batch), length), dtype=np.int64)
+    scored = np.zeros((len(batch), length), dtype=bool)
+    for row, w in enumerate(batch):
+        tokens = framed[w.document]
+        inputs[row, :w.length] = tokens[w.start:w.end]
+        targets[row, :w.length] = tokens[w.start + 1:w.end + 1]
+        scored[row, w.score_from - w.start:w.length] = True
+    logits = model(torch.from_numpy(inputs).to(device)).logits
+    mask = torch.from_numpy(scored).to(device)
+    compute = torch.promote_types(logits.dtype, torch.float32)
+    nll = F.cross_entropy(
+        logits[mask].to(compute), torch.from_numpy(targets).to(device)[mask], reduction="none"
+    )
+    nll = nll.double().cpu().numpy()
+    counts = [w.num_scored for w in batch]
+    return list(np.split(nll, np.cumsum(counts)[:-1]))

@@ -1,0 +1,112 @@
+"""Passkey retrieval accuracy over a grid of context lengths x needle depths.
+
+    python scripts/eval_passkey.py --models runs/tiny --lengths 1K 2K 4K 8K 16K \
+        --depths 0 0.25 0.5 0.75 1 --num-examples 10 --out runs/eval/passkey
+
+For every cell, ``--num-examples`` prompts of exactly that many bytes hide a ``--num-digits``
+key at that depth (longnet.data.passkey_examples, seeded by ``--seed``); the model greedily
+generates ``num_digits + 1`` bytes and an example is correct when they start with the key and
+no further digit follows (longnet.data.passkey_match). Writes ``passkey.csv`` (one row per
+model, length and depth), ``passkey_generations.csv`` (every example), ``passkey.png`` (a
+depth-by-length heatmap per model, cells annotated with accuracy) and ``run.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+from longnet.eval import (
+    check_context_length,
+    check_passkey_grid,
+    evaluate_passkey,
+    format_table,
+    plot_passkey_heatmaps,
+    powers_of_two,
+    write_csv,
+)
+from longnet.eval.cli import (
+    add_model_arguments,
+    length_argument,
+    models_from_args,
+    run_cli,
+)
+from longnet.eval.perplexity import EXTRAPOLATION_FACTOR, MIN_CONTEXT
+from longnet.eval.reporting import write_run_info
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_arguments(parser, default_out="runs/eval/passkey")
+    parser.add_argument(
+        "--lengths", nargs="+", type=length_argument, metavar="LEN",
+        help="example lengths in bytes, e.g. 1K 4K 16K (default: powers of two from 1K to 16x "
+        "the longest training length, capped by --max-length)",
+    )
+    parser.add_argument("--max-length", type=length_argument, help="cap of the default lengths")
+    parser.add_argument(
+        "--depths", nargs="+", type=float, default=[0.0, 0.25, 0.5, 0.75, 1.0],
+        help="needle depths in [0, 1] (0 = start of the filler, 1 = just before the question)",
+    )
+    parser.add_argument("--num-examples", type=int, default=10, help="examples per cell")
+    parser.add_argument("--num-digits", type=int, default=5, help="digits of the pass key")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    models = models_from_args(args)
+    longest = max(m.training_length for m in models)
+    lengths = args.lengths or [
+        length
+        for length in powers_of_two(MIN_CONTEXT, max(MIN_CONTEXT, EXTRAPOLATION_FACTOR * longest))
+        if args.max_length is None or length <= args.max_length
+    ]
+    if not lengths:
+        raise SystemExit(f"--max-length {args.max_length} leaves no default length.")
+    lengths, depths = check_passkey_grid(lengths, args.depths, args.num_digits)
+    for item in models:  # refuse impossible lengths before any work
+        for length in lengths:
+            check_context_length(length, item.model)
+    rows, example_rows, grids = [], [], {}
+    for item in models:
+        cells = evaluate_passkey(
+            item.model, lengths, depths, num_examples=args.num_examples, seed=args.seed,
+            num_digits=args.num_digits, batch_size=args.batch_size,
+            progress=False if args.no_progress else f"passkey {item.label}",
+        )
+        accuracy = np.full((len(depths), len(lengths)), np.nan)
+        for cell in cells:
+            accuracy[depths.index(cell.depth), lengths.index(cell.length)] = cell.accuracy
+            rows.append({
+                "model": item.label, "context_length": cell.length, "depth": cell.depth,
+                "mean_depth": cell.mean_depth, "examples": cell.num_examples,
+                "correct": cell.num_correct, "accuracy": cell.accuracy,
+            })
+            example_rows += [
+                {"model": item.label, "context_length": cell.length, "depth": cell.depth,
+                 "index": index, "actual_depth": o.depth, "answer": o.answer,
+                 "generated": o.generated, "correct": o.correct}
+                for index, o in enumerate(cell.outcomes)
+            ]
+        grids[item.label] = (lengths, depths, accuracy)
+    out = args.out
+    write_csv(rows, out / "passkey.csv")
+    write_csv(example_rows, out / "passkey_generations.csv")
+    plot_passkey_heatmaps(
+        grids, out / "passkey.png",
+        title=f"Passkey retrieval accuracy ({args.num_examples} examples per cell, greedy)",
+    )
+    write_run_info(out / "run.json", {
+        "models": {m.label: m.source for m in models}, "lengths": lengths,
+        **{k: v for k, v in vars(args).items() if k not in ("models", "lengths")},
+    })
+    print(format_table(rows))
+    print(f"wrote {out / 'passkey.csv'}, {out / 'passkey_generations.csv'}, {out / 'passkey.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))

@@ -1,0 +1,133 @@
+"""Bits per byte (and perplexity) versus context length on held-out long documents.
+
+    python scripts/eval_perplexity.py --models longnet-tiny runs/tiny last.ckpt \
+        --context-lengths 1K 2K 4K 8K 16K --stride 0.5 --out runs/eval/perplexity
+
+Every byte of every document (and each closing EOS) is scored exactly once with sliding
+windows that stay inside their document (longnet.eval.sliding). Writes ``perplexity.csv``
+(one row per model and context length), ``compressors.csv`` (gzip/bzip2/xz bits per byte of
+the same documents, each document compressed separately and all concatenated),
+``perplexity.png`` (one line per model, compressors as horizontal lines) and ``run.json``.
+See docs/evaluation.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from longnet.eval import (
+    compressor_baselines,
+    default_context_lengths,
+    evaluate_bits_per_byte,
+    format_table,
+    load_eval_documents,
+    plot_bits_per_byte,
+    write_csv,
+)
+from longnet.eval.cli import (
+    add_model_arguments,
+    length_argument,
+    models_from_args,
+    run_cli,
+    stride_argument,
+)
+from longnet.eval.compressors import MODES
+from longnet.eval.reporting import write_run_info
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_arguments(parser, default_out="runs/eval/perplexity")
+    parser.add_argument(
+        "--context-lengths", nargs="+", type=length_argument, metavar="LEN",
+        help="window lengths in tokens, e.g. 1K 4K 16K (default: powers of two from 1K to 16x "
+        "the longest training length, capped by --max-context)",
+    )
+    parser.add_argument("--max-context", type=length_argument, help="cap of the default lengths")
+    parser.add_argument(
+        "--stride", type=stride_argument, default=0.5,
+        help="window step: tokens (512, 1K) or a fraction of the context (default 0.5); "
+        "scored tokens outside a document's first window see >= context - stride tokens",
+    )
+    parser.add_argument("--data-files", nargs="+", help="text/json/parquet globs (default: stdlib)")
+    parser.add_argument("--text-column", default="text", help="text column of json/parquet rows")
+    parser.add_argument("--split", default="test", choices=["train", "validation", "test", "all"])
+    parser.add_argument("--val-fraction", type=float, default=0.05)
+    parser.add_argument("--test-fraction", type=float, default=0.05)
+    parser.add_argument("--max-documents", type=int, help="read only the first N documents")
+    parser.add_argument(
+        "--min-document-bytes", type=int, default=0,
+        help="evaluate only documents at least this long (e.g. the longest context)",
+    )
+    parser.add_argument(
+        "--compress-mode", choices=MODES, default="separate",
+        help="which compressor baseline the plot shows (the CSV has both)",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    models = models_from_args(args)
+    lengths = args.context_lengths or [
+        length for length in default_context_lengths(models)
+        if args.max_context is None or length <= args.max_context
+    ]
+    if not lengths:
+        raise SystemExit(f"--max-context {args.max_context} leaves no default context length.")
+    documents = load_eval_documents(
+        args.data_files,
+        split=args.split,
+        val_fraction=args.val_fraction,
+        test_fraction=args.test_fraction,
+        text_column=args.text_column,
+        max_documents=args.max_documents,
+        min_bytes=args.min_document_bytes,
+    )
+    longest = max(doc.num_bytes for doc in documents) + 1
+    print(f"{len(documents)} documents, {sum(d.num_bytes for d in documents):,} bytes, longest "
+          f"{longest - 1:,}; context lengths {lengths}")
+    if max(lengths) > longest:
+        print(f"note: context lengths above {longest} (the longest document + 1) see no more "
+              "context than that; see the longest_window column.")
+    rows = evaluate_bits_per_byte(
+        models, documents, lengths, stride=args.stride, batch_size=args.batch_size,
+        progress=not args.no_progress,
+    )
+    baselines = compressor_baselines([doc.tokens for doc in documents])
+    base_rows = [
+        {"compressor": b.compressor, "mode": b.mode, "raw_bytes": b.raw_bytes,
+         "compressed_bytes": b.compressed_bytes, "bits_per_byte": b.bits_per_byte}
+        for b in baselines
+    ]
+    out = args.out
+    write_csv(rows, out / "perplexity.csv")
+    write_csv(base_rows, out / "compressors.csv")
+    curves: dict[str, list[tuple[int, float]]] = {}
+    for row in rows:
+        curves.setdefault(row["model"], []).append((row["context_length"], row["bits_per_byte"]))
+    plot_bits_per_byte(
+        curves,
+        {b.compressor: b.bits_per_byte for b in baselines if b.mode == args.compress_mode},
+        out / "perplexity.png",
+        title=f"Bits per byte vs context ({len(documents)} {args.split} documents, "
+        f"stride {args.stride})",
+        baseline_note=f" ({args.compress_mode})" if args.compress_mode != "separate" else "",
+        training_lengths={m.label: m.training_length for m in models},
+    )
+    write_run_info(out / "run.json", {
+        "models": {m.label: m.source for m in models},
+        "context_lengths": lengths,
+        **{k: v for k, v in vars(args).items() if k not in ("models", "context_lengths")},
+        "documents": [d.doc_id for d in documents],
+    })
+    print(format_table(rows, ["model", "context_length", "stride", "windows", "longest_window",
+                              "bits_per_byte", "perplexity", "seconds"]))
+    print(format_table(base_rows))
+    print(f"wrote {out / 'perplexity.csv'}, {out / 'compressors.csv'}, {out / 'perplexity.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))

@@ -1,0 +1,115 @@
+"""Loading models to evaluate: zoo names, folders, Lightning checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from longnet.eval import checkpoint_config, load_model, load_models
+from longnet.modeling import LongNetConfig, LongNetLM, WeightsMismatchError
+
+CONFIG = dict(hidden_size=32, num_layers=2, num_heads=2, max_positions=64,
+              segment_lengths=(16, 32, 64), dilation_rates=(1, 2, 4), eos_token_id=255)
+
+
+def tiny(seed: int = 0) -> LongNetLM:
+    torch.manual_seed(seed)
+    return LongNetLM(LongNetConfig(**CONFIG)).eval()
+
+
+def same_logits(a: LongNetLM, b: LongNetLM) -> bool:
+    x = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        return torch.equal(a(x).logits, b(x).logits)
+
+
+def lightning_like_checkpoint(model: LongNetLM, path: Path, hparams: dict) -> Path:
+    """What Lightning writes for a module holding the LM as ``self.model``: the module's
+    state_dict (tied weights under both names) and ``dict(hparams)``."""
+    state = {f"model.{k}": v for k, v in model.state_dict().items()}
+    state["val_ce.total"] = torch.zeros(())  # other module state is ignored
+    torch.save({"state_dict": state, "hyper_parameters": hparams, "epoch": 0,
+                "optimizer_states": [], "pytorch-lightning_version": "2.x"}, path)
+    return path
+
+
+def test_folder_and_labels(tmp_path: Path):
+    model = tiny()
+    model.save_pretrained(tmp_path / "run-a")
+    loaded = load_model(tmp_path / "run-a")
+    assert loaded.label == "run-a" and loaded.kind == "folder" and not loaded.model.training
+    assert loaded.training_length == 64
+    assert same_logits(model, loaded.model)
+    both = load_models([tmp_path / "run-a", tmp_path / "run-a"])
+    assert [m.label for m in both] == ["run-a", "run-a-2"]
+    assert load_models([tmp_path / "run-a"], labels=["mine"])[0].label == "mine"
+    model.save_pretrained(tmp_path / "run-b" / "model")  # where ExportPretrained writes
+    assert load_model(tmp_path / "run-b" / "model").label == "run-b/model"
+    with pytest.raises(ValueError, match="one label per model"):
+        load_models([tmp_path / "run-a"], labels=["a", "b"])
+    assert load_model(tmp_path / "run-a", dtype=torch.float64).model.lm_head.weight.dtype == (
+        torch.float64
+    )
+
+
+def test_unknown_names_list_the_zoo_and_weightless_entries_say_so(tmp_path: Path):
+    with pytest.raises(FileNotFoundError, match="Known models.*longnet-tiny"):
+        load_model("longnet-huge")
+    with pytest.raises(FileNotFoundError, match="no trained weights"):
+        load_model("longnet-tiny")
+    with pytest.raises(FileNotFoundError, match="no checkpoint file"):
+        load_model(tmp_path / "missing.ckpt")
+
+
+@pytest.mark.parametrize("source", ["config", "model", "stored"])
+def test_lightning_checkpoint(tmp_path: Path, source: str):
+    model = tiny(seed=3)
+    folder = model.save_pretrained(tmp_path / "base")
+    fields = LongNetConfig(**CONFIG).to_dict()
+    hparams = {"model": None, "pretrained": None, "config": None, "overrides": None,
+               "learning_rate": 1e-3, "betas": (0.9, 0.95)}
+    if source == "config":
+        hparams["config"] = {k: v for k, v in fields.items() if k != "dropout"}
+        hparams["overrides"] = {"dropout": 0.0}
+    elif source == "model":
+        hparams["model"] = str(folder)
+    path = lightning_like_checkpoint(model, tmp_path / "epoch=1-step=10.ckpt", hparams)
+    if source == "stored":
+        checkpoint = torch.load(path, weights_only=True)
+        checkpoint["longnet_config"] = fields
+        torch.save(checkpoint, path)
+    loaded = load_model(path)
+    assert loaded.kind == "checkpoint" and loaded.label == "epoch=1-step=10"
+    assert same_logits(model, loaded.model)
+
+
+def test_real_training_module_checkpoint(tmp_path: Path):
+    training = pytest.importorskip("longnet.training")
+    module = training.CausalLMModule(config=dict(CONFIG), overrides={"num_layers": 1})
+    torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)},
+               tmp_path / "last.ckpt")
+    loaded = load_model(tmp_path / "last.ckpt")
+    assert loaded.model.config.num_layers == 1
+    assert same_logits(module.model.eval(), loaded.model)
+
+
+def test_bad_checkpoints_are_explained(tmp_path: Path):
+    model = tiny()
+    with pytest.raises(ValueError, match="found no model config"):
+        checkpoint_config({"hyper_parameters": {"learning_rate": 1.0}}, source="x.ckpt")
+    path = lightning_like_checkpoint(model, tmp_path / "a.ckpt", {"config": dict(
+        CONFIG, hidden_size=64)})
+    with pytest.raises(WeightsMismatchError, match="wrong shapes"):
+        load_model(path)
+    torch.save({"state_dict": {"encoder.weight": torch.zeros(2)},
+                "hyper_parameters": {"config": CONFIG}}, tmp_path / "b.ckpt")
+    with pytest.raises(ValueError, match="holds no LongNetLM"):
+        load_model(tmp_path / "b.ckpt")
+    torch.save({"weights": 1}, tmp_path / "c.ckpt")
+    with pytest.raises(ValueError, match="not a Lightning checkpoint"):
+        load_model(tmp_path / "c.ckpt")
+    (tmp_path / "d.ckpt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="weights_only=True"):
+        load_model(tmp_path / "d.ckpt")

@@ -1,0 +1,120 @@
+"""Passkey grid: deterministic examples, exact answer checks, grid bookkeeping."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from longnet.data import ByteTokenizer, passkey_examples, passkey_match
+from longnet.data.passkey import min_passkey_length
+from longnet.eval import check_passkey_grid, evaluate_passkey
+from longnet.modeling import LongNetConfig, LongNetLM
+
+SHORTEST = min_passkey_length(5)
+
+
+class OracleLM(nn.Module):
+    """Stands in for a LongNetLM: reads the key out of the prompt and 'generates'
+    ``transform(key)``, padded with ``!`` to the requested number of bytes."""
+
+    def __init__(self, transform=lambda key, prompt: key) -> None:
+        super().__init__()
+        self.config = LongNetConfig(hidden_size=8, num_layers=1, num_heads=1)
+        self.weight = nn.Parameter(torch.zeros(1))
+        self.transform = transform
+        self.calls: list[tuple[int, ...]] = []
+
+    def generate(self, input_ids, max_new_tokens, temperature=1.0, **_):
+        assert temperature == 0  # greedy
+        self.calls.append(tuple(input_ids.shape))
+        tokenizer = ByteTokenizer()
+        rows = []
+        for row in input_ids.tolist():
+            prompt = tokenizer.decode(row)
+            key = re.search(r"The pass key is (\d+)\. Remember", prompt).group(1)
+            text = (self.transform(key, prompt) + "!" * max_new_tokens)[:max_new_tokens]
+            rows.append(row + tokenizer.encode(text))
+        return torch.tensor(rows)
+
+
+def test_examples_are_deterministic_per_seed():
+    first = passkey_examples(4, 600, 0.5, seed=3)
+    assert first == passkey_examples(4, 600, 0.5, seed=3)
+    assert [e.answer for e in first] != [e.answer for e in passkey_examples(4, 600, 0.5, seed=4)]
+    for example in first:
+        assert len(example.prompt) + len(example.answer) == 600
+
+
+def test_answer_check_is_exact():
+    assert passkey_match("71432!", "71432")
+    assert passkey_match("71432", "71432")
+    assert not passkey_match("714325", "71432")  # a longer number is wrong
+    assert not passkey_match("7143", "71432")
+    assert not passkey_match(" 71432", "71432")
+
+
+def test_grid_cells_accuracy_and_order():
+    lengths, depths = [SHORTEST + 50, 700], [0.0, 0.5, 1.0]
+    model = OracleLM()
+    cells = evaluate_passkey(model, lengths, depths, num_examples=3, seed=1, batch_size=2)
+    assert [(c.length, c.depth) for c in cells] == [(n, d) for n in lengths for d in depths]
+    assert all(c.accuracy == 1.0 and c.num_examples == 3 for c in cells)
+    # 3 examples with batch_size 2: batches of 2 and 1, prompts of length - 5 bytes
+    assert model.calls[:2] == [(2, lengths[0] - 5), (1, lengths[0] - 5)]
+    assert cells[0].outcomes[0].generated == cells[0].outcomes[0].answer + "!"
+    assert all(c.mean_depth == pytest.approx(1.0) for c in cells if c.depth == 1.0)
+    again = evaluate_passkey(OracleLM(), lengths, depths, num_examples=3, seed=1)
+    assert [c.outcomes for c in again] == [c.outcomes for c in cells]
+
+
+def test_grid_counts_only_exact_answers():
+    longer = OracleLM(lambda key, prompt: key + "7")
+    cells = evaluate_passkey(longer, [600], [0.0, 1.0], num_examples=2)
+    assert [c.accuracy for c in cells] == [0.0, 0.0]
+
+    def early_only(key: str, prompt: str) -> str:  # right only when the needle comes early
+        return key if prompt.index("The pass key is") < 300 else "00000"
+
+    cells = evaluate_passkey(OracleLM(early_only), [1000], [0.0, 1.0], num_examples=4)
+    assert [c.accuracy for c in cells] == [1.0, 0.0]
+    assert [c.num_correct for c in cells] == [4, 0]
+
+
+def test_bad_grids_are_refused():
+    with pytest.raises(ValueError, match="too short"):
+        check_passkey_grid([SHORTEST - 1], [0.5])
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        check_passkey_grid([600], [1.5])
+    with pytest.raises(ValueError, match="repeat"):
+        check_passkey_grid([600, 600], [0.5])
+    with pytest.raises(ValueError, match="at least 1"):
+        check_passkey_grid([0], [0.5])
+    with pytest.raises(ValueError, match="at least one"):
+        check_passkey_grid([], [0.5])
+    with pytest.raises(ValueError, match="num_examples"):
+        evaluate_passkey(OracleLM(), [600], [0.5], num_examples=0)
+    torch.manual_seed(0)
+    learned = LongNetLM(LongNetConfig(hidden_size=16, num_layers=1, num_heads=2,
+                                      max_positions=256, position_encoding="learned"))
+    with pytest.raises(ValueError, match="longer than possible"):
+        evaluate_passkey(learned, [600], [0.5], num_examples=1)
+
+
+def test_real_model_runs_greedy_and_deterministically():
+    torch.manual_seed(0)
+    model = LongNetLM(LongNetConfig(
+        hidden_size=32, num_layers=2, num_heads=2, max_positions=64,
+        segment_lengths=(16, 32, 64), dilation_rates=(1, 2, 4), eos_token_id=255,
+    )).eval()
+    first = evaluate_passkey(model, [260], [0.5], num_examples=2, batch_size=2)
+    second = evaluate_passkey(model, [260], [0.5], num_examples=2, batch_size=1)
+    assert [c.outcomes for c in first] == [c.outcomes for c in second]
+    for cell in first:
+        assert 0.0 <= cell.accuracy <= 1.0
+        for outcome in cell.outcomes:
+            assert outcome.correct == passkey_match(outcome.generated, outcome.answer)
+    assert np.isfinite([c.mean_depth for c in first]).all()

@@ -1,0 +1,107 @@
+"""Both evaluation scripts end to end on a tiny saved model: files written, rows as expected."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from longnet.modeling import LongNetConfig, LongNetLM
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def script(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open() as handle:
+        return list(csv.DictReader(handle))
+
+
+def is_png(path: Path) -> bool:
+    return path.is_file() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture
+def tiny_model(tmp_path: Path) -> Path:
+    torch.manual_seed(0)
+    model = LongNetLM(LongNetConfig(
+        hidden_size=32, num_layers=2, num_heads=2, max_positions=32,
+        segment_lengths=(8, 16, 32), dilation_rates=(1, 2, 4), eos_token_id=255,
+    ))
+    return model.save_pretrained(tmp_path / "tiny")
+
+
+def test_eval_perplexity_end_to_end(tmp_path: Path, tiny_model: Path, capsys):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for index in range(4):
+        text = f"def f{index}(x):\n    return x * {index}\n" * (index + 1)
+        (docs / f"d{index}.txt").write_text(text)
+    out = tmp_path / "out"
+    code = script("eval_perplexity").main([
+        "--models", str(tiny_model), str(tiny_model), "--labels", "a", "b",
+        "--data-files", str(docs / "*.txt"), "--split", "all",
+        "--context-lengths", "16", "64", "--stride", "0.5", "--batch-size", "16",
+        "--out", str(out), "--no-progress",
+    ])
+    assert code == 0
+    rows = read_csv(out / "perplexity.csv")
+    assert [(r["model"], r["context_length"]) for r in rows] == [
+        ("a", "16"), ("a", "64"), ("b", "16"), ("b", "64")
+    ]
+    num_bytes = sum(len(p.read_bytes()) for p in docs.iterdir())
+    for row in rows:
+        assert int(row["bytes"]) == num_bytes and int(row["tokens"]) == num_bytes + 4
+        assert float(row["bits_per_byte"]) > 0
+    assert rows[0]["bits_per_byte"] == rows[2]["bits_per_byte"]  # same model, same numbers
+    assert [r["stride"] for r in rows[:2]] == ["8", "32"]
+    baselines = read_csv(out / "compressors.csv")
+    assert {(r["compressor"], r["mode"]) for r in baselines} == {
+        (c, m) for c in ("gzip", "bzip2", "xz") for m in ("separate", "concatenated")
+    }
+    assert is_png(out / "perplexity.png")
+    info = json.loads((out / "run.json").read_text())
+    assert info["context_lengths"] == [16, 64] and len(info["documents"]) == 4
+    assert "bits_per_byte" in capsys.readouterr().out
+
+
+def test_eval_perplexity_refuses_impossible_lengths(tmp_path: Path, tiny_model: Path, capsys):
+    module = script("eval_perplexity")
+    with pytest.raises(SystemExit):
+        module.parse_args(["--models", "x", "--context-lengths", "0"])
+    assert "at least 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        module.parse_args(["--models", "x", "--stride", "1.5"])
+    assert module.run_cli(lambda: module.main(["--models", "longnet-nope"])) == 2
+    assert "Known models" in capsys.readouterr().err
+
+
+def test_eval_passkey_end_to_end(tmp_path: Path, tiny_model: Path):
+    out = tmp_path / "out"
+    code = script("eval_passkey").main([
+        "--models", str(tiny_model), "--lengths", "240", "300", "--depths", "0", "1",
+        "--num-examples", "2", "--batch-size", "2", "--seed", "5", "--out", str(out),
+        "--no-progress",
+    ])
+    assert code == 0
+    rows = read_csv(out / "passkey.csv")
+    assert [(r["model"], r["context_length"], r["depth"]) for r in rows] == [
+        ("tiny", "240", "0.0"), ("tiny", "240", "1.0"), ("tiny", "300", "0.0"),
+        ("tiny", "300", "1.0"),
+    ]
+    for row in rows:
+        assert row["examples"] == "2" and 0 <= float(row["accuracy"]) <= 1
+    generations = read_csv(out / "passkey_generations.csv")
+    assert len(generations) == 8 and all(len(g["answer"]) == 5 for g in generations)
+    assert is_png(out / "passkey.png")
+    assert json.loads((out / "run.json").read_text())["lengths"] == [240, 300]
