@@ -1,0 +1,41 @@
+"""Training: the causal-LM LightningModule, sequence parallelism, data order, callbacks.
+
+The ``longnet`` command (``longnet.cli``) drives these from YAML configs in ``configs/``;
+see ``docs/training.md``.
+"""
+
+from longnet.training.builder import build_lm
+from longnet.training.callbacks import (
+    ExportPretrained,
+    LastCheckpoint,
+    MetricsSummary,
+    PredictionsWriter,
+)
+from longnet.training.loaders import EpochIndexSampler, EpochLoader, ResumableDataOrder
+from longnet.training.logger import RunLogger
+from longnet.training.metrics import TokenAccuracy, TokenCrossEntropy, lm_summary
+from longnet.training.module import CausalLMModule
+from longnet.training.optim import parameter_groups, warmup_cosine
+from longnet.training.sharding import pad_sequences, shard_batch
+from longnet.training.strategy import SequenceParallelStrategy
+
+__all__ = [
+    "CausalLMModule",
+    "EpochIndexSampler",
+    "EpochLoader",
+    "ExportPretrained",
+    "LastCheckpoint",
+    "MetricsSummary",
+    "PredictionsWriter",
+    "ResumableDataOrder",
+    "RunLogger",
+    "SequenceParallelStrategy",
+    "TokenAccuracy",
+    "TokenCrossEntropy",
+    "build_lm",
+    "lm_summary",
+    "pad_sequences",
+    "parameter_groups",
+    "shard_batch",
+    "warmup_cosine",
+]

@@ -1,0 +1,158 @@
+"""Callbacks that leave a trained model and its metrics in the run folder."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
+
+from longnet.modeling import LongNetLM
+
+MODEL_PREFIX = "model."
+
+
+def run_dir(trainer: L.Trainer) -> Path:
+    """The run folder: the logger's ``log_dir`` (else ``trainer.default_root_dir``).
+
+    ``trainer.log_dir`` broadcasts from rank 0: call this on EVERY rank (a rank-zero-only call
+    deadlocks a multi-process run).
+    """
+    return Path(trainer.log_dir or trainer.default_root_dir)
+
+
+class LastCheckpoint(ModelCheckpoint):
+    """``last.ckpt``: the whole training state every ``every_n_train_steps`` optimizer steps
+    and when ``fit`` ends, for ``fit --ckpt_path last`` after an interruption.
+
+    A ``ModelCheckpoint`` (so ``ckpt_path="last"`` finds it) that keeps no top-k files; pair it
+    with a ``ModelCheckpoint(monitor="val/loss")`` for the best weights.
+
+    Args:
+        dirpath: folder of ``last.ckpt``; None is ``<run folder>/checkpoints``.
+        every_n_train_steps: save interval in optimizer steps.
+    """
+
+    def __init__(self, dirpath: str | None = None, every_n_train_steps: int = 100) -> None:
+        if isinstance(every_n_train_steps, bool) or not isinstance(every_n_train_steps, int) \
+                or every_n_train_steps < 1:
+            raise ValueError(
+                f"every_n_train_steps must be a positive integer, got {every_n_train_steps!r}."
+            )
+        super().__init__(
+            dirpath=dirpath, save_last=True, save_top_k=0,
+            every_n_train_steps=every_n_train_steps,
+        )
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self._should_skip_saving_checkpoint(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+
+class ExportPretrained(L.Callback):
+    """At the end of ``fit``, write the model with ``save_pretrained`` (config.json,
+    model.safetensors, README.md card), loadable with ``LongNetLM.from_pretrained(dirpath)``.
+
+    Args:
+        dirpath: destination; None is ``<run folder>/model``.
+        weights: ``"best"``: the best checkpoint of the first ``ModelCheckpoint`` that has one
+            (what ``test`` with ``ckpt_path="best"`` evaluates); ``"last"`` or no best
+            checkpoint: the weights at the end of training.
+    """
+
+    def __init__(self, dirpath: str | None = None, weights: str = "best") -> None:
+        if weights not in ("best", "last"):
+            raise ValueError(f"weights must be 'best' or 'last', got {weights!r}.")
+        self.dirpath, self.weights = dirpath, weights
+        self.exported: Path | None = None
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        model: LongNetLM = pl_module.model
+        target = Path(self.dirpath) if self.dirpath else run_dir(trainer) / "model"
+        best = getattr(trainer.checkpoint_callback, "best_model_path", "") or ""
+        if trainer.is_global_zero:
+            export = LongNetLM(model.config)
+            if self.weights == "best" and best:
+                checkpoint = torch.load(best, map_location="cpu", weights_only=False)
+                state = {
+                    key[len(MODEL_PREFIX):]: value
+                    for key, value in checkpoint["state_dict"].items()
+                    if key.startswith(MODEL_PREFIX)
+                }
+            else:
+                state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+            export.load_state_dict(state)
+            export.save_pretrained(target)
+        self.exported = target
+        trainer.strategy.barrier("ExportPretrained")
+
+
+class MetricsSummary(L.Callback):
+    """Write the last validation and test metrics to ``<run folder>/metrics.json``.
+
+    ``{"validate": {...}, "test": {...}}``, each with ``step`` and every ``val/*`` or
+    ``test/*`` value; updated after every validation (outside the sanity check) and test.
+    """
+
+    def __init__(self, filename: str = "metrics.json") -> None:
+        self.filename = filename
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._write(trainer, "validate", "val/")
+
+    def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._write(trainer, "test", "test/")
+
+    def _write(self, trainer: L.Trainer, section: str, prefix: str) -> None:
+        path = run_dir(trainer) / self.filename  # on every rank: log_dir is a collective
+        if not trainer.is_global_zero:
+            return
+        values: dict[str, Any] = {"step": trainer.global_step}
+        for key, value in trainer.callback_metrics.items():
+            if key.startswith(prefix):
+                number = float(value)
+                values[key] = number if math.isfinite(number) else str(number)
+        data = json.loads(path.read_text()) if path.is_file() else {}
+        data[section] = values
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+class PredictionsWriter(BasePredictionWriter):
+    """Write ``predict`` outputs (per-sample ``loss_sum``, ``num_tokens``, ``bpb``) as JSON
+    lines, one file per data-parallel rank: ``<dirpath>/predictions-<rank>.jsonl``.
+
+    Args:
+        dirpath: destination folder; None is the run folder.
+    """
+
+    def __init__(self, dirpath: str | None = None) -> None:
+        super().__init__(write_interval="batch")
+        self.dirpath = dirpath
+        self._folder: Path | None = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # resolved here, on every rank (log_dir is a collective; ranks may get different
+        # numbers of predict batches)
+        self._folder = Path(self.dirpath) if self.dirpath else run_dir(trainer)
+
+    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch,
+                           batch_idx, dataloader_idx) -> None:
+        folder = self._folder or Path(self.dirpath or trainer.default_root_dir)
+        strategy = trainer.strategy
+        if getattr(strategy, "sequence_parallel_rank", 0) != 0:
+            return  # the other ranks of a sequence-parallel group hold the same values
+        rank = getattr(strategy, "data_parallel_rank", trainer.global_rank)
+        folder.mkdir(parents=True, exist_ok=True)
+        columns = {key: value.tolist() for key, value in prediction.items()}
+        indices = list(batch_indices) if batch_indices is not None else [None] * len(
+            next(iter(columns.values())))
+        with open(folder / f"predictions-{rank}.jsonl", "a") as handle:
+            for row, index in enumerate(indices):
+                record = {"index": index, **{key: column[row] for key, column in columns.items()}}
+                handle.write(json.dumps(record) + "\n")

@@ -1,0 +1,296 @@
+"""``CausalLMModule``: the LightningModule that trains and evaluates a LongNet causal LM."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from longnet.attention import DilatedPattern
+from longnet.data import IGNORE_INDEX
+from longnet.modeling import LMOutput
+from longnet.training.builder import build_lm
+from longnet.training.loaders import ResumableDataOrder
+from longnet.training.metrics import TokenAccuracy, TokenCrossEntropy, lm_summary
+from longnet.training.optim import build_optimizer, parameter_groups
+
+Batch = dict[str, Tensor]
+RNG_KEY = "longnet_rng_state"
+
+
+class CausalLMModule(L.LightningModule):
+    """Next-token training of a :class:`~longnet.modeling.LongNetLM`.
+
+    Batches are ``{"input_ids": (batch, seq), "labels": (batch, seq)}`` with shifted labels
+    (-100 ignored), as every ``longnet.data`` datamodule yields; under
+    :class:`~longnet.training.SequenceParallelStrategy` they arrive as this rank's shard with
+    global ``position_ids`` ``(shard,)``, and the strategy's ``sequence_parallel_group`` is
+    handed to the attention.
+
+    Loss: ``sum(CE) * world_size / N`` with ``N`` the number of scored tokens of the whole
+    global batch (all ranks). Data-parallel training averages gradients over all
+    ``world_size`` ranks, so the update is that of ``sum(CE) / N`` on one device: the
+    token-weighted mean over the global batch, whatever the data-parallel and
+    sequence-parallel layout.
+
+    Logged: ``train/loss`` (nats/token, global batch), ``train/bpb``, ``train/tokens_per_s``
+    (scored tokens of the global batch per second of training step);
+    ``val/loss``, ``val/bpb``, ``val/ppl``, ``val/accuracy`` (and ``test/...``) over the whole
+    split, exact across ranks (summed cross-entropy and token counts).
+
+    Args:
+        model: zoo name or model folder to build a freshly initialised model from.
+        pretrained: zoo name or folder with weights to start from.
+        config: :class:`~longnet.modeling.LongNetConfig` fields (fresh weights).
+            Exactly one of ``model``, ``pretrained``, ``config``.
+        overrides: config fields to replace (e.g. ``{hidden_size: 32}`` or ``{dropout: 0.1}``).
+        learning_rate: peak AdamW learning rate.
+        weight_decay: decoupled weight decay of matrices and embeddings (not biases/norms).
+        betas, eps: AdamW moments and epsilon.
+        warmup_steps: linear warmup steps.
+        total_steps: length of the cosine schedule; None uses the trainer's
+            ``estimated_stepping_batches`` (``max_steps`` when set).
+        min_lr_ratio: the cosine ends at ``learning_rate * min_lr_ratio``.
+        gradient_checkpointing: recompute each block in backward (saves activation memory).
+        bytes_per_token: text bytes per token, for bits per byte (1 for byte-level models).
+        resumable_data: attach :class:`~longnet.training.ResumableDataOrder` (deterministic,
+            resumable, exact-evaluation data order); turn off to keep Lightning's loaders.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        pretrained: str | None = None,
+        config: dict[str, Any] | None = None,
+        overrides: dict[str, Any] | None = None,
+        learning_rate: float = 1e-3,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        warmup_steps: int = 100,
+        total_steps: int | None = None,
+        min_lr_ratio: float = 0.1,
+        gradient_checkpointing: bool = False,
+        bytes_per_token: float = 1.0,
+        resumable_data: bool = True,
+    ) -> None:
+        super().__init__()
+        _check_hparams(learning_rate, weight_decay, betas, eps, warmup_steps, total_steps,
+                       min_lr_ratio, bytes_per_token)
+        self.save_hyperparameters()
+        self.model = build_lm(model, pretrained=pretrained, config=config, overrides=overrides)
+        if gradient_checkpointing:
+            self.model.set_gradient_checkpointing(True)
+        self.bytes_per_token = bytes_per_token
+        self.val_ce = TokenCrossEntropy(bytes_per_token)
+        self.val_acc = TokenAccuracy()
+        self.test_ce = TokenCrossEntropy(bytes_per_token)
+        self.test_acc = TokenAccuracy()
+        self._step_started: float | None = None
+        self._step_tokens: Tensor | None = None
+
+    # ------------------------------------------------------------------ model facts
+    @property
+    def pattern(self) -> DilatedPattern:
+        """The model's dilated pattern (the strategy pads sequences to fit it)."""
+        return self.model.config.pattern
+
+    @property
+    def pad_token_id(self) -> int:
+        """Input id used for padding (the config's ``pad_token_id``, else 0)."""
+        pad = self.model.config.pad_token_id
+        return 0 if pad is None else pad
+
+    def sequence_parallel_group(self) -> dist.ProcessGroup | None:
+        """The sequence-parallel group of the trainer's strategy, if it has one."""
+        trainer = self._trainer
+        if trainer is None:
+            return None
+        return getattr(trainer.strategy, "sequence_parallel_group", None)
+
+    # ------------------------------------------------------------------ Lightning hooks
+    def configure_callbacks(self) -> list[L.Callback]:
+        if not self.hparams.resumable_data:
+            return []
+        present = self._trainer is not None and any(
+            isinstance(callback, ResumableDataOrder) for callback in self._trainer.callbacks
+        )
+        return [] if present else [ResumableDataOrder()]
+
+    def setup(self, stage: str) -> None:
+        """Refuse a datamodule the model cannot read, before any work."""
+        datamodule = self._trainer.datamodule if self._trainer is not None else None
+        config = self.model.config
+        vocab = getattr(datamodule, "vocab_size", None)
+        if isinstance(vocab, int) and vocab > config.vocab_size:
+            raise ValueError(
+                f"the data has vocab_size {vocab} but the model only {config.vocab_size}; set "
+                f"model overrides {{vocab_size: {vocab}}} or use matching data."
+            )
+        seq_len = _datamodule_seq_len(datamodule)
+        if seq_len is not None and config.position_encoding == "learned" \
+                and seq_len > config.max_positions:
+            raise ValueError(
+                f"data seq_len {seq_len} exceeds the model's max_positions "
+                f"{config.max_positions} (learned position embeddings); lower seq_len or "
+                "raise max_positions."
+            )
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Keep the RNG state (dropout) so a resumed run draws what the uninterrupted one
+        would have drawn."""
+        checkpoint[RNG_KEY] = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            checkpoint[RNG_KEY]["cuda"] = torch.cuda.get_rng_state()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get(RNG_KEY)
+        if state is None:
+            return
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"])
+
+    def forward(self, batch: Batch) -> LMOutput:
+        """Run the LM on a (possibly sharded) batch."""
+        return self.model(
+            batch["input_ids"],
+            labels=batch.get("labels"),
+            position_ids=batch.get("position_ids"),
+            group=self.sequence_parallel_group(),
+        )
+
+    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        out = self(batch)
+        world = self.trainer.world_size
+        # one all-reduce gives the global summed CE (for logging) and scored-token count
+        stats = torch.stack((out.loss_sum.detach().double(), out.num_tokens.double()))
+        if world > 1 and dist.is_available() and dist.is_initialized():
+            dist.all_reduce(stats)
+        scale = (world / stats[1].clamp(min=1)).to(out.loss_sum.dtype)
+        loss = out.loss_sum * scale
+        summary = lm_summary(stats[0], stats[1], self.bytes_per_token)
+        self.log("train/loss", summary["loss"].float(), prog_bar=True)
+        self.log("train/bpb", summary["bpb"].float())
+        self._step_tokens = stats[1]
+        return loss
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._step_started = time.perf_counter()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._step_started is None or self._step_tokens is None:
+            return
+        elapsed = time.perf_counter() - self._step_started
+        self.log("train/tokens_per_s", float(self._step_tokens) / max(elapsed, 1e-9))
+
+    def validation_step(self, batch: Batch, batch_idx: int) -> None:
+        self._eval_update(batch, self.val_ce, self.val_acc)
+
+    def on_validation_epoch_end(self) -> None:
+        self._eval_log("val", self.val_ce, self.val_acc)
+
+    def test_step(self, batch: Batch, batch_idx: int) -> None:
+        self._eval_update(batch, self.test_ce, self.test_acc)
+
+    def on_test_epoch_end(self) -> None:
+        self._eval_log("test", self.test_ce, self.test_acc)
+
+    def predict_step(self, batch: Batch, batch_idx: int) -> dict[str, Tensor]:
+        """Per-sample summed CE, scored tokens and bits per byte (whole sequences, also under
+        sequence parallelism): ``{"loss_sum", "num_tokens", "bpb"}`` each ``(batch,)``."""
+        out = self.model(
+            batch["input_ids"], position_ids=batch.get("position_ids"),
+            group=self.sequence_parallel_group(),
+        )
+        labels = batch["labels"]
+        ce = F.cross_entropy(
+            out.logits.float().transpose(1, 2), labels, ignore_index=IGNORE_INDEX,
+            reduction="none",
+        )
+        stats = torch.stack((ce.sum(-1).double(), (labels != IGNORE_INDEX).sum(-1).double()))
+        group = self.sequence_parallel_group()
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(stats, group=group)
+        summary = lm_summary(stats[0], stats[1], self.bytes_per_token)
+        return {"loss_sum": stats[0], "num_tokens": stats[1], "bpb": summary["bpb"]}
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        total = hp.total_steps
+        if total is None:
+            total = self.trainer.estimated_stepping_batches
+            if total == float("inf"):
+                raise ValueError(
+                    "total_steps is None and the trainer has no finite length; set "
+                    "trainer.max_steps or model.init_args.total_steps."
+                )
+        optimizer, scheduler = build_optimizer(
+            parameter_groups(self.model, hp.weight_decay),
+            lr=hp.learning_rate,
+            betas=tuple(hp.betas),
+            eps=hp.eps,
+            total_steps=int(total),
+            warmup_steps=hp.warmup_steps,
+            min_lr_ratio=hp.min_lr_ratio,
+        )
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1},
+        }
+
+    # ------------------------------------------------------------------ helpers
+    def _eval_update(self, batch: Batch, ce: TokenCrossEntropy, acc: TokenAccuracy) -> None:
+        out = self(batch)
+        labels = batch["labels"]
+        correct = ((out.logits.argmax(-1) == labels) & (labels != IGNORE_INDEX)).sum()
+        ce.update(out.loss_sum, out.num_tokens)
+        acc.update(correct, out.num_tokens)
+
+    def _eval_log(self, prefix: str, ce: TokenCrossEntropy, acc: TokenAccuracy) -> None:
+        result = ce.compute()  # synchronised over all ranks: exact global sums
+        accuracy = acc.compute()
+        ce.reset()
+        acc.reset()
+        values = {
+            f"{prefix}/loss": result["loss"],
+            f"{prefix}/bpb": result["bpb"],
+            f"{prefix}/ppl": result["ppl"],
+            f"{prefix}/accuracy": accuracy,
+            f"{prefix}/tokens": result["tokens"],
+        }
+        # identical on every rank already; "max" keeps them bit-exact (a mean could round)
+        self.log_dict({k: v.float() for k, v in values.items()}, sync_dist=True, reduce_fx="max")
+
+
+def _datamodule_seq_len(datamodule: Any) -> int | None:
+    seq_len = getattr(datamodule, "seq_len", None)
+    if seq_len is None:
+        settings = getattr(datamodule, "settings", None)
+        seq_len = getattr(settings, "seq_len", None)
+    return seq_len if isinstance(seq_len, int) else None
+
+
+def _check_hparams(lr, weight_decay, betas, eps, warmup_steps, total_steps, min_lr_ratio,
+                   bytes_per_token) -> None:
+    if not lr > 0:
+        raise ValueError(f"learning_rate must be positive, got {lr!r}.")
+    if weight_decay < 0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}.")
+    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+        raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}.")
+    if not eps > 0:
+        raise ValueError(f"eps must be positive, got {eps!r}.")
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be a non-negative integer, got {warmup_steps!r}.")
+    if total_steps is not None and (not isinstance(total_steps, int) or total_steps < 1):
+        raise ValueError(f"total_steps must be None or a positive integer, got {total_steps!r}.")
+    if not 0 <= min_lr_ratio <= 1:
+        raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio!r}.")
+    if not bytes_per_token > 0:
+        raise ValueError(f"bytes_per_token must be positive, got {bytes_per_token!r}.")

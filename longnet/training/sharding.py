@@ -1,0 +1,103 @@
+"""Cut a batch of whole sequences into one rank's contiguous shard along the sequence.
+
+Used by :class:`longnet.training.SequenceParallelStrategy` on every batch of every loop,
+before the batch reaches the model. Labels are already shifted by the data pipeline, so a
+shard's labels belong to its own positions and no token crosses a shard boundary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from longnet.attention import DilatedPattern, padded_length
+from longnet.data import IGNORE_INDEX
+
+SEQUENCE_KEYS = ("input_ids", "labels", "position_ids")
+
+
+def pad_sequences(
+    batch: Mapping[str, Any], length: int, pad_token_id: int
+) -> dict[str, Any]:
+    """Right-pad ``input_ids`` (with ``pad_token_id``), ``labels`` (with -100) and
+    ``position_ids`` (continuing the count) to ``length`` tokens.
+
+    Padding at the end is exact for a causal LM: no real position attends to a later one and
+    padded labels are ignored.
+    """
+    out = dict(batch)
+    seq_len = batch["input_ids"].shape[-1]
+    extra = length - seq_len
+    if extra < 0:
+        raise ValueError(f"cannot pad a sequence of {seq_len} tokens to {length}.")
+    if extra == 0:
+        return out
+    fills = {"input_ids": pad_token_id, "labels": IGNORE_INDEX}
+    for key, fill in fills.items():
+        if key in batch:
+            tensor: Tensor = batch[key]
+            pad = tensor.new_full((*tensor.shape[:-1], extra), fill)
+            out[key] = torch.cat((tensor, pad), dim=-1)
+    if "position_ids" in batch:
+        positions: Tensor = batch["position_ids"]
+        tail = positions[..., -1:] + torch.arange(1, extra + 1, device=positions.device)
+        out["position_ids"] = torch.cat((positions, tail), dim=-1)
+    return out
+
+
+def shard_batch(
+    batch: Mapping[str, Any],
+    rank: int,
+    world_size: int,
+    *,
+    pattern: DilatedPattern | None = None,
+    pad_token_id: int = 0,
+) -> dict[str, Any]:
+    """This rank's contiguous shard of every sequence of ``batch``.
+
+    Args:
+        batch: ``{"input_ids": (batch, seq), "labels": (batch, seq) optional,
+            "position_ids": (seq,) or (batch, seq) optional, ...}``; other keys pass through.
+        rank, world_size: this rank's place in the sequence-parallel group and its size.
+        pattern: the model's dilated pattern. The sequence is right-padded to
+            ``padded_length(seq, pattern, world_size)`` (labels -100) so every branch fits the
+            shard length; without a pattern the length must be a multiple of ``world_size``.
+        pad_token_id: input id of padded positions.
+
+    Returns:
+        The batch with ``input_ids``/``labels`` of shape ``(batch, seq_padded / world_size)``
+        and ``position_ids`` holding the shard's GLOBAL positions, ``(shard,)`` (built from
+        ``arange(seq_padded)`` before sharding when the batch had none).
+    """
+    if "input_ids" not in batch:
+        raise KeyError(
+            f"sequence parallelism needs batches with an 'input_ids' entry; got keys "
+            f"{sorted(batch)}."
+        )
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside a group of {world_size} ranks.")
+    input_ids: Tensor = batch["input_ids"]
+    seq_len = input_ids.shape[-1]
+    if pattern is not None:
+        length = padded_length(seq_len, pattern, world_size)
+    elif seq_len % world_size:
+        raise ValueError(
+            f"sequence length {seq_len} is not divisible by the sequence-parallel size "
+            f"{world_size}; pick a seq_len that is a multiple of {world_size} or let the "
+            "LightningModule expose its dilated `pattern` so sequences are padded."
+        )
+    else:
+        length = seq_len
+    out = dict(batch)
+    if "position_ids" not in out:
+        out["position_ids"] = torch.arange(seq_len, device=input_ids.device)
+    out = pad_sequences(out, length, pad_token_id)
+    shard = length // world_size
+    start = rank * shard
+    for key in SEQUENCE_KEYS:
+        if key in out:
+            out[key] = out[key][..., start : start + shard].contiguous()
+    return out

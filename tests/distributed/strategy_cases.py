@@ -1,0 +1,173 @@
+"""Workers for ``test_strategy.py``: tiny LongNet LMs trained with ``SequenceParallelStrategy``
+on spawned gloo process groups (``launcher.run_workers``), and the same runs on one process.
+
+Every run: a 2-layer, width-32 model with a dilated pattern whose branches span shards
+(``(32, 1), (64, 2), (128, 4)``), sequences of 120 tokens (padded to 128 under sequence
+parallelism), global batch 4, three AdamW steps with gradient clipping, then validation on 6
+samples (not a multiple of the data-parallel size times the batch).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, Dataset
+
+from longnet.training import CausalLMModule, SequenceParallelStrategy
+
+SEQ_LEN = 120
+GLOBAL_BATCH = 4
+STEPS = 3
+MODEL_OVERRIDES = {
+    "hidden_size": 32,
+    "num_layers": 2,
+    "num_heads": 4,
+    "max_positions": 128,
+    "segment_lengths": [32, 64, 128],
+    "dilation_rates": [1, 2, 4],
+}
+
+
+class TokenWindows(Dataset):
+    """``size`` samples of pseudo-text bytes (a fixed seed per split), shifted labels, the last
+    few labels of every other sample ignored (-100) so token counts differ per sample."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        vocab = torch.tensor(list(b"etaoin shrdlu.\n"), dtype=torch.long)
+        picks = torch.randint(len(vocab), (size, SEQ_LEN + 1), generator=generator)
+        self.tokens = vocab[picks]
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        tokens = self.tokens[index]
+        labels = tokens[1:].clone()
+        if index % 2:
+            labels[-(7 + index) :] = -100
+        return {"input_ids": tokens[:-1], "labels": labels}
+
+
+class TinyData(L.LightningDataModule):
+    def __init__(self, batch_size: int, eval_batch_size: int = 2) -> None:
+        super().__init__()
+        self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
+        self.train, self.val = TokenWindows(12, seed=1), TokenWindows(6, seed=2)
+
+    @property
+    def vocab_size(self) -> int:
+        return 256
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train, batch_size=self.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val, batch_size=self.eval_batch_size)
+
+
+def make_module() -> CausalLMModule:
+    L.seed_everything(1234, verbose=False)
+    return CausalLMModule(
+        model="longnet-tiny",
+        overrides=MODEL_OVERRIDES,
+        learning_rate=1e-3,
+        warmup_steps=1,
+        total_steps=STEPS,
+    )
+
+
+def trainer_kwargs() -> dict[str, Any]:
+    return dict(
+        accelerator="cpu",
+        max_steps=STEPS,
+        val_check_interval=STEPS,
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+        gradient_clip_val=0.5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+
+def result(trainer: L.Trainer, module: CausalLMModule) -> dict[str, Any]:
+    return {
+        # numpy arrays travel through the launcher's queue by value
+        "params": {k: v.detach().cpu().numpy().copy()
+                   for k, v in module.model.state_dict().items()},
+        "val_loss": float(trainer.callback_metrics["val/loss"]),
+        "val_tokens": float(trainer.callback_metrics["val/tokens"]),
+        "global_step": trainer.global_step,
+    }
+
+
+def single_device_run() -> dict[str, Any]:
+    """The reference: one process, the whole global batch."""
+    torch.set_num_threads(1)
+    module = make_module()
+    trainer = L.Trainer(devices=1, **trainer_kwargs())
+    trainer.fit(module, datamodule=TinyData(GLOBAL_BATCH))
+    return result(trainer, module)
+
+
+def sequence_parallel_run(rank: int, world_size: int, device: torch.device,
+                          sequence_parallel_size: int, checkpoint_dir: str | None = None,
+                          break_sampler: bool = False) -> dict:
+    """One rank of a ``(world_size / sp, sp)`` mesh on the launcher's process group.
+
+    With ``checkpoint_dir``: also save a checkpoint at step 2 (all ranks take part), resume a
+    fresh model and trainer from it, and report how far the resumed step-3 parameters are from
+    the uninterrupted ones (``resume_max_diff``).
+    """
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size))
+    data_parallel = world_size // sequence_parallel_size
+
+    def strategy() -> SequenceParallelStrategy:
+        made = SequenceParallelStrategy(sequence_parallel_size=sequence_parallel_size,
+                                        process_group_backend="gloo")
+        if break_sampler:  # negative control: every rank its own replica (sp groups disagree)
+            type(made).distributed_sampler_kwargs = property(
+                lambda self: {"num_replicas": self.world_size, "rank": self.global_rank})
+        return made
+
+    kwargs = trainer_kwargs()
+    folder = None
+    if checkpoint_dir is not None:
+        folder = os.path.join(checkpoint_dir, f"sp{sequence_parallel_size}")
+        kwargs.update(enable_checkpointing=True, callbacks=[ModelCheckpoint(
+            dirpath=folder, filename="{step}", every_n_train_steps=2, save_top_k=-1)])
+    module = make_module()
+    used = strategy()
+    trainer = L.Trainer(devices=world_size, strategy=used, **kwargs)
+    trainer.fit(module, datamodule=TinyData(GLOBAL_BATCH // data_parallel))
+    out = result(trainer, module)
+    out["mesh"] = tuple(used.device_mesh.mesh.shape)
+    out["sp_ranks"] = sorted(torch.distributed.get_process_group_ranks(
+        used.sequence_parallel_group))
+    if folder is not None:
+        resumed = make_module()
+        trainer = L.Trainer(devices=world_size, strategy=strategy(), **trainer_kwargs())
+        trainer.fit(resumed, datamodule=TinyData(GLOBAL_BATCH // data_parallel),
+                    ckpt_path=os.path.join(folder, "step=2.ckpt"))
+        out["resume_max_diff"] = max(
+            (a - b).abs().max().item()
+            for a, b in zip(module.model.state_dict().values(),
+                            resumed.model.state_dict().values()))
+        out["resume_global_step"] = trainer.global_step
+    return out
+
+
+def sequence_parallel_runs(rank: int, world_size: int, device: torch.device,
+                           sizes: tuple[int, ...], checkpoint_dir: str | None = None,
+                           break_sampler: bool = False) -> list[dict]:
+    """:func:`sequence_parallel_run` for each sequence-parallel size, one after another in
+    the same processes (one spawn for several meshes)."""
+    return [sequence_parallel_run(rank, world_size, device, sp, checkpoint_dir, break_sampler)
+            for sp in sizes]

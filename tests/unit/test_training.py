@@ -1,0 +1,211 @@
+"""Unit tests of longnet.training: schedule, metrics, sharding, data order, module, builder."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from longnet.attention import DilatedPattern
+from longnet.modeling import LongNetLM
+from longnet.training import (
+    CausalLMModule,
+    EpochIndexSampler,
+    EpochLoader,
+    SequenceParallelStrategy,
+    TokenCrossEntropy,
+    build_lm,
+    lm_summary,
+    parameter_groups,
+    shard_batch,
+    warmup_cosine,
+)
+
+TINY = {
+    "hidden_size": 32,
+    "num_layers": 2,
+    "num_heads": 2,
+    "max_positions": 64,
+    "segment_lengths": [16, 32, 64],
+    "dilation_rates": [1, 2, 4],
+}
+
+
+# ---------------------------------------------------------------------- optimizer, schedule
+def test_warmup_cosine_shape():
+    values = [warmup_cosine(step, 4, 14, 0.1) for step in range(20)]
+    assert values[0] == pytest.approx(1 / 5)
+    assert values[3] == pytest.approx(4 / 5)
+    assert values[4] == pytest.approx(1.0)
+    assert values[9] == pytest.approx(0.1 + 0.9 * 0.5)  # half-way through the cosine
+    assert values[14] == pytest.approx(0.1) and values[19] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(values[4:], values[5:]))
+
+
+def test_parameter_groups_decay_matrices_once():
+    model = build_lm("longnet-tiny", overrides=TINY)  # tied embeddings
+    decay, no_decay = parameter_groups(model, 0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decay["params"])
+    assert all(p.dim() < 2 for p in no_decay["params"])
+    ids = [id(p) for p in decay["params"] + no_decay["params"]]
+    assert len(ids) == len(set(ids)) == len({id(p) for p in model.parameters()})
+
+
+# ---------------------------------------------------------------------- metrics
+def test_token_cross_entropy_is_token_weighted():
+    metric = TokenCrossEntropy()
+    metric.update(torch.tensor(10.0), torch.tensor(4))
+    metric.update(torch.tensor(2.0), torch.tensor(1))
+    result = metric.compute()
+    assert result["loss"].item() == pytest.approx(12.0 / 5)  # not the mean of 2.5 and 2.0
+    assert result["bpb"].item() == pytest.approx(12.0 / 5 / math.log(2))
+    assert result["ppl"].item() == pytest.approx(math.exp(12.0 / 5))
+    assert result["tokens"].item() == 5
+    half = lm_summary(torch.tensor(2.0), torch.tensor(1), bytes_per_token=2.0)
+    assert half["bpb"].item() == pytest.approx(1 / math.log(2))
+
+
+# ---------------------------------------------------------------------- sharding
+def _batch(seq: int, batch: int = 2) -> dict:
+    generator = torch.Generator().manual_seed(seq)
+    return {
+        "input_ids": torch.randint(0, 250, (batch, seq), generator=generator),
+        "labels": torch.randint(0, 250, (batch, seq), generator=generator),
+    }
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_shards_concatenate_to_the_padded_sequence(world):
+    pattern = DilatedPattern((32, 64, 128), (1, 2, 4))
+    batch = _batch(120)
+    shards = [shard_batch(batch, rank, world, pattern=pattern, pad_token_id=254)
+              for rank in range(world)]
+    inputs = torch.cat([s["input_ids"] for s in shards], dim=1)
+    labels = torch.cat([s["labels"] for s in shards], dim=1)
+    positions = torch.cat([s["position_ids"] for s in shards])
+    length = inputs.shape[1]
+    assert length >= 120 and length % world == 0
+    assert len({s["input_ids"].shape for s in shards}) == 1
+    assert torch.equal(inputs[:, :120], batch["input_ids"])
+    assert torch.equal(labels[:, :120], batch["labels"])
+    assert (inputs[:, 120:] == 254).all() and (labels[:, 120:] == -100).all()
+    assert torch.equal(positions, torch.arange(length))
+
+
+def test_shard_keeps_given_positions_and_refuses_bad_lengths():
+    batch = _batch(8) | {"position_ids": torch.arange(100, 108)}
+    shard = shard_batch(batch, 1, 2)
+    assert torch.equal(shard["position_ids"], torch.arange(104, 108))
+    with pytest.raises(ValueError, match="not divisible by the sequence-parallel size 3"):
+        shard_batch(_batch(8), 0, 3)
+    with pytest.raises(KeyError, match="input_ids"):
+        shard_batch({"labels": torch.zeros(1, 4)}, 0, 2)
+
+
+# ---------------------------------------------------------------------- data order
+@pytest.mark.parametrize("size", [12, 13])
+def test_replica_batches_union_is_the_single_device_batch(size):
+    local_batch, replicas = 2, 3
+    single = EpochIndexSampler(size, shuffle=True, seed=5)
+    single.set_epoch(2)
+    order = list(single)
+    shards = []
+    for rank in range(replicas):
+        sampler = EpochIndexSampler(size, shuffle=True, seed=5, num_replicas=replicas, rank=rank)
+        sampler.set_epoch(2)
+        shards.append(list(sampler))
+    assert len({len(s) for s in shards}) == 1  # equal work per replica (wrap padding)
+    for k in range(size // (local_batch * replicas)):
+        union = sorted(i for s in shards for i in s[k * local_batch:(k + 1) * local_batch])
+        assert union == sorted(order[k * local_batch * replicas:(k + 1) * local_batch * replicas])
+
+
+def test_epoch_order_is_seeded_and_eval_split_is_exact():
+    a = EpochIndexSampler(50, shuffle=True, seed=1)
+    b = EpochIndexSampler(50, shuffle=True, seed=1)
+    assert list(a) == list(b)
+    a.set_epoch(1)
+    assert list(a) != list(b) and sorted(a) == list(range(50))
+    shards = [list(EpochIndexSampler(7, shuffle=False, seed=0, num_replicas=3, rank=r, pad=False))
+              for r in range(3)]
+    assert sorted(i for s in shards for i in s) == list(range(7))
+
+
+def test_epoch_loader_resumes_after_consumed_batches():
+    data = [{"x": torch.tensor(i)} for i in range(10)]
+    base = DataLoader(data, batch_size=3, shuffle=True)
+    consumed = {"n": 0}
+    loader = EpochLoader(base, seed=3, consumed=lambda: consumed["n"])
+    full = [b["x"].tolist() for b in loader]
+    assert len(loader) == 4 and sorted(sum(full, [])) == list(range(10))
+    consumed["n"] = 2
+    state = loader.state_dict()
+    assert state == {"seed": 3, "epoch": 0, "consumed": 2}
+    resumed = EpochLoader(base, seed=99)  # the checkpoint's seed wins
+    resumed.load_state_dict(state)
+    assert [b["x"].tolist() for b in resumed] == full[2:]
+    assert [b["x"].tolist() for b in resumed] == full  # the skip applies once
+    resumed.load_state_dict({"seed": 3, "epoch": 0, "consumed": 4})  # epoch finished
+    assert resumed.sampler.epoch == 1 and resumed.sampler.skip == 0
+
+
+# ---------------------------------------------------------------------- builder, module
+def test_build_lm_sources_and_errors(tmp_path):
+    model = build_lm("longnet-tiny", overrides=TINY)
+    assert isinstance(model, LongNetLM) and model.config.hidden_size == 32
+    model.save_pretrained(tmp_path / "m")
+    loaded = build_lm(pretrained=str(tmp_path / "m"))
+    assert all(torch.equal(a, b) for a, b in
+               zip(model.state_dict().values(), loaded.state_dict().values()))
+    assert loaded.training
+    from_config = build_lm(config=model.config.to_dict())
+    assert from_config.config == model.config
+    with pytest.raises(ValueError, match="exactly one of model"):
+        build_lm()
+    with pytest.raises(ValueError, match="exactly one of model"):
+        build_lm("longnet-tiny", pretrained="longnet-tiny")
+    with pytest.raises(FileNotFoundError, match="longnet-tiny"):
+        build_lm("longnet-nope")
+    with pytest.raises(ValueError, match="no field 'hiden_size'"):
+        build_lm("longnet-tiny", overrides={"hiden_size": 8})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"learning_rate": 0.0}, "learning_rate must be positive"),
+        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"betas": (0.9, 1.5)}, "betas"),
+        ({"min_lr_ratio": 2.0}, "min_lr_ratio"),
+        ({"total_steps": 0}, "total_steps"),
+    ],
+)
+def test_module_rejects_bad_hyperparameters(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        CausalLMModule(model="longnet-tiny", overrides=TINY, **kwargs)
+
+
+def test_module_loss_is_the_token_mean_on_one_device():
+    module = CausalLMModule(model="longnet-tiny", overrides=TINY)
+    batch = _batch(64, batch=3)
+    batch["labels"][0, 10:] = -100
+    out = module(batch)
+    assert out.loss.item() == pytest.approx(out.loss_sum.item() / out.num_tokens.item())
+    assert module.pattern == DilatedPattern((16, 32, 64), (1, 2, 4))
+    assert module.pad_token_id == 254
+    assert module.sequence_parallel_group() is None
+
+
+def test_strategy_refuses_bad_layouts_before_work():
+    with pytest.raises(ValueError, match="sequence_parallel_size must be a positive integer"):
+        SequenceParallelStrategy(sequence_parallel_size=0)
+    strategy = SequenceParallelStrategy(sequence_parallel_size=3)
+    strategy.parallel_devices = [torch.device("cpu")] * 4
+    with pytest.raises(ValueError, match="does not divide the 4 processes"):
+        strategy.setup_environment()
+    strategy = SequenceParallelStrategy(sequence_parallel_size=2)
+    strategy.parallel_devices = [torch.device("cpu")] * 4
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}
