@@ -132,12 +132,16 @@ def test_second_build_hits_the_cache(corpus: Path, tmp_path: Path) -> None:
 def test_changed_settings_or_files_rebuild(corpus: Path, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     base = _build(corpus, cache)
-    other_len = _build(corpus, cache, CorpusSettings(seq_len=16, val_fraction=0.25,
-                                                       test_fraction=0.25))
+    other_len = _build(
+        corpus, cache, CorpusSettings(seq_len=16, val_fraction=0.25, test_fraction=0.25)
+    )
     assert other_len.built and other_len.path != base.path
     assert other_len.train[0]["input_ids"].shape == (16,)
-    limited = _build(corpus, cache, CorpusSettings(seq_len=32, val_fraction=0.25,
-                                                     test_fraction=0.25, max_documents=30))
+    limited = _build(
+        corpus,
+        cache,
+        CorpusSettings(seq_len=32, val_fraction=0.25, test_fraction=0.25, max_documents=30),
+    )
     assert limited.built and len(limited.documents) == 30
     edited = corpus / "doc00.txt"
     edited.write_text(edited.read_text() + " and more")
@@ -172,8 +176,11 @@ def test_bad_corpora_fail_clearly(corpus: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="split is empty"):
         _build(corpus, tmp_path / "cache", CorpusSettings(seq_len=8, max_documents=1))
     with pytest.raises(ValueError, match="no window"):
-        _build(corpus, tmp_path / "cache", CorpusSettings(seq_len=100_000, val_fraction=0.25,
-                                                           test_fraction=0.25))
+        _build(
+            corpus,
+            tmp_path / "cache",
+            CorpusSettings(seq_len=100_000, val_fraction=0.25, test_fraction=0.25),
+        )
     with pytest.raises(ValueError, match="val_fraction"):
         CorpusSettings(seq_len=8, val_fraction=0.6, test_fraction=0.5)
     with pytest.raises(ValueError, match="seq_len"):
@@ -195,19 +202,26 @@ def test_json_and_parquet_rows_are_documents(tmp_path: Path) -> None:
         source = files_source(str(tmp_path / name), text_column="body")
         results.append(build_long_document_splits(source, SETTINGS, tmp_path / "cache"))
         with pytest.raises(KeyError, match="text_column='text'"):
-            build_long_document_splits(files_source(str(tmp_path / name)), SETTINGS,
-                                       tmp_path / "cache")
+            build_long_document_splits(
+                files_source(str(tmp_path / name)), SETTINGS, tmp_path / "cache"
+            )
         with pytest.raises(TypeError, match="not strings"):
-            build_long_document_splits(files_source(str(tmp_path / name), text_column="id"),
-                                       SETTINGS, tmp_path / "cache")
+            build_long_document_splits(
+                files_source(str(tmp_path / name), text_column="id"), SETTINGS, tmp_path / "cache"
+            )
     assert _rows(results[0].documents) == _rows(results[1].documents)
     assert len(results[0].documents) == 30
 
 
 def test_datamodule_with_passkey_mixing(corpus: Path, tmp_path: Path) -> None:
     module = LongDocumentDataModule(
-        seq_len=256, batch_size=3, data_files=str(corpus / "**" / "*.txt"), val_fraction=0.25,
-        test_fraction=0.25, passkey_fraction=0.5, cache_dir=str(tmp_path / "cache"),
+        seq_len=256,
+        batch_size=3,
+        data_files=str(corpus / "**" / "*.txt"),
+        val_fraction=0.25,
+        test_fraction=0.25,
+        passkey_fraction=0.5,
+        cache_dir=str(tmp_path / "cache"),
     )
     assert module.vocab_size == 256
     with pytest.raises(RuntimeError, match="setup"):
@@ -225,10 +239,13 @@ def test_datamodule_with_passkey_mixing(corpus: Path, tmp_path: Path) -> None:
         batch = next(iter(loader))
         assert batch["input_ids"].shape[1] == 256 and str(batch["labels"].dtype) == "torch.int64"
     # map-style: a DistributedSampler splits it across data-parallel replicas
-    shards = [list(DistributedSampler(module.train_dataset, num_replicas=2, rank=r, shuffle=False))
-              for r in range(2)]
+    shards = [
+        list(DistributedSampler(module.train_dataset, num_replicas=2, rank=r, shuffle=False))
+        for r in range(2)
+    ]
     assert sorted(shards[0] + shards[1])[: len(module.train_dataset)] == list(
-        range(len(module.train_dataset)))
+        range(len(module.train_dataset))
+    )
     with pytest.raises(ValueError, match="passkey_fraction"):
         LongDocumentDataModule(data_files=str(corpus / "*.txt"), passkey_fraction=1.0)
     with pytest.raises(ValueError, match="raise seq_len"):
@@ -247,7 +264,7 @@ assert datasets.config.HF_DATASETS_OFFLINE
 for data_files in (None, "rows.jsonl"):
     module = LongDocumentDataModule(seq_len=128, batch_size=2, data_files=data_files,
                                     max_documents=30, val_fraction=0.3, test_fraction=0.3,
-                                    cache_dir={str(tmp_path / 'cache')!r})
+                                    cache_dir={str(tmp_path / "cache")!r})
     module.prepare_data()
     module.setup()
     batch = next(iter(module.train_dataloader()))
@@ -256,8 +273,14 @@ for data_files in (None, "rows.jsonl"):
 print("ok")
 """
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("ok")
 

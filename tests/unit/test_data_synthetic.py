@@ -95,8 +95,9 @@ def test_passkey_bad_arguments() -> None:
 
 
 def _pairs(tokens: np.ndarray, num_kv_pairs: int) -> dict[int, int]:
-    return dict(zip(tokens[0 : 2 * num_kv_pairs : 2].tolist(),
-                    tokens[1 : 2 * num_kv_pairs : 2].tolist()))
+    return dict(
+        zip(tokens[0 : 2 * num_kv_pairs : 2].tolist(), tokens[1 : 2 * num_kv_pairs : 2].tolist())
+    )
 
 
 @pytest.mark.parametrize(("seq_len", "pairs", "queries"), [(64, 4, None), (64, 8, 3), (15, 4, 4)])
@@ -152,8 +153,10 @@ def test_synthetic_datamodules(module_class) -> None:
     module = module_class(seq_len=seq_len, batch_size=4, train_size=12, val_size=8, test_size=8)
     module.setup("fit")
     assert module.vocab_size == 256
-    assert [len(loader.dataset) for loader in (
-        module.train_dataloader(), module.val_dataloader(), module.test_dataloader())] == [12, 8, 8]
+    assert [
+        len(loader.dataset)
+        for loader in (module.train_dataloader(), module.val_dataloader(), module.test_dataloader())
+    ] == [12, 8, 8]
     batch = next(iter(module.train_dataloader()))
     assert batch["input_ids"].shape == batch["labels"].shape == (4, seq_len)
     assert batch["input_ids"].dtype == batch["labels"].dtype == torch.long
