@@ -1,0 +1,637 @@
+"""Per-rank memory and communication of ``dilated_attention`` (forward + backward), from the code.
+
+Every number here is a formula over the shapes the implementation allocates (``dilated.py``,
+``blocks.py``, ``layout.py``, ``ring.py``, the CPU flash kernel), not a measurement. All sizes
+are in **bytes** per rank unless a name says otherwise; "elements" are tensor elements.
+
+Usage::
+
+    import torch
+    from longnet.attention import DilatedPattern
+    from longnet.attention.memory import AttentionSetup, plan_memory
+
+    setup = AttentionSetup(batch=1, seq_len=32768, world_size=4, num_heads=8, head_dim=64,
+                           dtype=torch.float32, pattern=DilatedPattern.geometric(5),
+                           causal=True, transport="ring")
+    plan = plan_memory(setup)
+    plan.peak_bytes            # worst rank: peak bytes above q, k, v and the upstream gradient
+    plan.ranks[0].sent_forward_bytes
+
+Notation (per rank): ``L = N / P`` shard length, ``E = batch * L * heads * head_dim`` elements of
+one shard tensor, ``s`` the input element size, ``a`` the accumulator element size (4 for
+fp32/bf16/fp16 inputs, 8 for fp64). A ring branch ``(w, r)`` spanning ``g`` ranks packs this
+rank's selected K and V rows into one message of ``M = 2 * batch * heads * R * head_dim``
+elements (``R`` = the most rows any member selects for a head, ``ceil(L / r)`` when ``r``
+divides ``L`` or ``heads >= r``).
+
+What is modelled, phase by phase (each phase's peak is the sum of the tensors alive in it):
+
+* Saved for backward: ``q, k, v`` (the inputs themselves, no copy), ``out`` (``E * s``) and
+  ``lse`` (``batch * L * heads * a``). Forward accumulators: ``out``/``lse`` in the accumulator
+  dtype (``out`` is the saved tensor itself when ``s == a``).
+* Gradient buffers: ``dq, dk, dv`` accumulators, ``3 * E * a`` (plus ``3 * E * s`` casts when
+  ``s != a``).
+* Local branches (``w <= L``), run in chunks of at most ``blocks.CHUNK_ELEMENTS`` elements: the
+  gathered chunk tensors (copies unless the chunk is a plain view), the kernel outputs, the
+  previous chunk's outputs (still referenced while the next chunk's kernel runs), the LSE-merge
+  temporaries and the kernel's per-thread workspace.
+* Ring branches (``w > L``): the packed message, its receive buffer (and, for one moment
+  after each hop's receive, the previous message still held by its finished send), the
+  travelling dK/dV accumulator and its receive buffer (``ring``); all ``g`` blocks, the
+  per-source dK/dV partials and the reduce buffers (``allgather``); and the per-block compute
+  workspace, which is not chunked: gathered query rows, the K/V rows copied out of the message
+  by head index, the kernel outputs and the dK/dV read-modify-write copies.
+* Communication: payload bytes of the point-to-point sends (``batch_isend_irecv``); the
+  16-byte argument check (``all_reduce``) of each call is not counted.
+
+Checked against the live bytes of torch's CPU allocator (profiler, one call after a warm-up):
+byte-exact for float32 and float64 when every rate divides ``L`` (local, ring and all-gather,
+causal or not, batch 1 or 2); with drifting offsets the ring block workspace is an upper bound
+(all heads in one block of ``ceil(L / r)`` rows; +2% to +11% on the peak). For bfloat16 the CPU
+kernel's own reduced-precision packing buffers are not modelled (a large dense ring block's
+forward peak came out 19% low; the backward peak, which dominates, within 4%). Kernel
+workspaces are those of the CPU flash kernel; on other devices only those small terms differ.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from longnet.attention import blocks
+from longnet.attention.kernels import accumulation_dtype
+from longnet.attention.layout import BlockGroup, branch_groups
+from longnet.attention.pattern import DilatedPattern
+from longnet.attention.ring import TRANSPORTS, padded_length, plan_sequence_parallel
+
+MERGE_TEMPORARIES = 4
+"""lse-sized temporaries alive at once in ``merge.lse_merge_`` (lse, finite, x - finite, exp)."""
+
+
+# -- setup ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttentionSetup:
+    """One ``dilated_attention`` call on a sequence-parallel group.
+
+    ``seq_len`` is the total length ``N`` the group runs (a multiple of ``world_size`` that fits
+    the pattern: see ``padded_length``); ``transport`` is one name or one per branch;
+    ``threads`` is the intra-op thread count (the CPU kernel keeps one workspace per thread).
+    """
+
+    batch: int
+    seq_len: int
+    world_size: int
+    num_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    pattern: DilatedPattern
+    causal: bool = True
+    transport: str | tuple[str, ...] = "ring"
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pattern", DilatedPattern.coerce(self.pattern))
+        for name in ("batch", "seq_len", "world_size", "num_heads", "head_dim", "threads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"AttentionSetup: {name} must be a positive integer, got {value!r}."
+                )
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise TypeError(
+                f"AttentionSetup: dtype must be a floating torch.dtype, got {self.dtype!r}."
+            )
+        transports = self.transports
+        if len(transports) != len(self.pattern.branches) or any(
+            t not in TRANSPORTS for t in transports
+        ):
+            raise ValueError(
+                f"dilated_attention: transport must be one of {TRANSPORTS} or a list of them, one "
+                f"per branch ({len(self.pattern.branches)}), got {self.transport!r}."
+            )
+        if self.seq_len % self.world_size:
+            fit = padded_length(self.seq_len, self.pattern, self.world_size)
+            raise ValueError(
+                f"dilated_attention: a sequence of {self.seq_len} tokens cannot be split into "
+                f"{self.world_size} equal shards. Pad it to longnet.attention.padded_length("
+                f"{self.seq_len}, pattern, {self.world_size}) = {fit} tokens."
+            )
+        # the library's own planner raises its own error for misaligned segment lengths
+        plan_sequence_parallel(
+            self.pattern, self.shard_len, self.world_size, 0, self.num_heads, transports
+        )
+
+    @property
+    def transports(self) -> tuple[str, ...]:
+        """One transport name per branch."""
+        if isinstance(self.transport, str):
+            return (self.transport,) * len(self.pattern.branches)
+        return tuple(self.transport)
+
+    @property
+    def shard_len(self) -> int:
+        """``L = N / P`` tokens per rank."""
+        return self.seq_len // self.world_size
+
+    @property
+    def input_size(self) -> int:
+        """``s``: bytes per input element."""
+        return self.dtype.itemsize
+
+    @property
+    def acc_size(self) -> int:
+        """``a``: bytes per accumulator element (``out``/``lse``/gradient accumulators)."""
+        return accumulation_dtype(self.dtype).itemsize
+
+    @property
+    def shard_elements(self) -> int:
+        """``E = batch * L * heads * head_dim``: elements of one shard tensor."""
+        return self.batch * self.shard_len * self.num_heads * self.head_dim
+
+    @property
+    def lse_elements(self) -> int:
+        """``batch * L * heads``: elements of one shard's lse."""
+        return self.batch * self.shard_len * self.num_heads
+
+
+# -- kernel workspace -------------------------------------------------------------------------
+
+
+def _flash_splits(q_len: int, k_len: int) -> tuple[int, int]:
+    """Query / key block sizes of ATen's CPU flash attention for these lengths."""
+    q_split = 256 if q_len >= 768 else 64 if q_len >= 192 else 32
+    return min(q_split, q_len), min(512, k_len)
+
+
+def kernel_workspace_forward(setup: AttentionSetup, q_len: int, k_len: int) -> int:
+    """Bytes of the CPU flash forward's per-thread buffer (scores, max, sum, output row block)."""
+    qs, ks = _flash_splits(q_len, k_len)
+    return setup.threads * (qs * ks + 2 * qs + qs * setup.head_dim) * setup.acc_size
+
+
+def kernel_workspace_backward(setup: AttentionSetup, q_len: int, k_len: int) -> int:
+    """Bytes of the CPU flash backward's per-thread buffers (probabilities and their gradient)."""
+    qs, ks = _flash_splits(q_len, k_len)
+    return setup.threads * (2 * qs * ks + qs) * setup.acc_size
+
+
+# -- local branches ---------------------------------------------------------------------------
+
+
+def local_groups(setup: AttentionSetup) -> list[list[BlockGroup]]:
+    """The block groups of every local branch (``w <= L``), as ``dilated_attention`` builds them
+    (the same on every rank)."""
+    if setup.world_size == 1:
+        return [
+            branch_groups(setup.seq_len, setup.num_heads, w, r) for w, r in setup.pattern.branches
+        ]
+    local, _ = plan_sequence_parallel(
+        setup.pattern, setup.shard_len, setup.world_size, 0, setup.num_heads, setup.transports
+    )
+    return local
+
+
+def local_chunks(setup: AttentionSetup) -> Iterator[tuple[int, BlockGroup]]:
+    """``(branch index, chunk)`` in the order ``blocks.attend_local_`` runs them."""
+    row_elements = setup.batch * setup.head_dim
+    for index, groups in enumerate(local_groups(setup)):
+        for group in groups:
+            for chunk in group.chunks(blocks.CHUNK_ELEMENTS, row_elements):
+                yield index, chunk
+
+
+def chunk_elements(setup: AttentionSetup, chunk: BlockGroup) -> int:
+    """Elements of one gathered chunk tensor ``(batch * segments, heads, rows, head_dim)``."""
+    return setup.batch * chunk.num_segments * len(chunk.heads) * chunk.rows * setup.head_dim
+
+
+def gathers_copy(setup: AttentionSetup, chunk: BlockGroup) -> bool:
+    """Whether ``layout.gather`` of ``chunk`` copies: always unless the chunk is contiguous AND
+    ``(batch, segments)`` merge into one view dimension (batch 1, one segment, or the chunk
+    covers the whole shard)."""
+    if not chunk.is_contiguous:
+        return True
+    whole = chunk.num_segments * chunk.segment_length == setup.shard_len
+    return not (setup.batch == 1 or chunk.num_segments == 1 or whole)
+
+
+def _lse_part(setup: AttentionSetup, elements: int) -> int:
+    """Bytes of an lse-shaped tensor that goes with a block of ``elements`` elements."""
+    return elements // setup.head_dim * setup.acc_size
+
+
+def local_forward_workspace(setup: AttentionSetup) -> int:
+    """Peak bytes of the local branches' forward above the accumulators.
+
+    Per chunk of ``C`` elements (``[copy]``: ``gathers_copy``): kernel phase = previous chunk's
+    output ``C' s + lse'`` + gathered q, k, v ``3 C s [copy]`` + output ``C s + lse`` + kernel
+    workspace; merge phase = output ``C s + lse`` + (unless the first branch, which is copied)
+    gathered accumulator rows ``(C a + lse) [copy]`` + ``MERGE_TEMPORARIES`` lse temporaries.
+    """
+    s, peak, previous = setup.input_size, 0, 0
+    for index, chunk in local_chunks(setup):
+        c = chunk_elements(setup, chunk)
+        copies = gathers_copy(setup, chunk)
+        block = c * s + _lse_part(setup, c)
+        kernel = previous + 3 * c * s * copies + block
+        kernel += kernel_workspace_forward(setup, chunk.rows, chunk.rows)
+        merge = block
+        if index > 0:
+            merge += (c * setup.acc_size + _lse_part(setup, c)) * copies
+            merge += MERGE_TEMPORARIES * _lse_part(setup, c)
+        peak = max(peak, kernel, merge)
+        previous = block
+    return peak
+
+
+def local_backward_workspace(setup: AttentionSetup) -> int:
+    """Peak bytes of the local branches' backward above saved tensors and gradient buffers.
+
+    Per chunk of ``C`` elements: query side ``qs = 3 C s [copy] + lse`` (d_out, q, out rows and a
+    contiguous lse copy); query phase = previous chunk's ``qs'`` and gradients ``3 C' s`` +
+    ``qs``; kernel phase = ``qs`` + gathered k, v ``2 C s [copy]`` + gradients ``3 C s`` + previous
+    gradients ``3 C' s`` + kernel workspace (+ ``C s`` when a contiguous chunk was copied by
+    ``reshape``: the CPU kernel makes one of those head-major blocks sequence-major again).
+    Scatter-adds are in place.
+    """
+    s, peak, prev_query, prev_grads = setup.input_size, 0, 0, 0
+    for _, chunk in local_chunks(setup):
+        c = chunk_elements(setup, chunk)
+        copies = gathers_copy(setup, chunk)
+        query = 3 * c * s * copies + _lse_part(setup, c)
+        grads = 3 * c * s
+        query_phase = prev_query + prev_grads + query + _lse_part(setup, c) * copies
+        kernel = query + 2 * c * s * copies + grads + prev_grads
+        kernel += kernel_workspace_backward(setup, chunk.rows, chunk.rows)
+        kernel += c * s * (copies and chunk.is_contiguous)  # kernel re-lays a head-major copy
+        peak = max(peak, query_phase, kernel)
+        prev_query, prev_grads = query, grads
+    return peak
+
+
+# -- ring branches ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RingBranchMemory:
+    """One ring branch ``(w, r)`` as seen from one rank (bytes unless noted)."""
+
+    segment_length: int
+    rate: int
+    transport: str
+    members: int  # g: ranks in this rank's segment group
+    index: int  # this rank's place among them
+    rows_max: int  # R: rows per head in the message
+    message_bytes: int  # packed K/V message, (2, batch, heads, R, head_dim) in the input dtype
+    kv_buffer_bytes: int  # peak of K/V message + receive buffers (ring) / all blocks (allgather)
+    dkv_buffer_bytes: int  # peak of dK/dV accumulator + receive (ring) / partials, reduce buffers
+    forward_bytes: int  # peak of this branch's forward above the accumulators
+    backward_bytes: int  # peak of this branch's backward above saved tensors and gradients
+    sent_forward_bytes: int
+    sent_backward_bytes: int
+    received_forward_bytes: int
+    received_backward_bytes: int
+
+
+def segment_group(setup: AttentionSetup, segment: int, rank: int) -> tuple[int, int, int]:
+    """``(start, members, index)`` of ``rank``'s segment group for a branch spanning ranks."""
+    shard = setup.shard_len
+    start = rank * shard // segment * segment
+    members = (min(start + segment, setup.seq_len) - start) // shard
+    return start, members, rank - start // shard
+
+
+def message_rows(setup: AttentionSetup, segment: int, rate: int, rank: int) -> int:
+    """``R``: the most rows any member of ``rank``'s segment group selects for one head (the
+    message's row dimension, ``RingBranch.rows_max``)."""
+    shard = setup.shard_len
+    start, members, _ = segment_group(setup, segment, rank)
+    first = start // shard
+    smallest = rate
+    for member in range(first, first + min(members, rate)):  # shifts repeat with period <= rate
+        shift = member * shard - start
+        for head in range(min(setup.num_heads, rate)):
+            smallest = min(smallest, (head - shift) % rate)
+    return -(-(shard - smallest) // rate)
+
+
+def _ring_compute(setup: AttentionSetup, rate: int, rows_q: int, rows_k: int) -> tuple[int, int]:
+    """``(forward, backward)`` peak bytes of one query-block x key-block pair of a ring branch
+    (all heads in one block).
+
+    Forward: kernel phase = gathered q ``Cq s`` (a view when ``r == 1``) + K and V copied out of
+    the message by head index ``2 Ck s`` + output ``Cq s + lse`` + workspace; merge phase =
+    output + gathered accumulator rows ``(Cq a + lse)`` (views when ``r == 1``) + temporaries.
+    Backward: query side ``3 Cq s`` (views when ``r == 1``) ``+ lse``; kernel phase = that + K, V
+    copies ``2 Ck s`` + gradients ``Cq s + 2 Ck s`` + workspace; the ``d_kv[...] += d_k``
+    read-modify-write then holds one more ``Ck a`` copy.
+    """
+    s, a = setup.input_size, setup.acc_size
+    per_row = setup.batch * setup.num_heads * setup.head_dim
+    cq, ck = per_row * rows_q, per_row * rows_k
+    copies = rate > 1
+    block = cq * s + _lse_part(setup, cq)
+    kernel = cq * s * copies + 2 * ck * s + block + kernel_workspace_forward(setup, rows_q, rows_k)
+    lse = _lse_part(setup, cq)
+    merge = block + (cq * a + lse) * copies + MERGE_TEMPORARIES * lse
+    query = 3 * cq * s * copies + _lse_part(setup, cq)
+    grads = cq * s + 2 * ck * s
+    backward_kernel = query + 2 * ck * s + grads + kernel_workspace_backward(setup, rows_q, rows_k)
+    read_modify_write = query + grads + ck * a
+    return max(kernel, merge), max(backward_kernel, read_modify_write)
+
+
+def _ring_transport(
+    members: int, message: int, accumulator: int, pack: int, compute: tuple[int, int]
+) -> tuple[int, int, int, int]:
+    """``ring``: ``(kv_buffers, dkv_buffers, forward, backward)`` peak bytes.
+
+    Message ``Ms`` and its receive buffer while a hop is in flight; right after a receive the
+    previous message is still held by its finished send until the next hop is posted
+    (``3 Ms`` when ``g >= 3``). Backward adds the travelling accumulator ``Ma`` and, while it
+    moves, its receive buffer. ``pack``: peak while the message is packed.
+    """
+    if members == 1:
+        in_flight = moment = message
+    else:
+        in_flight = 2 * message
+        moment = 3 * message if members >= 3 else 2 * message
+    forward = max(pack, moment, in_flight + compute[0])
+    dkv = accumulator if members == 1 else 2 * accumulator
+    backward = max(
+        pack,
+        moment + accumulator,
+        in_flight + accumulator + compute[1],
+        in_flight + dkv,
+        message + accumulator + accumulator // 2,  # unpack: one half of the accumulator copied
+    )
+    return max(moment, in_flight), dkv, forward, backward
+
+
+def _allgather_transport(
+    setup: AttentionSetup,
+    members: int,
+    index: int,
+    message: int,
+    accumulator: int,
+    pack: int,
+    compute: tuple[int, int],
+) -> tuple[int, int, int, int]:
+    """``allgather``: ``(kv_buffers, dkv_buffers, forward, backward)`` peak bytes.
+
+    All ``g`` blocks ``g Ms`` stay alive; the backward keeps one ``Ma`` partial per attended
+    source (``index + 1`` causal, ``g`` otherwise), then ``reduce_to_owners`` adds the sum
+    ``Ma`` and one receive buffer ``Ma`` per member that sends a partial for this block.
+    """
+    attended = index + 1 if setup.causal else members
+    receives = members - 1 - index if setup.causal else members - 1
+    blocks_bytes = members * message
+    dkv = (attended + 1 + receives) * accumulator
+    forward = max(pack, blocks_bytes + compute[0])
+    backward = max(
+        pack,
+        blocks_bytes + attended * accumulator + compute[1],
+        blocks_bytes + dkv,
+        blocks_bytes + (attended + 1) * accumulator + accumulator // 2,  # unpack
+    )
+    return blocks_bytes, dkv, forward, backward
+
+
+def _traffic(
+    setup: AttentionSetup, transport: str, members: int, index: int, message: int, accumulator: int
+) -> tuple[int, int, int, int]:
+    """``(sent fwd, sent bwd, received fwd, received bwd)`` payload bytes of one ring branch.
+
+    ``ring``: ``g - 1`` message hops each way, the accumulator ``g`` hops (it returns home).
+    ``allgather``: the message to/from every other member each way; the backward sends a
+    partial to every member it attended (causal: the ``index`` earlier ones) and receives one
+    from every member that attended this block (causal: the ``g - 1 - index`` later ones).
+    """
+    if members == 1:
+        return 0, 0, 0, 0
+    hops = (members - 1) * message
+    if transport == "ring":
+        return hops, hops + members * accumulator, hops, hops + members * accumulator
+    sends = index if setup.causal else members - 1
+    receives = members - 1 - index if setup.causal else members - 1
+    return hops, hops + sends * accumulator, hops, hops + receives * accumulator
+
+
+def ring_branch_memory(
+    setup: AttentionSetup, segment: int, rate: int, transport: str, rank: int
+) -> RingBranchMemory:
+    """Memory and traffic of the ring branch ``(segment, rate)`` on ``rank``."""
+    _, members, index = segment_group(setup, segment, rank)
+    rows_max = message_rows(setup, segment, rate, rank)
+    rows_q = -(-setup.shard_len // rate)
+    message_elements = 2 * setup.batch * setup.num_heads * rows_max * setup.head_dim
+    message = message_elements * setup.input_size
+    accumulator = message_elements * setup.acc_size
+    compute = _ring_compute(setup, rate, rows_q, rows_max)
+    pack = message + (message // 2 if rate > 1 else 0)  # the message + one gathered K or V
+    if transport == "ring":
+        kv, dkv, forward, backward = _ring_transport(members, message, accumulator, pack, compute)
+    else:
+        kv, dkv, forward, backward = _allgather_transport(
+            setup, members, index, message, accumulator, pack, compute
+        )
+    sent_f, sent_b, recv_f, recv_b = _traffic(
+        setup, transport, members, index, message, accumulator
+    )
+    return RingBranchMemory(
+        segment_length=segment,
+        rate=rate,
+        transport=transport,
+        members=members,
+        index=index,
+        rows_max=rows_max,
+        message_bytes=message,
+        kv_buffer_bytes=kv,
+        dkv_buffer_bytes=dkv,
+        forward_bytes=forward,
+        backward_bytes=backward,
+        sent_forward_bytes=sent_f,
+        sent_backward_bytes=sent_b,
+        received_forward_bytes=recv_f,
+        received_backward_bytes=recv_b,
+    )
+
+
+def ring_branches(setup: AttentionSetup) -> list[tuple[int, int, str]]:
+    """``(segment length capped at N, rate, transport)`` of every branch spanning ranks."""
+    return [
+        (min(w, setup.seq_len), r, t)
+        for (w, r), t in zip(setup.pattern.branches, setup.transports)
+        if setup.world_size > 1 and min(w, setup.seq_len) > setup.shard_len
+    ]
+
+
+# -- per rank ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes on one rank for one forward + backward call (above q, k, v and the upstream
+    gradient, which the caller owns)."""
+
+    rank: int
+    saved_qkv_bytes: int  # q, k, v kept for backward (the inputs themselves: no extra memory)
+    saved_out_bytes: int
+    saved_lse_bytes: int
+    grad_bytes: int  # dq, dk, dv accumulators (+ input-dtype casts when s != a)
+    local_forward_bytes: int  # local chunk workspace, forward
+    local_backward_bytes: int  # local chunk workspace, backward
+    branches: tuple[RingBranchMemory, ...]
+    forward_peak_bytes: int
+    backward_peak_bytes: int
+
+    @property
+    def peak_bytes(self) -> int:
+        """Peak extra bytes of the whole call (forward or backward, whichever is larger)."""
+        return max(self.forward_peak_bytes, self.backward_peak_bytes)
+
+    @property
+    def saved_bytes(self) -> int:
+        """Activations kept from forward to backward that the call allocates (out, lse)."""
+        return self.saved_out_bytes + self.saved_lse_bytes
+
+    @property
+    def message_bytes(self) -> int:
+        """Largest packed K/V message of any ring branch (0 without ring branches)."""
+        return max((b.message_bytes for b in self.branches), default=0)
+
+    @property
+    def kv_buffer_bytes(self) -> int:
+        """Largest peak of K/V messages and receive buffers / all-gather blocks."""
+        return max((b.kv_buffer_bytes for b in self.branches), default=0)
+
+    @property
+    def dkv_buffer_bytes(self) -> int:
+        """Largest peak of travelling dK/dV accumulators / partials and reduce buffers."""
+        return max((b.dkv_buffer_bytes for b in self.branches), default=0)
+
+    @property
+    def sent_forward_bytes(self) -> int:
+        return sum(b.sent_forward_bytes for b in self.branches)
+
+    @property
+    def sent_backward_bytes(self) -> int:
+        return sum(b.sent_backward_bytes for b in self.branches)
+
+    @property
+    def received_forward_bytes(self) -> int:
+        return sum(b.received_forward_bytes for b in self.branches)
+
+    @property
+    def received_backward_bytes(self) -> int:
+        return sum(b.received_backward_bytes for b in self.branches)
+
+
+def persistent_bytes(setup: AttentionSetup) -> tuple[int, int, int, int]:
+    """``(forward accumulators, saved out, saved lse, gradient buffers)`` in bytes.
+
+    Forward: ``out`` (``E a``) and ``lse`` accumulators. Saved: ``out`` in the input dtype (the
+    accumulator itself when ``s == a``) and the accumulator ``lse``. Backward: ``dq, dk, dv``
+    accumulators ``3 E a``, cast to the input dtype at the end (``3 E s`` more when ``s != a``).
+    """
+    e, s, a = setup.shard_elements, setup.input_size, setup.acc_size
+    lse = setup.lse_elements * a
+    casts = 3 * e * s if s != a else 0
+    return e * a + lse, e * s, lse, 3 * e * a + casts
+
+
+def rank_memory(
+    setup: AttentionSetup, rank: int, local: tuple[int, int] | None = None
+) -> RankMemory:
+    """All memory terms of ``rank``; ``local`` = precomputed ``(local fwd, local bwd)`` workspace.
+
+    Forward peak = accumulators + max(local workspace, each ring branch's forward), or at the
+    end: accumulators + the returned lse copy (+ the ``out`` cast when ``s != a``). Backward
+    peak = saved out, lse + gradient accumulators + max(local workspace, each ring branch's
+    backward), or at the end + the gradient casts.
+    """
+    if local is None:
+        local = (local_forward_workspace(setup), local_backward_workspace(setup))
+    accumulators, saved_out, saved_lse, grads = persistent_bytes(setup)
+    branches = tuple(
+        ring_branch_memory(setup, segment, rate, transport, rank)
+        for segment, rate, transport in ring_branches(setup)
+    )
+    e, s, a = setup.shard_elements, setup.input_size, setup.acc_size
+    lse = setup.lse_elements * a
+    forward_work = max([local[0], *(b.forward_bytes for b in branches)])
+    forward_end = accumulators + lse + (e * s if s != a else 0)
+    forward_peak = max(accumulators + forward_work, forward_end)
+    backward_work = max([local[1], *(b.backward_bytes for b in branches)])
+    accumulators_bwd = 3 * e * a
+    backward_peak = saved_out + saved_lse + max(accumulators_bwd + backward_work, grads)
+    return RankMemory(
+        rank=rank,
+        saved_qkv_bytes=3 * e * s,
+        saved_out_bytes=saved_out,
+        saved_lse_bytes=saved_lse,
+        grad_bytes=grads,
+        local_forward_bytes=local[0],
+        local_backward_bytes=local[1],
+        branches=branches,
+        forward_peak_bytes=forward_peak,
+        backward_peak_bytes=backward_peak,
+    )
+
+
+# -- whole group ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Per-rank memory of one call on every rank of the group; summaries are worst-rank."""
+
+    setup: AttentionSetup
+    ranks: tuple[RankMemory, ...] = field(repr=False)
+
+    @property
+    def peak_bytes(self) -> int:
+        """Largest per-rank peak extra bytes."""
+        return max(r.peak_bytes for r in self.ranks)
+
+    @property
+    def worst_rank(self) -> RankMemory:
+        """The rank with the largest peak."""
+        return max(self.ranks, key=lambda r: r.peak_bytes)
+
+    @property
+    def sent_bytes_max(self) -> tuple[int, int]:
+        """Largest ``(forward, backward)`` bytes any rank sends."""
+        return (
+            max(r.sent_forward_bytes for r in self.ranks),
+            max(r.sent_backward_bytes for r in self.ranks),
+        )
+
+    @property
+    def sent_bytes_mean(self) -> tuple[float, float]:
+        """Mean ``(forward, backward)`` bytes sent per rank."""
+        count = len(self.ranks)
+        return (
+            sum(r.sent_forward_bytes for r in self.ranks) / count,
+            sum(r.sent_backward_bytes for r in self.ranks) / count,
+        )
+
+
+def plan_memory(setup: AttentionSetup, ranks: Sequence[int] | None = None) -> MemoryPlan:
+    """``RankMemory`` for ``ranks`` (default: every rank of the group)."""
+    local = (local_forward_workspace(setup), local_backward_workspace(setup))
+    chosen = range(setup.world_size) if ranks is None else ranks
+    return MemoryPlan(setup, tuple(rank_memory(setup, rank, local) for rank in chosen))
+
+
+def format_bytes(count: float) -> str:
+    """``count`` bytes in binary units (``"1.50 GiB"``)."""
+    if count < 1024:
+        return f"{count:.0f} B"
+    exponent = min(int(math.log(count, 1024)), 5)
+    return f"{count / 1024**exponent:.2f} {('B', 'KiB', 'MiB', 'GiB', 'TiB', 'PiB')[exponent]}"

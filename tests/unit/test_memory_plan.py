@@ -1,0 +1,191 @@
+"""Unit tests of the per-rank memory and communication formulas (``longnet.attention.memory``)
+and of ``scripts/plan_context.py``. Fast, single process; no timing."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from longnet.attention import DilatedPattern
+from longnet.attention.blocks import CHUNK_ELEMENTS
+from longnet.attention.layout import branch_groups, gather
+from longnet.attention.memory import (
+    AttentionSetup,
+    gathers_copy,
+    local_chunks,
+    message_rows,
+    plan_memory,
+)
+from longnet.attention.ring import plan_sequence_parallel
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _setup(**overrides) -> AttentionSetup:
+    values = dict(
+        batch=1,
+        seq_len=16,
+        world_size=2,
+        num_heads=2,
+        head_dim=4,
+        dtype=torch.float32,
+        pattern=DilatedPattern((4, 16), (1, 2)),
+        causal=True,
+        transport="ring",
+    )
+    values.update(overrides)
+    return AttentionSetup(**values)
+
+
+def _plan_context():
+    spec = importlib.util.spec_from_file_location("plan_context", ROOT / "scripts/plan_context.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bytes_sent_ring_by_hand():
+    # branch (16, 2) spans both ranks (L = 8): 8 / 2 = 4 rows per head, message
+    # (2, batch 1, heads 2, rows 4, dim 4) = 64 float32 = 256 bytes
+    plan = plan_memory(_setup())
+    for rank in plan.ranks:
+        (branch,) = rank.branches
+        assert branch.members == 2 and branch.rows_max == 4
+        assert branch.message_bytes == 256
+        assert rank.sent_forward_bytes == 256  # g - 1 hops
+        assert rank.sent_backward_bytes == 256 + 2 * 256  # g - 1 K/V hops + g accumulator hops
+        assert rank.received_backward_bytes == rank.sent_backward_bytes
+
+
+def test_bytes_sent_allgather_causal_by_hand():
+    plan = plan_memory(_setup(transport="allgather"))
+    first, second = plan.ranks
+    assert first.sent_forward_bytes == second.sent_forward_bytes == 256
+    # causal: rank 0 attended only its own block, rank 1 sends its partial for block 0
+    assert first.sent_backward_bytes == 256
+    assert second.sent_backward_bytes == 256 + 256
+    assert first.received_backward_bytes == 256 + 256
+    assert second.received_backward_bytes == 256
+
+
+def test_float64_accumulators_double_the_travelling_bytes():
+    plan = plan_memory(_setup(dtype=torch.float64))
+    rank = plan.ranks[0]
+    assert rank.sent_forward_bytes == 512
+    assert rank.sent_backward_bytes == 512 + 2 * 512
+
+
+def test_forward_peak_by_hand_single_device():
+    # dense [(16, 1)], one contiguous chunk of C = 16 * 2 * 4 = 128 elements (a view):
+    # accumulators out 512 B + lse 128 B; kernel phase = output 512 + lse 128 + CPU flash
+    # workspace (16 * 16 + 2 * 16 + 16 * 4) * 4 B = 1408 B
+    setup = _setup(world_size=1, pattern=DilatedPattern.dense(16))
+    rank = plan_memory(setup).ranks[0]
+    assert rank.branches == ()
+    assert rank.forward_peak_bytes == 640 + 640 + 1408
+    # backward: saved out 512 + lse 128 + dq, dk, dv 3 * 512; kernel phase = lse copy 128 +
+    # gradients 3 * 512 + workspace (2 * 16 * 16 + 16) * 4 B
+    assert rank.backward_peak_bytes == 640 + 1536 + 128 + 1536 + 2112
+
+
+def test_message_rows_match_the_library_plan():
+    # rates not dividing the shard and fewer heads than the rate: offsets drift across ranks
+    pattern = DilatedPattern((12, 24, 48), (5, 7, 9))
+    setup = _setup(seq_len=48, world_size=4, num_heads=3, pattern=pattern)
+    for rank in range(4):
+        _, rings = plan_sequence_parallel(pattern, 12, 4, rank, 3, ("ring",) * 3)
+        for ring, (w, r) in zip(rings, pattern.branches[1:]):
+            assert message_rows(setup, w, r, rank) == ring.rows_max
+            packed = ring.pack(torch.zeros(1, 12, 3, 4), torch.zeros(1, 12, 3, 4))
+            memory = plan_memory(setup, ranks=[rank]).ranks[0]
+            branch = next(b for b in memory.branches if b.segment_length == w)
+            assert branch.message_bytes == packed.numel() * packed.element_size()
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_gather_copies_as_modelled(batch):
+    setup = _setup(batch=batch, seq_len=4096, world_size=1, num_heads=4, head_dim=16)
+    x = torch.zeros(batch, 4096, 4, 16)
+    for w, r in ((256, 1), (512, 2), (4096, 1)):
+        for group in branch_groups(4096, 4, w, r):
+            for chunk in group.chunks(CHUNK_ELEMENTS, batch * 16):
+                shares = gather(x, chunk).untyped_storage().data_ptr() == x.data_ptr()
+                assert shares == (not gathers_copy(setup, chunk)), (w, r, chunk)
+
+
+def test_local_chunks_follow_the_chunk_bound():
+    setup = _setup(seq_len=8192, world_size=1, num_heads=8, head_dim=64)
+    sizes = [
+        chunk.num_segments * len(chunk.heads) * chunk.rows * 64 for _, chunk in local_chunks(setup)
+    ]
+    assert sizes and max(sizes) <= CHUNK_ELEMENTS
+
+
+def test_peak_and_saved_bytes_fall_with_world_size():
+    pattern = DilatedPattern.geometric(5)
+    plans = [
+        plan_memory(_setup(seq_len=32768, world_size=p, num_heads=8, head_dim=64, pattern=pattern))
+        for p in (1, 2, 4, 8)
+    ]
+    peaks = [plan.peak_bytes for plan in plans]
+    saved = [plan.worst_rank.saved_bytes + plan.worst_rank.grad_bytes for plan in plans]
+    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 4
+    assert saved == [saved[0] // p for p in (1, 2, 4, 8)]
+    sent = [plan.sent_bytes_max for plan in plans]
+    assert sent[0] == (0, 0) and all(f > 0 and b > f for f, b in sent[1:])
+
+
+def test_setup_refuses_misaligned_lengths_with_the_library_error():
+    with pytest.raises(ValueError, match="cannot be split over 3 ranks"):
+        _setup(seq_len=24, world_size=3, pattern=DilatedPattern((12,), (1,)))
+    with pytest.raises(ValueError, match="padded_length"):
+        _setup(seq_len=17, world_size=2)
+    with pytest.raises(ValueError, match="transport"):
+        _setup(transport="ulysses")
+
+
+def test_plan_context_refuses_invalid_setups(capsys):
+    plan_context = _plan_context()
+    common = ["--devices", "3", "--layers", "2", "--heads", "4", "--head-dim", "8"]
+    code = plan_context.main(
+        ["--seq-len", "1000", *common, "--segments", "256,512", "--rates", "1,2", "--no-pad"]
+    )
+    assert code == 2
+    assert "cannot be split into 3 equal shards" in capsys.readouterr().err
+    code = plan_context.main(
+        ["--seq-len", "1002", *common, "--segments", "256,512", "--rates", "1,2", "--no-pad"]
+    )
+    assert code == 2  # the library's own error (ring.plan_sequence_parallel)
+    assert "branch (w=256, r=1) cannot be split over 3 ranks" in capsys.readouterr().err
+    code = plan_context.main(["--seq-len", "1000", *common, "--segments", "4,8", "--rates", "8,2"])
+    assert code == 2
+    assert "dilation rate 8 is larger than its segment length 4" in capsys.readouterr().err
+
+
+def test_plan_context_reports_the_padded_length(capsys):
+    plan_context = _plan_context()
+    args = [
+        "--seq-len",
+        "1000",
+        "--devices",
+        "3",
+        "--layers",
+        "2",
+        "--heads",
+        "4",
+        "--head-dim",
+        "8",
+        "--segments",
+        "256,512",
+        "--rates",
+        "1,2",
+        "--dtype",
+        "float32",
+    ]
+    assert plan_context.main(args) == 0
+    out = capsys.readouterr().out
+    assert "padded length 1,536" in out  # shard 512: 256 divides it, 512 equals it
+    assert "spans" not in out and "local" in out
