@@ -115,6 +115,8 @@ def cuda_efficient_backward(
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)
+    # Pass lse in the op's own padded layout (length a multiple of 32), as its forward returns it.
+    lse = torch.nn.functional.pad(lse, (0, -lse.shape[-1] % 32))
     d_q, d_k, d_v, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
         d_out,
         q,
