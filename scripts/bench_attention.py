@@ -617,6 +617,7 @@ def head_digest() -> tuple[str, str]:
 def source_version(digest: str) -> str:
     head, committed = head_digest()
     state = "identical to" if digest == committed else "NOT identical to (uncommitted changes)"
+    head += " (HEAD when the run started)"
     where = (
         "" if ATTENTION_DIR == ROOT / "longnet" / "attention" else f", loaded from {ATTENTION_DIR}"
     )
@@ -773,6 +774,8 @@ def main(argv: list[str] | None = None) -> None:
         print("RESULT " + json.dumps(timing_child(args.timing_child, args)), flush=True)
         return
     started, load_start, digest = time.time(), os.getloadavg()[0], attention_digest()
+    version = source_version(digest)  # before the run: HEAD may move while it runs
+    print(version)
     print(f"{args.tag}: {describe_pattern(args.pattern)}, causal={args.causal}, {args.shape}")
     argv = sys.argv[1:] if argv is None else argv
     points = [point for n in args.lengths for point in measure_length(n, args, argv)]
@@ -795,7 +798,7 @@ def main(argv: list[str] | None = None) -> None:
         "load_start": load_start,
         "load_end": os.getloadavg()[0],
         "machine": machine(),
-        "version": source_version(digest),
+        "version": version,
         "sdpa_backend": sdpa_backend(args.causal),
         "plot": plot_path.name,
         "warnings": changed,

@@ -111,7 +111,8 @@ def branch_lines(setup: AttentionSetup, plan: MemoryPlan) -> list[str]:
             continue
         lines.append(
             f"  w={w:>13,} r={r:<6} spans {branch.members} ranks, {transport}: message "
-            f"{format_bytes(branch.message_bytes)} ({branch.rows_max} rows/head), sent per rank "
+            f"{format_bytes(branch.message_bytes)} ({branch.pieces} piece(s) of "
+            f"{branch.heads_per_piece} heads, {branch.rows_max} rows/head), sent per rank "
             f"fwd {format_bytes(branch.sent_forward_bytes)}, "
             f"bwd {format_bytes(branch.sent_backward_bytes)}"
         )

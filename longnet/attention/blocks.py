@@ -8,9 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+import torch
+from einops import rearrange
 from torch import Tensor
 
-from longnet.attention.kernels import accumulation_dtype, math_backward, select_kernels
+from longnet.attention.kernels import (
+    accumulation_dtype,
+    math_backward,
+    math_forward,
+    select_kernels,
+)
 from longnet.attention.layout import BlockGroup, gather, scatter_
 from longnet.attention.merge import lse_merge_
 
@@ -86,29 +93,68 @@ def query_side(
     )
 
 
-def attend_local_(
-    out: Tensor,
-    lse: Tensor,
+def whole_branch(
+    branches: Sequence[Sequence[BlockGroup]], seq_len: int, num_heads: int
+) -> BlockGroup | None:
+    """The first branch when it is one group of plain views with rate 1 that covers every row
+    of every head: its kernel outputs can then BE the accumulators (see ``attend_local``)."""
+    if not branches or len(branches[0]) != 1:
+        return None
+    (group,) = branches[0]
+    covers = group.num_segments * group.segment_length == seq_len and len(group.heads) == num_heads
+    return group if group.is_contiguous and covers else None
+
+
+def _adopts_outputs(q: Tensor) -> bool:
+    """Kernel outputs can serve as accumulators: they are in the accumulation dtype, and the
+    kernel is a fused one (the math kernel would hold a whole branch's scores at once)."""
+    fused = select_kernels(q.device, q.dtype)[0] is not math_forward
+    return fused and q.dtype == accumulation_dtype(q.dtype)
+
+
+def _sequence_layout(block: Tensor, batch: int) -> Tensor:
+    """Kernel-layout result ``(batch * segments, heads, rows[, dim])`` of a whole branch -> the
+    accumulator layout ``(batch, seq, heads, dim)`` (or ``(batch, seq, heads, 1)`` for lse).
+    A view when the kernel wrote sequence-major memory (ATen's CPU flash op does)."""
+    if block.dim() == 3:
+        block = block[..., None]
+    return rearrange(block, "(b n) h w d -> b (n w) h d", b=batch).contiguous()
+
+
+def attend_local(
     q: Tensor,
     k: Tensor,
     v: Tensor,
     branches: Sequence[Sequence[BlockGroup]],
     causal: bool,
     scale: float,
-) -> None:
-    """Merge the attention of every block of every branch into fresh ``out``/``lse``
-    accumulators (in place). The first branch covers each (row, head) at most once, so it
-    is copied in rather than merged."""
+) -> tuple[Tensor, Tensor]:
+    """``out, lse`` accumulators holding the attention of every block of every branch.
+
+    When ``whole_branch`` (and ``_adopts_outputs``) applies, the first branch runs as one kernel
+    call whose outputs become the accumulators; otherwise it is copied in chunk by chunk (it
+    covers each row and head at most once). Every further block is merged by log-sum-exp."""
     forward, _ = select_kernels(q.device, q.dtype)
-    for index, chunk in _branch_chunks(branches, q):
+    whole = whole_branch(branches, q.shape[1], q.shape[2]) if _adopts_outputs(q) else None
+    if whole is None:
+        out, lse = accumulators(q)
+        rest, fresh = branches, 0
+    else:
+        block_out, block_lse = forward(
+            gather(q, whole), gather(k, whole), gather(v, whole), causal, scale
+        )
+        out, lse = _sequence_layout(block_out, q.shape[0]), _sequence_layout(block_lse, q.shape[0])
+        rest, fresh = branches[1:], -1
+    for index, chunk in _branch_chunks(rest, q):
         block_out, block_lse = forward(
             gather(q, chunk), gather(k, chunk), gather(v, chunk), causal, scale
         )
-        merge_into_(out, lse, chunk, block_out, block_lse, fresh=index == 0)
+        merge_into_(out, lse, chunk, block_out, block_lse, fresh=index == fresh)
+        del block_out, block_lse  # free before the next kernel call allocates its outputs
+    return out, lse
 
 
-def attend_local_backward_(
-    grads: Sequence[Tensor],
+def attend_local_backward(
     d_out: Tensor,
     q: Tensor,
     k: Tensor,
@@ -119,12 +165,30 @@ def attend_local_backward_(
     branches: Sequence[Sequence[BlockGroup]],
     causal: bool,
     scale: float,
-) -> None:
-    """Add the gradients of every block of every branch into ``grads = (dq, dk, dv)``."""
-    for _, chunk in _branch_chunks(branches, q):
+) -> list[Tensor]:
+    """Gradient accumulators ``[dq, dk, dv]`` (accumulation dtype) of every block of every
+    branch; like ``attend_local``, a whole first branch's kernel outputs become them."""
+    adopts = _adopts_outputs(q) and d_lse is None  # with d_lse: the chunked math kernel
+    whole = whole_branch(branches, q.shape[1], q.shape[2]) if adopts else None
+    if whole is None:
+        grads = [torch.zeros(q.shape, dtype=lse.dtype, device=q.device) for _ in range(3)]
+        rest = branches
+    else:
+        d_out_b, q_b, out_b, lse_b, _ = query_side(d_out, q, out, lse, None, whole)
+        _, backward = select_kernels(q.device, q.dtype)
+        block_grads = backward(
+            d_out_b, q_b, gather(k, whole), gather(v, whole), out_b, lse_b, causal, scale
+        )
+        grads = [_sequence_layout(grad, q.shape[0]) for grad in block_grads]
+        del block_grads
+        rest = branches[1:]
+    for _, chunk in _branch_chunks(rest, q):
         d_out_b, q_b, out_b, lse_b, d_lse_b = query_side(d_out, q, out, lse, d_lse, chunk)
         block_grads = block_backward(
             d_out_b, q_b, gather(k, chunk), gather(v, chunk), out_b, lse_b, d_lse_b, causal, scale
         )
+        del d_out_b, q_b, out_b, lse_b, d_lse_b
         for grad, block_grad in zip(grads, block_grads):
             scatter_(grad, chunk, block_grad, accumulate=True)
+        del block_grads  # free before the next chunk's gathers and kernel call
+    return grads

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from einops import rearrange
 from torch import Tensor
 
-from longnet.attention.blocks import accumulators, attend_local_, attend_local_backward_
+from longnet.attention.blocks import attend_local, attend_local_backward
 from longnet.attention.layout import BlockGroup, branch_groups
 from longnet.attention.pattern import DilatedPattern
 from longnet.attention.ring import (
@@ -40,8 +40,7 @@ class _DilatedAttention(torch.autograd.Function):
     def forward(
         ctx, q, k, v, local: list[list[BlockGroup]], rings: list[RingBranch], causal, scale, group
     ):
-        out, lse = accumulators(q)
-        attend_local_(out, lse, q, k, v, local, causal, scale)
+        out, lse = attend_local(q, k, v, local, causal, scale)
         for ring in rings:
             ring.forward_(out, lse, q, k, v, causal, scale, group)
         out = out.to(q.dtype)
@@ -58,8 +57,7 @@ class _DilatedAttention(torch.autograd.Function):
             d_out = torch.zeros_like(out)
         if d_lse is not None:
             d_lse = rearrange(d_lse, "b h n -> b n h 1").to(lse.dtype)
-        grads = [torch.zeros(q.shape, dtype=lse.dtype, device=q.device) for _ in range(3)]
-        attend_local_backward_(grads, d_out, q, k, v, out, lse, d_lse, local, causal, scale)
+        grads = attend_local_backward(d_out, q, k, v, out, lse, d_lse, local, causal, scale)
         for ring in rings:
             ring.backward_(grads, d_out, q, k, v, out, lse, d_lse, causal, scale, group)
         d_q, d_k, d_v = (grad.to(q.dtype) for grad in grads)
@@ -113,7 +111,7 @@ def dilated_attention(
             q.device,
         )
         local, rings = plan_sequence_parallel(
-            pattern, seq_len, world, dist.get_rank(group), heads, transports
+            pattern, seq_len, world, dist.get_rank(group), heads, transports, batch * dim
         )
     out, lse = _DilatedAttention.apply(q, k, v, local, rings, bool(causal), scale, group)
     return (out, lse) if return_lse else out

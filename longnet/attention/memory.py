@@ -19,10 +19,11 @@ Usage::
 
 Notation (per rank): ``L = N / P`` shard length, ``E = batch * L * heads * head_dim`` elements of
 one shard tensor, ``s`` the input element size, ``a`` the accumulator element size (4 for
-fp32/bf16/fp16 inputs, 8 for fp64). A ring branch ``(w, r)`` spanning ``g`` ranks packs this
-rank's selected K and V rows into one message of ``M = 2 * batch * heads * R * head_dim``
-elements (``R`` = the most rows any member selects for a head, ``ceil(L / r)`` when ``r``
-divides ``L`` or ``heads >= r``).
+fp32/bf16/fp16 inputs, 8 for fp64). A ring branch ``(w, r)`` spanning ``g`` ranks runs as
+pieces of a few heads each (``ring.ring_pieces``); a piece packs this rank's selected K and V
+rows of its heads into one message of ``M = 2 * batch * heads_per_piece * R * head_dim <=
+blocks.CHUNK_ELEMENTS`` elements (``R`` = the most rows any member selects for a head,
+``ceil(L / r)`` when ``r`` divides ``L`` or ``heads >= r``; at least one head per piece).
 
 What is modelled, phase by phase (each phase's peak is the sum of the tensors alive in it):
 
@@ -31,11 +32,12 @@ What is modelled, phase by phase (each phase's peak is the sum of the tensors al
   dtype (``out`` is the saved tensor itself when ``s == a``).
 * Gradient buffers: ``dq, dk, dv`` accumulators, ``3 * E * a`` (plus ``3 * E * s`` casts when
   ``s != a``).
-* Local branches (``w <= L``), run in chunks of at most ``blocks.CHUNK_ELEMENTS`` elements: the
-  gathered chunk tensors (copies unless the chunk is a plain view), the kernel outputs, the
-  previous chunk's outputs (still referenced while the next chunk's kernel runs), the LSE-merge
-  temporaries and the kernel's per-thread workspace.
-* Ring branches (``w > L``): the packed message, its receive buffer (and, for one moment
+* Local branches (``w <= L``): a first branch of rate 1 covering every row and head runs as one
+  kernel call whose outputs ARE the accumulators (only the kernel workspace on top); the others
+  run in chunks of at most ``blocks.CHUNK_ELEMENTS`` elements: the gathered chunk tensors
+  (copies unless the chunk is a plain view), the kernel outputs, the LSE-merge temporaries and
+  the kernel's per-thread workspace (a chunk's blocks are freed before the next one's).
+* Ring branches (``w > L``), one piece at a time: the packed message, its receive buffer (and, for one moment
   after each hop's receive, the previous message still held by its finished send), the
   travelling dK/dV accumulator and its receive buffer (``ring``); all ``g`` blocks, the
   per-source dK/dV partials and the reduce buffers (``allgather``); and the per-block compute
@@ -44,10 +46,11 @@ What is modelled, phase by phase (each phase's peak is the sum of the tensors al
 * Communication: payload bytes of the point-to-point sends (``batch_isend_irecv``); the
   16-byte argument check (``all_reduce``) of each call is not counted.
 
-Checked against the live bytes of torch's CPU allocator (profiler, one call after a warm-up):
-byte-exact for float32 and float64 when every rate divides ``L`` (local, ring and all-gather,
-causal or not, batch 1 or 2); with drifting offsets the ring block workspace is an upper bound
-(all heads in one block of ``ceil(L / r)`` rows; +2% to +11% on the peak). For bfloat16 the CPU
+Checked against measured peaks: the single-device peak RSS of one forward + backward (B1 H8
+D64, causal, patterns up to (32768, 16), float32/float64/bfloat16, batch 1 and 2) is 0-1.5%
+above the formula (the rest of the process); ``scripts/bench_ring.py`` compares every rank's
+peak with it. With drifting offsets the ring block workspace is an upper bound (all heads of a
+piece in one block of ``ceil(L / r)`` rows). For bfloat16 the CPU
 kernel's own reduced-precision packing buffers are not modelled (a large dense ring block's
 forward peak came out 19% low; the backward peak, which dominates, within 4%). Kernel
 workspaces are those of the CPU flash kernel; on other devices only those small terms differ.
@@ -123,7 +126,13 @@ class AttentionSetup:
             )
         # the library's own planner raises its own error for misaligned segment lengths
         plan_sequence_parallel(
-            self.pattern, self.shard_len, self.world_size, 0, self.num_heads, transports
+            self.pattern,
+            self.shard_len,
+            self.world_size,
+            0,
+            self.num_heads,
+            transports,
+            self.batch * self.head_dim,
         )
 
     @property
@@ -191,15 +200,31 @@ def local_groups(setup: AttentionSetup) -> list[list[BlockGroup]]:
             branch_groups(setup.seq_len, setup.num_heads, w, r) for w, r in setup.pattern.branches
         ]
     local, _ = plan_sequence_parallel(
-        setup.pattern, setup.shard_len, setup.world_size, 0, setup.num_heads, setup.transports
+        setup.pattern,
+        setup.shard_len,
+        setup.world_size,
+        0,
+        setup.num_heads,
+        setup.transports,
+        setup.batch * setup.head_dim,
     )
     return local
 
 
+def whole_first_branch(setup: AttentionSetup) -> BlockGroup | None:
+    """The first local branch when ``blocks.attend_local`` runs it as one kernel call whose
+    outputs become the accumulators (input dtype = accumulation dtype; CPU flash kernel)."""
+    if setup.input_size != setup.acc_size:
+        return None
+    return blocks.whole_branch(local_groups(setup), setup.shard_len, setup.num_heads)
+
+
 def local_chunks(setup: AttentionSetup) -> Iterator[tuple[int, BlockGroup]]:
-    """``(branch index, chunk)`` in the order ``blocks.attend_local_`` runs them."""
+    """``(branch index, chunk)`` of the chunked local branches, in the order
+    ``blocks.attend_local`` runs them (all but a ``whole_first_branch``)."""
     row_elements = setup.batch * setup.head_dim
-    for index, groups in enumerate(local_groups(setup)):
+    skip = 1 if whole_first_branch(setup) is not None else 0
+    for index, groups in enumerate(local_groups(setup)[skip:], start=skip):
         for group in groups:
             for chunk in group.chunks(blocks.CHUNK_ELEMENTS, row_elements):
                 yield index, chunk
@@ -228,49 +253,55 @@ def _lse_part(setup: AttentionSetup, elements: int) -> int:
 def local_forward_workspace(setup: AttentionSetup) -> int:
     """Peak bytes of the local branches' forward above the accumulators.
 
-    Per chunk of ``C`` elements (``[copy]``: ``gathers_copy``): kernel phase = previous chunk's
-    output ``C' s + lse'`` + gathered q, k, v ``3 C s [copy]`` + output ``C s + lse`` + kernel
-    workspace; merge phase = output ``C s + lse`` + (unless the first branch, which is copied)
-    gathered accumulator rows ``(C a + lse) [copy]`` + ``MERGE_TEMPORARIES`` lse temporaries.
+    A ``whole_first_branch`` writes the accumulators itself: only the kernel workspace. Per
+    chunk of ``C`` elements (``[copy]``: ``gathers_copy``): kernel phase = gathered q, k, v
+    ``3 C s [copy]`` + output ``C s + lse`` + kernel workspace; merge phase = output ``C s + lse``
+    + (unless the first branch, which is copied) gathered accumulator rows ``(C a + lse) [copy]``
+    + ``MERGE_TEMPORARIES`` lse temporaries. A chunk's output is freed before the next call.
     """
-    s, peak, previous = setup.input_size, 0, 0
+    s, peak = setup.input_size, 0
+    whole = whole_first_branch(setup)
+    if whole is not None:
+        peak = kernel_workspace_forward(setup, whole.rows, whole.rows)
     for index, chunk in local_chunks(setup):
         c = chunk_elements(setup, chunk)
         copies = gathers_copy(setup, chunk)
         block = c * s + _lse_part(setup, c)
-        kernel = previous + 3 * c * s * copies + block
+        kernel = 3 * c * s * copies + block
         kernel += kernel_workspace_forward(setup, chunk.rows, chunk.rows)
         merge = block
         if index > 0:
             merge += (c * setup.acc_size + _lse_part(setup, c)) * copies
             merge += MERGE_TEMPORARIES * _lse_part(setup, c)
         peak = max(peak, kernel, merge)
-        previous = block
     return peak
 
 
 def local_backward_workspace(setup: AttentionSetup) -> int:
     """Peak bytes of the local branches' backward above saved tensors and gradient buffers.
 
-    Per chunk of ``C`` elements: query side ``qs = 3 C s [copy] + lse`` (d_out, q, out rows and a
-    contiguous lse copy); query phase = previous chunk's ``qs'`` and gradients ``3 C' s`` +
-    ``qs``; kernel phase = ``qs`` + gathered k, v ``2 C s [copy]`` + gradients ``3 C s`` + previous
-    gradients ``3 C' s`` + kernel workspace (+ ``C s`` when a contiguous chunk was copied by
-    ``reshape``: the CPU kernel makes one of those head-major blocks sequence-major again).
-    Scatter-adds are in place.
+    A ``whole_first_branch`` writes the gradient buffers itself: a contiguous lse copy + the
+    kernel workspace. Per chunk of ``C`` elements: query side ``qs = 3 C s [copy] + lse``
+    (d_out, q, out rows and a contiguous lse copy); query phase = ``qs`` + the gathered lse
+    ``[copy]``; kernel phase = ``qs`` + gathered k, v ``2 C s [copy]`` + gradients ``3 C s`` +
+    kernel workspace (+ ``C s`` when a contiguous chunk was copied by ``reshape``: the CPU
+    kernel makes one of those head-major blocks sequence-major again). Scatter-adds are in
+    place; a chunk's blocks are freed before the next chunk's gathers.
     """
-    s, peak, prev_query, prev_grads = setup.input_size, 0, 0, 0
+    s, peak = setup.input_size, 0
+    whole = whole_first_branch(setup)
+    if whole is not None:
+        lse = setup.lse_elements * setup.acc_size
+        peak = lse + kernel_workspace_backward(setup, whole.rows, whole.rows)
     for _, chunk in local_chunks(setup):
         c = chunk_elements(setup, chunk)
         copies = gathers_copy(setup, chunk)
         query = 3 * c * s * copies + _lse_part(setup, c)
-        grads = 3 * c * s
-        query_phase = prev_query + prev_grads + query + _lse_part(setup, c) * copies
-        kernel = query + 2 * c * s * copies + grads + prev_grads
+        query_phase = query + _lse_part(setup, c) * copies
+        kernel = query + 2 * c * s * copies + 3 * c * s
         kernel += kernel_workspace_backward(setup, chunk.rows, chunk.rows)
         kernel += c * s * (copies and chunk.is_contiguous)  # kernel re-lays a head-major copy
         peak = max(peak, query_phase, kernel)
-        prev_query, prev_grads = query, grads
     return peak
 
 
@@ -287,7 +318,9 @@ class RingBranchMemory:
     members: int  # g: ranks in this rank's segment group
     index: int  # this rank's place among them
     rows_max: int  # R: rows per head in the message
-    message_bytes: int  # packed K/V message, (2, batch, heads, R, head_dim) in the input dtype
+    heads_per_piece: int  # the branch runs as pieces of at most this many heads (one at a time)
+    pieces: int
+    message_bytes: int  # one piece's K/V message, (2, batch, heads, R, head_dim), input dtype
     kv_buffer_bytes: int  # peak of K/V message + receive buffers (ring) / all blocks (allgather)
     dkv_buffer_bytes: int  # peak of dK/dV accumulator + receive (ring) / partials, reduce buffers
     forward_bytes: int  # peak of this branch's forward above the accumulators
@@ -320,9 +353,11 @@ def message_rows(setup: AttentionSetup, segment: int, rate: int, rank: int) -> i
     return -(-(shard - smallest) // rate)
 
 
-def _ring_compute(setup: AttentionSetup, rate: int, rows_q: int, rows_k: int) -> tuple[int, int]:
+def _ring_compute(
+    setup: AttentionSetup, rate: int, heads: int, rows_q: int, rows_k: int
+) -> tuple[int, int]:
     """``(forward, backward)`` peak bytes of one query-block x key-block pair of a ring branch
-    (all heads in one block).
+    piece of ``heads`` heads (all of them in one block).
 
     Forward: kernel phase = gathered q ``Cq s`` (a view when ``r == 1``) + K and V copied out of
     the message by head index ``2 Ck s`` + output ``Cq s + lse`` + workspace; merge phase =
@@ -332,7 +367,7 @@ def _ring_compute(setup: AttentionSetup, rate: int, rows_q: int, rows_k: int) ->
     read-modify-write then holds one more ``Ck a`` copy.
     """
     s, a = setup.input_size, setup.acc_size
-    per_row = setup.batch * setup.num_heads * setup.head_dim
+    per_row = setup.batch * heads * setup.head_dim
     cq, ck = per_row * rows_q, per_row * rows_k
     copies = rate > 1
     block = cq * s + _lse_part(setup, cq)
@@ -425,14 +460,23 @@ def _traffic(
 def ring_branch_memory(
     setup: AttentionSetup, segment: int, rate: int, transport: str, rank: int
 ) -> RingBranchMemory:
-    """Memory and traffic of the ring branch ``(segment, rate)`` on ``rank``."""
+    """Memory and traffic of the ring branch ``(segment, rate)`` on ``rank``.
+
+    The branch runs piece by piece (``ring.ring_pieces``: at most ``blocks.CHUNK_ELEMENTS``
+    elements per message); memory is that of the largest piece, traffic the sum over pieces.
+    """
     _, members, index = segment_group(setup, segment, rank)
     rows_max = message_rows(setup, segment, rate, rank)
     rows_q = -(-setup.shard_len // rate)
-    message_elements = 2 * setup.batch * setup.num_heads * rows_max * setup.head_dim
+    row_elements = setup.batch * setup.head_dim
+    per_piece = min(
+        setup.num_heads, max(1, blocks.CHUNK_ELEMENTS // (2 * rows_max * row_elements))
+    )
+    pieces = -(-setup.num_heads // per_piece)
+    message_elements = 2 * per_piece * rows_max * row_elements
     message = message_elements * setup.input_size
     accumulator = message_elements * setup.acc_size
-    compute = _ring_compute(setup, rate, rows_q, rows_max)
+    compute = _ring_compute(setup, rate, per_piece, rows_q, rows_max)
     pack = message + (message // 2 if rate > 1 else 0)  # the message + one gathered K or V
     if transport == "ring":
         kv, dkv, forward, backward = _ring_transport(members, message, accumulator, pack, compute)
@@ -440,8 +484,15 @@ def ring_branch_memory(
         kv, dkv, forward, backward = _allgather_transport(
             setup, members, index, message, accumulator, pack, compute
         )
+    # traffic of all pieces together: that of one message holding every head
+    total = 2 * setup.num_heads * rows_max * row_elements
     sent_f, sent_b, recv_f, recv_b = _traffic(
-        setup, transport, members, index, message, accumulator
+        setup,
+        transport,
+        members,
+        index,
+        total * setup.input_size,
+        total * setup.acc_size,
     )
     return RingBranchMemory(
         segment_length=segment,
@@ -450,6 +501,8 @@ def ring_branch_memory(
         members=members,
         index=index,
         rows_max=rows_max,
+        heads_per_piece=per_piece,
+        pieces=pieces,
         message_bytes=message,
         kv_buffer_bytes=kv,
         dkv_buffer_bytes=dkv,

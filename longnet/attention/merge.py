@@ -11,12 +11,12 @@ def lse_merge_(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> No
 
     Args:
         out_a, out_b: ``(..., length, dim)`` normalised outputs of each part.
-        lse_a, lse_b: ``(..., length)`` log-sum-exp of each part's scores (``-inf``: no keys).
-    Afterwards ``out_a, lse_a`` hold the attention over the union; rows with no keys on either
-    side give ``out = 0`` and ``lse = -inf`` (never NaN).
+        lse_a, lse_b: ``(..., length)`` log-sum-exp of each part's scores (``-inf``: no keys;
+            ``out_a`` must then be 0 there, as fresh accumulators are).
+    The union's output is ``out_a + w (out_b - out_a)`` with ``w = exp(lse_b - lse_union)
+    = sigmoid(lse_b - lse_a)`` (the two weights sum to 1): one pass over the outputs. Rows with
+    no keys on either side (``-inf - -inf``) get ``w = 0``: ``out = 0``, ``lse = -inf``, no NaN.
     """
-    lse = torch.logaddexp(lse_a, lse_b)
-    finite = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-    out_a.mul_(torch.exp(lse_a - finite)[..., None])
-    out_a.addcmul_(out_b, torch.exp(lse_b - finite)[..., None])
-    lse_a.copy_(lse)
+    weight = torch.sigmoid(torch.nan_to_num(lse_b - lse_a, nan=float("-inf")))
+    out_a.lerp_(out_b.to(out_a.dtype), weight[..., None].to(out_a.dtype))
+    torch.logaddexp(lse_a, lse_b, out=lse_a)

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from longnet.attention import blocks
 from longnet.attention.blocks import block_backward, merge_into_, query_side
 from longnet.attention.kernels import select_kernels
 from longnet.attention.layout import (
@@ -68,11 +69,12 @@ def padded_length(
 
 @dataclass(frozen=True)
 class RingBranch:
-    """One branch whose segments span several ranks, as seen from one rank.
+    """The heads ``heads`` of one branch whose segments span several ranks, seen from one rank.
 
     ``members`` are the group ranks of this rank's segment group in sequence order, ``index``
-    this rank's place among them, ``member_groups[m]`` the rows member ``m`` selects (shard
-    coordinates; a few head groups when dilation offsets drift).
+    this rank's place among them, ``member_groups[m]`` the rows member ``m`` selects for
+    ``heads`` (shard coordinates; a few head groups when dilation offsets drift). A branch runs
+    as several such pieces, a few heads each, so that one message stays small.
     """
 
     members: tuple[int, ...]
@@ -80,13 +82,18 @@ class RingBranch:
     member_groups: tuple[tuple[BlockGroup, ...], ...]
     transport: str
     label: str
+    heads: tuple[int, ...]
 
     @property
     def rows_max(self) -> int:
         return max(group.rows for groups in self.member_groups for group in groups)
 
+    def positions(self, heads: Sequence[int], device: torch.device) -> Tensor:
+        """Where ``heads`` sit in the message's head dimension."""
+        return torch.tensor([self.heads.index(head) for head in heads], device=device)
+
     def pairs(self, source: int):
-        """``(query group, key group, heads)`` for the block of keys from member ``source``."""
+        """``(query group, key rows, heads)`` for the block of keys from member ``source``."""
         for query_group in self.member_groups[self.index]:
             for key_group in self.member_groups[source]:
                 heads = tuple(sorted(set(query_group.heads) & set(key_group.heads)))
@@ -98,11 +105,12 @@ class RingBranch:
         return causal and source > self.index
 
     def pack(self, k: Tensor, v: Tensor) -> Tensor:
-        """This rank's selected K and V rows as one ``(2, batch, heads, rows_max, dim)`` message."""
-        batch, _, heads, dim = k.shape
-        packed = k.new_zeros(2, batch, heads, self.rows_max, dim)
+        """This rank's selected K and V rows of ``heads`` as one message
+        ``(2, batch, len(heads), rows_max, dim)``."""
+        batch, _, _, dim = k.shape
+        packed = k.new_zeros(2, batch, len(self.heads), self.rows_max, dim)
         for group in self.member_groups[self.index]:
-            index = torch.tensor(group.heads, device=k.device)
+            index = self.positions(group.heads, k.device)
             packed[0][:, index, : group.rows] = gather(k, group)
             packed[1][:, index, : group.rows] = gather(v, group)
         return packed
@@ -110,7 +118,7 @@ class RingBranch:
     def unpack_add_(self, d_k: Tensor, d_v: Tensor, packed: Tensor) -> None:
         """Add a ``pack``-shaped gradient of this rank's rows into ``d_k``/``d_v`` (in place)."""
         for group in self.member_groups[self.index]:
-            index = torch.tensor(group.heads, device=d_k.device)
+            index = self.positions(group.heads, d_k.device)
             scatter_(d_k, group, packed[0][:, index, : group.rows], accumulate=True)
             scatter_(d_v, group, packed[1][:, index, : group.rows], accumulate=True)
 
@@ -139,7 +147,7 @@ class RingBranch:
         forward, _ = select_kernels(q.device, q.dtype)
         diagonal = causal and source == self.index
         for query_group, rows, heads in self.pairs(source):
-            index = torch.tensor(heads, device=q.device)
+            index = self.positions(heads, q.device)
             block_out, block_lse = forward(
                 gather(q, query_group),
                 kv[0][:, index, :rows],
@@ -197,7 +205,7 @@ class RingBranch:
     ) -> None:
         diagonal = causal and source == self.index
         for query_group, rows, heads in self.pairs(source):
-            index = torch.tensor(heads, device=q.device)
+            index = self.positions(heads, q.device)
             d_out_b, q_b, out_b, lse_b, d_lse_b = query_side(d_out, q, out, lse, d_lse, query_group)
             d_q_b, d_k_b, d_v_b = block_backward(
                 d_out_b,
@@ -303,9 +311,11 @@ def plan_sequence_parallel(
     rank: int,
     num_heads: int,
     transports: Sequence[str],
+    row_elements: int,
 ) -> tuple[list[list[BlockGroup]], list[RingBranch]]:
-    """Split ``pattern`` into local branches (their block groups) and ring branches for group
-    rank ``rank``."""
+    """Split ``pattern`` into local branches (their block groups) and ring branch pieces for
+    group rank ``rank``; ``row_elements`` = batch * head_dim (sizes the pieces, see
+    ``ring_pieces``)."""
     seq_len = shard_len * world_size
     local: list[list[BlockGroup]] = []
     rings: list[RingBranch] = []
@@ -329,10 +339,30 @@ def plan_sequence_parallel(
             tuple(region_groups(0, shard_len, 1, num_heads, r, shift=m * shard_len - start))
             for m in members
         )
-        rings.append(
-            RingBranch(members, rank - members[0], member_groups, transport, f"branch w={w} r={r}")
-        )
+        for heads, groups in ring_pieces(member_groups, num_heads, row_elements):
+            label = f"branch w={w} r={r} heads {heads[0]}-{heads[-1]}"
+            rings.append(RingBranch(members, rank - members[0], groups, transport, label, heads))
     return local, rings
+
+
+def ring_pieces(
+    member_groups: Sequence[Sequence[BlockGroup]], num_heads: int, row_elements: int
+) -> list[tuple[tuple[int, ...], tuple[tuple[BlockGroup, ...], ...]]]:
+    """Split a ring branch by heads so that one message (K and V rows of a piece's heads)
+    holds at most ``blocks.CHUNK_ELEMENTS`` elements: ``(heads, member groups)`` per piece.
+    Every member of a segment group computes the same pieces (same global geometry)."""
+    rows = max(group.rows for groups in member_groups for group in groups)
+    per_piece = max(1, blocks.CHUNK_ELEMENTS // (2 * rows * row_elements))
+    pieces = []
+    for first in range(0, num_heads, per_piece):
+        heads = tuple(range(first, min(first + per_piece, num_heads)))
+        groups = tuple(
+            tuple(restrict(group, heads) for group in groups if set(group.heads) & set(heads))
+            for groups in member_groups
+        )
+        if any(groups):
+            pieces.append((heads, groups))
+    return pieces
 
 
 def check_same_call_everywhere(signature: str, group, device: torch.device) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from longnet.attention import dilated_attention
+from longnet.attention import blocks, dilated_attention
 from tests.reference import dense_dilated_attention
 
 TOL = 1e-10
@@ -16,7 +16,11 @@ TOL = 1e-10
 def ring_cases(world_size: int) -> list[dict]:
     """Cases for a world size: shard length ``L``, branches local / spanning part of the ring /
     spanning the whole ring, rates not dividing ``L`` (offsets drifting across ranks), a last
-    segment spanning fewer ranks, no r = 1 branch, batch > 1, both transports, both directions."""
+    segment spanning fewer ranks, no r = 1 branch, batch > 1, both transports, both directions.
+    Causal cases run with a tiny ``blocks.CHUNK_ELEMENTS``: ring branches then travel as pieces
+    of one head each and local branches run in many chunks. Half of the cases also send a
+    random upstream gradient into ``lse`` (the math-kernel backward); the other half do not
+    (the fused-kernel backward)."""
     L = 12
     n = L * world_size
     patterns = {
@@ -32,9 +36,11 @@ def ring_cases(world_size: int) -> list[dict]:
             branches=b,
             causal=causal,
             transport=transport,
+            chunk_elements=64 if causal else blocks.CHUNK_ELEMENTS,
+            lse_grad=(index + by_ring + causal) % 2 == 0,
         )
-        for name, b in patterns.items()
-        for transport in ("ring", "allgather")
+        for index, (name, b) in enumerate(patterns.items())
+        for by_ring, transport in enumerate(("ring", "allgather"))
         for causal in (True, False)
     ]
 
@@ -51,12 +57,13 @@ def check_ring_cases(rank: int, world_size: int, device: torch.device) -> list[s
 
 
 def _run(tensors, d_out, d_lse, fn):
-    """``fn(q, k, v) -> (out, lse)`` with a random upstream gradient into both outputs;
-    returns ``[out, lse, dq, dk, dv]`` on the CPU."""
+    """``fn(q, k, v) -> (out, lse)`` with a random upstream gradient into ``out`` (and into
+    ``lse`` unless ``d_lse`` is None); returns ``[out, lse, dq, dk, dv]`` on the CPU."""
     tensors = [t.detach().clone().requires_grad_() for t in tensors]
     out, lse = fn(*tensors)
-    finite_lse = lse.masked_fill(torch.isinf(lse), 0)
-    loss = (out * d_out.to(out.device)).sum() + (finite_lse * d_lse.to(out.device)).sum()
+    loss = (out * d_out.to(out.device)).sum()
+    if d_lse is not None:
+        loss = loss + (lse.masked_fill(torch.isinf(lse), 0) * d_lse.to(out.device)).sum()
     return [t.detach().cpu() for t in (out, lse, *torch.autograd.grad(loss, tensors))]
 
 
@@ -66,12 +73,34 @@ def _check_case(rank: int, world_size: int, device: torch.device, case: dict, se
     q, k, v, d_out = (torch.randn(2, n, 5, 8, generator=gen, dtype=torch.float64) for _ in range(4))
     _, ref_lse = dense_dilated_attention(q, k, v, branches, causal)
     d_lse = torch.randn(2, 5, n, generator=gen, dtype=torch.float64).masked_fill(ref_lse.isinf(), 0)
+    d_lse = d_lse if case["lse_grad"] else None
     shard = slice(rank * n // world_size, (rank + 1) * n // world_size)
+    default_chunk, blocks.CHUNK_ELEMENTS = blocks.CHUNK_ELEMENTS, case["chunk_elements"]
+    try:
+        ring, single = _run_library(q, k, v, d_out, d_lse, shard, case, device)
+    finally:
+        blocks.CHUNK_ELEMENTS = default_chunk
+    reference = _run(
+        (q, k, v), d_out, d_lse, lambda a, b, c: dense_dilated_attention(a, b, c, branches, causal)
+    )
+    names = ("out", "lse", "dq", "dk", "dv")
+    for name, mine, one, ref in zip(names, ring, single, reference):
+        index = (Ellipsis, shard) if name == "lse" else (slice(None), shard)
+        for label, expected in (("single-device", one[index]), ("dense reference", ref[index])):
+            same_inf = torch.equal(torch.isneginf(mine), torch.isneginf(expected))
+            error = (mine - expected).nan_to_num(0, 0, 0).abs().max().item()
+            assert same_inf and error <= TOL, (
+                f"rank {rank}: {name} vs {label}: max error {error:.2e}"
+            )
 
+
+def _run_library(q, k, v, d_out, d_lse, shard, case, device):
+    """``(ring shard results, single-device results)`` of ``dilated_attention``."""
+    branches, causal = case["branches"], case["causal"]
     ring = _run(
         [t[:, shard].to(device) for t in (q, k, v)],
         d_out[:, shard],
-        d_lse[..., shard],
+        None if d_lse is None else d_lse[..., shard],
         lambda a, b, c: dilated_attention(
             a,
             b,
@@ -89,18 +118,7 @@ def _check_case(rank: int, world_size: int, device: torch.device, case: dict, se
         d_lse,
         lambda a, b, c: dilated_attention(a, b, c, branches, causal=causal, return_lse=True),
     )
-    reference = _run(
-        (q, k, v), d_out, d_lse, lambda a, b, c: dense_dilated_attention(a, b, c, branches, causal)
-    )
-    names = ("out", "lse", "dq", "dk", "dv")
-    for name, mine, one, ref in zip(names, ring, single, reference):
-        index = (Ellipsis, shard) if name == "lse" else (slice(None), shard)
-        for label, expected in (("single-device", one[index]), ("dense reference", ref[index])):
-            same_inf = torch.equal(torch.isneginf(mine), torch.isneginf(expected))
-            error = (mine - expected).nan_to_num(0, 0, 0).abs().max().item()
-            assert same_inf and error <= TOL, (
-                f"rank {rank}: {name} vs {label}: max error {error:.2e}"
-            )
+    return ring, single
 
 
 def check_ring_errors(rank: int, world_size: int, device: torch.device) -> list[str]:

@@ -189,7 +189,7 @@ def test_lse_merge_handles_empty_sides():
     inf = float("-inf")
     lse_a = torch.tensor([inf, inf, 0.5], dtype=torch.float64)
     lse_b = torch.tensor([inf, 1.0, inf], dtype=torch.float64)
-    out_a = torch.ones(3, 2, dtype=torch.float64)
+    out_a = torch.tensor([[0.0, 0.0], [0.0, 0.0], [1.0, 1.0]], dtype=torch.float64)  # 0 if empty
     out_b = 2 * torch.ones(3, 2, dtype=torch.float64)
     lse_merge_(out_a, lse_a, out_b, lse_b)
     assert not out_a.isnan().any()

@@ -79,16 +79,16 @@ def test_float64_accumulators_double_the_travelling_bytes():
 
 
 def test_forward_peak_by_hand_single_device():
-    # dense [(16, 1)], one contiguous chunk of C = 16 * 2 * 4 = 128 elements (a view):
-    # accumulators out 512 B + lse 128 B; kernel phase = output 512 + lse 128 + CPU flash
-    # workspace (16 * 16 + 2 * 16 + 16 * 4) * 4 B = 1408 B
+    # dense [(16, 1)], float32: one whole rate-1 branch, run as one kernel call whose outputs
+    # become the accumulators: out 512 B + lse 128 B, plus the CPU flash forward workspace
+    # (16 * 16 + 2 * 16 + 16 * 4) * 4 B = 1408 B
     setup = _setup(world_size=1, pattern=DilatedPattern.dense(16))
     rank = plan_memory(setup).ranks[0]
     assert rank.branches == ()
-    assert rank.forward_peak_bytes == 640 + 640 + 1408
-    # backward: saved out 512 + lse 128 + dq, dk, dv 3 * 512; kernel phase = lse copy 128 +
-    # gradients 3 * 512 + workspace (2 * 16 * 16 + 16) * 4 B
-    assert rank.backward_peak_bytes == 640 + 1536 + 128 + 1536 + 2112
+    assert rank.forward_peak_bytes == 640 + 1408
+    # backward: saved out 512 + lse 128 + dq, dk, dv 3 * 512 (the kernel's outputs) + the
+    # contiguous lse copy 128 + workspace (2 * 16 * 16 + 16) * 4 B
+    assert rank.backward_peak_bytes == 640 + 1536 + 128 + 2112
 
 
 def test_message_rows_match_the_library_plan():
@@ -96,7 +96,7 @@ def test_message_rows_match_the_library_plan():
     pattern = DilatedPattern((12, 24, 48), (5, 7, 9))
     setup = _setup(seq_len=48, world_size=4, num_heads=3, pattern=pattern)
     for rank in range(4):
-        _, rings = plan_sequence_parallel(pattern, 12, 4, rank, 3, ("ring",) * 3)
+        _, rings = plan_sequence_parallel(pattern, 12, 4, rank, 3, ("ring",) * 3, 4)
         for ring, (w, r) in zip(rings, pattern.branches[1:]):
             assert message_rows(setup, w, r, rank) == ring.rows_max
             packed = ring.pack(torch.zeros(1, 12, 3, 4), torch.zeros(1, 12, 3, 4))
