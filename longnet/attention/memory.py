@@ -37,12 +37,13 @@ What is modelled, phase by phase (each phase's peak is the sum of the tensors al
   run in chunks of at most ``blocks.CHUNK_ELEMENTS`` elements: the gathered chunk tensors
   (copies unless the chunk is a plain view), the kernel outputs, the LSE-merge temporaries and
   the kernel's per-thread workspace (a chunk's blocks are freed before the next one's).
-* Ring branches (``w > L``), one piece at a time: the packed message, its receive buffer (and, for one moment
-  after each hop's receive, the previous message still held by its finished send), the
-  travelling dK/dV accumulator and its receive buffer (``ring``); all ``g`` blocks, the
-  per-source dK/dV partials and the reduce buffers (``allgather``); and the per-block compute
-  workspace, which is not chunked: gathered query rows, the K/V rows copied out of the message
-  by head index, the kernel outputs and the dK/dV read-modify-write copies.
+* Ring branches (``w > L``), one piece at a time: the packed message, its receive buffer
+  (and, for one moment after each hop's receive, the previous message still held by its
+  finished send), the travelling dK/dV accumulator and its receive buffer (``ring``); all ``g``
+  blocks, the per-source dK/dV partials and the reduce buffers (``allgather``); the piece's
+  query side, gathered once per call (query rows, accumulator rows, the dQ accumulator); and
+  the per-block workspace: kernel outputs and, when offsets drift, K/V rows copied out of the
+  message by head index.
 * Communication: payload bytes of the point-to-point sends (``batch_isend_irecv``); the
   16-byte argument check (``all_reduce``) of each call is not counted.
 
@@ -356,29 +357,34 @@ def message_rows(setup: AttentionSetup, segment: int, rate: int, rank: int) -> i
 def _ring_compute(
     setup: AttentionSetup, rate: int, heads: int, rows_q: int, rows_k: int
 ) -> tuple[int, int]:
-    """``(forward, backward)`` peak bytes of one query-block x key-block pair of a ring branch
-    piece of ``heads`` heads (all of them in one block).
+    """``(forward, backward)`` peak bytes of the block work of a ring branch piece of ``heads``
+    heads: its query side, gathered once per call, and one query-block x key-block pair.
 
-    Forward: kernel phase = gathered q ``Cq s`` (a view when ``r == 1``) + K and V copied out of
-    the message by head index ``2 Ck s`` + output ``Cq s + lse`` + workspace; merge phase =
-    output + gathered accumulator rows ``(Cq a + lse)`` (views when ``r == 1``) + temporaries.
-    Backward: query side ``3 Cq s`` (views when ``r == 1``) ``+ lse``; kernel phase = that + K, V
-    copies ``2 Ck s`` + gradients ``Cq s + 2 Ck s`` + workspace; the ``d_kv[...] += d_k``
-    read-modify-write then holds one more ``Ck a`` copy.
+    ``[copy]``: the query rows are copies when ``r > 1`` (views when ``r == 1``). K and V blocks
+    are views of the message when ``r`` divides ``L`` (one head group per member), else copies
+    by head index ``2 Ck s`` (and the dK/dV read-modify-write holds one ``Ck a`` more).
+    Forward: query side q ``Cq s [copy]`` + accumulator rows ``(Cq a + lse) [copy]``; per block
+    output ``Cq s + lse`` + the larger of kernel workspace and ``MERGE_TEMPORARIES`` lse.
+    Backward: query side ``3 Cq s [copy] + lse`` + the dQ accumulator ``Cq a``; per block
+    gradients ``Cq s + 2 Ck s`` + kernel workspace. The CPU kernel re-lays one head-major K
+    or V block sequence-major (``Ck s``).
     """
     s, a = setup.input_size, setup.acc_size
     per_row = setup.batch * heads * setup.head_dim
     cq, ck = per_row * rows_q, per_row * rows_k
     copies = rate > 1
-    block = cq * s + _lse_part(setup, cq)
-    kernel = cq * s * copies + 2 * ck * s + block + kernel_workspace_forward(setup, rows_q, rows_k)
+    kv_copies = setup.shard_len % rate != 0
     lse = _lse_part(setup, cq)
-    merge = block + (cq * a + lse) * copies + MERGE_TEMPORARIES * lse
-    query = 3 * cq * s * copies + _lse_part(setup, cq)
+    relay = ck * s
+    query_forward = cq * s * copies + (cq * a + lse) * copies
+    workspace = max(kernel_workspace_forward(setup, rows_q, rows_k), MERGE_TEMPORARIES * lse)
+    kv = 2 * ck * s * kv_copies
+    forward = query_forward + kv + cq * s + lse + workspace + relay
+    query_backward = 3 * cq * s * copies + lse + cq * a
     grads = cq * s + 2 * ck * s
-    backward_kernel = query + 2 * ck * s + grads + kernel_workspace_backward(setup, rows_q, rows_k)
-    read_modify_write = query + grads + ck * a
-    return max(kernel, merge), max(backward_kernel, read_modify_write)
+    backward = query_backward + kv + grads + kernel_workspace_backward(setup, rows_q, rows_k)
+    backward += max(relay, ck * a * kv_copies)
+    return forward, backward
 
 
 def _ring_transport(

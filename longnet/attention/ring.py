@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from longnet.attention import blocks
-from longnet.attention.blocks import block_backward, merge_into_, query_side
+from longnet.attention.blocks import block_backward, query_side
 from longnet.attention.kernels import select_kernels
 from longnet.attention.layout import (
     BlockGroup,
@@ -36,6 +36,7 @@ from longnet.attention.layout import (
     restrict,
     scatter_,
 )
+from longnet.attention.merge import lse_merge_
 from longnet.attention.pattern import DilatedPattern
 
 TRANSPORTS = ("ring", "allgather")
@@ -75,6 +76,8 @@ class RingBranch:
     this rank's place among them, ``member_groups[m]`` the rows member ``m`` selects for
     ``heads`` (shard coordinates; a few head groups when dilation offsets drift). A branch runs
     as several such pieces, a few heads each, so that one message stays small.
+    ``query_groups``: this rank's groups split so that each one's heads lie in one group of
+    every member; its query-side rows are gathered once and meet every arriving block.
     """
 
     members: tuple[int, ...]
@@ -83,22 +86,23 @@ class RingBranch:
     transport: str
     label: str
     heads: tuple[int, ...]
+    query_groups: tuple[BlockGroup, ...]
 
     @property
     def rows_max(self) -> int:
         return max(group.rows for groups in self.member_groups for group in groups)
 
-    def positions(self, heads: Sequence[int], device: torch.device) -> Tensor:
-        """Where ``heads`` sit in the message's head dimension."""
-        return torch.tensor([self.heads.index(head) for head in heads], device=device)
+    def positions(self, heads: Sequence[int], device: torch.device) -> slice | Tensor:
+        """Where ``heads`` sit in the message's head dimension (a slice when consecutive)."""
+        where = [self.heads.index(head) for head in heads]
+        if where == list(range(where[0], where[0] + len(where))):
+            return slice(where[0], where[0] + len(where))
+        return torch.tensor(where, device=device)
 
-    def pairs(self, source: int):
-        """``(query group, key rows, heads)`` for the block of keys from member ``source``."""
-        for query_group in self.member_groups[self.index]:
-            for key_group in self.member_groups[source]:
-                heads = tuple(sorted(set(query_group.heads) & set(key_group.heads)))
-                if heads:
-                    yield restrict(query_group, heads), key_group.rows, heads
+    def key_rows(self, query_group: BlockGroup, source: int) -> int:
+        """Rows of member ``source``'s block for the heads of ``query_group`` (0: none)."""
+        head = query_group.heads[0]
+        return next((g.rows for g in self.member_groups[source] if head in g.heads), 0)
 
     def skipped(self, source: int, causal: bool) -> bool:
         """Causal: keys of later ranks are all in the future."""
@@ -122,40 +126,52 @@ class RingBranch:
             scatter_(d_k, group, packed[0][:, index, : group.rows], accumulate=True)
             scatter_(d_v, group, packed[1][:, index, : group.rows], accumulate=True)
 
-    # -- forward ---------------------------------------------------------------------------
+    def _blocks(self, kv: Tensor, source: int, queries: list):
+        """``(query entry, k block, v block)`` for every query group that meets ``source``."""
+        for entry in queries:
+            query_group = entry[0]
+            rows = self.key_rows(query_group, source)
+            if rows:
+                index = self.positions(query_group.heads, kv.device)
+                yield entry, kv[0][:, index, :rows], kv[1][:, index, :rows]
 
-    def forward_(self, out, lse, q, k, v, causal: bool, scale: float, group) -> None:
-        """Merge the attention of this branch into ``out``/``lse`` (sequence layout, in place)."""
-        peers = _Peers(group, self, "forward")
-        kv = self.pack(k, v)
+    def _each_block(self, peers: _Peers, kv: Tensor, causal: bool, attend) -> None:
+        """Call ``attend(kv block, source)`` for every block this rank needs, as the transport
+        delivers them (forward: K/V only; see ``backward_`` for the travelling gradients)."""
         if self.transport == "allgather":
-            blocks = peers.all_gather(kv)
-            for source, block in enumerate(blocks):
+            for source, block in enumerate(peers.all_gather(kv)):
                 if not self.skipped(source, causal):
-                    self._attend(out, lse, q, block, source, causal, scale)
+                    attend(block, source)
             return
         size = len(self.members)
         for hop in range(size):
             source = (self.index - hop) % size
             incoming = peers.shift(kv, hop) if hop + 1 < size else None
             if not self.skipped(source, causal):
-                self._attend(out, lse, q, kv, source, causal, scale)
+                attend(kv, source)
             if incoming is not None:
                 kv = incoming()
 
-    def _attend(self, out, lse, q, kv, source: int, causal: bool, scale: float) -> None:
+    # -- forward ---------------------------------------------------------------------------
+
+    def forward_(self, out, lse, q, k, v, causal: bool, scale: float, group) -> None:
+        """Merge the attention of this branch into ``out``/``lse`` (sequence layout, in place)."""
         forward, _ = select_kernels(q.device, q.dtype)
-        diagonal = causal and source == self.index
-        for query_group, rows, heads in self.pairs(source):
-            index = self.positions(heads, q.device)
-            block_out, block_lse = forward(
-                gather(q, query_group),
-                kv[0][:, index, :rows],
-                kv[1][:, index, :rows],
-                diagonal,
-                scale,
-            )
-            merge_into_(out, lse, query_group, block_out, block_lse, fresh=False)
+        queries = [
+            (g, gather(q, g), gather(out, g), gather(lse, g)[..., 0]) for g in self.query_groups
+        ]
+
+        def attend(kv: Tensor, source: int) -> None:
+            diagonal = causal and source == self.index
+            for (_, q_b, out_b, lse_b), k_b, v_b in self._blocks(kv, source, queries):
+                block_out, block_lse = forward(q_b, k_b, v_b, diagonal, scale)
+                lse_merge_(out_b, lse_b, block_out, block_lse)
+
+        self._each_block(_Peers(group, self, "forward"), self.pack(k, v), causal, attend)
+        for query_group, _, out_b, lse_b in queries:
+            if not query_group.is_contiguous:  # gathered copies, not views: write them back
+                scatter_(out, query_group, out_b)
+                scatter_(lse, query_group, lse_b[..., None])
 
     # -- backward --------------------------------------------------------------------------
 
@@ -164,6 +180,23 @@ class RingBranch:
     ) -> None:
         """Add this branch's gradients into ``grads = (dq, dk, dv)`` (sequence layout, in place)."""
         peers = _Peers(group, self, "backward")
+        queries = []
+        for query_group in self.query_groups:
+            side = query_side(d_out, q, out, lse, d_lse, query_group)
+            queries.append((query_group, *side, torch.zeros_like(side[1], dtype=grads[0].dtype)))
+
+        def attend(kv: Tensor, d_kv: Tensor, source: int) -> None:
+            diagonal = causal and source == self.index
+            for entry, k_b, v_b in self._blocks(kv, source, queries):
+                query_group, d_out_b, q_b, out_b, lse_b, d_lse_b, d_q_b = entry
+                d_q, d_k, d_v = block_backward(
+                    d_out_b, q_b, k_b, v_b, out_b, lse_b, d_lse_b, diagonal, scale
+                )
+                d_q_b += d_q
+                rows, index = k_b.shape[-2], self.positions(query_group.heads, kv.device)
+                d_kv[0][:, index, :rows] += d_k
+                d_kv[1][:, index, :rows] += d_v
+
         kv = self.pack(k, v)
         size = len(self.members)
         if self.transport == "allgather":
@@ -172,19 +205,7 @@ class RingBranch:
             for source, block in enumerate(blocks):
                 if not self.skipped(source, causal):
                     partials[source] = torch.zeros_like(kv, dtype=grads[0].dtype)
-                    self._attend_backward(
-                        grads[0],
-                        partials[source],
-                        d_out,
-                        q,
-                        out,
-                        lse,
-                        d_lse,
-                        block,
-                        source,
-                        causal,
-                        scale,
-                    )
+                    attend(block, partials[source], source)
             own = peers.reduce_to_owners(partials, causal)
         else:
             own = torch.zeros_like(kv, dtype=grads[0].dtype)
@@ -192,35 +213,13 @@ class RingBranch:
                 source = (self.index - hop) % size
                 incoming = peers.shift(kv, hop) if hop + 1 < size else None
                 if not self.skipped(source, causal):
-                    self._attend_backward(
-                        grads[0], own, d_out, q, out, lse, d_lse, kv, source, causal, scale
-                    )
+                    attend(kv, own, source)
                 own = peers.shift(own, hop, tag=1)()  # the accumulator travels with its block
                 if incoming is not None:
                     kv = incoming()
         self.unpack_add_(grads[1], grads[2], own)
-
-    def _attend_backward(
-        self, d_q, d_kv, d_out, q, out, lse, d_lse, kv, source, causal, scale
-    ) -> None:
-        diagonal = causal and source == self.index
-        for query_group, rows, heads in self.pairs(source):
-            index = self.positions(heads, q.device)
-            d_out_b, q_b, out_b, lse_b, d_lse_b = query_side(d_out, q, out, lse, d_lse, query_group)
-            d_q_b, d_k_b, d_v_b = block_backward(
-                d_out_b,
-                q_b,
-                kv[0][:, index, :rows],
-                kv[1][:, index, :rows],
-                out_b,
-                lse_b,
-                d_lse_b,
-                diagonal,
-                scale,
-            )
-            scatter_(d_q, query_group, d_q_b, accumulate=True)
-            d_kv[0][:, index, :rows] += d_k_b
-            d_kv[1][:, index, :rows] += d_v_b
+        for query_group, *_, d_q_b in queries:
+            scatter_(grads[0], query_group, d_q_b, accumulate=True)
 
 
 class _Peers:
@@ -339,9 +338,11 @@ def plan_sequence_parallel(
             tuple(region_groups(0, shard_len, 1, num_heads, r, shift=m * shard_len - start))
             for m in members
         )
+        index = rank - members[0]
         for heads, groups in ring_pieces(member_groups, num_heads, row_elements):
             label = f"branch w={w} r={r} heads {heads[0]}-{heads[-1]}"
-            rings.append(RingBranch(members, rank - members[0], groups, transport, label, heads))
+            queries = query_groups(groups[index], groups)
+            rings.append(RingBranch(members, index, groups, transport, label, heads, queries))
     return local, rings
 
 
@@ -363,6 +364,24 @@ def ring_pieces(
         if any(groups):
             pieces.append((heads, groups))
     return pieces
+
+
+def query_groups(
+    own: Sequence[BlockGroup], member_groups: Sequence[Sequence[BlockGroup]]
+) -> tuple[BlockGroup, ...]:
+    """``own`` split so that the heads of each part lie in one group of every member (with
+    drifting offsets a head's row count differs from member to member)."""
+    parts = []
+    for group in own:
+        by_keys: dict[tuple[int, ...], list[int]] = {}
+        for head in group.heads:
+            key = tuple(
+                next((i for i, g in enumerate(groups) if head in g.heads), -1)
+                for groups in member_groups
+            )
+            by_keys.setdefault(key, []).append(head)
+        parts += [restrict(group, heads) for heads in by_keys.values()]
+    return tuple(parts)
 
 
 def check_same_call_everywhere(signature: str, group, device: torch.device) -> None:

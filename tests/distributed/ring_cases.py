@@ -16,7 +16,8 @@ TOL = 1e-10
 def ring_cases(world_size: int) -> list[dict]:
     """Cases for a world size: shard length ``L``, branches local / spanning part of the ring /
     spanning the whole ring, rates not dividing ``L`` (offsets drifting across ranks), a last
-    segment spanning fewer ranks, no r = 1 branch, batch > 1, both transports, both directions.
+    segment spanning fewer ranks, no r = 1 branch, an r = 1 branch spanning ranks, batch > 1,
+    both transports, both directions.
     Causal cases run with a tiny ``blocks.CHUNK_ELEMENTS``: ring branches then travel as pieces
     of one head each and local branches run in many chunks. Half of the cases also send a
     random upstream gradient into ``lse`` (the math-kernel backward); the other half do not
@@ -28,6 +29,7 @@ def ring_cases(world_size: int) -> list[dict]:
         "drift": [(L, 5), (2 * L, 4), (4 * L, 9)],
         "no_unit_rate": [(L, 2), (3 * L, 3)],
         "beyond_seq": [(4, 1), (L, 3), (8 * n, 7)],
+        "unit_rate_span": [(L // 2, 2), (2 * L, 1)],
     }
     return [
         dict(
