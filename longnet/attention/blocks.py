@@ -138,18 +138,18 @@ def attend_local(
     whole = whole_branch(branches, q.shape[1], q.shape[2]) if _adopts_outputs(q) else None
     if whole is None:
         out, lse = accumulators(q)
-        rest, fresh = branches, 0
+        rest, copied = branches, 0  # the first branch is copied in, not merged
     else:
         block_out, block_lse = forward(
             gather(q, whole), gather(k, whole), gather(v, whole), causal, scale
         )
         out, lse = _sequence_layout(block_out, q.shape[0]), _sequence_layout(block_lse, q.shape[0])
-        rest, fresh = branches[1:], -1
+        rest, copied = branches[1:], None
     for index, chunk in _branch_chunks(rest, q):
         block_out, block_lse = forward(
             gather(q, chunk), gather(k, chunk), gather(v, chunk), causal, scale
         )
-        merge_into_(out, lse, chunk, block_out, block_lse, fresh=index == fresh)
+        merge_into_(out, lse, chunk, block_out, block_lse, fresh=index == copied)
         del block_out, block_lse  # free before the next kernel call allocates its outputs
     return out, lse
 
