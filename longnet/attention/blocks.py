@@ -105,11 +105,14 @@ def whole_branch(
     return group if group.is_contiguous and covers else None
 
 
-def _adopts_outputs(q: Tensor) -> bool:
-    """Kernel outputs can serve as accumulators: they are in the accumulation dtype, and the
-    kernel is a fused one (the math kernel would hold a whole branch's scores at once)."""
+def _adopted_branch(branches: Sequence[Sequence[BlockGroup]], q: Tensor) -> BlockGroup | None:
+    """``whole_branch`` when its kernel outputs can serve as accumulators: they are in the
+    accumulation dtype, and the kernel is a fused one (the math kernel would hold a whole
+    branch's scores at once)."""
     fused = select_kernels(q.device, q.dtype)[0] is not math_forward
-    return fused and q.dtype == accumulation_dtype(q.dtype)
+    if not (fused and q.dtype == accumulation_dtype(q.dtype)):
+        return None
+    return whole_branch(branches, q.shape[1], q.shape[2])
 
 
 def _sequence_layout(block: Tensor, batch: int) -> Tensor:
@@ -131,11 +134,11 @@ def attend_local(
 ) -> tuple[Tensor, Tensor]:
     """``out, lse`` accumulators holding the attention of every block of every branch.
 
-    When ``whole_branch`` (and ``_adopts_outputs``) applies, the first branch runs as one kernel
-    call whose outputs become the accumulators; otherwise it is copied in chunk by chunk (it
+    When ``_adopted_branch`` applies, the first branch runs as one kernel call whose outputs
+    become the accumulators; otherwise it is copied in chunk by chunk (it
     covers each row and head at most once). Every further block is merged by log-sum-exp."""
     forward, _ = select_kernels(q.device, q.dtype)
-    whole = whole_branch(branches, q.shape[1], q.shape[2]) if _adopts_outputs(q) else None
+    whole = _adopted_branch(branches, q)
     if whole is None:
         out, lse = accumulators(q)
         rest, copied = branches, 0  # the first branch is copied in, not merged
@@ -168,8 +171,7 @@ def attend_local_backward(
 ) -> list[Tensor]:
     """Gradient accumulators ``[dq, dk, dv]`` (accumulation dtype) of every block of every
     branch; like ``attend_local``, a whole first branch's kernel outputs become them."""
-    adopts = _adopts_outputs(q) and d_lse is None  # with d_lse: the chunked math kernel
-    whole = whole_branch(branches, q.shape[1], q.shape[2]) if adopts else None
+    whole = _adopted_branch(branches, q) if d_lse is None else None  # d_lse: chunked math
     if whole is None:
         grads = [torch.zeros(q.shape, dtype=lse.dtype, device=q.device) for _ in range(3)]
         rest = branches

@@ -48,8 +48,9 @@ What is modelled, phase by phase (each phase's peak is the sum of the tensors al
   16-byte argument check (``all_reduce``) of each call is not counted.
 
 Checked against measured peaks: the single-device peak RSS of one forward + backward (B1 H8
-D64, causal, patterns up to (32768, 16), float32/float64/bfloat16, batch 1 and 2) is 0-1.5%
-above the formula (the rest of the process); ``scripts/bench_ring.py`` compares every rank's
+D64, causal, patterns up to (32768, 16), float32/float64/bfloat16, batch 1 and 2) came out
+within 2% of the formula in repeated runs (-1.9% to +1.5%: the rest of the process and
+allocator noise); ``scripts/bench_ring.py`` compares every rank's
 peak with it. With drifting offsets the ring block workspace is an upper bound (all heads of a
 piece in one block of ``ceil(L / r)`` rows). For bfloat16 the CPU
 kernel's own reduced-precision packing buffers are not modelled (a large dense ring block's

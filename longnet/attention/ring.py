@@ -127,13 +127,14 @@ class RingBranch:
             scatter_(d_v, group, packed[1][:, index, : group.rows], accumulate=True)
 
     def _blocks(self, kv: Tensor, source: int, queries: list):
-        """``(query entry, k block, v block)`` for every query group that meets ``source``."""
+        """``(query entry, head index, k block, v block)`` for every query group that meets
+        ``source``; the head index places the group's heads in ``kv``'s head dimension."""
         for entry in queries:
             query_group = entry[0]
             rows = self.key_rows(query_group, source)
             if rows:
                 index = self.positions(query_group.heads, kv.device)
-                yield entry, kv[0][:, index, :rows], kv[1][:, index, :rows]
+                yield entry, index, kv[0][:, index, :rows], kv[1][:, index, :rows]
 
     def _each_block(self, peers: _Peers, kv: Tensor, causal: bool, attend) -> None:
         """Call ``attend(kv block, source)`` for every block this rank needs, as the transport
@@ -163,7 +164,7 @@ class RingBranch:
 
         def attend(kv: Tensor, source: int) -> None:
             diagonal = causal and source == self.index
-            for (_, q_b, out_b, lse_b), k_b, v_b in self._blocks(kv, source, queries):
+            for (_, q_b, out_b, lse_b), _, k_b, v_b in self._blocks(kv, source, queries):
                 block_out, block_lse = forward(q_b, k_b, v_b, diagonal, scale)
                 lse_merge_(out_b, lse_b, block_out, block_lse)
 
@@ -187,13 +188,13 @@ class RingBranch:
 
         def attend(kv: Tensor, d_kv: Tensor, source: int) -> None:
             diagonal = causal and source == self.index
-            for entry, k_b, v_b in self._blocks(kv, source, queries):
-                query_group, d_out_b, q_b, out_b, lse_b, d_lse_b, d_q_b = entry
+            for entry, index, k_b, v_b in self._blocks(kv, source, queries):
+                _, d_out_b, q_b, out_b, lse_b, d_lse_b, d_q_b = entry
                 d_q, d_k, d_v = block_backward(
                     d_out_b, q_b, k_b, v_b, out_b, lse_b, d_lse_b, diagonal, scale
                 )
                 d_q_b += d_q
-                rows, index = k_b.shape[-2], self.positions(query_group.heads, kv.device)
+                rows = k_b.shape[-2]
                 d_kv[0][:, index, :rows] += d_k
                 d_kv[1][:, index, :rows] += d_v
 
