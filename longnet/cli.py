@@ -5,6 +5,7 @@ A :class:`~lightning.pytorch.cli.LightningCLI` over :class:`longnet.training.Cau
 
 - ``--test_after_fit true``: after ``fit``, ``test`` the best checkpoint in the same process,
   so one command trains, validates, tests and (with ``ExportPretrained``) exports;
+- after ``fit``, a list of what the run folder holds (model export, curves, metrics, ...);
 - the resolved config saved in the run folder (the logger's ``log_dir``) of every run:
   ``config.yaml`` for ``fit`` (overwritten when a run is resumed), ``config-<stage>.yaml``
   for the other subcommands;
@@ -22,12 +23,14 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from longnet.training import CausalLMModule
+from longnet.training.callbacks import run_dir
 
 
 class ConfigError(Exception):
@@ -76,11 +79,12 @@ class LongNetCLI(LightningCLI):
             raise ConfigError(f"{type(err).__name__}: {err}") from err
 
     def after_fit(self) -> None:
-        if not self.config[self.subcommand].get("test_after_fit") or self.trainer.interrupted:
-            return
-        best = getattr(self.trainer.checkpoint_callback, "best_model_path", "") or None
-        self.trainer.test(self.model, datamodule=self.datamodule, ckpt_path=best)
-
+        if self.config[self.subcommand].get("test_after_fit") and not self.trainer.interrupted:
+            best = getattr(self.trainer.checkpoint_callback, "best_model_path", "") or None
+            self.trainer.test(self.model, datamodule=self.datamodule, ckpt_path=best)
+        folder = run_dir(self.trainer)  # on every rank: log_dir is a collective
+        if self.trainer.is_global_zero:
+            print(describe_run(folder))
 
     def predict(self, model: L.LightningModule, datamodule: L.LightningDataModule | None = None,
                 **kwargs) -> object:
@@ -92,6 +96,25 @@ class LongNetCLI(LightningCLI):
             datamodule.setup("predict")
             return self.trainer.predict(model, dataloaders=datamodule.test_dataloader(), **kwargs)
         return self.trainer.predict(model, datamodule=datamodule, **kwargs)
+
+
+def describe_run(folder: Path) -> str:
+    """Lines naming what a run left in its folder (only the files that exist)."""
+    outputs = (
+        ("model/", "trained model: LongNetLM.from_pretrained({path!r})"),
+        ("curves.png", "training curves (bits per byte vs step)"),
+        ("metrics.json", "final validation and test metrics"),
+        ("metrics.csv", "every logged value"),
+        ("config.yaml", "the resolved config"),
+        ("checkpoints/", "Lightning checkpoints (fit --ckpt_path last resumes)"),
+    )
+    lines = [f"Run folder {folder}:"]
+    for name, what in outputs:
+        path = folder / name
+        if path.exists():
+            lines.append(f"  {str(path) + ('/' if path.is_dir() else ''):<40} "
+                         f"{what.format(path=str(path))}")
+    return "\n".join(lines)
 
 
 def run_cli(args: Sequence[str] | None = None) -> LongNetCLI:

@@ -8,6 +8,8 @@ The needle starts at a sentence boundary of the filler nearest to the requested 
 after the task line, 1 = right before the question); the key has ``num_digits`` digits and no
 leading zero. The prompt is everything before the key, so an evaluator feeds the prompt and
 greedily generates ``num_digits`` bytes (``passkey_examples`` + ``passkey_match``).
+Training samples (``PasskeyDataset``) append ``ANSWER_END`` (a full stop) to the key, so a
+model learns where the answer stops; ``passkey_match`` rejects an answer followed by a digit.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ FILLER = (
 )
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
 QUESTION = "\nWhat is the pass key? The pass key is "
+ANSWER_END = "."
 LabelMode = Literal["answer", "all"]
 
 
@@ -94,7 +97,7 @@ def passkey_examples(
 ) -> list[PasskeyExample]:
     """``count`` (prompt, answer) examples of ``length`` bytes for evaluation.
 
-    Example ``i`` is example ``i`` of ``PasskeyDataset(length - 1, ..., seed=seed,
+    Example ``i`` is example ``i`` of ``PasskeyDataset(length, ..., seed=seed,
     split="test")`` when the depth and digits agree.
     """
     return [
@@ -111,10 +114,11 @@ def passkey_match(generated: str, answer: str) -> bool:
 class PasskeyDataset(Dataset):
     """Map-style dataset of passkey samples, each generated from ``(seed, split, index)``.
 
-    A sample is ``{"input_ids": (seq_len,), "labels": (seq_len,)}`` (int64) of an example of
+    A sample is ``{"input_ids": (seq_len,), "labels": (seq_len,)}`` (int64) of the text
+    ``prompt + key + ANSWER_END`` of an example of ``seq_len`` bytes (prompt + key), i.e.
     ``seq_len + 1`` bytes. ``label_mode="answer"`` labels only the positions that predict the
-    key's digits (``num_digits`` positions); ``"all"`` labels every position (language
-    modelling on the whole text, the key included).
+    key's digits and the end mark (``num_digits + 1`` positions); ``"all"`` labels every
+    position (language modelling on the whole text, the key included).
     """
 
     def __init__(
@@ -131,7 +135,7 @@ class PasskeyDataset(Dataset):
             raise ValueError(f"label_mode must be 'answer' or 'all', got {label_mode!r}.")
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise ValueError(f"size must be a non-negative integer, got {size!r}.")
-        _check_passkey_args(seq_len + 1, depth, num_digits)
+        _check_passkey_args(seq_len, depth, num_digits)
         sample_rng(seed, split, 0)  # validates seed and split
         self.seq_len, self.size, self.seed, self.split = seq_len, size, seed, split
         self.depth, self.num_digits, self.label_mode = depth, num_digits, label_mode
@@ -145,11 +149,11 @@ class PasskeyDataset(Dataset):
         if not 0 <= index < self.size:
             raise IndexError(f"index {index} out of range for a dataset of {self.size}.")
         rng = sample_rng(self.seed, self.split, index)
-        return make_passkey_example(self.seq_len + 1, rng, self.depth, self.num_digits)
+        return make_passkey_example(self.seq_len, rng, self.depth, self.num_digits)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         example = self.example(index)
-        tokens = self.tokenizer.encode_array(example.prompt + example.answer)
+        tokens = self.tokenizer.encode_array(example.prompt + example.answer + ANSWER_END)
         if self.label_mode == "all":
             return shifted_sample(tokens)
         labelled = np.zeros(self.seq_len, dtype=bool)

@@ -42,8 +42,10 @@ def model_card(
     architecture: str = "LongNetLM",
     has_weights: bool,
     description: str = "",
+    details: str = "",
 ) -> str:
-    """A Markdown card: size (computed), shape, pattern, context, and whether weights exist."""
+    """A Markdown card: size (computed), shape, pattern, context, and whether weights exist,
+    followed by ``details`` (e.g. a hand-written training and results section)."""
     params = count_parameters(config, architecture)
     pattern = config.pattern
     branches = ", ".join(f"({w}, {r})" for w, r in pattern.branches)
@@ -83,12 +85,18 @@ def model_card(
         f"Weights: {weights}",
         "",
         "```python",
-        "from longnet.modeling import LongNetConfig, " + architecture,
-        f'config = LongNetConfig.from_pretrained("{name}")',
+        *(
+            [f"from longnet.modeling import {architecture}",
+             f'model = {architecture}.from_pretrained("{name}")']
+            if has_weights
+            else ["from longnet.modeling import LongNetConfig, " + architecture,
+                  f'config = LongNetConfig.from_pretrained("{name}")']
+        ),
         "```",
         "",
     ]
-    return "\n".join(lines)
+    card = "\n".join(lines)
+    return f"{card}\n{details.strip()}\n" if details.strip() else card
 
 
 def save_pretrained(model: LongNetPreTrained, directory: str | Path, name: str | None = None):
@@ -151,8 +159,11 @@ def write_model_folder(
     *,
     architecture: str = "LongNetLM",
     description: str = "",
+    has_weights: bool = False,
+    details: str = "",
 ) -> Path:
-    """Write a weightless model folder (zoo entry): ``config.json`` and its ``README.md`` card."""
+    """Write a zoo entry's ``config.json`` and its ``README.md`` card (``has_weights``: the
+    card says ``model.safetensors`` is in the folder; the weights themselves are not written)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     data = {"architecture": architecture, **config.to_dict()}
@@ -161,8 +172,9 @@ def write_model_folder(
         config,
         directory.name,
         architecture=architecture,
-        has_weights=(directory / WEIGHTS_NAME).is_file(),
+        has_weights=has_weights,
         description=description,
+        details=details,
     )
     (directory / CARD_NAME).write_text(card)
     return directory

@@ -11,6 +11,7 @@ from longnet.training.callbacks import (
     MetricsSummary,
     PredictionsWriter,
 )
+from longnet.training.curves import TrainingCurves, plot_training_curves, read_curves
 from longnet.training.loaders import EpochIndexSampler, EpochLoader, ResumableDataOrder
 from longnet.training.logger import RunLogger
 from longnet.training.metrics import TokenAccuracy, TokenCrossEntropy, lm_summary
@@ -32,10 +33,13 @@ __all__ = [
     "SequenceParallelStrategy",
     "TokenAccuracy",
     "TokenCrossEntropy",
+    "TrainingCurves",
     "build_lm",
     "lm_summary",
     "pad_sequences",
     "parameter_groups",
+    "plot_training_curves",
+    "read_curves",
     "shard_batch",
     "warmup_cosine",
 ]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 import torch
@@ -32,11 +32,16 @@ class CausalLMModule(L.LightningModule):
     global ``position_ids`` ``(shard,)``, and the strategy's ``sequence_parallel_group`` is
     handed to the attention.
 
-    Loss: ``sum(CE) * world_size / N`` with ``N`` the number of scored tokens of the whole
-    global batch (all ranks). Data-parallel training averages gradients over all
-    ``world_size`` ranks, so the update is that of ``sum(CE) / N`` on one device: the
-    token-weighted mean over the global batch, whatever the data-parallel and
-    sequence-parallel layout.
+    Loss (``loss_reduction="token"``): ``sum(CE) * world_size / N`` with ``N`` the number of
+    scored tokens of the whole global batch (all ranks). Data-parallel training averages
+    gradients over all ``world_size`` ranks, so the update is that of ``sum(CE) / N`` on one
+    device: the token-weighted mean over the global batch, whatever the data-parallel and
+    sequence-parallel layout. ``loss_reduction="sample"`` takes each sample's mean CE over its
+    scored tokens, then the mean over the samples with any scored token (global batch): every
+    sample weighs the same, so a task that labels only its answers (e.g. passkey examples with
+    ``passkey_label_mode="answer"`` mixed into a corpus) is not drowned by fully labelled text.
+    Not available under sequence parallelism. The logged ``train/loss`` is token-weighted in
+    both modes.
 
     Logged: ``train/loss`` (nats/token, global batch), ``train/bpb``, ``train/tokens_per_s``
     (scored tokens of the global batch per second of training step);
@@ -60,6 +65,8 @@ class CausalLMModule(L.LightningModule):
         bytes_per_token: text bytes per token, for bits per byte (1 for byte-level models).
         resumable_data: attach :class:`~longnet.training.ResumableDataOrder` (deterministic,
             resumable, exact-evaluation data order); turn off to keep Lightning's loaders.
+        loss_reduction: ``"token"`` (mean over scored tokens) or ``"sample"`` (mean over
+            samples of their mean over scored tokens); see above.
     """
 
     def __init__(
@@ -78,10 +85,15 @@ class CausalLMModule(L.LightningModule):
         gradient_checkpointing: bool = False,
         bytes_per_token: float = 1.0,
         resumable_data: bool = True,
+        loss_reduction: Literal["token", "sample"] = "token",
     ) -> None:
         super().__init__()
         _check_hparams(learning_rate, weight_decay, betas, eps, warmup_steps, total_steps,
                        min_lr_ratio, bytes_per_token)
+        if loss_reduction not in ("token", "sample"):
+            raise ValueError(
+                f"loss_reduction must be 'token' or 'sample', got {loss_reduction!r}."
+            )
         self.save_hyperparameters()
         self.model = build_lm(model, pretrained=pretrained, config=config, overrides=overrides)
         if gradient_checkpointing:
@@ -124,6 +136,11 @@ class CausalLMModule(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         """Refuse a datamodule the model cannot read, before any work."""
+        if self.hparams.loss_reduction == "sample" and self.sequence_parallel_group() is not None:
+            raise ValueError(
+                "loss_reduction='sample' is not supported under sequence parallelism yet; use "
+                "loss_reduction='token' or a strategy without a sequence-parallel group."
+            )
         datamodule = self._trainer.datamodule if self._trainer is not None else None
         config = self.model.config
         vocab = getattr(datamodule, "vocab_size", None)
@@ -172,8 +189,10 @@ class CausalLMModule(L.LightningModule):
         stats = torch.stack((out.loss_sum.detach().double(), out.num_tokens.double()))
         if world > 1 and dist.is_available() and dist.is_initialized():
             dist.all_reduce(stats)
-        scale = (world / stats[1].clamp(min=1)).to(out.loss_sum.dtype)
-        loss = out.loss_sum * scale
+        if self.hparams.loss_reduction == "sample":
+            loss = self._sample_mean_loss(out.logits, batch["labels"], world)
+        else:
+            loss = out.loss_sum * (world / stats[1].clamp(min=1)).to(out.loss_sum.dtype)
         summary = lm_summary(stats[0], stats[1], self.bytes_per_token)
         self.log("train/loss", summary["loss"].float(), prog_bar=True)
         self.log("train/bpb", summary["bpb"].float())
@@ -245,6 +264,19 @@ class CausalLMModule(L.LightningModule):
         }
 
     # ------------------------------------------------------------------ helpers
+    def _sample_mean_loss(self, logits: Tensor, labels: Tensor, world: int) -> Tensor:
+        """``sum_b mean_t CE[b, t] * world / S``: ``S`` samples with a scored token in the
+        global batch; logits ``(batch, seq, vocab)``, labels ``(batch, seq)``."""
+        ce = F.cross_entropy(
+            logits.float().transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none"
+        )
+        counts = (labels != IGNORE_INDEX).sum(-1)
+        samples = (counts > 0).sum().double()
+        if world > 1 and dist.is_available() and dist.is_initialized():
+            dist.all_reduce(samples)
+        per_sample = ce.sum(-1) / counts.clamp(min=1)
+        return per_sample.sum() * (world / samples.clamp(min=1)).float()
+
     def _eval_update(self, batch: Batch, ce: TokenCrossEntropy, acc: TokenAccuracy) -> None:
         out = self(batch)
         labels = batch["labels"]

@@ -47,9 +47,15 @@ def read_metrics(run: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(handle))
 
 
-def test_fit_then_test_in_one_command(tmp_path, data_cache):
+def test_fit_then_test_in_one_command(tmp_path, data_cache, capsys):
     assert main(smoke_args("fit", tmp_path, data_cache)) == 0
     run = tmp_path / "smoke"
+
+    # the command ends by naming the export and the plot; the plot is a PNG of the curves
+    printed = capsys.readouterr().out
+    assert f"Run folder {run}:" in printed
+    assert f"{run / 'model'}/" in printed and f"{run / 'curves.png'}" in printed
+    assert (run / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     losses = [float(row["train/loss"]) for row in read_metrics(run) if row.get("train/loss")]
     assert len(losses) >= 5

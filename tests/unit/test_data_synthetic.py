@@ -64,16 +64,16 @@ def test_passkey_labels() -> None:
         assert torch.equal(sample["input_ids"], full["input_ids"])
         assert torch.equal(full["labels"][:-1], full["input_ids"][1:])
         scored = sample["labels"] != IGNORE_INDEX
-        assert scored.sum() == 5 and scored[-5:].all()
-        assert tokenizer.decode(sample["labels"][scored]) == example.answer
-        assert tokenizer.decode(sample["input_ids"]) == (example.prompt + example.answer)[:-1]
+        assert scored.sum() == 6 and scored[-6:].all()  # the key's 5 digits and the end mark
+        assert tokenizer.decode(sample["labels"][scored]) == example.answer + "."
+        assert tokenizer.decode(sample["input_ids"]) == example.prompt + example.answer
 
 
 def test_passkey_evaluation_pairs_and_match() -> None:
     pairs = passkey_examples(6, 600, depth=0.25, seed=2)
     assert pairs == passkey_examples(6, 600, depth=0.25, seed=2)
     assert pairs != passkey_examples(6, 600, depth=0.25, seed=5)
-    test_split = PasskeyDataset(seq_len=599, size=6, seed=2, split="test", depth=0.25)
+    test_split = PasskeyDataset(seq_len=600, size=6, seed=2, split="test", depth=0.25)
     assert pairs == [test_split.example(i) for i in range(6)]
     answer = pairs[0].answer
     assert passkey_match(answer, answer)

@@ -58,7 +58,7 @@ def test_unknown_names_list_the_zoo_and_weightless_entries_say_so(tmp_path: Path
     with pytest.raises(FileNotFoundError, match="Known models.*longnet-tiny"):
         load_model("longnet-huge")
     with pytest.raises(FileNotFoundError, match="no trained weights"):
-        load_model("longnet-tiny")
+        load_model("longnet-small")
     with pytest.raises(FileNotFoundError, match="no checkpoint file"):
         load_model(tmp_path / "missing.ckpt")
 

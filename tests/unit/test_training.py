@@ -199,6 +199,28 @@ def test_module_loss_is_the_token_mean_on_one_device():
     assert module.sequence_parallel_group() is None
 
 
+def test_sample_loss_reduction_weighs_every_sample_equally():
+    """Independent check: the mean over samples of each sample's own token-mean CE (labels
+    with very different numbers of scored tokens), not the token mean."""
+    torch.manual_seed(0)
+    module = CausalLMModule(model="longnet-tiny", overrides=TINY, loss_reduction="sample")
+    logits = torch.randn(3, 64, 256, dtype=torch.float64)
+    labels = torch.randint(0, 256, (3, 64))
+    labels[0, 5:] = -100          # 5 scored tokens
+    labels[2, :] = -100           # no scored token: not counted as a sample
+    expected = sum(
+        torch.nn.functional.cross_entropy(logits[b][labels[b] != -100],
+                                          labels[b][labels[b] != -100])
+        for b in (0, 1)
+    ) / 2
+    loss = module._sample_mean_loss(logits, labels, world=1)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    token_mean = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    assert abs(loss.item() - token_mean.item()) > 1e-3
+    with pytest.raises(ValueError, match="loss_reduction"):
+        CausalLMModule(model="longnet-tiny", overrides=TINY, loss_reduction="mean")
+
+
 def test_strategy_refuses_bad_layouts_before_work():
     with pytest.raises(ValueError, match="sequence_parallel_size must be a positive integer"):
         SequenceParallelStrategy(sequence_parallel_size=0)

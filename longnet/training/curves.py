@@ -1,0 +1,85 @@
+"""``TrainingCurves``: the run's bits-per-byte curves as a PNG next to its ``metrics.csv``."""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import lightning as L
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from longnet.training.callbacks import run_dir
+
+CURVE_KEYS = ("train/bpb", "val/bpb")
+
+
+def read_curves(
+    metrics_csv: str | Path, keys: Sequence[str] = CURVE_KEYS
+) -> dict[str, list[tuple[int, float]]]:
+    """``key -> [(step, value), ...]`` (sorted by step) from a Lightning CSV log.
+
+    Rows without the key or a step are skipped; a step logged twice (a resumed run repeats
+    the steps after its last checkpoint) keeps the later row.
+    """
+    values: dict[str, dict[int, float]] = {key: {} for key in keys}
+    with open(metrics_csv, newline="") as handle:
+        for row in csv.DictReader(handle):
+            if not row.get("step"):
+                continue
+            step = int(float(row["step"]))
+            for key in keys:
+                if row.get(key):
+                    values[key][step] = float(row[key])
+    return {key: sorted(points.items()) for key, points in values.items()}
+
+
+def plot_training_curves(
+    curves: Mapping[str, Sequence[tuple[int, float]]], path: str | Path, *, title: str = ""
+) -> Path:
+    """Line plot of each curve (bits per byte) against the optimizer step; empty curves are
+    left out. Returns ``path``."""
+    fig = Figure(figsize=(7.0, 4.2), dpi=120, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for key, points in curves.items():
+        points = [(step, value) for step, value in points if math.isfinite(value)]
+        if points:
+            marker = "o" if key.startswith("val") else None
+            ax.plot(*zip(*points), marker=marker, linewidth=1.2, label=key)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("bits per byte")
+    ax.set_title(title or "Training curves")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    return path
+
+
+class TrainingCurves(L.Callback):
+    """When ``fit`` ends, plot ``train/bpb`` and ``val/bpb`` from the run folder's
+    ``metrics.csv`` (written by ``RunLogger``) to ``<run folder>/<filename>``.
+
+    Args:
+        filename: the PNG's name inside the run folder.
+    """
+
+    def __init__(self, filename: str = "curves.png") -> None:
+        self.filename = filename
+        self.path: Path | None = None
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        folder = run_dir(trainer)  # on every rank: log_dir is a collective
+        if not trainer.is_global_zero or trainer.logger is None:
+            return
+        trainer.logger.save()  # flush buffered rows to metrics.csv
+        metrics = folder / "metrics.csv"
+        if not metrics.is_file():
+            return
+        self.path = plot_training_curves(
+            read_curves(metrics), folder / self.filename, title=f"Training curves: {folder.name}"
+        )
