@@ -70,7 +70,6 @@ class TrainingCurves(L.Callback):
 
     def __init__(self, filename: str = "curves.png") -> None:
         self.filename = filename
-        self.path: Path | None = None
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         folder = run_dir(trainer)  # on every rank: log_dir is a collective
@@ -80,6 +79,6 @@ class TrainingCurves(L.Callback):
         metrics = folder / "metrics.csv"
         if not metrics.is_file():
             return
-        self.path = plot_training_curves(
+        plot_training_curves(
             read_curves(metrics), folder / self.filename, title=f"Training curves: {folder.name}"
         )

@@ -227,12 +227,8 @@ class CausalLMModule(L.LightningModule):
             batch["input_ids"], position_ids=batch.get("position_ids"),
             group=self.sequence_parallel_group(),
         )
-        labels = batch["labels"]
-        ce = F.cross_entropy(
-            out.logits.float().transpose(1, 2), labels, ignore_index=IGNORE_INDEX,
-            reduction="none",
-        )
-        stats = torch.stack((ce.sum(-1).double(), (labels != IGNORE_INDEX).sum(-1).double()))
+        ce_sums, counts = _per_sample_ce(out.logits, batch["labels"])
+        stats = torch.stack((ce_sums.double(), counts.double()))
         group = self.sequence_parallel_group()
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(stats, group=group)
@@ -267,14 +263,11 @@ class CausalLMModule(L.LightningModule):
     def _sample_mean_loss(self, logits: Tensor, labels: Tensor, world: int) -> Tensor:
         """``sum_b mean_t CE[b, t] * world / S``: ``S`` samples with a scored token in the
         global batch; logits ``(batch, seq, vocab)``, labels ``(batch, seq)``."""
-        ce = F.cross_entropy(
-            logits.float().transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none"
-        )
-        counts = (labels != IGNORE_INDEX).sum(-1)
+        ce_sums, counts = _per_sample_ce(logits, labels)
         samples = (counts > 0).sum().double()
         if world > 1 and dist.is_available() and dist.is_initialized():
             dist.all_reduce(samples)
-        per_sample = ce.sum(-1) / counts.clamp(min=1)
+        per_sample = ce_sums / counts.clamp(min=1)
         return per_sample.sum() * (world / samples.clamp(min=1)).float()
 
     def _eval_update(self, batch: Batch, ce: TokenCrossEntropy, acc: TokenAccuracy) -> None:
@@ -298,6 +291,15 @@ class CausalLMModule(L.LightningModule):
         }
         # identical on every rank already; "max" keeps them bit-exact (a mean could round)
         self.log_dict({k: v.float() for k, v in values.items()}, sync_dist=True, reduce_fx="max")
+
+
+def _per_sample_ce(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """Summed cross-entropy (float32) and scored-token count of each sample, both
+    ``(batch,)``; logits ``(batch, seq, vocab)``, labels ``(batch, seq)`` (-100 not scored)."""
+    ce = F.cross_entropy(
+        logits.float().transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none"
+    )
+    return ce.sum(-1), (labels != IGNORE_INDEX).sum(-1)
 
 
 def _datamodule_seq_len(datamodule: Any) -> int | None:
