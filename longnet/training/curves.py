@@ -14,6 +14,8 @@ from matplotlib.figure import Figure
 from longnet.training.callbacks import run_dir
 
 CURVE_KEYS = ("train/bpb", "val/bpb")
+SMOOTHING_FRACTION = 0.05
+"""Training curves get a trailing mean over this fraction of their logged points."""
 
 
 def read_curves(
@@ -36,19 +38,40 @@ def read_curves(
     return {key: sorted(points.items()) for key, points in values.items()}
 
 
+def trailing_mean(values: Sequence[float], window: int) -> list[float]:
+    """At every position, the mean of the last ``window`` values up to it (fewer at the
+    start). ``window`` must be positive."""
+    if window < 1:
+        raise ValueError(f"window must be a positive integer, got {window!r}.")
+    means, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value - (values[i - window] if i >= window else 0.0)
+        means.append(total / min(i + 1, window))
+    return means
+
+
 def plot_training_curves(
     curves: Mapping[str, Sequence[tuple[int, float]]], path: str | Path, *, title: str = ""
 ) -> Path:
     """Line plot of each curve (bits per byte) against the optimizer step; empty curves are
-    left out. Returns ``path``."""
+    left out. A training curve (one batch per point, noisy) is drawn faint with its trailing
+    mean over ``SMOOTHING_FRACTION`` of its points on top. Returns ``path``."""
     fig = Figure(figsize=(7.0, 4.2), dpi=120, layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     for key, points in curves.items():
         points = [(step, value) for step, value in points if math.isfinite(value)]
-        if points:
-            marker = "o" if key.startswith("val") else None
-            ax.plot(*zip(*points), marker=marker, linewidth=1.2, label=key)
+        if not points:
+            continue
+        steps, values = zip(*points)
+        if key.startswith("val"):
+            ax.plot(steps, values, marker="o", linewidth=1.2, label=key)
+            continue
+        window = max(1, round(SMOOTHING_FRACTION * len(values)))
+        raw = ax.plot(steps, values, linewidth=0.8, alpha=0.35, label=key)[0]
+        if window > 1:
+            ax.plot(steps, trailing_mean(values, window), color=raw.get_color(), linewidth=1.6,
+                    label=f"{key}, mean of last {window} points")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("bits per byte")
     ax.set_title(title or "Training curves")

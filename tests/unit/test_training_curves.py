@@ -1,10 +1,12 @@
-"""``read_curves`` and ``plot_training_curves``: the training-curve PNG of a run folder."""
+"""``read_curves``, ``trailing_mean`` and ``plot_training_curves``: the training-curve PNG of a
+run folder."""
 
 from __future__ import annotations
 
 import pytest
 
 from longnet.training import plot_training_curves, read_curves
+from longnet.training.curves import trailing_mean
 
 
 def write_csv(path, rows):
@@ -32,6 +34,29 @@ def test_plot_training_curves_writes_a_png(tmp_path):
         tmp_path / "sub" / "curves.png",
     )
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_trailing_mean_averages_the_last_window_values():
+    assert trailing_mean([4.0, 2.0, 6.0, 0.0, 1.0], 3) == [4.0, 3.0, 4.0, 8 / 3, 7 / 3]
+    assert trailing_mean([1.0, 5.0], 1) == [1.0, 5.0]
+    with pytest.raises(ValueError, match="window"):
+        trailing_mean([1.0], 0)
+
+
+def test_plot_training_curves_draws_the_smoothed_training_curve(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    drawn = []
+    savefig = matplotlib.figure.Figure.savefig
+
+    def capture(fig, *args, **kwargs):
+        drawn.extend(line.get_label() for line in fig.axes[0].get_lines())
+        return savefig(fig, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", capture)
+    plot_training_curves({"train/bpb": [(s, 5.0 - s / 100) for s in range(100)]},
+                         tmp_path / "curves.png")
+    assert drawn == ["train/bpb", "train/bpb, mean of last 5 points"]
 
 
 def test_read_curves_missing_file_raises(tmp_path):
