@@ -18,7 +18,7 @@ from longnet.attention.kernels import (
     math_forward,
     select_kernels,
 )
-from longnet.attention.layout import BlockGroup, gather, scatter_
+from longnet.attention.layout import BlockGroup, gather, gathers_view, scatter_
 from longnet.attention.merge import lse_merge_
 
 CHUNK_ELEMENTS = 2**18
@@ -54,7 +54,7 @@ def merge_into_(
         return
     acc_out, acc_lse = gather(out, group), gather(lse, group)[..., 0]
     lse_merge_(acc_out, acc_lse, block_out, block_lse)
-    if not group.is_contiguous:  # gathered copies, not views: write them back
+    if not gathers_view(out, group):  # gathered copies, not views: write them back
         scatter_(out, group, acc_out)
         scatter_(lse, group, acc_lse[..., None])
 

@@ -104,10 +104,22 @@ def _head_rows(segments: Tensor, group: BlockGroup, head: int, offset: int) -> T
     return segments[:, :, offset : last + 1 : group.rate, head]
 
 
+def gathers_view(x: Tensor, group: BlockGroup) -> bool:
+    """Whether ``gather(x, group)`` returns a view of ``x`` (writes to it reach ``x``): the
+    group is contiguous and batch and segments merge into one dimension (batch 1, one segment,
+    or segments laid out back to back, as when the group covers a whole contiguous ``x``)."""
+    count = group.num_segments
+    mergeable = (
+        x.shape[0] == 1 or count == 1 or x.stride(0) == count * group.segment_length * x.stride(1)
+    )
+    return group.is_contiguous and mergeable
+
+
 def gather(x: Tensor, group: BlockGroup) -> Tensor:
     """Blocks of ``x`` ``(batch, seq, heads, dim)`` -> ``(batch * segments, heads, rows, dim)``.
 
-    A view for contiguous groups; otherwise one strided copy per head (no index kernels).
+    A view when ``gathers_view``; otherwise a copy (one strided copy per head for dilated
+    groups, no index kernels).
     """
     segments = _segments(x, group)
     if group.is_contiguous:

@@ -32,6 +32,7 @@ from longnet.attention.layout import (
     BlockGroup,
     branch_groups,
     gather,
+    gathers_view,
     region_groups,
     restrict,
     scatter_,
@@ -170,7 +171,7 @@ class RingBranch:
 
         self._each_block(_Peers(group, self, "forward"), self.pack(k, v), causal, attend)
         for query_group, _, out_b, lse_b in queries:
-            if not query_group.is_contiguous:  # gathered copies, not views: write them back
+            if not gathers_view(out, query_group):  # gathered copies: write them back
                 scatter_(out, query_group, out_b)
                 scatter_(lse, query_group, lse_b[..., None])
 

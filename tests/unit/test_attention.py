@@ -28,6 +28,7 @@ CASES = [
     ("single_dilated_branch", 33, 2, [(12, 3)]),
     ("rate_equals_segment", 24, 5, [(4, 4), (12, 1)]),
     ("dense", 31, 2, [(64, 1)]),
+    ("later_unit_rate_with_tail", 45, 4, [(4, 2), (8, 1), (16, 1)]),
 ]
 
 

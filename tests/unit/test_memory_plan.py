@@ -11,7 +11,7 @@ import torch
 
 from longnet.attention import DilatedPattern
 from longnet.attention.blocks import CHUNK_ELEMENTS
-from longnet.attention.layout import branch_groups, gather
+from longnet.attention.layout import branch_groups, gather, gathers_view
 from longnet.attention.memory import (
     AttentionSetup,
     gathers_copy,
@@ -114,6 +114,7 @@ def test_gather_copies_as_modelled(batch):
             for chunk in group.chunks(CHUNK_ELEMENTS, batch * 16):
                 shares = gather(x, chunk).untyped_storage().data_ptr() == x.data_ptr()
                 assert shares == (not gathers_copy(setup, chunk)), (w, r, chunk)
+                assert shares == gathers_view(x, chunk), (w, r, chunk)
 
 
 def test_local_chunks_follow_the_chunk_bound():
