@@ -4,6 +4,8 @@ single-device result and with the independent dense reference."""
 
 from __future__ import annotations
 
+import random
+
 import torch
 import torch.distributed as dist
 
@@ -17,10 +19,10 @@ def ring_cases(world_size: int) -> list[dict]:
     """Cases for a world size: shard length ``L``, branches local / spanning part of the ring /
     spanning the whole ring, rates not dividing ``L`` (offsets drifting across ranks), a last
     segment spanning fewer ranks, no r = 1 branch, an r = 1 branch spanning ranks, batch > 1,
-    both transports, both directions.
-    Causal cases run with a tiny ``blocks.CHUNK_ELEMENTS``: ring branches then travel as pieces
-    of one head each and local branches run in many chunks. Half of the cases also send a
-    random upstream gradient into ``lse`` (the math-kernel backward); the other half do not
+    both transports, both directions, then ``random_ring_cases``.
+    Fixed causal cases run with a tiny ``blocks.CHUNK_ELEMENTS``: ring branches then travel as
+    pieces of one head each and local branches run in many chunks. Half of the cases also send
+    a random upstream gradient into ``lse`` (the math-kernel backward); the other half do not
     (the fused-kernel backward)."""
     L = 12
     n = L * world_size
@@ -31,7 +33,7 @@ def ring_cases(world_size: int) -> list[dict]:
         "beyond_seq": [(4, 1), (L, 3), (8 * n, 7)],
         "unit_rate_span": [(L // 2, 2), (2 * L, 1)],
     }
-    return [
+    fixed = [
         dict(
             name=f"{name}-{transport}-{'causal' if causal else 'bidir'}",
             seq_len=n,
@@ -45,6 +47,35 @@ def ring_cases(world_size: int) -> list[dict]:
         for by_ring, transport in enumerate(("ring", "allgather"))
         for causal in (True, False)
     ]
+    return fixed + random_ring_cases(world_size, count=12)
+
+
+def random_ring_cases(world_size: int, count: int) -> list[dict]:
+    """Seeded random cases: shard length 3..16, one to four branches whose segments divide the
+    shard or are multiples of it (up to beyond the sequence), rates 1..9, random direction,
+    transport, chunk budget and lse gradient (the same list on every rank)."""
+    rng = random.Random(world_size)
+    cases = []
+    for index in range(count):
+        shard = rng.randint(3, 16)
+        lengths = {d for d in range(2, shard + 1) if shard % d == 0}
+        lengths |= {m * shard for m in range(1, world_size + 2)}
+        segments = sorted(rng.sample(sorted(lengths), rng.randint(1, min(4, len(lengths)))))
+        branches = [(w, rng.randint(1, min(w, 9))) for w in segments]
+        if rng.random() < 0.6:
+            branches[0] = (segments[0], 1)
+        cases.append(
+            dict(
+                name=f"random-{index}",
+                seq_len=shard * world_size,
+                branches=branches,
+                causal=rng.random() < 0.5,
+                transport=rng.choice(("ring", "allgather")),
+                chunk_elements=rng.choice((1, 40, blocks.CHUNK_ELEMENTS)),
+                lse_grad=rng.random() < 0.5,
+            )
+        )
+    return cases
 
 
 def check_ring_cases(rank: int, world_size: int, device: torch.device) -> list[str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -270,6 +272,46 @@ def test_cuda_matches_reference(dtype, tol, causal):
 )
 def test_padded_length(seq_len, branches, world, expected):
     assert padded_length(seq_len, branches, world) == expected
+
+
+def _random_case(seed: int) -> dict:
+    """A seeded random call: one to four branches (segments 2..69, rates 1..9, half of them 1),
+    any length 1..90, batch 1..3, heads 1..7, a chunk budget from one element up."""
+    rng = random.Random(seed)
+    segments = sorted(rng.sample(range(2, 70), rng.randint(1, 4)))
+    branches = [(w, rng.choice((1, rng.randint(1, min(w, 9))))) for w in segments]
+    return dict(
+        branches=branches,
+        shape=(rng.randint(1, 3), rng.randint(1, 90), rng.randint(1, 7), rng.choice((4, 8))),
+        causal=rng.random() < 0.5,
+        chunk_elements=rng.choice((1, 17, 500, 2**18)),
+    )
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_calls_match_dense_reference(monkeypatch, seed):
+    case = _random_case(seed)
+    monkeypatch.setattr("longnet.attention.blocks.CHUNK_ELEMENTS", case["chunk_elements"])
+    batch, seq_len, heads, dim = case["shape"]
+    q, k, v = _inputs(batch, seq_len, heads, dim, seed=seed)
+    out, lse = dilated_attention(
+        q, k, v, case["branches"], causal=case["causal"], return_lse=True
+    )
+    ref_out, ref_lse = dense_dilated_attention(q, k, v, case["branches"], case["causal"])
+    torch.testing.assert_close(out, ref_out, atol=TOL, rtol=0)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[finite], ref_lse[finite], atol=TOL, rtol=0)
+    gen = torch.Generator().manual_seed(seed)
+    d_out = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    d_lse = torch.randn(lse.shape, generator=gen, dtype=torch.float64).masked_fill(~finite, 0)
+    with_lse = 1 + seed % 2  # odd seeds: a gradient into lse too (the math-kernel backward)
+    outputs = [out, lse.masked_fill(~finite, 0)][:with_lse]
+    ref_outputs = [ref_out, ref_lse.masked_fill(~finite, 0)][:with_lse]
+    for grad, ref_grad in zip(
+        _grads(outputs, [d_out, d_lse], (q, k, v)), _grads(ref_outputs, [d_out, d_lse], (q, k, v))
+    ):
+        torch.testing.assert_close(grad, ref_grad, atol=TOL, rtol=0)
 
 
 @pytest.mark.parametrize("chunk_elements", [1, 40, 200])
