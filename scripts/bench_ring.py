@@ -16,15 +16,21 @@ Systems and cases (every case runs forward + backward, causal by default):
   size against float64 SDPA (ours also in float64).
 
 Measurement, per case in freshly spawned gloo processes (``tests/distributed/launcher``, one
-thread each), ``--spawns`` times, configurations interleaved: a warm-up call of the same system
-at ``256 * P`` tokens, then q, k, v and the upstream gradient are created; the peak RSS mark
-(``VmHWM``) is reset via ``/proc/self/clear_refs``; one call; **peak extra memory** = ``VmHWM``
-minus the RSS right before the call. glibc's mmap threshold is fixed at 128 KiB
-(``MALLOC_MMAP_THRESHOLD_``) so freed buffers leave the RSS (as in the single-device section).
-CPU time = ``time.process_time()`` (all threads of the rank) of ``--timed-calls`` further calls,
-median per rank, summed over ranks. Bytes sent = payload bytes of every ``isend`` passed to
-``torch.distributed.batch_isend_irecv`` (wrapped and counted during the memory call; the
-16-byte argument check ``all_reduce`` and ``ring-attention-pytorch``'s barriers are not counted).
+thread each), ``--spawns`` times, configurations interleaved; every time two spawns, each
+starting with a warm-up call of the same system at ``256 * P`` tokens:
+
+* memory spawn: once q, k, v and the upstream gradient exist, the peak RSS mark (``VmHWM``) is
+  reset via ``/proc/self/clear_refs``; one call; **peak extra memory** = ``VmHWM`` minus the
+  RSS right before the call, with glibc's mmap threshold fixed at 128 KiB
+  (``MALLOC_MMAP_THRESHOLD_``) so freed buffers leave the RSS (as in the single-device
+  section). Bytes sent = payload bytes of every ``isend`` passed to
+  ``torch.distributed.batch_isend_irecv`` (wrapped and counted during this call; the 16-byte
+  argument check ``all_reduce`` and ``ring-attention-pytorch``'s barriers are not counted).
+* timing spawn, with glibc's default (adaptive) allocator settings, as users run (the fixed
+  threshold maps every large buffer afresh and pays its page faults on every call).
+  CPU time = ``time.process_time()`` (all threads of the rank) of ``--timed-calls`` calls after
+  a first one, median per rank, summed over ranks.
+
 The formula columns come from ``longnet.attention.memory`` for the same setup.
 
 Outputs: tables on stdout, ``<out>/bench_ring.png`` (``bench_ring_<block>.png``), and in the
@@ -222,58 +228,71 @@ def _warm_up(case: Case, rank: int, world: int, group) -> None:
     attention_call(case, q, k, v, group, seq, branches).backward(grad)
 
 
-def bench_worker(rank: int, world: int, device: torch.device, case: Case) -> dict:
-    """Worker body: warm-up, one memory call (peak RSS, bytes), ``timed_calls`` CPU-timed calls."""
-    group = dist.group.WORLD if world > 1 else None
-    counter, clock = SendCounter(), KernelClock()
+def _prepared_inputs(case: Case, rank: int, world: int, group) -> tuple[list, int]:
+    """Warm-up call, then this rank's q, k, v (requiring grad) and upstream gradient; also the
+    RSS growth of the warm-up (code pages, gloo pairs)."""
     rss_start = _status_bytes("VmRSS")
     _warm_up(case, rank, world, group)
     warm_up_growth = _status_bytes("VmRSS") - rss_start
     q, k, v, grad = shard_inputs(case, rank, world)
     for t in (q, k, v):
         t.requires_grad_()
+    return [q, k, v, grad], warm_up_growth
+
+
+def memory_worker(rank: int, world: int, device: torch.device, case: Case) -> dict:
+    """Worker body of a memory spawn (fixed mmap threshold): warm-up, then one forward +
+    backward: peak RSS above the inputs, bytes sent and received, sampled output rows."""
+    group = dist.group.WORLD if world > 1 else None
+    counter = SendCounter()
+    (q, k, v, grad), warm_up_growth = _prepared_inputs(case, rank, world, group)
     counter.take()
     dist.barrier()
     _reset_peak_rss()
     rss_before = _status_bytes("VmRSS")
-    cpu = time.process_time()
     out = attention_call(case, q, k, v, group, case.seq_len, case.branches)
     sent_forward, received_forward = counter.take()
     out.backward(grad)
-    first_cpu = time.process_time() - cpu
     peak = _status_bytes("VmHWM") - rss_before
     sent_backward, received_backward = counter.take()
     rows = [p - rank * q.shape[1] for p in case.check_rows if p // q.shape[1] == rank]
-    sample = out.detach()[0, rows].double().numpy() if rows else None
-    del out
-    first_kernel = clock.take()
-    cpu_times, kernel_times, wall_times = [], [], []
-    for _ in range(case.timed_calls):
-        for t in (q, k, v):
-            t.grad = None
-        dist.barrier()
-        cpu, wall = time.process_time(), time.perf_counter()
-        attention_call(case, q, k, v, group, case.seq_len, case.branches).backward(grad)
-        cpu_times.append(time.process_time() - cpu)
-        wall_times.append(time.perf_counter() - wall)
-        kernel_times.append(clock.take())
-    if not cpu_times:  # no timed calls: the memory call's times stand in
-        cpu_times, kernel_times, wall_times = [first_cpu], [first_kernel], [float("nan")]
     return dict(
         rank=rank,
         peak_extra=peak,
         rss_before=rss_before,
         warm_up_growth=warm_up_growth,
-        first_cpu=first_cpu,
-        cpu=cpu_times,
-        kernel=kernel_times,
-        wall=wall_times,
         sent_forward=sent_forward,
         sent_backward=sent_backward,
         received_forward=received_forward,
         received_backward=received_backward,
         rows=rows,
-        sample=sample,
+        sample=out.detach()[0, rows].double().numpy() if rows else None,
+    )
+
+
+def timing_worker(rank: int, world: int, device: torch.device, case: Case) -> dict:
+    """Worker body of a timing spawn (glibc's default allocator settings): warm-up, a first
+    forward + backward, then ``timed_calls`` more; CPU, kernel and wall seconds of each."""
+    group = dist.group.WORLD if world > 1 else None
+    clock = KernelClock()
+    (q, k, v, grad), _ = _prepared_inputs(case, rank, world, group)
+    cpu_times, kernel_times, wall_times = [], [], []
+    for _ in range(1 + case.timed_calls):
+        for t in (q, k, v):
+            t.grad = None
+        dist.barrier()
+        clock.take()
+        cpu, wall = time.process_time(), time.perf_counter()
+        attention_call(case, q, k, v, group, case.seq_len, case.branches).backward(grad)
+        cpu_times.append(time.process_time() - cpu)
+        wall_times.append(time.perf_counter() - wall)
+        kernel_times.append(clock.take())
+    timed = slice(1, None) if case.timed_calls else slice(0, 1)  # else the first call stands in
+    return dict(
+        first_cpu=cpu_times[0],
+        cpu=cpu_times[timed],
+        kernel=kernel_times[timed],
+        wall=wall_times[timed],
     )
 
 
@@ -391,8 +410,24 @@ def formula(case: Case) -> tuple[list[int], list[tuple[int, int]]]:
     )
 
 
+def spawn_ranks(worker, case: Case, timeout: float, fixed_mmap: bool) -> list[dict]:
+    """``worker`` on ``case.world`` fresh ranks; ``fixed_mmap``: with glibc's mmap threshold
+    fixed (freed buffers leave the RSS: peak RSS = peak live bytes), else with the default,
+    adaptive one (what users run with; large buffers are reused instead of mapped afresh)."""
+    saved = os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+    if fixed_mmap:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD  # inherited by the spawned ranks
+    try:
+        return run_workers(worker, case.world, case, timeout=timeout)
+    finally:
+        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+        if saved is not None:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
+
+
 def run_cases(cases: list[Case], spawns: int, timeout: float) -> list[Result]:
-    """Every case ``spawns`` times in fresh processes, interleaved round-robin."""
+    """Every case ``spawns`` times (a memory spawn and a timing spawn of fresh processes each
+    time), interleaved round-robin."""
     results = [Result(case) for case in cases]
     for spawn in range(spawns):
         for result in results:
@@ -400,7 +435,13 @@ def run_cases(cases: list[Case], spawns: int, timeout: float) -> list[Result]:
                 continue
             start = time.perf_counter()
             try:
-                ranks = run_workers(bench_worker, result.case.world, result.case, timeout=timeout)
+                ranks = [
+                    {**memory, **timing}
+                    for memory, timing in zip(
+                        spawn_ranks(memory_worker, result.case, timeout, fixed_mmap=True),
+                        spawn_ranks(timing_worker, result.case, timeout, fixed_mmap=False),
+                    )
+                ]
             except Exception as error:  # record why a system cannot run here
                 result.error = f"{type(error).__name__}: {str(error).strip().splitlines()[-1]}"
                 print(f"[spawn {spawn}] {result.case.label}: FAILED {result.error}", flush=True)
@@ -863,7 +904,6 @@ def build_cases(args) -> tuple[list[Case], list[Case]]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD  # inherited by the spawned ranks
     start, load_start = time.perf_counter(), os.getloadavg()[0]
     main_cases, dense_cases = build_cases(args)
     results = run_cases(main_cases, args.spawns, args.timeout)
