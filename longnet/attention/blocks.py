@@ -54,7 +54,7 @@ def merge_into_(
         return
     acc_out, acc_lse = gather(out, group), gather(lse, group)[..., 0]
     lse_merge_(acc_out, acc_lse, block_out, block_lse)
-    if not gathers_view(out, group):  # gathered copies, not views: write them back
+    if not gathers_view(group, *out.shape[:2]):  # gathered copies, not views: write them back
         scatter_(out, group, acc_out)
         scatter_(lse, group, acc_lse[..., None])
 

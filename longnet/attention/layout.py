@@ -104,15 +104,12 @@ def _head_rows(segments: Tensor, group: BlockGroup, head: int, offset: int) -> T
     return segments[:, :, offset : last + 1 : group.rate, head]
 
 
-def gathers_view(x: Tensor, group: BlockGroup) -> bool:
-    """Whether ``gather(x, group)`` returns a view of ``x`` (writes to it reach ``x``): the
-    group is contiguous and batch and segments merge into one dimension (batch 1, one segment,
-    or segments laid out back to back, as when the group covers a whole contiguous ``x``)."""
-    count = group.num_segments
-    mergeable = (
-        x.shape[0] == 1 or count == 1 or x.stride(0) == count * group.segment_length * x.stride(1)
-    )
-    return group.is_contiguous and mergeable
+def gathers_view(group: BlockGroup, batch: int, seq_len: int) -> bool:
+    """Whether ``gather(x, group)`` of a contiguous ``x`` ``(batch, seq_len, heads, dim)`` is a
+    view (writes to it reach ``x``): the group is contiguous and batch and segments merge into
+    one dimension (batch 1, one segment, or the segments cover the whole sequence)."""
+    whole = group.num_segments * group.segment_length == seq_len
+    return group.is_contiguous and (batch == 1 or group.num_segments == 1 or whole)
 
 
 def gather(x: Tensor, group: BlockGroup) -> Tensor:

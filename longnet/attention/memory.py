@@ -68,7 +68,7 @@ import torch
 
 from longnet.attention import blocks
 from longnet.attention.kernels import accumulation_dtype
-from longnet.attention.layout import BlockGroup, branch_groups
+from longnet.attention.layout import BlockGroup, branch_groups, gathers_view
 from longnet.attention.pattern import DilatedPattern
 from longnet.attention.ring import TRANSPORTS, padded_length, plan_sequence_parallel
 
@@ -238,13 +238,8 @@ def chunk_elements(setup: AttentionSetup, chunk: BlockGroup) -> int:
 
 
 def gathers_copy(setup: AttentionSetup, chunk: BlockGroup) -> bool:
-    """Whether ``layout.gather`` of ``chunk`` copies: always unless the chunk is contiguous AND
-    ``(batch, segments)`` merge into one view dimension (batch 1, one segment, or the chunk
-    covers the whole shard)."""
-    if not chunk.is_contiguous:
-        return True
-    whole = chunk.num_segments * chunk.segment_length == setup.shard_len
-    return not (setup.batch == 1 or chunk.num_segments == 1 or whole)
+    """Whether ``layout.gather`` of ``chunk`` copies (see ``layout.gathers_view``)."""
+    return not gathers_view(chunk, setup.batch, setup.shard_len)
 
 
 def _lse_part(setup: AttentionSetup, elements: int) -> int:

@@ -171,7 +171,7 @@ class RingBranch:
 
         self._each_block(_Peers(group, self, "forward"), self.pack(k, v), causal, attend)
         for query_group, _, out_b, lse_b in queries:
-            if not gathers_view(out, query_group):  # gathered copies: write them back
+            if not gathers_view(query_group, *out.shape[:2]):  # copies, not views: write back
                 scatter_(out, query_group, out_b)
                 scatter_(lse, query_group, lse_b[..., None])
 
