@@ -51,17 +51,23 @@ def _grads(outputs, upstream, inputs):
 @pytest.mark.parametrize("name,seq_len,heads,branches", CASES, ids=[c[0] for c in CASES])
 def test_matches_dense_reference_float64(name, seq_len, heads, branches, causal):
     q, k, v = _inputs(2, seq_len, heads, 8)
-    out, lse = dilated_attention(q, k, v, branches, causal=causal, return_lse=True)
-    ref_out, ref_lse = dense_dilated_attention(q, k, v, branches, causal)
-
+    out, lse = _assert_matches_reference(q, k, v, branches, causal, grad_seed=1)
     assert out.dtype == torch.float64 and lse.dtype == torch.float64
     assert lse.shape == (2, heads, seq_len)
+
+
+def _assert_matches_reference(q, k, v, branches, causal: bool, grad_seed: int):
+    """out and lse of ``dilated_attention`` equal the dense reference to ``TOL`` (same ``-inf``
+    rows), and so do dq, dk, dv (finite) for a random upstream gradient into out, and into out
+    and lse together (the fused and the math-kernel backward). Returns ``(out, lse)``."""
+    out, lse = dilated_attention(q, k, v, branches, causal=causal, return_lse=True)
+    ref_out, ref_lse = dense_dilated_attention(q, k, v, branches, causal)
     torch.testing.assert_close(out, ref_out, atol=TOL, rtol=0)
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
     finite = torch.isfinite(ref_lse)
     torch.testing.assert_close(lse[finite], ref_lse[finite], atol=TOL, rtol=0)
 
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator().manual_seed(grad_seed)
     d_out = torch.randn(out.shape, generator=gen, dtype=torch.float64)
     d_lse = torch.randn(lse.shape, generator=gen, dtype=torch.float64).masked_fill(~finite, 0)
     lse_term = lse.masked_fill(~finite, 0)
@@ -72,6 +78,7 @@ def test_matches_dense_reference_float64(name, seq_len, heads, branches, causal)
         for grad, ref_grad in zip(grads, ref_grads):
             assert torch.isfinite(grad).all()
             torch.testing.assert_close(grad, ref_grad, atol=TOL, rtol=0)
+    return out, lse
 
 
 def test_uncovered_rows_are_zero_with_neg_inf_lse():
@@ -292,26 +299,8 @@ def _random_case(seed: int) -> dict:
 def test_random_calls_match_dense_reference(monkeypatch, seed):
     case = _random_case(seed)
     monkeypatch.setattr("longnet.attention.blocks.CHUNK_ELEMENTS", case["chunk_elements"])
-    batch, seq_len, heads, dim = case["shape"]
-    q, k, v = _inputs(batch, seq_len, heads, dim, seed=seed)
-    out, lse = dilated_attention(
-        q, k, v, case["branches"], causal=case["causal"], return_lse=True
-    )
-    ref_out, ref_lse = dense_dilated_attention(q, k, v, case["branches"], case["causal"])
-    torch.testing.assert_close(out, ref_out, atol=TOL, rtol=0)
-    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
-    finite = torch.isfinite(ref_lse)
-    torch.testing.assert_close(lse[finite], ref_lse[finite], atol=TOL, rtol=0)
-    gen = torch.Generator().manual_seed(seed)
-    d_out = torch.randn(out.shape, generator=gen, dtype=torch.float64)
-    d_lse = torch.randn(lse.shape, generator=gen, dtype=torch.float64).masked_fill(~finite, 0)
-    with_lse = 1 + seed % 2  # odd seeds: a gradient into lse too (the math-kernel backward)
-    outputs = [out, lse.masked_fill(~finite, 0)][:with_lse]
-    ref_outputs = [ref_out, ref_lse.masked_fill(~finite, 0)][:with_lse]
-    for grad, ref_grad in zip(
-        _grads(outputs, [d_out, d_lse], (q, k, v)), _grads(ref_outputs, [d_out, d_lse], (q, k, v))
-    ):
-        torch.testing.assert_close(grad, ref_grad, atol=TOL, rtol=0)
+    q, k, v = _inputs(*case["shape"], seed=seed)
+    _assert_matches_reference(q, k, v, case["branches"], case["causal"], grad_seed=seed)
 
 
 @pytest.mark.parametrize("chunk_elements", [1, 40, 200])
