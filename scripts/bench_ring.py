@@ -30,6 +30,11 @@ starting with a warm-up call of the same system at ``256 * P`` tokens:
   threshold maps every large buffer afresh and pays its page faults on every call).
   CPU time = ``time.process_time()`` (all threads of the rank) of ``--timed-calls`` calls after
   a first one, median per rank, summed over ranks.
+* kernel replay, after all spawns: the block-kernel calls every rank made in its last timed
+  call (name, dtype, block shapes, causal flag; from the first timing spawn) re-run one after
+  another in this process on one thread, on random blocks of the same shapes, summed over
+  ranks, median of ``--replay-rounds`` interleaved rounds: the kernels' cost for the ring's
+  block shapes without P ranks competing for the machine's cores.
 
 The formula columns come from ``longnet.attention.memory`` for the same setup.
 
@@ -172,18 +177,20 @@ class SendCounter:
 
 
 class KernelClock:
-    """Thread CPU seconds spent inside ``longnet``'s block kernels (wraps ``kernels``' functions,
-    which ``select_kernels`` looks up at call time)."""
+    """Thread CPU seconds spent inside ``longnet``'s block kernels, and what each call was
+    (wraps ``kernels``' functions, which ``select_kernels`` looks up at call time)."""
 
     NAMES = ("cpu_flash_forward", "cpu_flash_backward", "math_forward", "math_backward")
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.calls: list[tuple] = []
         for name in self.NAMES:
-            setattr(kernels, name, self._timed(getattr(kernels, name)))
+            setattr(kernels, name, self._timed(name, getattr(kernels, name)))
 
-    def _timed(self, function):
+    def _timed(self, name: str, function):
         def timed(*args, **kwargs):
+            self.calls.append(kernel_call(name, args))
             start = time.thread_time()
             try:
                 return function(*args, **kwargs)
@@ -192,10 +199,44 @@ class KernelClock:
 
         return timed
 
-    def take(self) -> float:
-        """Seconds since the last call."""
-        seconds, self.seconds = self.seconds, 0.0
-        return seconds
+    def take(self) -> tuple[float, list[tuple]]:
+        """Seconds and calls since the last call."""
+        seconds, calls = self.seconds, self.calls
+        self.seconds, self.calls = 0.0, []
+        return seconds, calls
+
+
+def kernel_call(name: str, args: tuple) -> tuple:
+    """``(kernel name, dtype, q shape, k shape, causal, scale)`` of one block-kernel call
+    (forward: ``q, k, v, causal, scale``; backward: ``d_out, q, k, v, out, lse, causal, scale``)."""
+    q, k, _, causal, scale = args[:5] if name.endswith("forward") else args[1:4] + args[6:8]
+    dtype = str(q.dtype).removeprefix("torch.")
+    return name, dtype, tuple(q.shape), tuple(k.shape), causal, scale
+
+
+def replay_seconds(calls: list[tuple]) -> float:
+    """Thread CPU seconds of the recorded kernel ``calls`` re-run one after another in this
+    process on one thread, on random blocks of the same shapes (the kernels' cost without other
+    ranks competing for the cores; backward calls get the ``out``/``lse`` of a forward)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    seconds = 0.0
+    try:
+        for name, dtype, q_shape, k_shape, causal, scale in calls:
+            forward = getattr(kernels, name.replace("backward", "forward"))
+            q = torch.randn(q_shape, dtype=DTYPES[dtype])
+            k, v = (torch.randn(k_shape, dtype=DTYPES[dtype]) for _ in range(2))
+            if name.endswith("forward"):
+                args = (q, k, v, causal, scale)
+            else:
+                out, lse = forward(q, k, v, causal, scale)
+                args = (torch.randn_like(q), q, k, v, out, lse, causal, scale)
+            start = time.thread_time()
+            getattr(kernels, name)(*args)
+            seconds += time.thread_time() - start
+    finally:
+        torch.set_num_threads(threads)
+    return seconds
 
 
 def attention_call(case: Case, q, k, v, group, seq_len: int, branches) -> torch.Tensor:
@@ -272,7 +313,8 @@ def memory_worker(rank: int, world: int, device: torch.device, case: Case) -> di
 
 def timing_worker(rank: int, world: int, device: torch.device, case: Case) -> dict:
     """Worker body of a timing spawn (glibc's default allocator settings): warm-up, a first
-    forward + backward, then ``timed_calls`` more; CPU, kernel and wall seconds of each."""
+    forward + backward, then ``timed_calls`` more; CPU, kernel and wall seconds of each, and the
+    kernel calls of the last one."""
     group = dist.group.WORLD if world > 1 else None
     clock = KernelClock()
     (q, k, v, grad), _ = _prepared_inputs(case, rank, world, group)
@@ -286,13 +328,15 @@ def timing_worker(rank: int, world: int, device: torch.device, case: Case) -> di
         attention_call(case, q, k, v, group, case.seq_len, case.branches).backward(grad)
         cpu_times.append(time.process_time() - cpu)
         wall_times.append(time.perf_counter() - wall)
-        kernel_times.append(clock.take())
+        seconds, calls = clock.take()
+        kernel_times.append(seconds)
     timed = slice(1, None) if case.timed_calls else slice(0, 1)  # else the first call stands in
     return dict(
         first_cpu=cpu_times[0],
         cpu=cpu_times[timed],
         kernel=kernel_times[timed],
         wall=wall_times[timed],
+        kernel_calls=calls,
     )
 
 
@@ -323,6 +367,7 @@ class Result:
     max_error: float | None = None
     formula_peak: list[int] | None = None  # per rank, bytes
     formula_sent: list[tuple[int, int]] | None = None  # per rank, (forward, backward)
+    kernels_alone: float | None = None  # all ranks' kernel calls replayed in one process, s
 
     def per_rank(self, key: str) -> list[float]:
         """Median over spawns of a per-rank scalar."""
@@ -462,6 +507,23 @@ def run_cases(cases: list[Case], spawns: int, timeout: float) -> list[Result]:
     return results
 
 
+def replay_kernels(results: list[Result], rounds: int) -> None:
+    """Set ``kernels_alone`` of every ``ours`` result: the block-kernel calls of all its ranks
+    (as recorded in its first timing spawn) re-run one after another here, median over
+    ``rounds`` rounds that interleave the results. Against the measured kernel seconds this
+    separates the cost of the ring's block shapes from that of P one-thread ranks sharing the
+    machine's cores."""
+    replayed = [r for r in results if r.spawns and r.case.system == "ours"]
+    seconds: dict[int, list[float]] = {id(r): [] for r in replayed}
+    for round_ in range(rounds):
+        for result in replayed:
+            total = sum(replay_seconds(rank["kernel_calls"]) for rank in result.spawns[0])
+            seconds[id(result)].append(total)
+            print(f"[replay {round_}] {result.case.label}: kernels alone {total:.2f} s", flush=True)
+    for result in replayed:
+        result.kernels_alone = statistics.median(seconds[id(result)])
+
+
 def gradient_check(base: Case, worlds: list[int], timeout: float) -> list[dict]:
     """out/dq/dk/dv max errors of both systems vs float64 SDPA (dense, small)."""
     rows = []
@@ -538,6 +600,8 @@ def main_rows(results: list[Result]) -> list[dict]:
                 cpu_rank_max=result.cpu_rank_max(),
                 cpu_sum=result.cpu_sum(),
                 kernel_sum=result.cpu_sum("kernel"),
+                kernels_alone=result.kernels_alone,
+                kernels_alone_vs_single=result.kernels_alone / single.kernels_alone,
                 cpu_vs_single=statistics.median(result.paired_ratios(single)),
                 cpu_ratio_range=(
                     min(result.paired_ratios(single)),
@@ -596,6 +660,7 @@ def main_table(rows: list[dict]) -> str:
         "CPU s/rank (max)",
         "CPU s summed over ranks (kernels; rest)",
         "vs single device: paired median (range; first call)",
+        "kernels alone s (vs P=1)",
         "wall s",
         "sent MiB/rank fwd; bwd",
         "= formula",
@@ -618,6 +683,7 @@ def main_table(rows: list[dict]) -> str:
                 f"{r['cpu_sum']:.2f} ({r['kernel_sum']:.2f}; {r['cpu_sum'] - r['kernel_sum']:.2f})",
                 f"{r['cpu_vs_single']:.2f}x ({r['cpu_ratio_range'][0]:.2f}-"
                 f"{r['cpu_ratio_range'][1]:.2f}; {r['first_cpu_vs_single']:.2f}x)",
+                f"{r['kernels_alone']:.2f} ({r['kernels_alone_vs_single']:.2f}x)",
                 f"{r['wall']:.1f}",
                 f"{r['sent_forward_mib']:.2f}; {r['sent_backward_mib']:.2f}",
                 "yes" if r["sent_matches"] else "NO",
@@ -855,6 +921,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--spawns", type=int, default=2, help="fresh process groups per case")
     parser.add_argument("--timed-calls", type=int, default=2)
     parser.add_argument("--check-rows", type=int, default=32)
+    parser.add_argument(
+        "--replay-rounds", type=int, default=3, help="rounds of the kernel replay (median)"
+    )
     parser.add_argument("--dense-seq-len", type=int, default=8192, help="0: skip the dense run")
     parser.add_argument("--dense-spawns", type=int, default=1)
     parser.add_argument("--bucket-size", type=int, default=1024)
@@ -907,6 +976,7 @@ def main(argv: list[str] | None = None) -> None:
     start, load_start = time.perf_counter(), os.getloadavg()[0]
     main_cases, dense_cases = build_cases(args)
     results = run_cases(main_cases, args.spawns, args.timeout)
+    replay_kernels(results, args.replay_rounds)
     dense_results = run_cases(dense_cases, args.dense_spawns, args.timeout)
     grads = []
     if args.grad_seq_len:
@@ -963,7 +1033,10 @@ def main(argv: list[str] | None = None) -> None:
                 formula_peak=r.formula_peak,
                 formula_sent=r.formula_sent,
                 spawns=[
-                    [{k: v for k, v in rank.items() if k != "sample"} for rank in s]
+                    [
+                        {k: v for k, v in rank.items() if k not in ("sample", "kernel_calls")}
+                        for rank in s
+                    ]
                     for s in r.spawns
                 ],
             )
