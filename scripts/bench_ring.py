@@ -739,13 +739,15 @@ def grad_table(rows: list[dict]) -> str:
 
 
 def plot(rows_by_transport: dict[str, list[dict]], path: Path, title: str) -> None:
-    """Per-rank peak extra memory and summed CPU time vs P, one line per transport."""
+    """Per-rank peak extra memory and summed CPU time vs P, one line per transport; where the
+    CPU time of the first transport goes (kernels inside the ranks, the same kernel calls
+    replayed alone, everything else)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (mem_ax, cpu_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (mem_ax, cpu_ax, parts_ax) = plt.subplots(1, 3, figsize=(16, 4.2))
     single = next(r for rows in rows_by_transport.values() for r in rows if r["P"] == 1)
     for transport, rows in rows_by_transport.items():
         rows = [r for r in rows if "error" not in r]
@@ -768,6 +770,24 @@ def plot(rows_by_transport: dict[str, list[dict]], path: Path, title: str) -> No
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     mem_ax.set_yscale("log")
+    transport, rows = next(iter(rows_by_transport.items()))
+    rows = [r for r in rows if "error" not in r]
+    parts = {
+        "block kernels, inside the ranks": [r["kernel_sum"] for r in rows],
+        "same kernel calls, replayed alone": [r["kernels_alone"] for r in rows],
+        "rest (gathers, merges, packing, communication)": [
+            r["cpu_sum"] - r["kernel_sum"] for r in rows
+        ],
+    }
+    width = 0.8 / len(parts)
+    for i, (label, seconds) in enumerate(parts.items()):
+        parts_ax.bar([j + (i - 1) * width for j in range(len(rows))], seconds, width, label=label)
+    parts_ax.set_xticks(range(len(rows)), [str(r["P"]) for r in rows])
+    parts_ax.set_xlabel(f"ranks P ({transport})")
+    parts_ax.set_ylabel("CPU seconds summed over ranks")
+    parts_ax.set_ylim(0, 1.45 * max(max(seconds) for seconds in parts.values()))  # legend room
+    parts_ax.grid(alpha=0.3, axis="y")
+    parts_ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
