@@ -781,7 +781,8 @@ def plot(rows_by_transport: dict[str, list[dict]], path: Path, title: str) -> No
     }
     width = 0.8 / len(parts)
     for i, (label, seconds) in enumerate(parts.items()):
-        parts_ax.bar([j + (i - 1) * width for j in range(len(rows))], seconds, width, label=label)
+        offset = (i - (len(parts) - 1) / 2) * width
+        parts_ax.bar([j + offset for j in range(len(rows))], seconds, width, label=label)
     parts_ax.set_xticks(range(len(rows)), [str(r["P"]) for r in rows])
     parts_ax.set_xlabel(f"ranks P ({transport})")
     parts_ax.set_ylabel("CPU seconds summed over ranks")
@@ -954,7 +955,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--block", default="main", help="name of the generated main block")
     parser.add_argument("--no-doc", action="store_true", help="do not touch benchmarks.md")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.replay_rounds < 1:
+        parser.error("--replay-rounds must be at least 1")
+    return args
 
 
 def build_cases(args) -> tuple[list[Case], list[Case]]:
