@@ -54,7 +54,15 @@ def merge_into_(
         return
     acc_out, acc_lse = gather(out, group), gather(lse, group)[..., 0]
     lse_merge_(acc_out, acc_lse, block_out, block_lse)
-    if not gathers_view(group, *out.shape[:2]):  # gathered copies, not views: write them back
+    write_back_(out, lse, group, acc_out, acc_lse)
+
+
+def write_back_(
+    out: Tensor, lse: Tensor, group: BlockGroup, acc_out: Tensor, acc_lse: Tensor
+) -> None:
+    """Store ``acc_out``/``acc_lse`` (``gather(out, group)``, ``gather(lse, group)[..., 0]``,
+    merged in place) into the accumulators, unless those gathers were views of them."""
+    if not gathers_view(group, *out.shape[:2]):
         scatter_(out, group, acc_out)
         scatter_(lse, group, acc_lse[..., None])
 

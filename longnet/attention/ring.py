@@ -32,7 +32,6 @@ from longnet.attention.layout import (
     BlockGroup,
     branch_groups,
     gather,
-    gathers_view,
     region_groups,
     restrict,
     scatter_,
@@ -171,9 +170,7 @@ class RingBranch:
 
         self._each_block(_Peers(group, self, "forward"), self.pack(k, v), causal, attend)
         for query_group, _, out_b, lse_b in queries:
-            if not gathers_view(query_group, *out.shape[:2]):  # copies, not views: write back
-                scatter_(out, query_group, out_b)
-                scatter_(lse, query_group, lse_b[..., None])
+            blocks.write_back_(out, lse, query_group, out_b, lse_b)
 
     # -- backward --------------------------------------------------------------------------
 
