@@ -27,7 +27,8 @@ starting with a warm-up call of the same system at ``256 * P`` tokens:
   ``torch.distributed.batch_isend_irecv`` (wrapped and counted during this call; the 16-byte
   argument check ``all_reduce`` and ``ring-attention-pytorch``'s barriers are not counted).
 * timing spawn, with glibc's default (adaptive) allocator settings, as users run (the fixed
-  threshold maps every large buffer afresh and pays its page faults on every call).
+  threshold maps every buffer above 128 KiB afresh and pays its page faults on every call; the
+  default reuses freed buffers up to its 32 MiB ceiling and maps only larger ones afresh).
   CPU time = ``time.process_time()`` (all threads of the rank) of ``--timed-calls`` calls after
   a first one, median per rank, summed over ranks.
 * kernel replay, after all spawns: the block-kernel calls every rank made in its last timed
@@ -458,7 +459,8 @@ def formula(case: Case) -> tuple[list[int], list[tuple[int, int]]]:
 def spawn_ranks(worker, case: Case, timeout: float, fixed_mmap: bool) -> list[dict]:
     """``worker`` on ``case.world`` fresh ranks; ``fixed_mmap``: with glibc's mmap threshold
     fixed (freed buffers leave the RSS: peak RSS = peak live bytes), else with the default,
-    adaptive one (what users run with; large buffers are reused instead of mapped afresh)."""
+    adaptive one (what users run with; freed buffers up to 32 MiB are reused, larger ones are
+    mapped afresh)."""
     saved = os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
     if fixed_mmap:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD  # inherited by the spawned ranks
