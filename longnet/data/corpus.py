@@ -4,7 +4,7 @@ Pipeline (``build_long_document_splits``), every step a ``datasets`` operation:
 
 1. read the source's documents (``sources.load_documents``);
 2. batched ``map``: UTF-8 bytes, a content hash and a split per document; empty documents
-   are dropped;
+   and documents shorter than ``min_document_bytes`` are dropped;
 3. keep the first documents (source order) up to ``max_documents`` and until their bytes
    reach ``max_bytes`` (the last kept document may cross it);
 4. per split, batched ``map`` into windows (``windows.py``): training windows packed across
@@ -44,6 +44,8 @@ class CorpusSettings:
         val_fraction, test_fraction: expected shares of documents in validation and test.
         max_documents: keep at most this many (non-empty) documents, in source order.
         max_bytes: stop keeping documents once their bytes reach this many.
+        min_document_bytes: drop documents shorter than this many bytes (before the split and
+            the limits), e.g. to train and validate a long-context model on long documents only.
     """
 
     seq_len: int
@@ -51,9 +53,11 @@ class CorpusSettings:
     test_fraction: float = 0.05
     max_documents: int | None = None
     max_bytes: int | None = None
+    min_document_bytes: int = 1
 
     def __post_init__(self) -> None:
         _check_positive("seq_len", self.seq_len)
+        _check_positive("min_document_bytes", self.min_document_bytes)
         check_fractions(self.val_fraction, self.test_fraction)
         for name in ("max_documents", "max_bytes"):
             if getattr(self, name) is not None:
@@ -100,13 +104,13 @@ def corpus_cache_key(source: DocumentSource, settings: CorpusSettings) -> str:
 
 
 def _encode_batch(
-    batch: dict[str, list], val_fraction: float, test_fraction: float
+    batch: dict[str, list], val_fraction: float, test_fraction: float, min_document_bytes: int
 ) -> dict[str, list]:
     tokenizer = ByteTokenizer()
     out: dict[str, list] = {"tokens": [], "doc_id": [], "split": []}
     for text in batch["text"]:
         tokens = tokenizer.encode_array(text or "")
-        if len(tokens) == 0:
+        if len(tokens) < min_document_bytes:
             continue
         doc_id = document_hash(tokens)
         out["tokens"].append(tokens)
@@ -159,7 +163,8 @@ def _build(source: DocumentSource, settings: CorpusSettings, staging: Path) -> N
         _encode_batch,
         batched=True,
         remove_columns=documents.column_names,
-        fn_kwargs={"val_fraction": settings.val_fraction, "test_fraction": settings.test_fraction},
+        fn_kwargs={"val_fraction": settings.val_fraction, "test_fraction": settings.test_fraction,
+                   "min_document_bytes": settings.min_document_bytes},
         features=Features({
             "tokens": Sequence(Value("uint8")), "doc_id": Value("string"), "split": Value("string"),
         }),
@@ -168,8 +173,11 @@ def _build(source: DocumentSource, settings: CorpusSettings, staging: Path) -> N
     num_bytes = pc.list_value_length(documents.data.column("tokens")).to_numpy()
     documents = documents.select(range(_documents_kept(num_bytes, settings)))
     if len(documents) == 0:
-        raise ValueError(f"{source.name} corpus: no non-empty document in {len(source.files)} "
-                         "files; point data_files at files with text.")
+        raise ValueError(
+            f"{source.name} corpus: no document of at least {settings.min_document_bytes} bytes "
+            f"in {len(source.files)} files; point data_files at files with text or lower "
+            "min_document_bytes."
+        )
     split_column = np.asarray(documents["split"][:])
     counts = {}
     for split in SPLITS:

@@ -32,6 +32,8 @@ class LongDocumentDataModule(L.LightningDataModule):
         text_column: column holding the text in json/parquet rows.
         val_fraction, test_fraction: expected shares of documents held out (hash split).
         max_documents, max_bytes: keep only the first documents (source order) to bound size.
+        min_document_bytes: drop documents shorter than this (all splits), e.g. 16384 to train
+            and validate a long-context model on long documents only.
         passkey_fraction: share in ``[0, 1)`` of training samples that are passkey examples
             (drawn on the fly from ``seed``); validation and test stay pure text.
         passkey_label_mode: ``"all"`` (language modelling on the whole passkey text) or
@@ -56,6 +58,7 @@ class LongDocumentDataModule(L.LightningDataModule):
         test_fraction: float = 0.05,
         max_documents: int | None = None,
         max_bytes: int | None = None,
+        min_document_bytes: int = 1,
         passkey_fraction: float = 0.0,
         passkey_label_mode: LabelMode = "all",
         seed: int = 0,
@@ -71,6 +74,7 @@ class LongDocumentDataModule(L.LightningDataModule):
             test_fraction=test_fraction,
             max_documents=max_documents,
             max_bytes=max_bytes,
+            min_document_bytes=min_document_bytes,
         )
         self.batch_size = batch_size
         self.eval_batch_size = batch_size if eval_batch_size is None else eval_batch_size

@@ -40,8 +40,8 @@ class CausalLMModule(L.LightningModule):
     scored tokens, then the mean over the samples with any scored token (global batch): every
     sample weighs the same, so a task that labels only its answers (e.g. passkey examples with
     ``passkey_label_mode="answer"`` mixed into a corpus) is not drowned by fully labelled text.
-    Not available under sequence parallelism. The logged ``train/loss`` is token-weighted in
-    both modes.
+    Under sequence parallelism a sample's scored tokens are counted over its whole group. The
+    logged ``train/loss`` is token-weighted in both modes.
 
     Logged: ``train/loss`` (nats/token, global batch), ``train/bpb``, ``train/tokens_per_s``
     (scored tokens of the global batch per second of training step);
@@ -136,11 +136,6 @@ class CausalLMModule(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         """Refuse a datamodule the model cannot read, before any work."""
-        if self.hparams.loss_reduction == "sample" and self.sequence_parallel_group() is not None:
-            raise ValueError(
-                "loss_reduction='sample' is not supported under sequence parallelism yet; use "
-                "loss_reduction='token' or a strategy without a sequence-parallel group."
-            )
         datamodule = self._trainer.datamodule if self._trainer is not None else None
         config = self.model.config
         vocab = getattr(datamodule, "vocab_size", None)
@@ -261,14 +256,22 @@ class CausalLMModule(L.LightningModule):
 
     # ------------------------------------------------------------------ helpers
     def _sample_mean_loss(self, logits: Tensor, labels: Tensor, world: int) -> Tensor:
-        """``sum_b mean_t CE[b, t] * world / S``: ``S`` samples with a scored token in the
-        global batch; logits ``(batch, seq, vocab)``, labels ``(batch, seq)``."""
+        """``sum_b (sum_t CE[b, t] / n_b) * world / S``: ``n_b`` the scored tokens of sample
+        ``b`` over all its shards, ``S`` the samples with a scored token in the global batch;
+        logits ``(batch, shard, vocab)``, labels ``(batch, shard)``. Summed over the ranks
+        (DDP averages gradients over ``world``) this is the mean over samples of each whole
+        sample's token-mean CE."""
         ce_sums, counts = _per_sample_ce(logits, labels)
+        group = self.sequence_parallel_group()
+        replicas = 1  # ranks that hold a part of each sample
+        if group is not None:
+            dist.all_reduce(counts, group=group)
+            replicas = dist.get_world_size(group)
         samples = (counts > 0).sum().double()
         if world > 1 and dist.is_available() and dist.is_initialized():
             dist.all_reduce(samples)
         per_sample = ce_sums / counts.clamp(min=1)
-        return per_sample.sum() * (world / samples.clamp(min=1)).float()
+        return per_sample.sum() * (world * replicas / samples.clamp(min=1)).float()
 
     def _eval_update(self, batch: Batch, ce: TokenCrossEntropy, acc: TokenAccuracy) -> None:
         out = self(batch)

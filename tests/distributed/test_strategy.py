@@ -1,7 +1,8 @@
 """SequenceParallelStrategy trains exactly like one device: 4 gloo processes as (2 x 2) and
 (1 x 4) meshes, three AdamW steps with gradient clipping on sequences padded to fit the
-pattern, give the single-process parameters to 1e-6 and the same validation loss; a
-checkpoint saved on all ranks resumes to the same parameters."""
+pattern, give the single-process parameters to 1e-6 and the same validation loss, with the
+token-mean loss and with the sample-mean loss (each sample's tokens spread over its group's
+shards); a checkpoint saved on all ranks resumes to the same parameters."""
 
 from __future__ import annotations
 
@@ -17,21 +18,23 @@ from tests.distributed.strategy_cases import (
 
 pytestmark = pytest.mark.distributed
 
-MESHES = ((2, 2), (1, 4))  # (data-parallel, sequence-parallel)
+# (data-parallel, sequence-parallel, loss reduction)
+MESHES = ((2, 2, "token"), (1, 4, "token"), (2, 2, "sample"))
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return single_device_run()
+def references():
+    return {reduction: single_device_run(reduction) for reduction in ("token", "sample")}
 
 
-def test_meshes_equal_single_device_training(reference, tmp_path):
-    sizes = tuple(sp for _, sp in MESHES)
-    per_rank = run_workers(sequence_parallel_runs, 4, sizes, str(tmp_path), timeout=600)
-    for index, (dp, sp) in enumerate(MESHES):
+def test_meshes_equal_single_device_training(references, tmp_path):
+    runs_asked = tuple((sp, reduction) for _, sp, reduction in MESHES)
+    per_rank = run_workers(sequence_parallel_runs, 4, runs_asked, str(tmp_path), timeout=600)
+    for index, (dp, sp, reduction) in enumerate(MESHES):
         runs = [rank_runs[index] for rank_runs in per_rank]
+        reference = references[reduction]
         for rank, run in enumerate(runs):
-            where = f"mesh {dp}x{sp}, rank {rank}"
+            where = f"mesh {dp}x{sp}, {reduction} loss, rank {rank}"
             assert run["mesh"] == (dp, sp), where
             assert run["sp_ranks"] == list(range(rank // sp * sp, rank // sp * sp + sp)), where
             assert run["global_step"] == STEPS, where

@@ -162,6 +162,22 @@ def test_size_limits_keep_leading_documents(corpus: Path, tmp_path: Path) -> Non
     assert kept == everything[: len(kept)]
 
 
+def test_min_document_bytes_drops_short_documents(corpus: Path, tmp_path: Path) -> None:
+    sizes = sorted(len(t) for t in _texts_by_id(corpus).values())
+    threshold = sizes[len(sizes) // 3]
+    settings = CorpusSettings(seq_len=8, val_fraction=0.25, test_fraction=0.25,
+                              min_document_bytes=threshold)
+    kept = _rows(_build(corpus, tmp_path / "cache", settings).documents)
+    expected = {doc_id for doc_id, t in _texts_by_id(corpus).items() if len(t) >= threshold}
+    assert {row["doc_id"] for row in kept} == expected
+    assert min(row["num_bytes"] for row in kept) >= threshold
+    with pytest.raises(ValueError, match="min_document_bytes"):
+        _build(corpus, tmp_path / "cache",
+               CorpusSettings(seq_len=8, min_document_bytes=sizes[-1] + 1))
+    with pytest.raises(ValueError, match="min_document_bytes"):
+        CorpusSettings(seq_len=8, min_document_bytes=0)
+
+
 def test_missing_data_files_name_the_glob(tmp_path: Path) -> None:
     pattern = str(tmp_path / "nowhere" / "*.txt")
     with pytest.raises(FileNotFoundError, match="nowhere"):
