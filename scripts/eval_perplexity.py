@@ -8,7 +8,12 @@ windows that stay inside their document (longnet.eval.sliding). Writes ``perplex
 (one row per model and context length), ``compressors.csv`` (gzip/bzip2/xz bits per byte of
 the same documents, each document compressed separately and all concatenated),
 ``perplexity.png`` (one line per model, compressors as horizontal lines) and ``run.json``.
-See docs/evaluation.md.
+
+``--score-from N`` adds the bits per byte of the bytes at document positions ``>= N`` only: the
+same bytes under every context length (use N >= the longest context, with documents longer than
+N), and plots that instead. ``--by-position`` adds ``positions.csv`` and ``positions.png``: bits
+per byte of the bytes at positions 0-512, 512-1K, 1K-2K, ... of their document, per model and
+context length. See docs/evaluation.md.
 """
 
 from __future__ import annotations
@@ -17,12 +22,16 @@ import argparse
 import sys
 
 from longnet.eval import (
+    bits_per_byte_rows,
     compressor_baselines,
     default_context_lengths,
-    evaluate_bits_per_byte,
     format_table,
     load_eval_documents,
+    plot_bits_by_position,
     plot_bits_per_byte,
+    position_buckets,
+    position_rows,
+    score_models,
     write_csv,
 )
 from longnet.eval.cli import (
@@ -61,6 +70,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="evaluate only documents at least this long (e.g. the longest context)",
     )
     parser.add_argument(
+        "--score-from", type=length_argument,
+        help="also score only the bytes at document positions >= this (the same bytes for "
+        "every context length); the plot shows these",
+    )
+    parser.add_argument(
+        "--by-position", action="store_true",
+        help="write positions.csv/png: bits per byte by position bucket within the document",
+    )
+    parser.add_argument(
         "--compress-mode", choices=MODES, default="separate",
         help="which compressor baseline the plot shows (the CSV has both)",
     )
@@ -91,10 +109,16 @@ def main(argv: list[str] | None = None) -> int:
     if max(lengths) > longest:
         print(f"note: context lengths above {longest} (the longest document + 1) see no more "
               "context than that; see the longest_window column.")
-    rows = evaluate_bits_per_byte(
+    if args.score_from is not None and args.score_from >= longest - 1:
+        raise SystemExit(
+            f"--score-from {args.score_from} leaves no byte to score: the longest document has "
+            f"{longest - 1} bytes; lower it or raise --min-document-bytes above it."
+        )
+    scores = score_models(
         models, documents, lengths, stride=args.stride, batch_size=args.batch_size,
         progress=not args.no_progress,
     )
+    rows = bits_per_byte_rows(scores, args.score_from)
     baselines = compressor_baselines([doc.tokens for doc in documents])
     base_rows = [
         {"compressor": b.compressor, "mode": b.mode, "raw_bytes": b.raw_bytes,
@@ -104,15 +128,17 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out
     write_csv(rows, out / "perplexity.csv")
     write_csv(base_rows, out / "compressors.csv")
+    value = "bits_per_byte" if args.score_from is None else "scored_bits_per_byte"
     curves: dict[str, list[tuple[int, float]]] = {}
     for row in rows:
-        curves.setdefault(row["model"], []).append((row["context_length"], row["bits_per_byte"]))
+        curves.setdefault(row["model"], []).append((row["context_length"], row[value]))
+    scored = "" if args.score_from is None else f", bytes at positions >= {args.score_from}"
     plot_bits_per_byte(
         curves,
         {b.compressor: b.bits_per_byte for b in baselines if b.mode == args.compress_mode},
         out / "perplexity.png",
         title=f"Bits per byte vs context ({len(documents)} {args.split} documents, "
-        f"stride {args.stride})",
+        f"stride {args.stride}{scored})",
         baseline_note=f" ({args.compress_mode})" if args.compress_mode != "separate" else "",
         training_lengths={m.label: m.training_length for m in models},
     )
@@ -122,10 +148,26 @@ def main(argv: list[str] | None = None) -> int:
         **{k: v for k, v in vars(args).items() if k not in ("models", "context_lengths")},
         "documents": [d.doc_id for d in documents],
     })
-    print(format_table(rows, ["model", "context_length", "stride", "windows", "longest_window",
-                              "bits_per_byte", "perplexity", "seconds"]))
+    written = [out / "perplexity.csv", out / "compressors.csv", out / "perplexity.png"]
+    if args.by_position:
+        buckets = position_buckets(longest - 1)
+        by_position = position_rows(scores, buckets)
+        written += [write_csv(by_position, out / "positions.csv"), plot_bits_by_position(
+            {f"{s.model.label} @ {s.result.context_length}": [
+                (r["start"], r["end"], r["bits_per_byte"]) for r in by_position
+                if r["model"] == s.model.label and r["context_length"] == s.result.context_length
+            ] for s in scores},
+            out / "positions.png",
+            title=f"Bits per byte by position ({len(documents)} {args.split} documents)",
+        )]
+        print(format_table(by_position))
+    columns = ["model", "context_length", "stride", "windows", "longest_window",
+               "bits_per_byte", "perplexity", "seconds"]
+    if args.score_from is not None:
+        columns[-1:-1] = ["scored_bytes", "scored_bits_per_byte"]
+    print(format_table(rows, columns))
     print(format_table(base_rows))
-    print(f"wrote {out / 'perplexity.csv'}, {out / 'compressors.csv'}, {out / 'perplexity.png'}")
+    print("wrote " + ", ".join(str(path) for path in written))
     return 0
 
 

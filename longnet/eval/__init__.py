@@ -3,7 +3,8 @@ sliding windows inside documents, compressor baselines, and passkey retrieval gr
 
 Modules: ``loading`` (zoo names, model folders, Lightning checkpoints), ``documents`` (whole
 held-out documents), ``sliding`` (the sliding-window scorer), ``perplexity`` (rows per model
-and context length), ``compressors``, ``passkey``, ``plotting``, ``reporting`` (CSV, tables).
+and context length), ``positions`` (bits per byte by position in the document),
+``compressors``, ``passkey``, ``plotting``, ``reporting`` (CSV, tables).
 See ``docs/evaluation.md``.
 """
 
@@ -23,8 +24,21 @@ from longnet.eval.passkey import (
     check_passkey_grid,
     evaluate_passkey,
 )
-from longnet.eval.perplexity import default_context_lengths, evaluate_bits_per_byte
-from longnet.eval.plotting import plot_bits_per_byte, plot_passkey_heatmaps
+from longnet.eval.perplexity import (
+    ContextScore,
+    bits_per_byte_rows,
+    default_context_lengths,
+    evaluate_bits_per_byte,
+    position_rows,
+    score_models,
+)
+from longnet.eval.plotting import plot_bits_by_position, plot_bits_per_byte, plot_passkey_heatmaps
+from longnet.eval.positions import (
+    PositionBucket,
+    bits_by_position,
+    bits_from_position,
+    position_buckets,
+)
 from longnet.eval.reporting import format_table, parse_length, powers_of_two, write_csv
 from longnet.eval.sliding import (
     SlidingWindowResult,
@@ -38,13 +52,18 @@ from longnet.eval.sliding import (
 __all__ = [
     "COMPRESSORS",
     "CompressorBaseline",
+    "ContextScore",
     "EvalDocument",
     "LoadedModel",
     "PasskeyCell",
     "PasskeyOutcome",
+    "PositionBucket",
     "SlidingWindowResult",
     "Window",
     "answer_examples",
+    "bits_by_position",
+    "bits_from_position",
+    "bits_per_byte_rows",
     "check_context_length",
     "check_passkey_grid",
     "checkpoint_config",
@@ -59,10 +78,14 @@ __all__ = [
     "load_models",
     "parse_length",
     "plan_windows",
+    "position_buckets",
+    "position_rows",
+    "plot_bits_by_position",
     "plot_bits_per_byte",
     "plot_passkey_heatmaps",
     "powers_of_two",
     "resolve_stride",
     "score_documents",
+    "score_models",
     "write_csv",
 ]

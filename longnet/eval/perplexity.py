@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from longnet.data import ByteTokenizer
 from longnet.eval.documents import EvalDocument
 from longnet.eval.loading import LoadedModel
+from longnet.eval.positions import bits_by_position, bits_from_position
 from longnet.eval.reporting import powers_of_two
-from longnet.eval.sliding import check_context_length, resolve_stride, score_documents
+from longnet.eval.sliding import (
+    SlidingWindowResult,
+    check_context_length,
+    resolve_stride,
+    score_documents,
+)
 
 MIN_CONTEXT = 1024
 EXTRAPOLATION_FACTOR = 16
@@ -22,7 +29,17 @@ def default_context_lengths(models: Sequence[LoadedModel]) -> list[int]:
     return powers_of_two(MIN_CONTEXT, max(MIN_CONTEXT, EXTRAPOLATION_FACTOR * longest))
 
 
-def evaluate_bits_per_byte(
+@dataclass(frozen=True)
+class ContextScore:
+    """One model scored at one context length: the totals, the per-target NLLs of every
+    document (``result.token_nll``) and the wall time of the scoring."""
+
+    model: LoadedModel
+    result: SlidingWindowResult
+    seconds: float
+
+
+def score_models(
     models: Sequence[LoadedModel],
     documents: Sequence[EvalDocument],
     context_lengths: Sequence[int],
@@ -30,16 +47,9 @@ def evaluate_bits_per_byte(
     stride: int | float | None = None,
     batch_size: int = 1,
     progress: bool = False,
-) -> list[dict[str, Any]]:
-    """One row per (model, context length), models outer.
-
-    Every length is checked against every model before any work starts.
-
-    Row keys: ``model``, ``training_length`` (``max_positions``), ``context_length``,
-    ``stride``, ``documents``, ``bytes``, ``tokens`` (scored targets: bytes + one EOS per
-    document), ``windows``, ``longest_window``, ``nll_nats`` (summed), ``bits_per_byte``,
-    ``bits_per_token``, ``perplexity`` (per token), ``seconds`` (wall time of the scoring).
-    """
+) -> list[ContextScore]:
+    """Score every document with every model at every context length (models outer), keeping
+    the per-target NLLs. Every length is checked against every model before any work."""
     if not context_lengths:
         raise ValueError("give at least one context length.")
     for item in models:
@@ -51,7 +61,7 @@ def evaluate_bits_per_byte(
         for length in context_lengths:
             check_context_length(length, item.model)
             resolve_stride(length, stride)
-    rows = []
+    scores = []
     for item in models:
         for length in context_lengths:
             started = time.perf_counter()
@@ -61,22 +71,80 @@ def evaluate_bits_per_byte(
                 length,
                 stride,
                 batch_size=batch_size,
+                return_token_nll=True,
                 progress=f"{item.label} @ {length}" if progress else False,
             )
-            rows.append({
-                "model": item.label,
-                "training_length": item.training_length,
-                "context_length": length,
-                "stride": result.stride,
-                "documents": result.num_documents,
-                "bytes": result.num_bytes,
-                "tokens": result.num_tokens,
-                "windows": result.num_windows,
-                "longest_window": result.longest_window,
-                "nll_nats": result.nll_sum,
-                "bits_per_byte": result.bits_per_byte,
-                "bits_per_token": result.bits_per_token,
-                "perplexity": result.perplexity,
-                "seconds": round(time.perf_counter() - started, 2),
-            })
+            scores.append(ContextScore(item, result, round(time.perf_counter() - started, 2)))
+    return scores
+
+
+def bits_per_byte_rows(
+    scores: Sequence[ContextScore], score_from: int | None = None
+) -> list[dict[str, Any]]:
+    """One row per score.
+
+    Row keys: ``model``, ``training_length`` (``max_positions``), ``context_length``,
+    ``stride``, ``documents``, ``bytes``, ``tokens`` (scored targets: bytes + one EOS per
+    document), ``windows``, ``longest_window``, ``nll_nats`` (summed), ``bits_per_byte``,
+    ``bits_per_token``, ``perplexity`` (per token), ``seconds`` (wall time of the scoring);
+    with ``score_from`` also ``scored_from``, ``scored_bytes`` and ``scored_bits_per_byte``:
+    the bytes at document positions ``>= score_from`` only, the same bytes for every context
+    length (see :mod:`longnet.eval.positions`).
+    """
+    rows = []
+    for score in scores:
+        result = score.result
+        row = {
+            "model": score.model.label,
+            "training_length": score.model.training_length,
+            "context_length": result.context_length,
+            "stride": result.stride,
+            "documents": result.num_documents,
+            "bytes": result.num_bytes,
+            "tokens": result.num_tokens,
+            "windows": result.num_windows,
+            "longest_window": result.longest_window,
+            "nll_nats": result.nll_sum,
+            "bits_per_byte": result.bits_per_byte,
+            "bits_per_token": result.bits_per_token,
+            "perplexity": result.perplexity,
+            "seconds": score.seconds,
+        }
+        if score_from is not None:
+            scored = bits_from_position(result.token_nll, score_from)
+            row |= {"scored_from": score_from, "scored_bytes": scored.num_bytes,
+                    "scored_bits_per_byte": scored.bits_per_byte}
+        rows.append(row)
     return rows
+
+
+def position_rows(
+    scores: Sequence[ContextScore], buckets: Sequence[tuple[int, int]]
+) -> list[dict[str, Any]]:
+    """One row per (score, position bucket): ``model``, ``context_length``, ``start``,
+    ``end``, ``bytes`` and ``bits_per_byte`` of the bytes at document positions
+    ``[start, end)``."""
+    return [
+        {"model": score.model.label, "context_length": score.result.context_length,
+         "start": bucket.start, "end": bucket.end, "bytes": bucket.num_bytes,
+         "bits_per_byte": bucket.bits_per_byte}
+        for score in scores
+        for bucket in bits_by_position(score.result.token_nll, buckets)
+    ]
+
+
+def evaluate_bits_per_byte(
+    models: Sequence[LoadedModel],
+    documents: Sequence[EvalDocument],
+    context_lengths: Sequence[int],
+    *,
+    stride: int | float | None = None,
+    batch_size: int = 1,
+    score_from: int | None = None,
+    progress: bool = False,
+) -> list[dict[str, Any]]:
+    """:func:`bits_per_byte_rows` of :func:`score_models`: one row per (model, context
+    length), models outer."""
+    scores = score_models(models, documents, context_lengths, stride=stride,
+                          batch_size=batch_size, progress=progress)
+    return bits_per_byte_rows(scores, score_from)

@@ -64,6 +64,39 @@ def plot_bits_per_byte(
     return _save(fig, path)
 
 
+def plot_bits_by_position(
+    curves: Mapping[str, Sequence[tuple[int, int, float]]],
+    path: str | Path,
+    *,
+    title: str = "Bits per byte by position in the document",
+) -> Path:
+    """One line per curve of bits per byte against the position bucket of the scored bytes.
+
+    Args:
+        curves: label (e.g. ``"model @ 16K"``) -> ``[(start, end, bits_per_byte), ...]``, the
+            same buckets for every curve; empty buckets (NaN) are skipped.
+        path: the PNG to write.
+    """
+    if not curves:
+        raise ValueError("no position buckets to plot.")
+    buckets = sorted({(start, end) for points in curves.values() for start, end, _ in points})
+    index = {bucket: i for i, bucket in enumerate(buckets)}
+    fig = Figure(figsize=(max(7.5, 0.8 * len(buckets) + 2), 4.8), dpi=120, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for label, points in curves.items():
+        kept = sorted((index[(s, e)], b) for s, e, b in points if not math.isnan(b))
+        ax.plot([i for i, _ in kept], [b for _, b in kept], marker="o", label=label)
+    ax.set_xticks(range(len(buckets)), [f"{_short(s)}-{_short(e)}" for s, e in buckets],
+                  rotation=30, ha="right")
+    ax.set_xlabel("position of the scored byte in its document (bytes)")
+    ax.set_ylabel("bits per byte")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    return _save(fig, path)
+
+
 def plot_passkey_heatmaps(
     grids: Mapping[str, tuple[Sequence[int], Sequence[float], np.ndarray]],
     path: str | Path,

@@ -75,6 +75,30 @@ def test_eval_perplexity_end_to_end(tmp_path: Path, tiny_model: Path, capsys):
     assert "bits_per_byte" in capsys.readouterr().out
 
 
+def test_eval_perplexity_by_position_and_same_scored_bytes(tmp_path: Path, tiny_model: Path):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for index in range(3):
+        (docs / f"d{index}.txt").write_text(f"x = {index}\n" * (20 + 15 * index))
+    out = tmp_path / "out"
+    code = script("eval_perplexity").main([
+        "--models", str(tiny_model), "--data-files", str(docs / "*.txt"), "--split", "all",
+        "--context-lengths", "8", "32", "--score-from", "32", "--by-position",
+        "--out", str(out), "--no-progress",
+    ])
+    assert code == 0
+    rows = read_csv(out / "perplexity.csv")
+    sizes = [len(p.read_bytes()) for p in sorted(docs.iterdir())]
+    for row in rows:  # the same bytes under both context lengths
+        assert int(row["scored_bytes"]) == sum(max(0, n - 32) for n in sizes)
+    assert rows[0]["scored_bits_per_byte"] != rows[1]["scored_bits_per_byte"]
+    positions = read_csv(out / "positions.csv")
+    starts = [int(r["start"]) for r in positions if r["context_length"] == "32"]
+    assert starts[:2] == [0, 512] or starts == [0]  # buckets of 512 bytes first
+    assert sum(int(r["bytes"]) for r in positions if r["context_length"] == "8") == sum(sizes)
+    assert is_png(out / "positions.png")
+
+
 def test_eval_perplexity_refuses_impossible_lengths(tmp_path: Path, tiny_model: Path, capsys):
     module = script("eval_perplexity")
     with pytest.raises(SystemExit):

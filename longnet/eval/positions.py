@@ -1,0 +1,111 @@
+"""Where in a document the model's bits go: bits per byte by position, and over a fixed set of
+scored bytes.
+
+Both read the per-target negative log-likelihoods of a sliding-window scoring
+(``score_documents(..., return_token_nll=True)``): per document an array of ``num_bytes + 1``
+NLLs in nats, entry ``p`` being the NLL of the document's byte ``p`` (the last entry is the
+closing EOS, which is not a byte and is left out here).
+
+- **By position**: the mean bits of the bytes whose index in their document lies in a bucket
+  ``[start, end)``; buckets double in length (``[0, 512)``, ``[512, 1K)``, ``[1K, 2K)``, ...).
+  Scored with the full window, a falling curve past 2K means the model uses what it read
+  thousands of bytes earlier: the standard long-context plot.
+- **Same scored bytes**: the mean bits of the bytes at index ``>= start`` in every document.
+  With ``start`` at least the longest context compared, the same bytes are scored under every
+  context length and each sees (nearly) the full window, so differences between context
+  lengths are the value of the extra context alone (not a change of which bytes are scored).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+LN2 = math.log(2.0)
+FIRST_BUCKET = 512
+
+
+@dataclass(frozen=True)
+class PositionBucket:
+    """Bytes at document positions ``[start, end)``: how many were scored and their mean bits."""
+
+    start: int
+    end: int
+    num_bytes: int
+    bits_per_byte: float
+
+
+def position_buckets(limit: int, first: int = FIRST_BUCKET) -> list[tuple[int, int]]:
+    """``[(0, first), (first, 2 first), (2 first, 4 first), ...]`` up to ``limit`` (the last
+    bucket ends at ``limit``).
+
+    Raises:
+        ValueError: ``first`` or ``limit`` is not a positive integer.
+    """
+    for name, value in (("first", first), ("limit", limit)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    edges = [0]
+    end = first
+    while end < limit:
+        edges.append(end)
+        end *= 2
+    edges.append(limit)
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def _byte_nll(token_nll: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """The byte targets of each document (the closing EOS dropped), checked complete."""
+    if not token_nll:
+        raise ValueError("token_nll is empty: score at least one document.")
+    out = []
+    for index, values in enumerate(token_nll):
+        values = np.asarray(values, dtype=np.float64)
+        if values.ndim != 1 or len(values) < 1:
+            raise ValueError(f"document {index}: expected a (num_bytes + 1,) array of NLLs.")
+        if np.isnan(values).any():
+            raise ValueError(f"document {index}: some targets were not scored (NaN).")
+        out.append(values[:-1])
+    return out
+
+
+def bits_by_position(
+    token_nll: Sequence[np.ndarray], buckets: Sequence[tuple[int, int]]
+) -> list[PositionBucket]:
+    """Mean bits per byte of the bytes in each position bucket, over all documents.
+
+    A bucket no document reaches has ``num_bytes == 0`` and ``bits_per_byte`` NaN.
+    """
+    documents = _byte_nll(token_nll)
+    out = []
+    for start, end in buckets:
+        if not 0 <= start < end:
+            raise ValueError(f"bucket ({start}, {end}) must satisfy 0 <= start < end.")
+        parts = [values[start:end] for values in documents]
+        count = sum(len(part) for part in parts)
+        total = sum(float(part.sum()) for part in parts)
+        bits = total / LN2 / count if count else math.nan
+        out.append(PositionBucket(start, end, count, bits))
+    return out
+
+
+def bits_from_position(token_nll: Sequence[np.ndarray], start: int) -> PositionBucket:
+    """Mean bits per byte of every byte at document position ``>= start``.
+
+    Raises:
+        ValueError: no document is longer than ``start`` bytes.
+    """
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise ValueError(f"start must be a non-negative integer, got {start!r}.")
+    documents = _byte_nll(token_nll)
+    longest = max(len(values) for values in documents)
+    if longest <= start:
+        raise ValueError(
+            f"no byte at position >= {start}: the longest document has {longest} bytes; lower "
+            "the start or evaluate longer documents."
+        )
+    (bucket,) = bits_by_position(token_nll, [(start, longest)])
+    return bucket
