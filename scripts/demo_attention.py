@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from longnet.attention import DilatedPattern, dilated_attention
+from longnet.nn import multiplicity_attention
 
 
 def _timed(fn) -> float:
@@ -25,12 +26,16 @@ def _timed(fn) -> float:
 
 
 def _dense_rows(q, k, v, pattern: DilatedPattern, rows: torch.Tensor) -> torch.Tensor:
-    """Float64 dilated attention for the query positions ``rows`` only: ``(rows, heads, dim)``."""
+    """Float64 dilated attention for the query positions ``rows`` only: ``(rows, heads, dim)``,
+    by the library's explicit formula ``softmax(q k^T * scale + log C) v``
+    (``longnet.nn.multiplicity_attention``, independent of the block kernels)."""
     positions = torch.arange(q.shape[1])
-    counts = pattern.key_multiplicity(rows, positions, q.shape[2], causal=True).double()
-    scores = torch.einsum("rhd,thd->hrt", q[0, rows].double(), k[0].double()) * q.shape[-1] ** -0.5
-    probs = torch.softmax(scores + counts.log(), dim=-1)
-    return torch.einsum("hrt,thd->rhd", probs, v[0].double())
+    with torch.no_grad():
+        out = multiplicity_attention(
+            q[:1, rows].double(), k[:1].double(), v[:1].double(), rows, positions, pattern,
+            causal=True, scale=q.shape[-1] ** -0.5,
+        )
+    return out[0]
 
 
 def main() -> None:

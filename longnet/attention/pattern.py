@@ -1,4 +1,4 @@
-"""The dilated pattern: which keys each query sees (DESIGN.md section 3).
+"""The dilated pattern: which keys each query sees (docs/architecture.md, "The function").
 
 A pattern is a list of branches ``(w, r)``: segment length and dilation rate. Branch ``i`` cuts
 the sequence into consecutive segments of length ``w`` starting at position 0; head ``h`` uses
@@ -13,6 +13,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+
+from longnet.validation import is_int
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,7 @@ class DilatedPattern:
             )
         for name, values in (("segment_lengths", segments), ("dilation_rates", rates)):
             for value in values:
-                if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                if not is_int(value) or value <= 0:
                     raise ValueError(f"pattern: {name} must be positive integers, got {values}.")
         if any(b <= a for a, b in zip(segments, segments[1:])):
             raise ValueError(

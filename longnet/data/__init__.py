@@ -5,6 +5,7 @@ LongTensor (seq_len,)}`` with labels already shifted (``-100`` where no loss is 
 Recipes and cache layout: ``data/README.md``.
 """
 
+from longnet.constants import IGNORE_INDEX
 from longnet.data.answers import answer_accuracy, answer_exact_match
 from longnet.data.corpus import CorpusSettings, LongDocumentSplits, build_long_document_splits
 from longnet.data.long_document import LongDocumentDataModule
@@ -16,7 +17,7 @@ from longnet.data.passkey import (
     passkey_examples,
     passkey_match,
 )
-from longnet.data.samples import IGNORE_INDEX, sample_rng
+from longnet.data.samples import sample_rng
 from longnet.data.sources import DocumentSource, files_source, stdlib_source
 from longnet.data.synthetic import MQARDataModule, PasskeyDataModule
 from longnet.data.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE, ByteTokenizer

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from longnet.data.samples import IGNORE_INDEX
+from longnet.constants import IGNORE_INDEX
 
 
 def _check(predictions: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ from longnet.data.sources import DocumentSource, load_documents
 from longnet.data.splits import SPLITS, check_fractions, document_hash, split_of
 from longnet.data.tokenizer import ByteTokenizer
 from longnet.data.windows import document_windows, packed_windows
+from longnet.validation import check_positive_int
 
 CORPUS_FORMAT_VERSION = 1
 SAMPLE_COLUMNS = ["input_ids", "labels"]
@@ -56,12 +57,12 @@ class CorpusSettings:
     min_document_bytes: int = 1
 
     def __post_init__(self) -> None:
-        _check_positive("seq_len", self.seq_len)
-        _check_positive("min_document_bytes", self.min_document_bytes)
+        check_positive_int("seq_len", self.seq_len)
+        check_positive_int("min_document_bytes", self.min_document_bytes)
         check_fractions(self.val_fraction, self.test_fraction)
         for name in ("max_documents", "max_bytes"):
             if getattr(self, name) is not None:
-                _check_positive(name, getattr(self, name))
+                check_positive_int(name, getattr(self, name))
 
 
 @dataclass(frozen=True)
@@ -85,11 +86,6 @@ class LongDocumentSplits:
     documents: Dataset
     path: Path
     built: bool
-
-
-def _check_positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
 
 
 def corpus_cache_key(source: DocumentSource, settings: CorpusSettings) -> str:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from torch.utils.data import DataLoader, Dataset
 
+from longnet.validation import check_non_negative_int, check_positive_int
+
 
 def check_loader_args(batch_size: int, num_workers: int) -> None:
     """Raise ``ValueError`` for a non-positive ``batch_size`` or a negative ``num_workers``."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-        raise ValueError(f"num_workers must be a non-negative integer, got {num_workers!r}.")
+    check_positive_int("batch_size", batch_size)
+    check_non_negative_int("num_workers", num_workers)
 
 
 def make_loader(dataset: Dataset, batch_size: int, num_workers: int, shuffle: bool) -> DataLoader:

@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import Dataset
 
 from longnet.data.samples import sample_rng, shifted_sample
+from longnet.validation import check_non_negative_int, check_positive_int
 
 FILLER_ID = 0
 
@@ -42,8 +43,7 @@ class MQARExample:
 def _check_mqar_args(seq_len: int, num_kv_pairs: int, num_queries: int, vocab_size: int) -> None:
     for name, value in (("seq_len", seq_len), ("num_kv_pairs", num_kv_pairs),
                         ("num_queries", num_queries), ("vocab_size", vocab_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        check_positive_int(name, value)
     num_keys = (vocab_size - 1) // 2
     if num_kv_pairs > num_keys:
         raise ValueError(
@@ -101,8 +101,7 @@ class MQARDataset(Dataset):
     ) -> None:
         num_queries = num_kv_pairs if num_queries is None else num_queries
         _check_mqar_args(seq_len, num_kv_pairs, num_queries, vocab_size)
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-            raise ValueError(f"size must be a non-negative integer, got {size!r}.")
+        check_non_negative_int("size", size)
         sample_rng(seed, split, 0)  # validates seed and split
         self.seq_len, self.size, self.seed, self.split = seq_len, size, seed, split
         self.num_kv_pairs, self.num_queries, self.vocab_size = num_kv_pairs, num_queries, vocab_size

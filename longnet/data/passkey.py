@@ -24,6 +24,7 @@ from torch.utils.data import Dataset
 
 from longnet.data.samples import sample_rng, shifted_sample
 from longnet.data.tokenizer import ByteTokenizer
+from longnet.validation import check_non_negative_int, is_int
 
 TASK = (
     "There is an important piece of information hidden inside a lot of irrelevant text. "
@@ -81,7 +82,7 @@ def make_passkey_example(
 
 
 def _check_passkey_args(length: int, depth: float | None, num_digits: int) -> None:
-    if isinstance(num_digits, bool) or not isinstance(num_digits, int) or not 1 <= num_digits <= 18:
+    if not is_int(num_digits) or not 1 <= num_digits <= 18:
         raise ValueError(f"num_digits must be an integer in [1, 18], got {num_digits!r}.")
     if length < min_passkey_length(num_digits):
         raise ValueError(
@@ -133,8 +134,7 @@ class PasskeyDataset(Dataset):
     ) -> None:
         if label_mode not in ("answer", "all"):
             raise ValueError(f"label_mode must be 'answer' or 'all', got {label_mode!r}.")
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-            raise ValueError(f"size must be a non-negative integer, got {size!r}.")
+        check_non_negative_int("size", size)
         _check_passkey_args(seq_len, depth, num_digits)
         sample_rng(seed, split, 0)  # validates seed and split
         self.seq_len, self.size, self.seed, self.split = seq_len, size, seed, split

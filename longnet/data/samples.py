@@ -11,9 +11,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from longnet.constants import IGNORE_INDEX
 from longnet.data.splits import SPLITS
+from longnet.validation import check_non_negative_int
 
-IGNORE_INDEX = -100
 SPLIT_STREAMS = {split: stream for stream, split in enumerate(SPLITS)}
 
 
@@ -26,8 +27,7 @@ def sample_rng(seed: int, split: str, index: int) -> np.random.Generator:
     """
     if split not in SPLIT_STREAMS:
         raise ValueError(f"split must be one of {sorted(SPLIT_STREAMS)}, got {split!r}.")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be a non-negative integer, got {seed!r}.")
+    check_non_negative_int("seed", seed)
     return np.random.default_rng([seed, SPLIT_STREAMS[split], index])
 
 

@@ -23,8 +23,16 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from longnet.data.samples import IGNORE_INDEX
+from longnet.constants import IGNORE_INDEX
 from longnet.data.tokenizer import EOS_ID, PAD_ID
+
+
+def frame_document(tokens: np.ndarray, dtype: np.dtype | type = np.uint8) -> np.ndarray:
+    """``[EOS] + tokens + [EOS]``: one document as the model sees it, ``(len(tokens) + 2,)``
+    of ``dtype``. The one place the evaluation framing is written (``document_windows`` and
+    ``longnet.eval.sliding`` use it)."""
+    eos = np.array([EOS_ID], dtype=dtype)
+    return np.concatenate([eos, np.asarray(tokens, dtype=dtype), eos])
 
 
 def _cut(tokens: np.ndarray, seq_len: int, count: int) -> tuple[np.ndarray, np.ndarray]:
@@ -69,8 +77,7 @@ def document_windows(
     length = len(document) + 2
     count = -(-(length - 1) // seq_len)
     padding = np.full(count * seq_len + 1 - length, PAD_ID, dtype=np.uint8)
-    eos = np.array([EOS_ID], dtype=np.uint8)
-    inputs, labels = _cut(np.concatenate([eos, document, eos, padding]), seq_len, count)
+    inputs, labels = _cut(np.concatenate([frame_document(document), padding]), seq_len, count)
     offsets = np.arange(count, dtype=np.int64) * seq_len
     labels[offsets[:, None] + np.arange(1, seq_len + 1) >= length] = IGNORE_INDEX
     return inputs, labels, offsets

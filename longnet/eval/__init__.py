@@ -1,22 +1,17 @@
 """Long-context evaluations used by ``scripts/``: bits per byte versus context length with
 sliding windows inside documents, compressor baselines, and passkey retrieval grids.
 
-Modules: ``loading`` (zoo names, model folders, Lightning checkpoints), ``documents`` (whole
-held-out documents), ``sliding`` (the sliding-window scorer), ``perplexity`` (rows per model
-and context length), ``positions`` (bits per byte by position in the document),
-``compressors``, ``passkey``, ``plotting``, ``reporting`` (CSV, tables).
+Modules: ``loading`` (zoo names, model folders, and Lightning checkpoints through
+``longnet.training.checkpoint``), ``documents`` (whole held-out documents), ``sliding`` (the
+sliding-window scorer), ``perplexity`` (rows per model and context length), ``positions`` (bits
+per byte by position in the document), ``compressors``, ``passkey``, ``plotting``,
+``reporting`` (CSV, tables).
 See ``docs/evaluation.md``.
 """
 
 from longnet.eval.compressors import COMPRESSORS, CompressorBaseline, compressor_baselines
 from longnet.eval.documents import EvalDocument, load_eval_documents
-from longnet.eval.loading import (
-    LoadedModel,
-    checkpoint_config,
-    load_lightning_checkpoint,
-    load_model,
-    load_models,
-)
+from longnet.eval.loading import LoadedModel, load_model, load_models
 from longnet.eval.passkey import (
     PasskeyCell,
     PasskeyOutcome,
@@ -48,6 +43,7 @@ from longnet.eval.sliding import (
     resolve_stride,
     score_documents,
 )
+from longnet.training.checkpoint import checkpoint_config, load_lightning_checkpoint
 
 __all__ = [
     "COMPRESSORS",

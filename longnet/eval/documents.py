@@ -19,6 +19,7 @@ import numpy as np
 from longnet.data.sources import files_source, load_documents, stdlib_source
 from longnet.data.splits import SPLITS, check_fractions, document_hash, split_of
 from longnet.data.tokenizer import ByteTokenizer
+from longnet.validation import is_int
 
 
 @dataclass(frozen=True)
@@ -98,5 +99,5 @@ def load_eval_documents(
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_int(value) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")

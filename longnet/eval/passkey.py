@@ -20,6 +20,7 @@ from longnet.data import ByteTokenizer, passkey_examples, passkey_match
 from longnet.data.passkey import PasskeyExample, min_passkey_length
 from longnet.eval.sliding import check_context_length
 from longnet.modeling import LongNetLM
+from longnet.validation import check_positive_int
 
 
 @dataclass(frozen=True)
@@ -101,8 +102,7 @@ def answer_examples(
 
     Examples in one call must have prompts of equal length (one grid cell).
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
+    check_positive_int("batch_size", batch_size)
     tokenizer = ByteTokenizer()
     device = next(model.parameters()).device
     answers = []
@@ -131,8 +131,7 @@ def evaluate_passkey(
     The examples of a cell depend only on ``(seed, length, depth, num_digits)``.
     """
     lengths, depths = check_passkey_grid(lengths, depths, num_digits)
-    if isinstance(num_examples, bool) or not isinstance(num_examples, int) or num_examples < 1:
-        raise ValueError(f"num_examples must be a positive integer, got {num_examples!r}.")
+    check_positive_int("num_examples", num_examples)
     if model.config.vocab_size != ByteTokenizer.vocab_size:
         raise ValueError(
             f"passkey prompts are bytes (vocab 256) but the model has vocab_size "

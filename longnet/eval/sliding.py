@@ -1,7 +1,8 @@
 """Sliding-window scoring of whole documents: every token scored exactly once, no window
 crossing a document boundary.
 
-A document of ``n`` bytes is framed as in training, ``[EOS] bytes [EOS]`` (``n + 2`` tokens).
+A document of ``n`` bytes is framed as in training, ``[EOS] bytes [EOS]`` (``n + 2`` tokens,
+:func:`longnet.data.windows.frame_document`).
 Input position ``p`` (``0 <= p <= n``) predicts token ``p + 1``, so a document has
 ``n + 1`` targets: its bytes and the closing EOS.
 
@@ -28,11 +29,12 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from longnet.data.tokenizer import EOS_ID, PAD_ID
+from longnet.constants import NATS_PER_BIT
+from longnet.data.tokenizer import PAD_ID
+from longnet.data.windows import frame_document
 from longnet.eval.documents import EvalDocument
 from longnet.modeling import LongNetLM
-
-LN2 = math.log(2.0)
+from longnet.validation import check_positive_int, is_int
 
 
 @dataclass(frozen=True)
@@ -83,12 +85,12 @@ class SlidingWindowResult:
     @property
     def bits_per_byte(self) -> float:
         """Code length of the documents (bytes and closing EOS) in bits per document byte."""
-        return self.nll_sum / LN2 / self.num_bytes
+        return self.nll_sum / NATS_PER_BIT / self.num_bytes
 
     @property
     def bits_per_token(self) -> float:
         """Mean bits per scored target (bytes and EOS)."""
-        return self.nll_sum / LN2 / self.num_tokens
+        return self.nll_sum / NATS_PER_BIT / self.num_tokens
 
     @property
     def perplexity(self) -> float:
@@ -98,7 +100,7 @@ class SlidingWindowResult:
 
 def check_context_length(context_length: int, model: LongNetLM | None = None) -> int:
     """``context_length`` if it is a positive int the model can take, else ``ValueError``."""
-    if isinstance(context_length, bool) or not isinstance(context_length, int):
+    if not is_int(context_length):
         raise ValueError(f"context length must be an integer, got {context_length!r}.")
     if context_length < 1:
         raise ValueError(f"context length must be at least 1 token, got {context_length}.")
@@ -157,11 +159,6 @@ def plan_windows(
         scored, end = end, min(end + stride, num_targets)
 
 
-def frame(tokens: np.ndarray) -> np.ndarray:
-    """``[EOS] tokens [EOS]`` as an int64 array ``(len(tokens) + 2,)``."""
-    return np.concatenate(([EOS_ID], np.asarray(tokens, dtype=np.int64), [EOS_ID]))
-
-
 @torch.inference_mode()
 def score_documents(
     model: LongNetLM,
@@ -193,13 +190,12 @@ def score_documents(
     """
     check_context_length(context_length, model)
     step = resolve_stride(context_length, stride)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
+    check_positive_int("batch_size", batch_size)
     if not documents:
         raise ValueError("documents is empty; give at least one document to score.")
     model.eval()
     device = next(model.parameters()).device
-    framed = [frame(doc.tokens) for doc in documents]
+    framed = [frame_document(doc.tokens, np.int64) for doc in documents]
     windows = [
         window
         for index, tokens in enumerate(framed)

@@ -12,9 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from longnet.attention import DilatedPattern
+from longnet.modeling.hub import resolve_model_dir
 from longnet.nn.feedforward import ACTIVATIONS, FFN_KINDS
 from longnet.nn.norm import NORM_KINDS
 from longnet.nn.positional import POSITION_ENCODINGS
+from longnet.validation import check_positive_int, is_int
 
 CONFIG_NAME = "config.json"
 MODEL_TYPE = "longnet"
@@ -44,7 +46,7 @@ class LongNetConfig:
     Positions and attention pattern:
         max_positions: context length the model is built for: size of learned position
             embeddings, and the segment length of the default dense pattern.
-        segment_lengths, dilation_rates: the dilated pattern (DESIGN.md section 3); both
+        segment_lengths, dilation_rates: the dilated pattern (docs/architecture.md); both
             ``None`` = dense attention, one branch ``(max_positions, 1)``.
         position_encoding: ``"xpos"`` (the LongNet paper's), ``"rope"``, ``"learned"``
             (absolute, GPT-2) or ``"none"``.
@@ -127,11 +129,11 @@ class LongNetConfig:
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad field and how to fix it."""
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_positions"):
-            _positive_int(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name))
         for name in ("num_kv_heads", "head_dim", "ffn_hidden_size"):
             if getattr(self, name) is not None:
-                _positive_int(name, getattr(self, name))
-        _positive_int("num_labels", self.num_labels)
+                check_positive_int(name, getattr(self, name))
+        check_positive_int("num_labels", self.num_labels)
         _choice("ffn_kind", self.ffn_kind, FFN_KINDS)
         _choice("activation", self.activation, tuple(ACTIVATIONS))
         _choice("norm", self.norm, NORM_KINDS)
@@ -182,11 +184,7 @@ class LongNetConfig:
                     )
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool)
-                or not isinstance(value, int)
-                or not 0 <= value < self.vocab_size
-            ):
+            if value is not None and (not is_int(value) or not 0 <= value < self.vocab_size):
                 raise ValueError(
                     f"{name} must be None or a token id in 0..{self.vocab_size - 1}, got {value!r}."
                 )
@@ -265,8 +263,6 @@ class LongNetConfig:
     @classmethod
     def from_pretrained(cls, name_or_dir: str | Path, **overrides: Any) -> LongNetConfig:
         """The config of a zoo model (``"longnet-tiny"``) or of a saved model folder."""
-        from longnet.modeling.hub import resolve_model_dir
-
         return cls.load(resolve_model_dir(name_or_dir), **overrides)
 
 
@@ -292,14 +288,9 @@ def _int_tuple(name: str, value: Any) -> tuple[int, ...]:
     except TypeError:
         raise ValueError(f"{name} must be a list of positive integers, got {value!r}.") from None
     for item in items:
-        if isinstance(item, bool) or not isinstance(item, int):
+        if not is_int(item):
             raise ValueError(f"{name} must be a list of positive integers, got {value!r}.")
     return items
-
-
-def _positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
 
 
 def _positive_float(name: str, value: Any) -> None:

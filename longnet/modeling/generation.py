@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from longnet.validation import is_int
+
 if TYPE_CHECKING:
     from longnet.modeling.model import LongNetLM
 
@@ -29,13 +31,13 @@ def sample_next(
 
 
 def _check(model: LongNetLM, input_ids: Tensor, max_new_tokens, temperature, top_k) -> None:
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+    if not is_int(max_new_tokens):
         raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}.")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}.")
     if not isinstance(temperature, (int, float)) or temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}.")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+    if top_k is not None and (not is_int(top_k) or top_k < 1):
         raise ValueError(f"top_k must be None or a positive int, got {top_k!r}.")
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(

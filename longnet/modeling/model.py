@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from longnet.constants import IGNORE_INDEX
+from longnet.modeling import generation, pretrained
 from longnet.modeling.config import LongNetConfig
 from longnet.modeling.outputs import EncoderOutput, LMOutput
 from longnet.nn import (
@@ -24,8 +26,6 @@ from longnet.nn import (
     build_norm,
     default_position_ids,
 )
-
-IGNORE_INDEX = -100
 
 
 def build_block(config: LongNetConfig, causal: bool) -> TransformerBlock:
@@ -148,6 +148,12 @@ class LongNetPreTrained(nn.Module):
     config: LongNetConfig
     model: LongNetModel
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Register the class by name for :func:`longnet.modeling.count_parameters` and model
+        cards (``longnet.modeling.pretrained.ARCHITECTURES``)."""
+        super().__init_subclass__(**kwargs)
+        pretrained.ARCHITECTURES.setdefault(cls.__name__, cls)
+
     def _init_weights(self) -> None:
         """Normal(0, initializer_range) weights, zero biases, unit norms; depth-scaled residual
         projections: MAGNETO's ``sqrt(log(2 * num_layers))`` gain on v/out/FFN weights with
@@ -194,9 +200,7 @@ class LongNetPreTrained(nn.Module):
     # ------------------------------------------------------------------ pretrained I/O
     def save_pretrained(self, directory: str | Path, *, name: str | None = None) -> Path:
         """Write ``config.json``, ``model.safetensors`` and a ``README.md`` card."""
-        from longnet.modeling.pretrained import save_pretrained
-
-        return save_pretrained(self, directory, name=name)
+        return pretrained.save_pretrained(self, directory, name=name)
 
     @classmethod
     def from_pretrained(
@@ -212,9 +216,7 @@ class LongNetPreTrained(nn.Module):
         the returned model (default float32); weights are cast from the file's dtype.
         Returns the model in eval mode.
         """
-        from longnet.modeling.pretrained import from_pretrained
-
-        return from_pretrained(cls, name_or_dir, dtype=dtype, **overrides)
+        return pretrained.from_pretrained(cls, name_or_dir, dtype=dtype, **overrides)
 
 
 class LongNetLM(LongNetPreTrained):
@@ -297,9 +299,7 @@ class LongNetLM(LongNetPreTrained):
         at every step.  Rows must not be padded (all prompts the same length).  Runs in eval
         mode (dropout off) and restores the previous mode.  Returns ``(batch, seq + new)``.
         """
-        from longnet.modeling.generation import generate
-
-        return generate(
+        return generation.generate(
             self,
             input_ids,
             max_new_tokens,

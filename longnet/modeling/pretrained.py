@@ -1,4 +1,10 @@
-"""``save_pretrained`` / ``from_pretrained`` and model cards."""
+"""``save_pretrained`` / ``from_pretrained`` and model cards.
+
+Imports go one way: :mod:`longnet.modeling.model` imports this module (its classes'
+``save_pretrained`` / ``from_pretrained`` call the functions here), never the reverse. Model
+classes are found by name in :data:`ARCHITECTURES`, which every ``LongNetPreTrained``
+subclass joins when it is defined.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from longnet.modeling.config import CONFIG_NAME, MODEL_TYPE, LongNetConfig
 from longnet.modeling.hub import resolve_model_dir
@@ -23,13 +30,20 @@ if TYPE_CHECKING:
 
 CARD_NAME = "README.md"
 
+ARCHITECTURES: dict[str, type[nn.Module]] = {}
+"""Model classes by name (``"LongNetLM"``, ``"LongNetEncoder"``): every subclass of
+``longnet.modeling.model.LongNetPreTrained`` adds itself when it is defined (the first class
+of a name is kept)."""
+
 
 def count_parameters(config: LongNetConfig, architecture: str = "LongNetLM") -> int:
     """Exact parameter count of a model built from ``config`` (built on the meta device, so
     no memory is used)."""
-    from longnet.modeling import model as model_module
-
-    cls = getattr(model_module, architecture)
+    cls = ARCHITECTURES.get(architecture)
+    if cls is None:
+        raise ValueError(
+            f"unknown architecture {architecture!r}; known: {', '.join(sorted(ARCHITECTURES))}."
+        )
     with torch.device("meta"):
         model = cls(config)
     return model.num_parameters()
@@ -114,11 +128,8 @@ def save_pretrained(model: LongNetPreTrained, directory: str | Path, name: str |
     return directory
 
 
-def from_pretrained(
-    cls: type, name_or_dir: str | Path, *, dtype: torch.dtype | None = None, **overrides: Any
-):
-    """See :meth:`longnet.modeling.LongNetLM.from_pretrained`.  Returns the model in eval mode."""
-    folder = resolve_model_dir(name_or_dir)
+def _read_config_json(folder: Path) -> dict[str, Any]:
+    """The parsed ``config.json`` of a model folder (LongNet or Hugging Face)."""
     config_path = folder / CONFIG_NAME
     try:
         data = json.loads(config_path.read_text())
@@ -126,6 +137,26 @@ def from_pretrained(
         raise ValueError(f"{config_path} is not valid JSON: {err}.") from None
     if not isinstance(data, dict):
         raise ValueError(f"{config_path} must hold a JSON object.")
+    return data
+
+
+def pretrained_config(name_or_dir: str | Path, **overrides: Any) -> LongNetConfig:
+    """The config :func:`from_pretrained` builds its model from, without building it: that of
+    a zoo model, a ``save_pretrained`` folder or (read with its weights, which decide whether
+    the head is tied) a local Hugging Face checkpoint."""
+    folder = resolve_model_dir(name_or_dir)
+    data = _read_config_json(folder)
+    if is_hf_config(data):
+        return import_hf_checkpoint(folder, data, **overrides)[0]
+    return LongNetConfig.from_dict(data, **overrides)
+
+
+def from_pretrained(
+    cls: type, name_or_dir: str | Path, *, dtype: torch.dtype | None = None, **overrides: Any
+):
+    """See :meth:`longnet.modeling.LongNetLM.from_pretrained`.  Returns the model in eval mode."""
+    folder = resolve_model_dir(name_or_dir)
+    data = _read_config_json(folder)
     if is_hf_config(data):
         config, tensors = import_hf_checkpoint(folder, data, **overrides)
         source = f"Hugging Face checkpoint {folder}"

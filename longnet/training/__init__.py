@@ -11,6 +11,11 @@ from longnet.training.callbacks import (
     MetricsSummary,
     PredictionsWriter,
 )
+from longnet.training.checkpoint import (
+    checkpoint_config,
+    load_lightning_checkpoint,
+    read_checkpoint,
+)
 from longnet.training.curves import TrainingCurves, plot_training_curves, read_curves
 from longnet.training.loaders import EpochIndexSampler, EpochLoader, ResumableDataOrder
 from longnet.training.logger import RunLogger
@@ -18,7 +23,7 @@ from longnet.training.metrics import TokenAccuracy, TokenCrossEntropy, lm_summar
 from longnet.training.module import CausalLMModule
 from longnet.training.optim import parameter_groups, warmup_cosine
 from longnet.training.sharding import pad_sequences, shard_batch
-from longnet.training.strategy import SequenceParallelStrategy
+from longnet.training.strategy import SequenceParallelModule, SequenceParallelStrategy
 
 __all__ = [
     "CausalLMModule",
@@ -30,15 +35,19 @@ __all__ = [
     "PredictionsWriter",
     "ResumableDataOrder",
     "RunLogger",
+    "SequenceParallelModule",
     "SequenceParallelStrategy",
     "TokenAccuracy",
     "TokenCrossEntropy",
     "TrainingCurves",
     "build_lm",
+    "checkpoint_config",
     "lm_summary",
+    "load_lightning_checkpoint",
     "pad_sequences",
     "parameter_groups",
     "plot_training_curves",
+    "read_checkpoint",
     "read_curves",
     "shard_batch",
     "warmup_cosine",

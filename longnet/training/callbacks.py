@@ -8,10 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-import torch
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
 
 from longnet.modeling import LongNetLM
+from longnet.training.checkpoint import load_lightning_checkpoint
+from longnet.training.strategy import SequenceParallelStrategy
+from longnet.validation import check_positive_int
 
 MODEL_PREFIX = "model."
 
@@ -38,11 +40,7 @@ class LastCheckpoint(ModelCheckpoint):
     """
 
     def __init__(self, dirpath: str | None = None, every_n_train_steps: int = 100) -> None:
-        if isinstance(every_n_train_steps, bool) or not isinstance(every_n_train_steps, int) \
-                or every_n_train_steps < 1:
-            raise ValueError(
-                f"every_n_train_steps must be a positive integer, got {every_n_train_steps!r}."
-            )
+        check_positive_int("every_n_train_steps", every_n_train_steps)
         super().__init__(
             dirpath=dirpath, save_last=True, save_top_k=0,
             every_n_train_steps=every_n_train_steps,
@@ -75,17 +73,13 @@ class ExportPretrained(L.Callback):
         target = Path(self.dirpath) if self.dirpath else run_dir(trainer) / "model"
         best = getattr(trainer.checkpoint_callback, "best_model_path", "") or ""
         if trainer.is_global_zero:
-            export = LongNetLM(model.config)
             if self.weights == "best" and best:
-                checkpoint = torch.load(best, map_location="cpu", weights_only=False)
-                state = {
-                    key[len(MODEL_PREFIX):]: value
-                    for key, value in checkpoint["state_dict"].items()
-                    if key.startswith(MODEL_PREFIX)
-                }
+                export = load_lightning_checkpoint(best, config=model.config, prefix=MODEL_PREFIX)
             else:
-                state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-            export.load_state_dict(state)
+                export = LongNetLM(model.config)
+                export.load_state_dict(
+                    {k: v.detach().cpu() for k, v in model.state_dict().items()}
+                )
             export.save_pretrained(target)
         self.exported = target
         trainer.strategy.barrier("ExportPretrained")
@@ -144,10 +138,11 @@ class PredictionsWriter(BasePredictionWriter):
     def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch,
                            batch_idx, dataloader_idx) -> None:
         folder = self._folder or Path(self.dirpath or trainer.default_root_dir)
-        strategy = trainer.strategy
-        if getattr(strategy, "sequence_parallel_rank", 0) != 0:
-            return  # the other ranks of a sequence-parallel group hold the same values
-        rank = getattr(strategy, "data_parallel_rank", trainer.global_rank)
+        strategy, rank = trainer.strategy, trainer.global_rank
+        if isinstance(strategy, SequenceParallelStrategy):
+            if strategy.sequence_parallel_rank != 0:
+                return  # the other ranks of a sequence-parallel group hold the same values
+            rank = strategy.data_parallel_rank
         folder.mkdir(parents=True, exist_ok=True)
         columns = {key: value.tolist() for key, value in prediction.items()}
         indices = list(batch_indices) if batch_indices is not None else [None] * len(

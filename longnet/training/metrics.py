@@ -4,18 +4,16 @@ Cross-entropy is accumulated as a *sum* over scored tokens together with the num
 tokens, both as torchmetrics states reduced by summation, so the epoch value is
 ``sum(CE) / sum(tokens)`` over every token of every rank, exactly what one device would
 compute on the whole split. Perplexity and bits per byte are derived from that mean (never
-from a materialised softmax, see DESIGN.md section 8).
+from a materialised softmax).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import Tensor
 from torchmetrics import Metric
 
-LN2 = math.log(2.0)
+from longnet.constants import NATS_PER_BIT
 
 
 def lm_summary(loss_sum: Tensor, num_tokens: Tensor, bytes_per_token: float = 1.0) -> dict:
@@ -29,7 +27,7 @@ def lm_summary(loss_sum: Tensor, num_tokens: Tensor, bytes_per_token: float = 1.
     loss = loss_sum.double() / num_tokens.double().clamp(min=1)
     return {
         "loss": loss,
-        "bpb": loss / (LN2 * bytes_per_token),
+        "bpb": loss / (NATS_PER_BIT * bytes_per_token),
         "ppl": torch.exp(loss.clamp(max=80.0)),
     }
 

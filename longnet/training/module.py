@@ -12,12 +12,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from longnet.attention import DilatedPattern
-from longnet.data import IGNORE_INDEX
+from longnet.constants import IGNORE_INDEX
 from longnet.modeling import LMOutput
 from longnet.training.builder import build_lm
 from longnet.training.loaders import ResumableDataOrder
 from longnet.training.metrics import TokenAccuracy, TokenCrossEntropy, lm_summary
 from longnet.training.optim import build_optimizer, parameter_groups
+from longnet.training.strategy import SequenceParallelStrategy
+from longnet.validation import check_non_negative_int
 
 Batch = dict[str, Tensor]
 RNG_KEY = "longnet_rng_state"
@@ -107,6 +109,8 @@ class CausalLMModule(L.LightningModule):
         self._step_tokens: Tensor | None = None
 
     # ------------------------------------------------------------------ model facts
+    # ``pattern`` and ``pad_token_id`` make this a ``SequenceParallelModule``: what
+    # ``SequenceParallelStrategy`` reads to cut batches into shards.
     @property
     def pattern(self) -> DilatedPattern:
         """The model's dilated pattern (the strategy pads sequences to fit it)."""
@@ -119,11 +123,13 @@ class CausalLMModule(L.LightningModule):
         return 0 if pad is None else pad
 
     def sequence_parallel_group(self) -> dist.ProcessGroup | None:
-        """The sequence-parallel group of the trainer's strategy, if it has one."""
-        trainer = self._trainer
-        if trainer is None:
-            return None
-        return getattr(trainer.strategy, "sequence_parallel_group", None)
+        """The sequence-parallel group of the trainer's strategy: that of a
+        :class:`~longnet.training.SequenceParallelStrategy` (None when its size is 1), None
+        under any other strategy or without a trainer."""
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if isinstance(strategy, SequenceParallelStrategy):
+            return strategy.sequence_parallel_group
+        return None
 
     # ------------------------------------------------------------------ Lightning hooks
     def configure_callbacks(self) -> list[L.Callback]:
@@ -323,8 +329,7 @@ def _check_hparams(lr, weight_decay, betas, eps, warmup_steps, total_steps, min_
         raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}.")
     if not eps > 0:
         raise ValueError(f"eps must be positive, got {eps!r}.")
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise ValueError(f"warmup_steps must be a non-negative integer, got {warmup_steps!r}.")
+    check_non_negative_int("warmup_steps", warmup_steps)
     if total_steps is not None and (not isinstance(total_steps, int) or total_steps < 1):
         raise ValueError(f"total_steps must be None or a positive integer, got {total_steps!r}.")
     if not 0 <= min_lr_ratio <= 1:

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from longnet.attention import DilatedPattern, padded_length
-from longnet.data import IGNORE_INDEX
+from longnet.constants import IGNORE_INDEX
 
 SEQUENCE_KEYS = ("input_ids", "labels", "position_ids")
 

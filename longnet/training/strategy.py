@@ -1,4 +1,7 @@
-"""``SequenceParallelStrategy``: data parallelism across sequence-parallel groups (DESIGN §6).
+"""``SequenceParallelStrategy``: data parallelism across sequence-parallel groups.
+
+See docs/training.md (``SequenceParallelStrategy``) for the training side and
+docs/architecture.md ("Sequence parallel") for the attention across a group.
 
 ``world_size = dp * sp`` processes form a ``(dp, sp)`` device mesh: ranks
 ``d * sp .. d * sp + sp - 1`` are sequence-parallel group ``d`` (contiguous, so on one node
@@ -8,21 +11,66 @@ the model's dilated pattern can run on), and runs the model with the group hande
 attention. Gradients are all-reduced (averaged) over all ``dp * sp`` ranks by DDP; the
 LightningModule scales its loss by ``world_size / global scored tokens`` so the update equals
 single-device training on the same global batch (see ``CausalLMModule``).
+
+The contract between the strategy and the LightningModule, both ways:
+
+- the module is a :class:`SequenceParallelModule`: it exposes ``pattern`` and
+  ``pad_token_id``, which the strategy needs to cut a batch into shards (checked when the
+  strategy is given the module: another module raises ``TypeError``);
+- the strategy exposes ``sequence_parallel_group`` (and ``sequence_parallel_rank``,
+  ``data_parallel_rank``), which ``CausalLMModule`` hands to the attention: the module reads
+  them from a :class:`SequenceParallelStrategy` only; under any other Lightning strategy it
+  runs without a group (every rank holds whole sequences).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from longnet.attention import DilatedPattern
 from longnet.training.sharding import shard_batch
+from longnet.validation import check_positive_int
 
 MESH_DIMS = ("dp", "sp")
+
+
+@runtime_checkable
+class SequenceParallelModule(Protocol):
+    """What :class:`SequenceParallelStrategy` needs of the LightningModule it runs
+    (:class:`~longnet.training.CausalLMModule` is one).
+
+    Attributes:
+        pattern: the model's dilated pattern: every sequence is padded to a length whose
+            shards it can run on (None: no padding; lengths must then be a multiple of the
+            group size).
+        pad_token_id: the input id of that padding (its labels are ``IGNORE_INDEX``).
+    """
+
+    @property
+    def pattern(self) -> DilatedPattern | None: ...
+
+    @property
+    def pad_token_id(self) -> int: ...
+
+
+def check_sequence_parallel_module(module: Any) -> SequenceParallelModule:
+    """``module`` if it is a :class:`SequenceParallelModule`, else a ``TypeError`` naming what
+    it lacks."""
+    if not isinstance(module, SequenceParallelModule):
+        members = ("pattern", "pad_token_id")
+        missing = [name for name in members if not hasattr(module, name)] or members
+        raise TypeError(
+            f"SequenceParallelStrategy needs a LightningModule with 'pattern' and "
+            f"'pad_token_id' (a SequenceParallelModule, e.g. longnet.training.CausalLMModule); "
+            f"{type(module).__name__} has no {' or '.join(repr(name) for name in missing)}."
+        )
+    return module
 
 
 class SequenceParallelStrategy(DDPStrategy):
@@ -56,12 +104,7 @@ class SequenceParallelStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
-        if (isinstance(sequence_parallel_size, bool) or not isinstance(sequence_parallel_size, int)
-                or sequence_parallel_size < 1):
-            raise ValueError(
-                f"sequence_parallel_size must be a positive integer, got "
-                f"{sequence_parallel_size!r}."
-            )
+        check_positive_int("sequence_parallel_size", sequence_parallel_size)
         super().__init__(
             process_group_backend=process_group_backend,
             start_method=start_method,
@@ -101,6 +144,11 @@ class SequenceParallelStrategy(DDPStrategy):
         return self.device_mesh.get_group("sp")
 
     # ------------------------------------------------------------------ setup
+    def connect(self, model: Any) -> None:
+        """Take the LightningModule, which must be a :class:`SequenceParallelModule`."""
+        check_sequence_parallel_module(model)
+        super().connect(model)
+
     def setup_environment(self) -> None:
         """Start the process group (DDP) and build the mesh once; runs on every fit/test."""
         self._check_layout()
@@ -135,11 +183,11 @@ class SequenceParallelStrategy(DDPStrategy):
                 "SequenceParallelStrategy shards dict batches with 'input_ids' (and "
                 f"'labels'); got {type(batch).__name__}."
             )
-        module = self.lightning_module
+        module = check_sequence_parallel_module(self.lightning_module)
         return shard_batch(
             batch,
             self.sequence_parallel_rank,
             self.sequence_parallel_size,
-            pattern=getattr(module, "pattern", None),
-            pad_token_id=getattr(module, "pad_token_id", 0),
+            pattern=module.pattern,
+            pad_token_id=module.pad_token_id,
         )

@@ -73,7 +73,7 @@ def test_fit_then_test_in_one_command(tmp_path, data_cache, capsys):
     assert (run / "checkpoints" / "last.ckpt").is_file()
     best = next((run / "checkpoints").glob("best-*.ckpt"))
     exported = LongNetLM.from_pretrained(run / "model")
-    state = torch.load(best, map_location="cpu", weights_only=False)["state_dict"]
+    state = torch.load(best, map_location="cpu", weights_only=True)["state_dict"]
     for key, value in exported.state_dict().items():
         assert torch.equal(value, state[f"model.{key}"]), key
 

@@ -63,7 +63,7 @@ def test_unknown_names_list_the_zoo_and_weightless_entries_say_so(tmp_path: Path
         load_model(tmp_path / "missing.ckpt")
 
 
-@pytest.mark.parametrize("source", ["config", "model", "stored"])
+@pytest.mark.parametrize("source", ["config", "model", "pretrained"])
 def test_lightning_checkpoint(tmp_path: Path, source: str):
     model = tiny(seed=3)
     folder = model.save_pretrained(tmp_path / "base")
@@ -75,11 +75,9 @@ def test_lightning_checkpoint(tmp_path: Path, source: str):
         hparams["overrides"] = {"dropout": 0.0}
     elif source == "model":
         hparams["model"] = str(folder)
+    elif source == "pretrained":
+        hparams["pretrained"] = str(folder)
     path = lightning_like_checkpoint(model, tmp_path / "epoch=1-step=10.ckpt", hparams)
-    if source == "stored":
-        checkpoint = torch.load(path, weights_only=True)
-        checkpoint["longnet_config"] = fields
-        torch.save(checkpoint, path)
     loaded = load_model(path)
     assert loaded.kind == "checkpoint" and loaded.label == "epoch=1-step=10"
     assert same_logits(model, loaded.model)
@@ -113,3 +111,22 @@ def test_bad_checkpoints_are_explained(tmp_path: Path):
     (tmp_path / "d.ckpt").write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="weights_only=True"):
         load_model(tmp_path / "d.ckpt")
+
+
+def test_checkpoint_errors_name_the_file(tmp_path: Path):
+    """Training (ExportPretrained) and evaluation share one loader; its errors say which file."""
+    from longnet.training import load_lightning_checkpoint, read_checkpoint
+
+    missing = tmp_path / "gone.ckpt"
+    with pytest.raises(FileNotFoundError, match="gone.ckpt"):
+        read_checkpoint(missing)
+    corrupt = tmp_path / "corrupt.ckpt"
+    corrupt.write_bytes(b"\x80\x02 truncated")
+    with pytest.raises(ValueError, match="corrupt.ckpt.*weights_only=True"):
+        load_lightning_checkpoint(corrupt)
+    model = tiny()
+    path = lightning_like_checkpoint(model, tmp_path / "given.ckpt", {})
+    with pytest.raises(ValueError, match="given.ckpt: found no model config"):
+        load_lightning_checkpoint(path)
+    loaded = load_lightning_checkpoint(path, config=model.config, prefix="model.")
+    assert same_logits(model, loaded)

@@ -21,6 +21,7 @@ from longnet.nn import (
     build_norm,
     multiplicity_attention,
 )
+from tests.reference import dense_dilated_attention
 
 F64 = torch.float64
 
@@ -156,10 +157,27 @@ def test_attention_dilated_matches_explicit_multiplicity_formula():
     q = rearrange(attn.q_proj(x), "b n (h d) -> b n h d", h=4)
     k = rearrange(attn.k_proj(x), "b n (h d) -> b n h d", h=2).repeat_interleave(2, dim=2)
     v = rearrange(attn.v_proj(x), "b n (h d) -> b n h d", h=2).repeat_interleave(2, dim=2)
-    pos = torch.arange(37)
-    ref = multiplicity_attention(q, k, v, pos, pos, pattern, causal=True, scale=attn.scale)
+    ref, _ = dense_dilated_attention(q, k, v, pattern.branches, causal=True, scale=attn.scale)
     ref = attn.out_proj(rearrange(ref, "b n h d -> b n (h d)"))
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_multiplicity_attention_matches_the_reference(causal):
+    """The library's explicit formula (the decoding path) against the independent oracle of
+    tests/reference.py: queries at the last positions, keys from the earliest segment start
+    those queries can see (as ``MultiheadDilatedAttention`` windows its KV cache)."""
+    pattern = DilatedPattern((4, 8, 16), (1, 2, 4))
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 37, 4, 8, dtype=F64, generator=gen) for _ in range(3))
+    ref, _ = dense_dilated_attention(q, k, v, pattern.branches, causal=causal, scale=0.3)
+    first = 30
+    start = min((first // w) * w for w in pattern.segment_lengths)
+    out = multiplicity_attention(
+        q[:, first:], k[:, start:], v[:, start:], torch.arange(first, 37),
+        torch.arange(start, 37), pattern, causal=causal, scale=0.3,
+    )
+    torch.testing.assert_close(out, ref[:, first:], rtol=1e-10, atol=1e-10)
 
 
 def test_multiplicity_attention_query_without_keys_outputs_zero():

@@ -221,6 +221,29 @@ def test_sample_loss_reduction_weighs_every_sample_equally():
         CausalLMModule(model="longnet-tiny", overrides=TINY, loss_reduction="mean")
 
 
+def test_strategy_and_module_contract():
+    """SequenceParallelStrategy takes only a SequenceParallelModule (TypeError otherwise);
+    the module finds a group only on that strategy, none under Lightning's own strategies."""
+    import lightning as L
+
+    from longnet.training import SequenceParallelModule
+
+    class Plain(L.LightningModule):
+        pass
+
+    strategy = SequenceParallelStrategy(sequence_parallel_size=2)
+    with pytest.raises(TypeError, match="Plain has no 'pattern' or 'pad_token_id'"):
+        strategy.connect(Plain())
+    module = CausalLMModule(model="longnet-tiny", overrides=TINY)
+    assert isinstance(module, SequenceParallelModule)
+    strategy.connect(module)
+    assert strategy.lightning_module is module
+    for name in ("auto", "ddp"):
+        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=name, logger=False)
+        module.trainer = trainer
+        assert module.sequence_parallel_group() is None
+
+
 def test_strategy_refuses_bad_layouts_before_work():
     with pytest.raises(ValueError, match="sequence_parallel_size must be a positive integer"):
         SequenceParallelStrategy(sequence_parallel_size=0)

@@ -1,0 +1,31 @@
+"""Argument checks shared by every layer, each written once.
+
+Import-free (like :mod:`longnet.constants`), so every layer from ``longnet.attention`` to
+``longnet.eval`` may use it. The messages name the argument and its ``repr``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def is_int(value: Any) -> bool:
+    """Whether ``value`` is an ``int`` and not a ``bool`` (``True`` is an ``int`` in Python,
+    but never a valid count, length or index here)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_positive_int(name: str, value: Any) -> int:
+    """``value`` if it is an integer >= 1 (not a bool), else ``ValueError``:
+    ``"<name> must be a positive integer, got <value!r>."``"""
+    if not is_int(value) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    return value
+
+
+def check_non_negative_int(name: str, value: Any) -> int:
+    """``value`` if it is an integer >= 0 (not a bool), else ``ValueError``:
+    ``"<name> must be a non-negative integer, got <value!r>."``"""
+    if not is_int(value) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}.")
+    return value
