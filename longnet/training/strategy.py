@@ -1,4 +1,4 @@
-"""``SequenceParallelStrategy``: data parallelism across sequence-parallel groups (DESIGN §6).
+"""``SequenceParallelStrategy``: data parallelism over sequence-parallel groups (docs/training.md).
 
 ``world_size = dp * sp`` processes form a ``(dp, sp)`` device mesh: ranks
 ``d * sp .. d * sp + sp - 1`` are sequence-parallel group ``d`` (contiguous, so on one node
