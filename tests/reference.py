@@ -1,4 +1,4 @@
-"""An independent dense reference for LongNet dilated attention (DESIGN.md section 3).
+"""An independent dense reference for LongNet dilated attention (docs/architecture.md §2).
 
 Written from the spec with explicit loops over branches, segments and heads; it shares no code
 with ``longnet.attention``. ``out = softmax(q k^T * scale + log C) v`` where ``C[h, p, t]`` counts

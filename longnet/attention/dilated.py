@@ -1,4 +1,4 @@
-"""Exact LongNet dilated attention on one device or a sequence-parallel group (DESIGN §3-4).
+"""Exact LongNet dilated attention on one device or across ranks (docs/architecture.md §2-4).
 
 Forward: every branch's selected rows are gathered into dense blocks, a block kernel returns
 ``(out, lse)`` and each block is merged into a running result by log-sum-exp: one softmax over

@@ -1,4 +1,4 @@
-"""The dilated pattern: which keys each query sees (docs/architecture.md, "The function").
+"""The dilated pattern: which keys each query sees (docs/architecture.md §2).
 
 A pattern is a list of branches ``(w, r)``: segment length and dilation rate. Branch ``i`` cuts
 the sequence into consecutive segments of length ``w`` starting at position 0; head ``h`` uses

@@ -1,4 +1,4 @@
-"""Sequence-parallel dilated attention: queries stay local, selected K/V rows travel (DESIGN §4).
+"""Sequence parallelism: queries stay local, selected K/V rows travel (docs/architecture.md §4).
 
 A group of ``P`` ranks holds contiguous shards of ``L = N / P`` tokens. A branch whose segment
 length ``w`` divides ``L`` is local (no communication). A branch with ``w`` a multiple of ``L``

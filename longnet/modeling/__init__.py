@@ -1,8 +1,9 @@
 """LongNet models: config, causal LM, encoder, pretrained I/O, the zoo, Hugging Face import.
 
-Zoo names (``"longnet-tiny"``, ...) resolve to folders of ``models/`` at the repository root,
-found relative to the package as ``Path(__file__).parents[2] / "models"`` (override with the
-``LONGNET_MODELS_DIR`` environment variable); see :func:`list_models`.
+Zoo names (``"longnet-tiny"``, ...) resolve to folders of ``models/`` at the repository root
+in a source checkout or editable install, to the same folders shipped in the wheel as
+``longnet/_zoo`` in an installed package, or to ``$LONGNET_MODELS_DIR``; see
+:func:`models_dir` and :func:`list_models`.
 """
 
 from longnet.modeling.config import LongNetConfig

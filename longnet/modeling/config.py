@@ -46,7 +46,7 @@ class LongNetConfig:
     Positions and attention pattern:
         max_positions: context length the model is built for: size of learned position
             embeddings, and the segment length of the default dense pattern.
-        segment_lengths, dilation_rates: the dilated pattern (docs/architecture.md); both
+        segment_lengths, dilation_rates: the dilated pattern (docs/architecture.md §2); both
             ``None`` = dense attention, one branch ``(max_positions, 1)``.
         position_encoding: ``"xpos"`` (the LongNet paper's), ``"rope"``, ``"learned"``
             (absolute, GPT-2) or ``"none"``.

@@ -1,9 +1,14 @@
-"""Where named models live: the folders of ``models/`` at the repository root.
+"""Where named models live: the zoo folders, ``models/<name>/``.
 
-The zoo folder is found relative to this package, ``Path(__file__).parents[2] / "models"``
-(``longnet/modeling/hub.py`` -> repository root), i.e. it exists in a source checkout or an
-editable install.  Set the environment variable ``LONGNET_MODELS_DIR`` to use another folder
-(e.g. for a non-editable install).
+``models/`` is the top-level folder of the repository. The wheel carries it as package data:
+``pyproject.toml`` maps it to ``longnet._zoo``, so an installed package holds
+``longnet/_zoo/<name>/`` with every file of the folder (config, card, weights, plots).
+:func:`models_dir` picks, in this order:
+
+1. ``$LONGNET_MODELS_DIR`` when set;
+2. ``models/`` of the source checkout this package is part of (also an editable install):
+   ``Path(__file__).parents[2]`` holds ``pyproject.toml`` and ``models/``;
+3. ``longnet/_zoo`` next to this package (an installed wheel).
 """
 
 from __future__ import annotations
@@ -12,14 +17,21 @@ import os
 from pathlib import Path
 
 MODELS_DIR_ENV = "LONGNET_MODELS_DIR"
+PACKAGED_ZOO = "_zoo"
+"""The folder of the package (``longnet/_zoo``) that holds the zoo in an installed wheel."""
 
 
 def models_dir() -> Path:
-    """The zoo folder (``$LONGNET_MODELS_DIR`` or ``<repo>/models``)."""
+    """The zoo folder: ``$LONGNET_MODELS_DIR``, else the checkout's ``models/``, else the
+    installed wheel's ``longnet/_zoo`` (see the module docstring)."""
     override = os.environ.get(MODELS_DIR_ENV)
     if override:
         return Path(override)
-    return Path(__file__).resolve().parents[2] / "models"
+    package = Path(__file__).resolve().parents[1]
+    checkout = package.parent
+    if (checkout / "pyproject.toml").is_file() and (checkout / "models").is_dir():
+        return checkout / "models"
+    return package / PACKAGED_ZOO
 
 
 def list_models() -> list[str]:

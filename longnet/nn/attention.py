@@ -91,7 +91,7 @@ def multiplicity_attention(
     """Dilated attention of queries at known global positions, written out explicitly.
 
     ``softmax(q k^T * scale + log C) v`` with ``C = pattern.key_multiplicity(...)`` (the
-    definition in DESIGN.md section 3); a query with no key outputs 0.  Costs
+    definition in docs/architecture.md §2); a query with no key outputs 0.  Costs
     ``O(q * k)``: meant for the few new queries of a decoding step against a window of cached
     keys.
 

@@ -4,7 +4,7 @@ Cross-entropy is accumulated as a *sum* over scored tokens together with the num
 tokens, both as torchmetrics states reduced by summation, so the epoch value is
 ``sum(CE) / sum(tokens)`` over every token of every rank, exactly what one device would
 compute on the whole split. Perplexity and bits per byte are derived from that mean (never
-from a materialised softmax).
+from a materialised softmax: see docs/training.md, "Pitfalls found here").
 """
 
 from __future__ import annotations

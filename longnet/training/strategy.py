@@ -1,7 +1,7 @@
 """``SequenceParallelStrategy``: data parallelism across sequence-parallel groups.
 
 See docs/training.md (``SequenceParallelStrategy``) for the training side and
-docs/architecture.md ("Sequence parallel") for the attention across a group.
+docs/architecture.md §4 for the attention across a group.
 
 ``world_size = dp * sp`` processes form a ``(dp, sp)`` device mesh: ranks
 ``d * sp .. d * sp + sp - 1`` are sequence-parallel group ``d`` (contiguous, so on one node
