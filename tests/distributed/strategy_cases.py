@@ -1,5 +1,6 @@
 """Workers for ``test_strategy.py``: tiny LongNet LMs trained with ``SequenceParallelStrategy``
-on spawned gloo process groups (``launcher.run_workers``), and the same runs on one process.
+on spawned gloo process groups (``longnet.distributed.run_workers``), and the same runs on
+one process.
 
 Every run: a 2-layer, width-32 model with a dilated pattern whose branches span shards
 (``(32, 1), (64, 2), (128, 4)``), sequences of 120 tokens (padded to 128 under sequence

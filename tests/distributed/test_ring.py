@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.launcher import run_workers
+from longnet.distributed import run_workers
 from tests.distributed.ring_cases import check_ring_cases, check_ring_errors
 
 pytestmark = pytest.mark.distributed

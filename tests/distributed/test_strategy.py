@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.distributed.launcher import run_workers
+from longnet.distributed import run_workers
 from tests.distributed.strategy_cases import (
     STEPS,
     sequence_parallel_runs,

@@ -1,0 +1,122 @@
+"""Counting inside a running ring by wrapping library functions (restored on exit).
+
+* ``SendCounter``: payload bytes passed to ``torch.distributed.batch_isend_irecv``;
+* ``KernelClock``: thread CPU seconds inside ``longnet.attention.kernels``' block kernels, and
+  each call's shapes, which ``replay_seconds`` re-runs alone.
+
+Both rely on the wrapped functions being looked up at call time (``dist.batch_isend_irecv`` by
+the ring, ``kernels.<name>`` by ``kernels.select_kernels``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from longnet.attention import kernels
+from longnet.bench.common import DTYPES
+
+
+class SendCounter:
+    """Counts payload bytes of ``isend``/``irecv`` ops passed to ``dist.batch_isend_irecv``
+    while entered."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.received = 0
+        self._original = dist.batch_isend_irecv
+
+    def __enter__(self) -> SendCounter:
+        dist.batch_isend_irecv = self._count
+        return self
+
+    def __exit__(self, *exc) -> None:
+        dist.batch_isend_irecv = self._original
+
+    def _count(self, ops):
+        for op in ops:
+            size = op.tensor.numel() * op.tensor.element_size()
+            if op.op is dist.isend:
+                self.sent += size
+            else:
+                self.received += size
+        return self._original(ops)
+
+    def take(self) -> tuple[int, int]:
+        """``(sent, received)`` since the last call."""
+        counts = (self.sent, self.received)
+        self.sent = self.received = 0
+        return counts
+
+
+class KernelClock:
+    """Thread CPU seconds spent inside ``longnet``'s block kernels, and what each call was,
+    while entered."""
+
+    NAMES = ("cpu_flash_forward", "cpu_flash_backward", "math_forward", "math_backward")
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.calls: list[tuple] = []
+        self._originals = {name: getattr(kernels, name) for name in self.NAMES}
+
+    def __enter__(self) -> KernelClock:
+        for name, function in self._originals.items():
+            setattr(kernels, name, self._timed(name, function))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, function in self._originals.items():
+            setattr(kernels, name, function)
+
+    def _timed(self, name: str, function):
+        def timed(*args, **kwargs):
+            self.calls.append(kernel_call(name, args))
+            start = time.thread_time()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.seconds += time.thread_time() - start
+
+        return timed
+
+    def take(self) -> tuple[float, list[tuple]]:
+        """Seconds and calls since the last call."""
+        seconds, calls = self.seconds, self.calls
+        self.seconds, self.calls = 0.0, []
+        return seconds, calls
+
+
+def kernel_call(name: str, args: tuple) -> tuple:
+    """``(kernel name, dtype, q shape, k shape, causal, scale)`` of one block-kernel call
+    (forward: ``q, k, v, causal, scale``; backward: ``d_out, q, k, v, out, lse, causal, scale``)."""
+    q, k, _, causal, scale = args[:5] if name.endswith("forward") else args[1:4] + args[6:8]
+    dtype = str(q.dtype).removeprefix("torch.")
+    return name, dtype, tuple(q.shape), tuple(k.shape), causal, scale
+
+
+def replay_seconds(calls: list[tuple]) -> float:
+    """Thread CPU seconds of the recorded kernel ``calls`` re-run one after another in this
+    process on one thread, on random blocks of the same shapes (the kernels' cost without other
+    ranks competing for the cores; backward calls get the ``out``/``lse`` of a forward)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    seconds = 0.0
+    try:
+        for name, dtype, q_shape, k_shape, causal, scale in calls:
+            forward = getattr(kernels, name.replace("backward", "forward"))
+            q = torch.randn(q_shape, dtype=DTYPES[dtype])
+            k, v = (torch.randn(k_shape, dtype=DTYPES[dtype]) for _ in range(2))
+            if name.endswith("forward"):
+                args = (q, k, v, causal, scale)
+            else:
+                out, lse = forward(q, k, v, causal, scale)
+                args = (torch.randn_like(q), q, k, v, out, lse, causal, scale)
+            start = time.thread_time()
+            getattr(kernels, name)(*args)
+            seconds += time.thread_time() - start
+    finally:
+        torch.set_num_threads(threads)
+    return seconds
