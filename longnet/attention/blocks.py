@@ -33,13 +33,15 @@ def accumulators(q: Tensor) -> tuple[Tensor, Tensor]:
     return out, lse
 
 
-def _branch_chunks(
-    branches: Sequence[Sequence[BlockGroup]], q: Tensor
+def branch_chunks(
+    branches: Sequence[Sequence[BlockGroup]], row_elements: int, skip_first: bool
 ) -> Iterator[tuple[int, BlockGroup]]:
-    """``(branch index, chunk)``: every group split into pieces of at most ``CHUNK_ELEMENTS``."""
-    for index, groups in enumerate(branches):
-        for group in groups:
-            for chunk in group.chunks(CHUNK_ELEMENTS, q.shape[0] * q.shape[-1]):
+    """``(branch index, chunk)`` in the order they run: every group of every branch (but the
+    first with ``skip_first``) split into chunks of at most ``CHUNK_ELEMENTS`` elements
+    (``row_elements`` = batch * head_dim)."""
+    for index in range(int(skip_first), len(branches)):
+        for group in branches[index]:
+            for chunk in group.chunks(CHUNK_ELEMENTS, row_elements):
                 yield index, chunk
 
 
@@ -101,26 +103,23 @@ def query_side(
     )
 
 
-def whole_branch(
-    branches: Sequence[Sequence[BlockGroup]], seq_len: int, num_heads: int
+def adopted_branch(
+    branches: Sequence[Sequence[BlockGroup]],
+    seq_len: int,
+    num_heads: int,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> BlockGroup | None:
-    """The first branch when it is one group of plain views with rate 1 that covers every row
-    of every head: its kernel outputs can then BE the accumulators (see ``attend_local``)."""
-    if not branches or len(branches[0]) != 1:
+    """The first branch when ``attend_local`` adopts its kernel outputs as the accumulators: it
+    is one group of plain views with rate 1 that covers every row of every head, the inputs
+    are in the accumulation dtype, and the kernel is a fused one (the math kernel would hold
+    a whole branch's scores at once)."""
+    fused = select_kernels(device, dtype)[0] is not math_forward
+    if not (fused and dtype == accumulation_dtype(dtype)) or not branches or len(branches[0]) != 1:
         return None
     (group,) = branches[0]
     covers = group.num_segments * group.segment_length == seq_len and len(group.heads) == num_heads
     return group if group.is_contiguous and covers else None
-
-
-def _adopted_branch(branches: Sequence[Sequence[BlockGroup]], q: Tensor) -> BlockGroup | None:
-    """``whole_branch`` when its kernel outputs can serve as accumulators: they are in the
-    accumulation dtype, and the kernel is a fused one (the math kernel would hold a whole
-    branch's scores at once)."""
-    fused = select_kernels(q.device, q.dtype)[0] is not math_forward
-    if not (fused and q.dtype == accumulation_dtype(q.dtype)):
-        return None
-    return whole_branch(branches, q.shape[1], q.shape[2])
 
 
 def _sequence_layout(block: Tensor, batch: int) -> Tensor:
@@ -142,25 +141,25 @@ def attend_local(
 ) -> tuple[Tensor, Tensor]:
     """``out, lse`` accumulators holding the attention of every block of every branch.
 
-    When ``_adopted_branch`` applies, the first branch runs as one kernel call whose outputs
-    become the accumulators; otherwise it is copied in chunk by chunk (it
-    covers each row and head at most once). Every further block is merged by log-sum-exp."""
+    With an ``adopted_branch``, the first branch runs as one kernel call whose outputs become
+    the accumulators; otherwise it is copied in chunk by chunk (it covers each row and head at
+    most once). Every further block is merged by log-sum-exp."""
     forward, _ = select_kernels(q.device, q.dtype)
-    whole = _adopted_branch(branches, q)
-    if whole is None:
+    adopted = adopted_branch(branches, *q.shape[1:3], q.dtype, q.device)
+    if adopted is None:
         out, lse = accumulators(q)
-        rest, copied = branches, 0  # the first branch is copied in, not merged
     else:
         block_out, block_lse = forward(
-            gather(q, whole), gather(k, whole), gather(v, whole), causal, scale
+            gather(q, adopted), gather(k, adopted), gather(v, adopted), causal, scale
         )
         out, lse = _sequence_layout(block_out, q.shape[0]), _sequence_layout(block_lse, q.shape[0])
-        rest, copied = branches[1:], None
-    for index, chunk in _branch_chunks(rest, q):
+    row_elements = q.shape[0] * q.shape[-1]
+    for index, chunk in branch_chunks(branches, row_elements, skip_first=adopted is not None):
         block_out, block_lse = forward(
             gather(q, chunk), gather(k, chunk), gather(v, chunk), causal, scale
         )
-        merge_into_(out, lse, chunk, block_out, block_lse, fresh=index == copied)
+        # the first branch is copied in (unless adopted), every later one merged
+        merge_into_(out, lse, chunk, block_out, block_lse, fresh=index == 0)
         del block_out, block_lse  # free before the next kernel call allocates its outputs
     return out, lse
 
@@ -178,21 +177,21 @@ def attend_local_backward(
     scale: float,
 ) -> list[Tensor]:
     """Gradient accumulators ``[dq, dk, dv]`` (accumulation dtype) of every block of every
-    branch; like ``attend_local``, a whole first branch's kernel outputs become them."""
-    whole = _adopted_branch(branches, q) if d_lse is None else None  # d_lse: chunked math
-    if whole is None:
+    branch; like ``attend_local``, an ``adopted_branch``'s kernel outputs become them."""
+    # a gradient into lse runs the math kernel chunk by chunk (see block_backward)
+    adopted = adopted_branch(branches, *q.shape[1:3], q.dtype, q.device) if d_lse is None else None
+    if adopted is None:
         grads = [torch.zeros(q.shape, dtype=lse.dtype, device=q.device) for _ in range(3)]
-        rest = branches
     else:
-        d_out_b, q_b, out_b, lse_b, _ = query_side(d_out, q, out, lse, None, whole)
+        d_out_b, q_b, out_b, lse_b, _ = query_side(d_out, q, out, lse, None, adopted)
         _, backward = select_kernels(q.device, q.dtype)
         block_grads = backward(
-            d_out_b, q_b, gather(k, whole), gather(v, whole), out_b, lse_b, causal, scale
+            d_out_b, q_b, gather(k, adopted), gather(v, adopted), out_b, lse_b, causal, scale
         )
         grads = [_sequence_layout(grad, q.shape[0]) for grad in block_grads]
         del block_grads
-        rest = branches[1:]
-    for _, chunk in _branch_chunks(rest, q):
+    row_elements = q.shape[0] * q.shape[-1]
+    for _, chunk in branch_chunks(branches, row_elements, skip_first=adopted is not None):
         d_out_b, q_b, out_b, lse_b, d_lse_b = query_side(d_out, q, out, lse, d_lse, chunk)
         block_grads = block_backward(
             d_out_b, q_b, gather(k, chunk), gather(v, chunk), out_b, lse_b, d_lse_b, causal, scale

@@ -2,8 +2,8 @@
 
 Forward: every branch's selected rows are gathered into dense blocks, a block kernel returns
 ``(out, lse)`` and each block is merged into a running result by log-sum-exp: one softmax over
-the multiset union of all branches' keys. Branches whose segments span ranks run as ring (or
-all-gather) exchanges of the selected K/V rows (``ring``).
+the multiset union of all branches' keys. Branches whose segments span ranks run in pieces
+of a few heads, exchanging the selected K/V rows by ring (or all-gather) (``ring``).
 
 Backward: each block's kernel backward runs with the GLOBAL merged ``out`` and ``lse`` (the
 flash-attention identity), which is exactly that block's share of the gradient of the mixture.
@@ -23,10 +23,10 @@ from longnet.attention.blocks import attend_local, attend_local_backward
 from longnet.attention.layout import BlockGroup, branch_groups
 from longnet.attention.pattern import DilatedPattern
 from longnet.attention.ring import (
-    TRANSPORTS,
-    RingBranch,
+    SpanningPiece,
     check_same_call_everywhere,
     plan_sequence_parallel,
+    transports_per_branch,
 )
 
 
@@ -38,28 +38,36 @@ def block_groups(pattern: DilatedPattern, seq_len: int, num_heads: int) -> list[
 class _DilatedAttention(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, q, k, v, local: list[list[BlockGroup]], rings: list[RingBranch], causal, scale, group
+        ctx,
+        q,
+        k,
+        v,
+        local: list[list[BlockGroup]],
+        pieces: list[SpanningPiece],
+        causal,
+        scale,
+        group,
     ):
         out, lse = attend_local(q, k, v, local, causal, scale)
-        for ring in rings:
-            ring.forward_(out, lse, q, k, v, causal, scale, group)
+        for piece in pieces:
+            piece.forward_(out, lse, q, k, v, causal, scale, group)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan = (local, rings, causal, scale, group)
+        ctx.plan = (local, pieces, causal, scale, group)
         ctx.set_materialize_grads(False)
         return out, rearrange(lse, "b n h 1 -> b h n").contiguous()
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        local, rings, causal, scale, group = ctx.plan
+        local, pieces, causal, scale, group = ctx.plan
         if d_out is None:
             d_out = torch.zeros_like(out)
         if d_lse is not None:
             d_lse = rearrange(d_lse, "b h n -> b n h 1").to(lse.dtype)
         grads = attend_local_backward(d_out, q, k, v, out, lse, d_lse, local, causal, scale)
-        for ring in rings:
-            ring.backward_(grads, d_out, q, k, v, out, lse, d_lse, causal, scale, group)
+        for piece in pieces:
+            piece.backward_(grads, d_out, q, k, v, out, lse, d_lse, causal, scale, group)
         d_q, d_k, d_v = (grad.to(q.dtype) for grad in grads)
         return d_q, d_k, d_v, None, None, None, None, None
 
@@ -98,11 +106,11 @@ def dilated_attention(
     _check_inputs(q, k, v, scale)
     pattern = DilatedPattern.coerce(pattern)
     scale = float(scale) if scale is not None else q.shape[-1] ** -0.5
-    transports = _check_transport(transport, len(pattern.branches))
+    transports = transports_per_branch(transport, len(pattern.branches))
     batch, seq_len, heads, dim = q.shape
     world = 1 if group is None else dist.get_world_size(group)
     if world == 1:
-        local, rings = block_groups(pattern, seq_len, heads), []
+        local, pieces = block_groups(pattern, seq_len, heads), []
     else:
         check_same_call_everywhere(
             f"shape={tuple(q.shape)} dtype={q.dtype} pattern={pattern.branches} causal={causal} "
@@ -110,21 +118,11 @@ def dilated_attention(
             group,
             q.device,
         )
-        local, rings = plan_sequence_parallel(
+        local, pieces = plan_sequence_parallel(
             pattern, seq_len, world, dist.get_rank(group), heads, transports, batch * dim
         )
-    out, lse = _DilatedAttention.apply(q, k, v, local, rings, bool(causal), scale, group)
+    out, lse = _DilatedAttention.apply(q, k, v, local, pieces, bool(causal), scale, group)
     return (out, lse) if return_lse else out
-
-
-def _check_transport(transport: str | Sequence[str], num_branches: int) -> tuple[str, ...]:
-    transports = (transport,) * num_branches if isinstance(transport, str) else tuple(transport)
-    if len(transports) != num_branches or any(t not in TRANSPORTS for t in transports):
-        raise ValueError(
-            f"dilated_attention: transport must be one of {TRANSPORTS} or a list of them, one "
-            f"per branch ({num_branches}), got {transport!r}."
-        )
-    return transports
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> None:

@@ -62,7 +62,7 @@ def region_groups(
     by_rows: dict[int, list[tuple[int, int]]] = {}
     for head in range(num_heads):
         offset = (head - shift) % rate
-        rows = -(-(length - offset) // rate)
+        rows = selected_rows(length, offset, rate)
         if rows > 0:
             by_rows.setdefault(rows, []).append((head, offset))
     groups = []
@@ -70,6 +70,11 @@ def region_groups(
         heads, offsets = zip(*members)
         groups.append(BlockGroup(start, length, count, rate, heads, offsets, rows))
     return groups
+
+
+def selected_rows(length: int, offset: int, rate: int) -> int:
+    """How many rows ``offset, offset + rate, ...`` a head selects in a region of ``length``."""
+    return -(-(length - offset) // rate)
 
 
 def branch_groups(seq_len: int, num_heads: int, segment_length: int, rate: int) -> list[BlockGroup]:

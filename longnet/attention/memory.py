@@ -1,8 +1,13 @@
-"""Per-rank memory and communication of ``dilated_attention`` (forward + backward), from the code.
+"""A memory model of ``dilated_attention``: per-rank bytes and traffic of one forward + backward.
 
-Every number here is a formula over the shapes the implementation allocates (``dilated.py``,
-``blocks.py``, ``layout.py``, ``ring.py``, the CPU flash kernel), not a measurement. All sizes
-are in **bytes** per rank unless a name says otherwise; "elements" are tensor elements.
+A model, not run-time code: the library never imports it. Its numbers are formulas over the
+shapes the implementation allocates (``dilated.py``, ``blocks.py``, ``layout.py``, ``ring.py``,
+the CPU flash kernel), not measurements; ``scripts/plan_context.py``, ``scripts/bench_ring.py``
+and ``tests/unit/test_memory_plan.py`` use them. Which branches are local, the block groups and
+their chunks, the segment groups, the heads per piece and who computes with whose block come
+from the planner's own functions (``ring``, ``blocks``, ``layout``); this module adds the
+accounting. All sizes are in **bytes** per rank unless a name says otherwise; "elements" are
+tensor elements.
 
 Usage::
 
@@ -19,43 +24,27 @@ Usage::
 
 Notation (per rank): ``L = N / P`` shard length, ``E = batch * L * heads * head_dim`` elements of
 one shard tensor, ``s`` the input element size, ``a`` the accumulator element size (4 for
-fp32/bf16/fp16 inputs, 8 for fp64). A ring branch ``(w, r)`` spanning ``g`` ranks runs as
-pieces of a few heads each (``ring.ring_pieces``); a piece packs this rank's selected K and V
-rows of its heads into one message of ``M = 2 * batch * heads_per_piece * R * head_dim <=
-blocks.CHUNK_ELEMENTS`` elements (``R`` = the most rows any member selects for a head,
-``ceil(L / r)`` when ``r`` divides ``L`` or ``heads >= r``; at least one head per piece).
+fp32/bf16/fp16 inputs, 8 for fp64). A branch ``(w, r)`` spanning ``g`` ranks runs as pieces of
+a few heads each (``ring.heads_per_piece``); a piece packs this rank's selected K and V rows of
+its heads into one message of ``M = 2 * batch * heads_per_piece * R * head_dim`` elements
+(``R = ceil(L / r)``, ``message_rows``).
 
-What is modelled, phase by phase (each phase's peak is the sum of the tensors alive in it):
+Each phase's peak is the sum of the tensors alive in it: the persistent tensors
+(``persistent_bytes``: saved ``out``/``lse``, accumulators, gradient buffers), the local
+branches' chunks (``local_forward_workspace``, ``local_backward_workspace``), and per spanning
+branch, one piece at a time, its messages, dK/dV buffers and block work
+(``spanning_branch_memory``). Communication: payload bytes of the point-to-point sends
+(``batch_isend_irecv``); the 16-byte argument check (``all_reduce``) of each call is not counted.
 
-* Saved for backward: ``q, k, v`` (the inputs themselves, no copy), ``out`` (``E * s``) and
-  ``lse`` (``batch * L * heads * a``). Forward accumulators: ``out``/``lse`` in the accumulator
-  dtype (``out`` is the saved tensor itself when ``s == a``).
-* Gradient buffers: ``dq, dk, dv`` accumulators, ``3 * E * a`` (plus ``3 * E * s`` casts when
-  ``s != a``).
-* Local branches (``w <= L``): a first branch of rate 1 covering every row and head runs as one
-  kernel call whose outputs ARE the accumulators (only the kernel workspace on top); the others
-  run in chunks of at most ``blocks.CHUNK_ELEMENTS`` elements: the gathered chunk tensors
-  (copies unless the chunk is a plain view), the kernel outputs, the LSE-merge temporaries and
-  the kernel's per-thread workspace (a chunk's blocks are freed before the next one's).
-* Ring branches (``w > L``), one piece at a time: the packed message, its receive buffer
-  (and, for one moment after each hop's receive, the previous message still held by its
-  finished send), the travelling dK/dV accumulator and its receive buffer (``ring``); all ``g``
-  blocks, the per-source dK/dV partials and the reduce buffers (``allgather``); the piece's
-  query side, gathered once per call (query rows, accumulator rows, the dQ accumulator); and
-  the per-block workspace: kernel outputs and, when offsets drift, K/V rows copied out of the
-  message by head index.
-* Communication: payload bytes of the point-to-point sends (``batch_isend_irecv``); the
-  16-byte argument check (``all_reduce``) of each call is not counted.
-
-Checked against measured peaks: the single-device peak RSS of one forward + backward (B1 H8
-D64, causal, patterns up to (32768, 16), float32/float64/bfloat16, batch 1 and 2) came out
-within 2% of the formula in repeated runs (-1.9% to +1.5%: the rest of the process and
-allocator noise); ``scripts/bench_ring.py`` compares every rank's
-peak with it. With drifting offsets the ring block workspace is an upper bound (all heads of a
-piece in one block of ``ceil(L / r)`` rows). For bfloat16 the CPU
-kernel's own reduced-precision packing buffers are not modelled (a large dense ring block's
-forward peak came out 19% low; the backward peak, which dominates, within 4%). Kernel
-workspaces are those of the CPU flash kernel; on other devices only those small terms differ.
+Checked against measured peaks: the single-device peak RSS of one forward + backward (B1 H8 D64,
+causal, patterns up to (32768, 16), float32/float64/bfloat16, batch 1 and 2) came out within 2%
+of the formula in repeated runs (-1.9% to +1.5%: the rest of the process and allocator noise);
+``scripts/bench_ring.py`` compares every rank's peak with it. With drifting offsets the spanning
+block workspace is an upper bound (all heads of a piece in one block of ``ceil(L / r)`` rows).
+For bfloat16 the CPU kernel's own reduced-precision packing buffers are not modelled (a large
+dense ring block's forward peak came out 19% low; the backward peak, which dominates, within
+4%). Kernel workspaces are those of the CPU flash kernel; on other devices only those small
+terms differ.
 """
 
 from __future__ import annotations
@@ -68,12 +57,22 @@ import torch
 
 from longnet.attention import blocks
 from longnet.attention.kernels import accumulation_dtype
-from longnet.attention.layout import BlockGroup, branch_groups, gathers_view
+from longnet.attention.layout import BlockGroup, gathers_view, selected_rows
 from longnet.attention.pattern import DilatedPattern
-from longnet.attention.ring import TRANSPORTS, padded_length, plan_sequence_parallel
+from longnet.attention.ring import (
+    Schedule,
+    heads_per_piece,
+    padded_length,
+    plan_sequence_parallel,
+    segment_group,
+    transports_per_branch,
+)
 
 MERGE_TEMPORARIES = 4
 """lse-sized temporaries alive at once in ``merge.lse_merge_`` (lse, finite, x - finite, exp)."""
+
+MODELLED_DEVICE = torch.device("cpu")
+"""The device whose kernels are modelled (the CPU flash kernel, a fused one)."""
 
 
 # -- setup ----------------------------------------------------------------------------------
@@ -86,6 +85,7 @@ class AttentionSetup:
     ``seq_len`` is the total length ``N`` the group runs (a multiple of ``world_size`` that fits
     the pattern: see ``padded_length``); ``transport`` is one name or one per branch;
     ``threads`` is the intra-op thread count (the CPU kernel keeps one workspace per thread).
+    Invalid setups raise the library's own errors (the planner's, for the pattern).
     """
 
     batch: int
@@ -98,6 +98,9 @@ class AttentionSetup:
     causal: bool = True
     transport: str | tuple[str, ...] = "ring"
     threads: int = 1
+    local_branches: list[list[BlockGroup]] = field(init=False, repr=False, compare=False)
+    """The block groups of every local branch (``w <= L``), as the planner builds them (the
+    same on every rank)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pattern", DilatedPattern.coerce(self.pattern))
@@ -112,13 +115,6 @@ class AttentionSetup:
                 f"AttentionSetup: dtype must be a floating torch.dtype, got {self.dtype!r}."
             )
         transports = self.transports
-        if len(transports) != len(self.pattern.branches) or any(
-            t not in TRANSPORTS for t in transports
-        ):
-            raise ValueError(
-                f"dilated_attention: transport must be one of {TRANSPORTS} or a list of them, one "
-                f"per branch ({len(self.pattern.branches)}), got {self.transport!r}."
-            )
         if self.seq_len % self.world_size:
             fit = padded_length(self.seq_len, self.pattern, self.world_size)
             raise ValueError(
@@ -126,28 +122,31 @@ class AttentionSetup:
                 f"{self.world_size} equal shards. Pad it to longnet.attention.padded_length("
                 f"{self.seq_len}, pattern, {self.world_size}) = {fit} tokens."
             )
-        # the library's own planner raises its own error for misaligned segment lengths
-        plan_sequence_parallel(
+        local, _ = plan_sequence_parallel(
             self.pattern,
             self.shard_len,
             self.world_size,
             0,
             self.num_heads,
             transports,
-            self.batch * self.head_dim,
+            self.row_elements,
         )
+        object.__setattr__(self, "local_branches", local)
 
     @property
     def transports(self) -> tuple[str, ...]:
         """One transport name per branch."""
-        if isinstance(self.transport, str):
-            return (self.transport,) * len(self.pattern.branches)
-        return tuple(self.transport)
+        return transports_per_branch(self.transport, len(self.pattern.branches))
 
     @property
     def shard_len(self) -> int:
         """``L = N / P`` tokens per rank."""
         return self.seq_len // self.world_size
+
+    @property
+    def row_elements(self) -> int:
+        """``batch * head_dim``: elements per row and head of a block."""
+        return self.batch * self.head_dim
 
     @property
     def input_size(self) -> int:
@@ -194,42 +193,18 @@ def kernel_workspace_backward(setup: AttentionSetup, q_len: int, k_len: int) -> 
 # -- local branches ---------------------------------------------------------------------------
 
 
-def local_groups(setup: AttentionSetup) -> list[list[BlockGroup]]:
-    """The block groups of every local branch (``w <= L``), as ``dilated_attention`` builds them
-    (the same on every rank)."""
-    if setup.world_size == 1:
-        return [
-            branch_groups(setup.seq_len, setup.num_heads, w, r) for w, r in setup.pattern.branches
-        ]
-    local, _ = plan_sequence_parallel(
-        setup.pattern,
-        setup.shard_len,
-        setup.world_size,
-        0,
-        setup.num_heads,
-        setup.transports,
-        setup.batch * setup.head_dim,
-    )
-    return local
-
-
-def whole_first_branch(setup: AttentionSetup) -> BlockGroup | None:
-    """The first local branch when ``blocks.attend_local`` runs it as one kernel call whose
-    outputs become the accumulators (input dtype = accumulation dtype; CPU flash kernel)."""
-    if setup.input_size != setup.acc_size:
-        return None
-    return blocks.whole_branch(local_groups(setup), setup.shard_len, setup.num_heads)
+def adopted_branch(setup: AttentionSetup) -> BlockGroup | None:
+    """``blocks.adopted_branch`` of the local branches: the first one when ``attend_local`` runs
+    it as one kernel call whose outputs become the accumulators."""
+    local, heads = setup.local_branches, setup.num_heads
+    return blocks.adopted_branch(local, setup.shard_len, heads, setup.dtype, MODELLED_DEVICE)
 
 
 def local_chunks(setup: AttentionSetup) -> Iterator[tuple[int, BlockGroup]]:
     """``(branch index, chunk)`` of the chunked local branches, in the order
-    ``blocks.attend_local`` runs them (all but a ``whole_first_branch``)."""
-    row_elements = setup.batch * setup.head_dim
-    skip = 1 if whole_first_branch(setup) is not None else 0
-    for index, groups in enumerate(local_groups(setup)[skip:], start=skip):
-        for group in groups:
-            for chunk in group.chunks(blocks.CHUNK_ELEMENTS, row_elements):
-                yield index, chunk
+    ``blocks.attend_local`` runs them (``blocks.branch_chunks``)."""
+    skip = adopted_branch(setup) is not None
+    return blocks.branch_chunks(setup.local_branches, setup.row_elements, skip_first=skip)
 
 
 def chunk_elements(setup: AttentionSetup, chunk: BlockGroup) -> int:
@@ -250,16 +225,16 @@ def _lse_part(setup: AttentionSetup, elements: int) -> int:
 def local_forward_workspace(setup: AttentionSetup) -> int:
     """Peak bytes of the local branches' forward above the accumulators.
 
-    A ``whole_first_branch`` writes the accumulators itself: only the kernel workspace. Per
+    An ``adopted_branch`` writes the accumulators itself: only the kernel workspace. Per
     chunk of ``C`` elements (``[copy]``: ``gathers_copy``): kernel phase = gathered q, k, v
     ``3 C s [copy]`` + output ``C s + lse`` + kernel workspace; merge phase = output ``C s + lse``
     + (unless the first branch, which is copied) gathered accumulator rows ``(C a + lse) [copy]``
     + ``MERGE_TEMPORARIES`` lse temporaries. A chunk's output is freed before the next call.
     """
     s, peak = setup.input_size, 0
-    whole = whole_first_branch(setup)
-    if whole is not None:
-        peak = kernel_workspace_forward(setup, whole.rows, whole.rows)
+    adopted = adopted_branch(setup)
+    if adopted is not None:
+        peak = kernel_workspace_forward(setup, adopted.rows, adopted.rows)
     for index, chunk in local_chunks(setup):
         c = chunk_elements(setup, chunk)
         copies = gathers_copy(setup, chunk)
@@ -277,7 +252,7 @@ def local_forward_workspace(setup: AttentionSetup) -> int:
 def local_backward_workspace(setup: AttentionSetup) -> int:
     """Peak bytes of the local branches' backward above saved tensors and gradient buffers.
 
-    A ``whole_first_branch`` writes the gradient buffers itself: a contiguous lse copy + the
+    An ``adopted_branch`` writes the gradient buffers itself: a contiguous lse copy + the
     kernel workspace. Per chunk of ``C`` elements: query side ``qs = 3 C s [copy] + lse``
     (d_out, q, out rows and a contiguous lse copy); query phase = ``qs`` + the gathered lse
     ``[copy]``; kernel phase = ``qs`` + gathered k, v ``2 C s [copy]`` + gradients ``3 C s`` +
@@ -286,10 +261,10 @@ def local_backward_workspace(setup: AttentionSetup) -> int:
     place; a chunk's blocks are freed before the next chunk's gathers.
     """
     s, peak = setup.input_size, 0
-    whole = whole_first_branch(setup)
-    if whole is not None:
+    adopted = adopted_branch(setup)
+    if adopted is not None:
         lse = setup.lse_elements * setup.acc_size
-        peak = lse + kernel_workspace_backward(setup, whole.rows, whole.rows)
+        peak = lse + kernel_workspace_backward(setup, adopted.rows, adopted.rows)
     for _, chunk in local_chunks(setup):
         c = chunk_elements(setup, chunk)
         copies = gathers_copy(setup, chunk)
@@ -302,12 +277,12 @@ def local_backward_workspace(setup: AttentionSetup) -> int:
     return peak
 
 
-# -- ring branches ----------------------------------------------------------------------------
+# -- branches spanning ranks -----------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class RingBranchMemory:
-    """One ring branch ``(w, r)`` as seen from one rank (bytes unless noted)."""
+class SpanningBranchMemory:
+    """One branch ``(w, r)`` spanning ranks, as seen from one rank (bytes unless noted)."""
 
     segment_length: int
     rate: int
@@ -328,33 +303,18 @@ class RingBranchMemory:
     received_backward_bytes: int
 
 
-def segment_group(setup: AttentionSetup, segment: int, rank: int) -> tuple[int, int, int]:
-    """``(start, members, index)`` of ``rank``'s segment group for a branch spanning ranks."""
-    shard = setup.shard_len
-    start = rank * shard // segment * segment
-    members = (min(start + segment, setup.seq_len) - start) // shard
-    return start, members, rank - start // shard
-
-
 def message_rows(setup: AttentionSetup, segment: int, rate: int, rank: int) -> int:
     """``R``: the most rows any member of ``rank``'s segment group selects for one head (the
-    message's row dimension, ``RingBranch.rows_max``)."""
-    shard = setup.shard_len
-    start, members, _ = segment_group(setup, segment, rank)
-    first = start // shard
-    smallest = rate
-    for member in range(first, first + min(members, rate)):  # shifts repeat with period <= rate
-        shift = member * shard - start
-        for head in range(min(setup.num_heads, rate)):
-            smallest = min(smallest, (head - shift) % rate)
-    return -(-(shard - smallest) // rate)
+    message's row dimension, ``SpanningPiece.rows_max`` of the whole branch). The group's first
+    member starts the segment, so there head 0 selects rows ``0, r, ...``: ``R = ceil(L / r)``
+    whatever the segment length and rank."""
+    return selected_rows(setup.shard_len, 0, rate)
 
 
-def _ring_compute(
-    setup: AttentionSetup, rate: int, heads: int, rows_q: int, rows_k: int
-) -> tuple[int, int]:
-    """``(forward, backward)`` peak bytes of the block work of a ring branch piece of ``heads``
-    heads: its query side, gathered once per call, and one query-block x key-block pair.
+def _block_work(setup: AttentionSetup, rate: int, heads: int, rows: int) -> tuple[int, int]:
+    """``(forward, backward)`` peak bytes of the block work of a spanning branch piece of
+    ``heads`` heads: its query side, gathered once per call, and one query-block x key-block
+    pair (``R = rows`` rows each).
 
     ``[copy]``: the query rows are copies when ``r > 1`` (views when ``r == 1``). K and V blocks
     are views of the message when ``r`` divides ``L`` (one head group per member), else copies
@@ -366,25 +326,24 @@ def _ring_compute(
     or V block sequence-major (``Ck s``).
     """
     s, a = setup.input_size, setup.acc_size
-    per_row = setup.batch * heads * setup.head_dim
-    cq, ck = per_row * rows_q, per_row * rows_k
+    cq = ck = setup.batch * heads * setup.head_dim * rows
     copies = rate > 1
     kv_copies = setup.shard_len % rate != 0
     lse = _lse_part(setup, cq)
     relay = ck * s
     query_forward = cq * s * copies + (cq * a + lse) * copies
-    workspace = max(kernel_workspace_forward(setup, rows_q, rows_k), MERGE_TEMPORARIES * lse)
+    workspace = max(kernel_workspace_forward(setup, rows, rows), MERGE_TEMPORARIES * lse)
     kv = 2 * ck * s * kv_copies
     forward = query_forward + kv + cq * s + lse + workspace + relay
     query_backward = 3 * cq * s * copies + lse + cq * a
     grads = cq * s + 2 * ck * s
-    backward = query_backward + kv + grads + kernel_workspace_backward(setup, rows_q, rows_k)
+    backward = query_backward + kv + grads + kernel_workspace_backward(setup, rows, rows)
     backward += max(relay, ck * a * kv_copies)
     return forward, backward
 
 
 def _ring_transport(
-    members: int, message: int, accumulator: int, pack: int, compute: tuple[int, int]
+    schedule: Schedule, message: int, accumulator: int, pack: int, work: tuple[int, int]
 ) -> tuple[int, int, int, int]:
     """``ring``: ``(kv_buffers, dkv_buffers, forward, backward)`` peak bytes.
 
@@ -393,17 +352,17 @@ def _ring_transport(
     (``3 Ms`` when ``g >= 3``). Backward adds the travelling accumulator ``Ma`` and, while it
     moves, its receive buffer. ``pack``: peak while the message is packed.
     """
-    if members == 1:
+    if schedule.size == 1:
         in_flight = moment = message
     else:
         in_flight = 2 * message
-        moment = 3 * message if members >= 3 else 2 * message
-    forward = max(pack, moment, in_flight + compute[0])
-    dkv = accumulator if members == 1 else 2 * accumulator
+        moment = 3 * message if schedule.size >= 3 else 2 * message
+    forward = max(pack, moment, in_flight + work[0])
+    dkv = accumulator if schedule.size == 1 else 2 * accumulator
     backward = max(
         pack,
         moment + accumulator,
-        in_flight + accumulator + compute[1],
+        in_flight + accumulator + work[1],
         in_flight + dkv,
         message + accumulator + accumulator // 2,  # unpack: one half of the accumulator copied
     )
@@ -411,28 +370,21 @@ def _ring_transport(
 
 
 def _allgather_transport(
-    setup: AttentionSetup,
-    members: int,
-    index: int,
-    message: int,
-    accumulator: int,
-    pack: int,
-    compute: tuple[int, int],
+    schedule: Schedule, message: int, accumulator: int, pack: int, work: tuple[int, int]
 ) -> tuple[int, int, int, int]:
     """``allgather``: ``(kv_buffers, dkv_buffers, forward, backward)`` peak bytes.
 
     All ``g`` blocks ``g Ms`` stay alive; the backward keeps one ``Ma`` partial per attended
-    source (``index + 1`` causal, ``g`` otherwise), then ``reduce_to_owners`` adds the sum
-    ``Ma`` and one receive buffer ``Ma`` per member that sends a partial for this block.
+    source (``schedule.sources``), then ``reduce_to_owners`` adds the sum ``Ma`` and one
+    receive buffer ``Ma`` per member that sends a partial for this block (``schedule.readers``).
     """
-    attended = index + 1 if setup.causal else members
-    receives = members - 1 - index if setup.causal else members - 1
-    blocks_bytes = members * message
-    dkv = (attended + 1 + receives) * accumulator
-    forward = max(pack, blocks_bytes + compute[0])
+    attended = len(schedule.sources)
+    blocks_bytes = schedule.size * message
+    dkv = (attended + 1 + len(schedule.readers)) * accumulator
+    forward = max(pack, blocks_bytes + work[0])
     backward = max(
         pack,
-        blocks_bytes + attended * accumulator + compute[1],
+        blocks_bytes + attended * accumulator + work[1],
         blocks_bytes + dkv,
         blocks_bytes + (attended + 1) * accumulator + accumulator // 2,  # unpack
     )
@@ -440,71 +392,58 @@ def _allgather_transport(
 
 
 def _traffic(
-    setup: AttentionSetup, transport: str, members: int, index: int, message: int, accumulator: int
+    schedule: Schedule, transport: str, message: int, accumulator: int
 ) -> tuple[int, int, int, int]:
-    """``(sent fwd, sent bwd, received fwd, received bwd)`` payload bytes of one ring branch.
+    """``(sent fwd, sent bwd, received fwd, received bwd)`` payload bytes of one spanning branch.
 
     ``ring``: ``g - 1`` message hops each way, the accumulator ``g`` hops (it returns home).
     ``allgather``: the message to/from every other member each way; the backward sends a
-    partial to every member it attended (causal: the ``index`` earlier ones) and receives one
-    from every member that attended this block (causal: the ``g - 1 - index`` later ones).
+    partial to every other member whose block it computed with and receives one from every
+    member that computed with this rank's block (``schedule.readers``).
     """
-    if members == 1:
+    if schedule.size == 1:
         return 0, 0, 0, 0
-    hops = (members - 1) * message
+    hops = (schedule.size - 1) * message
     if transport == "ring":
-        return hops, hops + members * accumulator, hops, hops + members * accumulator
-    sends = index if setup.causal else members - 1
-    receives = members - 1 - index if setup.causal else members - 1
+        travelled = hops + schedule.size * accumulator
+        return hops, travelled, hops, travelled
+    sends, receives = len(schedule.sources) - 1, len(schedule.readers)
     return hops, hops + sends * accumulator, hops, hops + receives * accumulator
 
 
-def ring_branch_memory(
+def spanning_branch_memory(
     setup: AttentionSetup, segment: int, rate: int, transport: str, rank: int
-) -> RingBranchMemory:
-    """Memory and traffic of the ring branch ``(segment, rate)`` on ``rank``.
+) -> SpanningBranchMemory:
+    """Memory and traffic of the branch ``(segment, rate)`` spanning ranks, on ``rank``.
 
-    The branch runs piece by piece (``ring.ring_pieces``: at most ``blocks.CHUNK_ELEMENTS``
+    The branch runs piece by piece (``ring.heads_per_piece``: at most ``blocks.CHUNK_ELEMENTS``
     elements per message); memory is that of the largest piece, traffic the sum over pieces.
     """
-    _, members, index = segment_group(setup, segment, rank)
-    rows_max = message_rows(setup, segment, rate, rank)
-    rows_q = -(-setup.shard_len // rate)
-    row_elements = setup.batch * setup.head_dim
-    per_piece = min(
-        setup.num_heads, max(1, blocks.CHUNK_ELEMENTS // (2 * rows_max * row_elements))
-    )
-    pieces = -(-setup.num_heads // per_piece)
-    message_elements = 2 * per_piece * rows_max * row_elements
+    _, members = segment_group(rank, setup.shard_len, segment, setup.seq_len)
+    schedule = Schedule(len(members), rank - members[0], setup.causal)
+    rows = message_rows(setup, segment, rate, rank)
+    per_piece = heads_per_piece(rows, setup.row_elements, setup.num_heads)
+    message_elements = 2 * per_piece * rows * setup.row_elements
     message = message_elements * setup.input_size
     accumulator = message_elements * setup.acc_size
-    compute = _ring_compute(setup, rate, per_piece, rows_q, rows_max)
+    work = _block_work(setup, rate, per_piece, rows)
     pack = message + (message // 2 if rate > 1 else 0)  # the message + one gathered K or V
-    if transport == "ring":
-        kv, dkv, forward, backward = _ring_transport(members, message, accumulator, pack, compute)
-    else:
-        kv, dkv, forward, backward = _allgather_transport(
-            setup, members, index, message, accumulator, pack, compute
-        )
+    exchange = _ring_transport if transport == "ring" else _allgather_transport
+    kv, dkv, forward, backward = exchange(schedule, message, accumulator, pack, work)
     # traffic of all pieces together: that of one message holding every head
-    total = 2 * setup.num_heads * rows_max * row_elements
+    total = 2 * setup.num_heads * rows * setup.row_elements
     sent_f, sent_b, recv_f, recv_b = _traffic(
-        setup,
-        transport,
-        members,
-        index,
-        total * setup.input_size,
-        total * setup.acc_size,
+        schedule, transport, total * setup.input_size, total * setup.acc_size
     )
-    return RingBranchMemory(
+    return SpanningBranchMemory(
         segment_length=segment,
         rate=rate,
         transport=transport,
-        members=members,
-        index=index,
-        rows_max=rows_max,
+        members=schedule.size,
+        index=schedule.index,
+        rows_max=rows,
         heads_per_piece=per_piece,
-        pieces=pieces,
+        pieces=-(-setup.num_heads // per_piece),
         message_bytes=message,
         kv_buffer_bytes=kv,
         dkv_buffer_bytes=dkv,
@@ -517,8 +456,9 @@ def ring_branch_memory(
     )
 
 
-def ring_branches(setup: AttentionSetup) -> list[tuple[int, int, str]]:
-    """``(segment length capped at N, rate, transport)`` of every branch spanning ranks."""
+def spanning_branches(setup: AttentionSetup) -> list[tuple[int, int, str]]:
+    """``(segment length capped at N, rate, transport)`` of every branch spanning ranks (its
+    segment is longer than the shard)."""
     return [
         (min(w, setup.seq_len), r, t)
         for (w, r), t in zip(setup.pattern.branches, setup.transports)
@@ -541,7 +481,7 @@ class RankMemory:
     grad_bytes: int  # dq, dk, dv accumulators (+ input-dtype casts when s != a)
     local_forward_bytes: int  # local chunk workspace, forward
     local_backward_bytes: int  # local chunk workspace, backward
-    branches: tuple[RingBranchMemory, ...]
+    branches: tuple[SpanningBranchMemory, ...]
     forward_peak_bytes: int
     backward_peak_bytes: int
 
@@ -557,7 +497,7 @@ class RankMemory:
 
     @property
     def message_bytes(self) -> int:
-        """Largest packed K/V message of any ring branch (0 without ring branches)."""
+        """Largest packed K/V message of any spanning branch (0 without any)."""
         return max((b.message_bytes for b in self.branches), default=0)
 
     @property
@@ -605,17 +545,17 @@ def rank_memory(
 ) -> RankMemory:
     """All memory terms of ``rank``; ``local`` = precomputed ``(local fwd, local bwd)`` workspace.
 
-    Forward peak = accumulators + max(local workspace, each ring branch's forward), or at the
-    end: accumulators + the returned lse copy (+ the ``out`` cast when ``s != a``). Backward
-    peak = saved out, lse + gradient accumulators + max(local workspace, each ring branch's
-    backward), or at the end + the gradient casts.
+    Forward peak = accumulators + max(local workspace, each spanning branch's forward), or at
+    the end: accumulators + the returned lse copy (+ the ``out`` cast when ``s != a``). Backward
+    peak = saved out, lse + gradient accumulators + max(local workspace, each spanning
+    branch's backward), or at the end + the gradient casts.
     """
     if local is None:
         local = (local_forward_workspace(setup), local_backward_workspace(setup))
     accumulators, saved_out, saved_lse, grads = persistent_bytes(setup)
     branches = tuple(
-        ring_branch_memory(setup, segment, rate, transport, rank)
-        for segment, rate, transport in ring_branches(setup)
+        spanning_branch_memory(setup, segment, rate, transport, rank)
+        for segment, rate, transport in spanning_branches(setup)
     )
     e, s, a = setup.shard_elements, setup.input_size, setup.acc_size
     lse = setup.lse_elements * a

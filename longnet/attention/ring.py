@@ -1,9 +1,11 @@
 """Sequence parallelism: queries stay local, selected K/V rows travel (docs/architecture.md §4).
 
-A group of ``P`` ranks holds contiguous shards of ``L = N / P`` tokens. A branch whose segment
-length ``w`` divides ``L`` is local (no communication). A branch with ``w`` a multiple of ``L``
-has segments spanning ``g = w / L`` consecutive ranks (its segment group); only the dilated rows
-of K and V travel, only among those ranks:
+See docs/architecture.md (sequence parallelism). A group of ``P`` ranks holds contiguous shards
+of ``L = N / P`` tokens. A branch whose segment length ``w`` divides ``L`` is local (no
+communication). A branch with ``w`` a multiple of ``L`` has segments spanning ``g = w / L``
+consecutive ranks (its segment group); only the dilated rows of K and V travel, only among
+those ranks, as :class:`SpanningPiece` s of a few heads each. Who computes with whose block,
+and when, is one :class:`Schedule` for the forward, the backward and the memory model:
 
 - ``ring``: the packed K/V block rotates around the sub-ring with one batched send/recv per
   hop; the next hop is posted before the current block is computed. In the backward, the dK/dV
@@ -18,8 +20,9 @@ knows every member's selected rows from the global geometry, so this is handled 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -40,6 +43,17 @@ from longnet.attention.merge import lse_merge_
 from longnet.attention.pattern import DilatedPattern
 
 TRANSPORTS = ("ring", "allgather")
+
+
+def transports_per_branch(transport: str | Sequence[str], num_branches: int) -> tuple[str, ...]:
+    """One transport name per branch (``transport`` is one name for all or one per branch)."""
+    transports = (transport,) * num_branches if isinstance(transport, str) else tuple(transport)
+    if len(transports) != num_branches or any(t not in TRANSPORTS for t in transports):
+        raise ValueError(
+            f"dilated_attention: transport must be one of {TRANSPORTS} or a list of them, one "
+            f"per branch ({num_branches}), got {transport!r}."
+        )
+    return transports
 
 
 def _branch_fits(segment_length: int, shard_len: int) -> bool:
@@ -68,16 +82,68 @@ def padded_length(
     return shard_len * world_size
 
 
+class Hop(NamedTuple):
+    """One hop of the ``ring`` transport, seen from one member of a segment group."""
+
+    number: int
+    source: int  # the member whose K/V block this rank holds during the hop
+    attended: bool  # whether this rank computes with that block
+    last: bool  # no block arrives after this hop (nothing to post)
+
+
 @dataclass(frozen=True)
-class RingBranch:
-    """The heads ``heads`` of one branch whose segments span several ranks, seen from one rank.
+class Schedule:
+    """Who computes with whose K/V block in a segment group of ``size`` members, seen from
+    member ``index``: the one schedule of the forward, the backward and ``memory.py``.
+
+    Causal: a later member's keys are all in the future of an earlier member's queries, so
+    member ``i`` computes with the blocks of members ``0..i`` only.
+    """
+
+    size: int
+    index: int
+    causal: bool
+
+    def attends(self, reader: int, source: int) -> bool:
+        """Whether member ``reader`` computes with member ``source``'s block."""
+        return not (self.causal and source > reader)
+
+    @property
+    def sources(self) -> list[int]:
+        """The members whose blocks this rank computes with, in member order."""
+        return [source for source in range(self.size) if self.attends(self.index, source)]
+
+    @property
+    def readers(self) -> list[int]:
+        """The other members that compute with this rank's block (``allgather``: each sends
+        this rank a dK/dV partial in the backward)."""
+        members = range(self.size)
+        return [m for m in members if m != self.index and self.attends(m, self.index)]
+
+    def hops(self) -> Iterator[Hop]:
+        """``ring``: every block moves one member on per hop (member ``m`` sends to ``m + 1``,
+        receives from ``m - 1``), so at hop ``h`` this rank holds member ``index - h``'s block.
+        Every member joins every hop, attended or not."""
+        for number in range(self.size):
+            source = (self.index - number) % self.size
+            yield Hop(number, source, self.attends(self.index, source), number + 1 == self.size)
+
+
+Attend = Callable[[Tensor, int, Tensor | None], None]
+"""``attend(kv block, source member, dK/dV partial or None)``: compute with one block."""
+
+
+@dataclass(frozen=True)
+class SpanningPiece:
+    """A piece of one branch whose segments span several ranks: its heads ``heads`` (a few, so
+    that one message stays small), seen from one rank; either transport.
 
     ``members`` are the group ranks of this rank's segment group in sequence order, ``index``
     this rank's place among them, ``member_groups[m]`` the rows member ``m`` selects for
-    ``heads`` (shard coordinates; a few head groups when dilation offsets drift). A branch runs
-    as several such pieces, a few heads each, so that one message stays small.
+    ``heads`` (shard coordinates; a few head groups when dilation offsets drift).
     ``query_groups``: this rank's groups split so that each one's heads lie in one group of
     every member; its query-side rows are gathered once and meet every arriving block.
+    Tensors use the sequence layout ``(batch, shard, heads, dim)`` (``lse``: ``dim`` = 1).
     """
 
     members: tuple[int, ...]
@@ -103,10 +169,6 @@ class RingBranch:
         """Rows of member ``source``'s block for the heads of ``query_group`` (0: none)."""
         head = query_group.heads[0]
         return next((g.rows for g in self.member_groups[source] if head in g.heads), 0)
-
-    def skipped(self, source: int, causal: bool) -> bool:
-        """Causal: keys of later ranks are all in the future."""
-        return causal and source > self.index
 
     def pack(self, k: Tensor, v: Tensor) -> Tensor:
         """This rank's selected K and V rows of ``heads`` as one message
@@ -136,39 +198,61 @@ class RingBranch:
                 index = self.positions(query_group.heads, kv.device)
                 yield entry, index, kv[0][:, index, :rows], kv[1][:, index, :rows]
 
-    def _each_block(self, peers: _Peers, kv: Tensor, causal: bool, attend) -> None:
-        """Call ``attend(kv block, source)`` for every block this rank needs, as the transport
-        delivers them (forward: K/V only; see ``backward_`` for the travelling gradients)."""
+    def _exchange(
+        self,
+        peers: _Peers,
+        kv: Tensor,
+        causal: bool,
+        attend: Attend,
+        grad_dtype: torch.dtype | None = None,
+    ) -> Tensor | None:
+        """Run the :class:`Schedule`: ``attend(block, source, d_block)`` for every block this
+        rank computes with, as the transport delivers them; ``kv`` is this rank's ``pack``.
+
+        Forward (``grad_dtype`` None): ``d_block`` is None, and so is the result. Backward:
+        ``d_block`` is a zeroed ``pack``-shaped dK/dV partial in ``grad_dtype`` that ``attend``
+        adds into; every partial reaches its block's owner, and the sum of those for this
+        rank's block is returned.
+        """
+        schedule = Schedule(len(self.members), self.index, causal)
+
+        def zeros() -> Tensor | None:
+            return None if grad_dtype is None else torch.zeros_like(kv, dtype=grad_dtype)
+
         if self.transport == "allgather":
-            for source, block in enumerate(peers.all_gather(kv)):
-                if not self.skipped(source, causal):
-                    attend(block, source)
-            return
-        size = len(self.members)
-        for hop in range(size):
-            source = (self.index - hop) % size
-            incoming = peers.shift(kv, hop) if hop + 1 < size else None
-            if not self.skipped(source, causal):
-                attend(kv, source)
+            gathered = peers.all_gather(kv)
+            partials: list[Tensor | None] = [None] * schedule.size
+            for source in schedule.sources:
+                partials[source] = zeros()
+                attend(gathered[source], source, partials[source])
+            return None if grad_dtype is None else peers.reduce_to_owners(partials, schedule)
+        d_kv = zeros()
+        for hop in schedule.hops():
+            incoming = None if hop.last else peers.shift(kv, hop.number)
+            if hop.attended:
+                attend(kv, hop.source, d_kv)
+            if d_kv is not None:  # the dK/dV accumulator travels with its block
+                d_kv = peers.shift(d_kv, hop.number, tag=1)()
             if incoming is not None:
                 kv = incoming()
+        return d_kv
 
     # -- forward ---------------------------------------------------------------------------
 
     def forward_(self, out, lse, q, k, v, causal: bool, scale: float, group) -> None:
-        """Merge the attention of this branch into ``out``/``lse`` (sequence layout, in place)."""
+        """Merge the attention of this piece into ``out``/``lse`` (sequence layout, in place)."""
         forward, _ = select_kernels(q.device, q.dtype)
         queries = [
             (g, gather(q, g), gather(out, g), gather(lse, g)[..., 0]) for g in self.query_groups
         ]
 
-        def attend(kv: Tensor, source: int) -> None:
+        def attend(kv: Tensor, source: int, _: None) -> None:
             diagonal = causal and source == self.index
             for (_, q_b, out_b, lse_b), _, k_b, v_b in self._blocks(kv, source, queries):
                 block_out, block_lse = forward(q_b, k_b, v_b, diagonal, scale)
                 lse_merge_(out_b, lse_b, block_out, block_lse)
 
-        self._each_block(_Peers(group, self, "forward"), self.pack(k, v), causal, attend)
+        self._exchange(_Peers(group, self, "forward"), self.pack(k, v), causal, attend)
         for query_group, _, out_b, lse_b in queries:
             blocks.write_back_(out, lse, query_group, out_b, lse_b)
 
@@ -177,14 +261,13 @@ class RingBranch:
     def backward_(
         self, grads, d_out, q, k, v, out, lse, d_lse, causal: bool, scale: float, group
     ) -> None:
-        """Add this branch's gradients into ``grads = (dq, dk, dv)`` (sequence layout, in place)."""
-        peers = _Peers(group, self, "backward")
+        """Add this piece's gradients into ``grads = (dq, dk, dv)`` (sequence layout, in place)."""
         queries = []
         for query_group in self.query_groups:
             side = query_side(d_out, q, out, lse, d_lse, query_group)
             queries.append((query_group, *side, torch.zeros_like(side[1], dtype=grads[0].dtype)))
 
-        def attend(kv: Tensor, d_kv: Tensor, source: int) -> None:
+        def attend(kv: Tensor, source: int, d_kv: Tensor) -> None:
             diagonal = causal and source == self.index
             for entry, index, k_b, v_b in self._blocks(kv, source, queries):
                 _, d_out_b, q_b, out_b, lse_b, d_lse_b, d_q_b = entry
@@ -196,26 +279,8 @@ class RingBranch:
                 d_kv[0][:, index, :rows] += d_k
                 d_kv[1][:, index, :rows] += d_v
 
-        kv = self.pack(k, v)
-        size = len(self.members)
-        if self.transport == "allgather":
-            blocks = peers.all_gather(kv)
-            partials = [None] * size
-            for source, block in enumerate(blocks):
-                if not self.skipped(source, causal):
-                    partials[source] = torch.zeros_like(kv, dtype=grads[0].dtype)
-                    attend(block, partials[source], source)
-            own = peers.reduce_to_owners(partials, causal)
-        else:
-            own = torch.zeros_like(kv, dtype=grads[0].dtype)
-            for hop in range(size):
-                source = (self.index - hop) % size
-                incoming = peers.shift(kv, hop) if hop + 1 < size else None
-                if not self.skipped(source, causal):
-                    attend(kv, own, source)
-                own = peers.shift(own, hop, tag=1)()  # the accumulator travels with its block
-                if incoming is not None:
-                    kv = incoming()
+        peers = _Peers(group, self, "backward")
+        own = self._exchange(peers, self.pack(k, v), causal, attend, grads[0].dtype)
         self.unpack_add_(grads[1], grads[2], own)
         for query_group, *_, d_q_b in queries:
             scatter_(grads[0], query_group, d_q_b, accumulate=True)
@@ -224,12 +289,12 @@ class RingBranch:
 class _Peers:
     """Batched point-to-point exchanges among the members of one segment group."""
 
-    def __init__(self, group, branch: RingBranch, phase: str) -> None:
+    def __init__(self, group, piece: SpanningPiece, phase: str) -> None:
         group_ranks = dist.get_process_group_ranks(group)
         self.group = group
-        self.branch = branch
-        self.ranks = [group_ranks[member] for member in branch.members]
-        self.where = f"rank {dist.get_rank()} ({branch.label}, {phase})"
+        self.index = piece.index
+        self.ranks = [group_ranks[member] for member in piece.members]
+        self.where = f"rank {dist.get_rank()} ({piece.label}, {phase})"
 
     def _post(self, ops: list[dist.P2POp], step: str) -> Callable[[], None]:
         """Start ``ops`` as one batch; returns a function that waits for all of them (and keeps
@@ -249,12 +314,12 @@ class _Peers:
         return wait
 
     def shift(self, tensor: Tensor, hop: int, tag: int = 0) -> Callable[[], Tensor]:
-        """Post: send ``tensor`` to the next member, receive the previous member's; returns a
-        function that waits and gives the received tensor."""
+        """Post: send ``tensor`` to the next member, receive the previous member's (see
+        ``Schedule.hops``); returns a function that waits and gives the received tensor."""
         size = len(self.ranks)
         if size == 1:
             return lambda: tensor
-        index = self.branch.index
+        index = self.index
         received = torch.empty_like(tensor)
         ops = [
             dist.P2POp(
@@ -267,31 +332,29 @@ class _Peers:
 
     def all_gather(self, tensor: Tensor) -> list[Tensor]:
         """Every member's ``tensor`` (same shape everywhere), in member order."""
-        blocks = [
-            tensor if m == self.branch.index else torch.empty_like(tensor)
-            for m in range(len(self.ranks))
+        gathered = [
+            tensor if m == self.index else torch.empty_like(tensor) for m in range(len(self.ranks))
         ]
         ops = []
         for member, rank in enumerate(self.ranks):
-            if member != self.branch.index:
+            if member != self.index:
                 ops.append(dist.P2POp(dist.isend, tensor.contiguous(), rank, self.group))
-                ops.append(dist.P2POp(dist.irecv, blocks[member], rank, self.group))
+                ops.append(dist.P2POp(dist.irecv, gathered[member], rank, self.group))
         if ops:
             self._post(ops, "all-gather")()
-        return blocks
+        return gathered
 
-    def reduce_to_owners(self, partials: list[Tensor | None], causal: bool) -> Tensor:
-        """Send ``partials[m]`` to member ``m``; return the sum of the partials for this rank's
-        block (causal: member ``i`` has a partial for ``m`` only when ``m <= i``)."""
-        me = self.branch.index
-        total = partials[me].clone()
+    def reduce_to_owners(self, partials: list[Tensor | None], schedule: Schedule) -> Tensor:
+        """Send ``partials[m]`` (None: none, this rank did not compute with ``m``'s block) to
+        member ``m``; return the sum of the partials for this rank's block, received from
+        ``schedule.readers``."""
+        total = partials[self.index].clone()
+        readers = schedule.readers
         received, ops = [], []
         for member, rank in enumerate(self.ranks):
-            if member == me:
-                continue
-            if partials[member] is not None:
+            if member != self.index and partials[member] is not None:
                 ops.append(dist.P2POp(dist.isend, partials[member], rank, self.group))
-            if not (causal and me > member):
+            if member in readers:
                 buffer = torch.empty_like(total)
                 received.append(buffer)
                 ops.append(dist.P2POp(dist.irecv, buffer, rank, self.group))
@@ -310,13 +373,13 @@ def plan_sequence_parallel(
     num_heads: int,
     transports: Sequence[str],
     row_elements: int,
-) -> tuple[list[list[BlockGroup]], list[RingBranch]]:
-    """Split ``pattern`` into local branches (their block groups) and ring branch pieces for
-    group rank ``rank``; ``row_elements`` = batch * head_dim (sizes the pieces, see
-    ``ring_pieces``)."""
+) -> tuple[list[list[BlockGroup]], list[SpanningPiece]]:
+    """Split ``pattern`` into local branches (their block groups) and the pieces of branches
+    spanning ranks, for group rank ``rank``; ``row_elements`` = batch * head_dim (sizes the
+    pieces, see ``heads_per_piece``)."""
     seq_len = shard_len * world_size
     local: list[list[BlockGroup]] = []
-    rings: list[RingBranch] = []
+    pieces: list[SpanningPiece] = []
     for (w, r), transport in zip(pattern.branches, transports):
         segment = min(w, seq_len)
         if not _branch_fits(segment, shard_len):
@@ -331,8 +394,7 @@ def plan_sequence_parallel(
         if segment <= shard_len:
             local.append(branch_groups(shard_len, num_heads, segment, r))
             continue
-        start = rank * shard_len // segment * segment
-        members = tuple(range(start // shard_len, min(start + segment, seq_len) // shard_len))
+        start, members = segment_group(rank, shard_len, segment, seq_len)
         member_groups = tuple(
             tuple(region_groups(0, shard_len, 1, num_heads, r, shift=m * shard_len - start))
             for m in members
@@ -341,18 +403,35 @@ def plan_sequence_parallel(
         for heads, groups in ring_pieces(member_groups, num_heads, row_elements):
             label = f"branch w={w} r={r} heads {heads[0]}-{heads[-1]}"
             queries = query_groups(groups[index], groups)
-            rings.append(RingBranch(members, index, groups, transport, label, heads, queries))
-    return local, rings
+            pieces.append(SpanningPiece(members, index, groups, transport, label, heads, queries))
+    return local, pieces
+
+
+def segment_group(
+    rank: int, shard_len: int, segment: int, seq_len: int
+) -> tuple[int, tuple[int, ...]]:
+    """``(start, members)`` for a branch whose ``segment`` (a multiple of ``shard_len``) spans
+    ranks: the first token of ``rank``'s segment and the ranks holding it, in sequence order
+    (the last segment may be cut at ``seq_len``)."""
+    start = rank * shard_len // segment * segment
+    return start, tuple(range(start // shard_len, min(start + segment, seq_len) // shard_len))
+
+
+def heads_per_piece(rows: int, row_elements: int, num_heads: int) -> int:
+    """Heads per piece of a spanning branch whose members select at most ``rows`` rows per
+    head: one message (K and V rows of a piece's heads, ``row_elements`` = batch * head_dim per
+    row) holds at most ``blocks.CHUNK_ELEMENTS`` elements, and at least one head."""
+    return min(num_heads, max(1, blocks.CHUNK_ELEMENTS // (2 * rows * row_elements)))
 
 
 def ring_pieces(
     member_groups: Sequence[Sequence[BlockGroup]], num_heads: int, row_elements: int
 ) -> list[tuple[tuple[int, ...], tuple[tuple[BlockGroup, ...], ...]]]:
-    """Split a ring branch by heads so that one message (K and V rows of a piece's heads)
-    holds at most ``blocks.CHUNK_ELEMENTS`` elements: ``(heads, member groups)`` per piece.
-    Every member of a segment group computes the same pieces (same global geometry)."""
+    """Split a branch spanning ranks (either transport) by heads (``heads_per_piece``):
+    ``(heads, member groups)`` per piece. Every member of a segment group computes the same
+    pieces (same global geometry)."""
     rows = max(group.rows for groups in member_groups for group in groups)
-    per_piece = max(1, blocks.CHUNK_ELEMENTS // (2 * rows * row_elements))
+    per_piece = heads_per_piece(rows, row_elements, num_heads)
     pieces = []
     for first in range(0, num_heads, per_piece):
         heads = tuple(range(first, min(first + per_piece, num_heads)))
