@@ -16,8 +16,11 @@ from longnet.modeling import hub
 REPO = Path(__file__).resolve().parents[2]
 
 
-LAYERS = ["attention", "nn", "modeling", "data", "training", "eval", "cli", "__main__"]
-"""``longnet``'s layers from the bottom up (``cli``/``__main__``: the command, on top)."""
+LAYERS = ["constants", "validation", "distributed", "attention", "nn", "modeling", "data",
+          "training", "eval", "bench", "cli", "__main__"]
+"""``longnet``'s layers from the bottom up: shared constants and validators, the process-group
+launcher, then the library's layers, the benchmark harness, and ``cli``/``__main__`` (the
+command) on top."""
 
 
 def _layer(module: str) -> int:
