@@ -1,0 +1,146 @@
+"""Benchmark one training step of a LongNet LM against its dense twin: tokens/s vs length.
+
+    python scripts/bench_training.py --model longnet-tiny-16k --lengths 1K 2K 4K 8K 16K \
+        --precision 32 --profile 16K --out docs/
+
+A step is forward + loss + backward + AdamW on random bytes (``longnet/bench/training.py``).
+Per length the model runs with its own dilated pattern and as its dense twin (one branch
+covering the sequence), interleaved, and the table reports median tokens/s, the dilated/dense
+ratio and the dilated model's tokens/s relative to its own at the shortest length (linear cost
+keeps it near 1). ``--profile LEN`` adds where one dilated step's time goes at that length and
+the attention core's time per branch. Writes the table and ``bench_training.png`` and the block
+``<model>-<precision>`` of the "Training step" section of ``<out>/benchmarks.md``;
+``--json PATH`` also writes every sample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from longnet.bench import common
+from longnet.bench.training import (
+    PRECISIONS,
+    SYSTEMS,
+    branch_seconds,
+    profile_step,
+    time_length,
+)
+from longnet.eval.reporting import parse_length
+from longnet.modeling import LongNetConfig
+
+SECTION = "## Training step"
+PREFIX = "bench_training"
+INTRO = (
+    "One training step (forward, loss, backward, AdamW) of a zoo model on random bytes, with "
+    "its own dilated pattern and as its dense twin (one branch `(n, 1)`: dense causal "
+    "attention), by `scripts/bench_training.py`. Tokens/s are medians of interleaved steps."
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="zoo name or model folder (its config)")
+    parser.add_argument("--lengths", nargs="+", type=parse_length, required=True,
+                        help="tokens per sample, e.g. 1K 4K 16K")
+    parser.add_argument("--batch", type=int, default=1, help="samples per step")
+    parser.add_argument("--precision", choices=PRECISIONS, default="32",
+                        help="32 (float32) or bf16 (bfloat16 autocast, as bf16-mixed)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per system and length")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    parser.add_argument("--profile", type=parse_length, help="profile a dilated step at LEN")
+    parser.add_argument("--out", type=Path, default=Path("runs/bench_training"))
+    parser.add_argument("--json", type=Path, help="also write every sample here")
+    args = parser.parse_args(argv)
+    for name in ("batch", "steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}.")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be >= 0, got {args.warmup}.")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    run = common.Run(common.command_line("scripts/bench_training.py", sys.argv[1:] if argv is None
+                                         else argv, ["OMP_NUM_THREADS"]))
+    config = LongNetConfig.from_pretrained(args.model)
+    timings = []
+    for length in sorted(args.lengths):
+        found = time_length(config, length, batch=args.batch, precision=args.precision,
+                            steps=args.steps, warmup=args.warmup, systems=args.systems)
+        timings += found
+        print(" ".join(f"{t.system} @ {length}: {t.tokens_per_s:,.0f} tokens/s" for t in found),
+              flush=True)
+    by = {(t.system, t.length): t for t in timings}
+    shortest = min(args.lengths)
+    header = ["length", *(f"{s} tokens/s" for s in args.systems)]
+    if len(args.systems) == 2:
+        header.append("dilated / dense")
+    if "dilated" in args.systems:
+        header.append(f"dilated vs its own at {shortest}")
+    rows = []
+    for length in sorted(args.lengths):
+        row = [str(length)] + [f"{by[s, length].tokens_per_s:,.0f}" for s in args.systems]
+        if len(args.systems) == 2:
+            row.append(common.ratio(by["dilated", length].tokens_per_s,
+                                    by["dense", length].tokens_per_s))
+        if "dilated" in args.systems:
+            row.append(common.ratio(by["dilated", length].tokens_per_s,
+                                    by["dilated", shortest].tokens_per_s))
+        rows.append(row)
+    lines = [common.markdown_table(header, rows)]
+    profile, branches = [], []
+    if args.profile is not None:
+        profile = profile_step(config, args.profile, batch=args.batch, precision=args.precision)
+        total = sum(seconds for _, seconds in profile)
+        lines += ["", f"Where one dilated step's time goes at {args.profile} tokens "
+                  f"(profiler, {total:.2f} s of operator time):", "",
+                  common.markdown_table(["part", "s", "share"], [
+                      [name, f"{seconds:.3f}", f"{seconds / total:.0%}"]
+                      for name, seconds in profile])]
+        branches = branch_seconds(config, args.profile, batch=args.batch,
+                                  precision=args.precision)
+        lines += ["", f"Attention core alone, forward + backward per branch at {args.profile} "
+                  f"tokens, all {config.num_layers} layers:", "",
+                  common.markdown_table(["branch (w, r)", "s"], [
+                      [f"({w}, {r})", f"{seconds:.3f}"] for (w, r), seconds in branches])]
+    finished = run.finish()
+    threads = torch.get_num_threads()
+    head = common.run_lines(finished, common.machine(threads=True),
+                            common.commit_version(Path(__file__).resolve().parents[1]))
+    tag = f"{Path(str(args.model)).name}-{args.precision}"
+    block = "\n".join([f"### {tag}", "", *head,
+                       f"- model: `{args.model}`, batch {args.batch}, precision {args.precision}, "
+                       f"{args.steps} timed steps per point after {args.warmup} warm-up, "
+                       f"{threads} threads", "", *lines])
+    print(block)
+    args.out.mkdir(parents=True, exist_ok=True)
+    _plot(timings, args, args.out / "bench_training.png")
+    common.write_blocks(args.out / "benchmarks.md", SECTION, PREFIX, {tag: block}, INTRO)
+    if args.json is not None:
+        args.json.write_text(json.dumps({
+            "run": finished, "timings": [t.__dict__ for t in timings],
+            "profile": profile, "branches": branches,
+        }, indent=2) + "\n")
+    return 0
+
+
+def _plot(timings, args: argparse.Namespace, path: Path) -> None:
+    plt = common.pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for system in args.systems:
+        points = sorted((t.length, t.tokens_per_s) for t in timings if t.system == system)
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=system)
+    common.log2_axis(ax, "tokens per sample", "training tokens/s", ticks=sorted(args.lengths),
+                     log_y=True)
+    common.save_figure(fig, path, f"Training step of {args.model} ({args.precision})", dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
