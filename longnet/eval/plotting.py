@@ -56,12 +56,7 @@ def plot_bits_per_byte(
     if lengths:
         ax.set_xscale("log", base=2)
         ax.set_xticks(lengths, [_short(c) for c in lengths])
-    ax.set_xlabel("context length (tokens = bytes)")
-    ax.set_ylabel("bits per byte")
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize="small")
-    return _save(fig, path)
+    return _save_bits_plot(fig, ax, "context length (tokens = bytes)", title, path)
 
 
 def plot_bits_by_position(
@@ -89,12 +84,8 @@ def plot_bits_by_position(
         ax.plot([i for i, _ in kept], [b for _, b in kept], marker="o", label=label)
     ax.set_xticks(range(len(buckets)), [f"{_short(s)}-{_short(e)}" for s, e in buckets],
                   rotation=30, ha="right")
-    ax.set_xlabel("position of the scored byte in its document (bytes)")
-    ax.set_ylabel("bits per byte")
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize="small")
-    return _save(fig, path)
+    return _save_bits_plot(fig, ax, "position of the scored byte in its document (bytes)",
+                           title, path)
 
 
 def plot_passkey_heatmaps(
@@ -149,6 +140,16 @@ def _short(length: int) -> str:
         if length >= size and length % size == 0:
             return f"{length // size}{unit}"
     return str(length)
+
+
+def _save_bits_plot(fig: Figure, ax, xlabel: str, title: str, path: str | Path) -> Path:
+    """Label a bits-per-byte line plot (y axis, grid, legend) and write it."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("bits per byte")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    return _save(fig, path)
 
 
 def _save(fig: Figure, path: str | Path) -> Path:
