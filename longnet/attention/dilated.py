@@ -12,6 +12,7 @@ Only ``q, k, v, out, lse`` are saved.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -83,6 +84,7 @@ def dilated_attention(
     group: dist.ProcessGroup | None = None,
     return_lse: bool = False,
     transport: str | Sequence[str] = "ring",
+    check_finite: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """LongNet dilated attention, exact in forward and backward.
 
@@ -98,12 +100,22 @@ def dilated_attention(
         return_lse: also return the log-sum-exp of the scores.
         transport: how branches spanning several ranks move K/V: ``"ring"`` or ``"allgather"``,
             one for all branches or one per branch.
+        check_finite: raise ``ValueError`` if ``q``, ``k`` or ``v`` holds a NaN or an infinity
+            (one reduction per tensor; on CUDA it waits for the device). Without it such inputs
+            give kernel-dependent outputs: the CPU kernels can turn a NaN query of a float32,
+            bfloat16 or float16 call into a zero row with ``lse = 0`` instead of NaN.
     Returns:
         ``out`` ``(batch, seq, heads, head_dim)`` in the input dtype, and with ``return_lse``
         ``lse`` ``(batch, heads, seq)`` in float32 (float64 for float64 inputs). Queries that no
         branch covers get ``out = 0`` and ``lse = -inf``.
     """
     _check_inputs(q, k, v, scale)
+    for name, flag in (("causal", causal), ("return_lse", return_lse),
+                       ("check_finite", check_finite)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"dilated_attention: {name} must be True or False, got {flag!r}.")
+    if check_finite:
+        _check_finite(q, k, v)
     pattern = DilatedPattern.coerce(pattern)
     scale = float(scale) if scale is not None else q.shape[-1] ** -0.5
     transports = transports_per_branch(transport, len(pattern.branches))
@@ -121,7 +133,7 @@ def dilated_attention(
         local, pieces = plan_sequence_parallel(
             pattern, seq_len, world, dist.get_rank(group), heads, transports, batch * dim
         )
-    out, lse = _DilatedAttention.apply(q, k, v, local, pieces, bool(causal), scale, group)
+    out, lse = _DilatedAttention.apply(q, k, v, local, pieces, causal, scale, group)
     return (out, lse) if return_lse else out
 
 
@@ -162,5 +174,22 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> None:
             f"dilated_attention: q has an empty dimension, shape {tuple(q.shape)}; every "
             "dimension (batch, seq, heads, head_dim) must be at least 1."
         )
-    if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
-        raise ValueError(f"dilated_attention: scale must be a positive number, got {scale!r}.")
+    if scale is not None and (
+        isinstance(scale, bool) or not isinstance(scale, (int, float))
+        or not math.isfinite(scale) or scale <= 0
+    ):
+        raise ValueError(
+            f"dilated_attention: scale must be a finite positive number (default head_dim ** "
+            f"-0.5), got {scale!r}."
+        )
+
+
+def _check_finite(q: Tensor, k: Tensor, v: Tensor) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        bad = int((~torch.isfinite(t)).sum())
+        if bad:
+            raise ValueError(
+                f"dilated_attention: {name} holds {bad} NaN or infinite value(s) (shape "
+                f"{tuple(t.shape)}, {t.dtype}); find where they come from (a diverged "
+                "training step, an unmasked padding value) before attention."
+            )

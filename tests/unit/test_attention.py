@@ -233,6 +233,28 @@ def _qkv(*shape, dtype=torch.float32):
         (lambda q, k, v: dilated_attention(q, k, v, [(4, 1, 2)]), ValueError, "pair"),
         (lambda q, k, v: dilated_attention(q, k, v, 5), TypeError, "DilatedPattern"),
         (lambda q, k, v: dilated_attention(q, k, v, [(8, 1)], scale=-1.0), ValueError, "scale"),
+        (
+            lambda q, k, v: dilated_attention(q, k, v, [(8, 1)], scale=float("inf")),
+            ValueError,
+            "finite positive number.*inf",
+        ),
+        (lambda q, k, v: dilated_attention(q, k, v, [(8, 1)], scale=0.0), ValueError, "scale"),
+        (lambda q, k, v: dilated_attention(q, k, v, [(8, 1)], scale=True), ValueError, "True"),
+        (
+            lambda q, k, v: dilated_attention(q, k, v, [(8, 1)], causal="no"),
+            TypeError,
+            "causal must be True or False, got 'no'",
+        ),
+        (
+            lambda q, k, v: dilated_attention(q, k, v, [(8, 1)], return_lse=1),
+            TypeError,
+            "return_lse must be True or False",
+        ),
+        (
+            lambda q, k, v: dilated_attention(q, k, v, [(8, 1)], check_finite="yes"),
+            TypeError,
+            "check_finite",
+        ),
         (lambda q, k, v: dilated_attention(q, k, v, []), ValueError, "empty"),
         (
             lambda q, k, v: dilated_attention(q[:, :0], k[:, :0], v[:, :0], [(8, 1)]),
@@ -245,6 +267,25 @@ def _qkv(*shape, dtype=torch.float32):
 def test_bad_input_raises_clear_error(call, error, match):
     with pytest.raises(error, match=match):
         call(*_qkv(2, 8, 2, 4))
+
+
+@pytest.mark.parametrize("seq_len", [16, 4096])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_check_finite_names_the_tensor_with_a_nan_or_inf(seq_len, dtype, bad, where):
+    tensors = dict(zip("qkv", _qkv(1, seq_len, 2, 8, dtype=dtype)))
+    tensors[where][0, seq_len // 3, 1, 5] = bad
+    branches = [(8, 1), (16, 2)]
+    with pytest.raises(ValueError, match=f"{where} holds 1 NaN or infinite value"):
+        dilated_attention(*tensors.values(), branches, causal=True, check_finite=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_check_finite_passes_finite_inputs_unchanged(dtype):
+    q, k, v = _qkv(1, 16, 2, 8, dtype=dtype)
+    checked = dilated_attention(q, k, v, [(8, 1), (16, 2)], causal=True, check_finite=True)
+    assert torch.equal(checked, dilated_attention(q, k, v, [(8, 1), (16, 2)], causal=True))
 
 
 @pytest.mark.gpu
