@@ -39,6 +39,7 @@ from longnet.eval.cli import (
     documents_from_args,
     length_argument,
     models_from_args,
+    position_argument,
     run_cli,
     stride_argument,
 )
@@ -62,9 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     add_document_arguments(parser)
     parser.add_argument(
-        "--score-from", type=length_argument,
+        "--score-from", type=position_argument,
         help="also score only the bytes at document positions >= this (the same bytes for "
-        "every context length); the plot shows these",
+        "every context length; 0: every byte, the closing EOS left out); the plot shows these",
     )
     parser.add_argument(
         "--by-position", action="store_true",

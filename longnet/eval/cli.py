@@ -69,6 +69,14 @@ def length_argument(text: str) -> int:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def position_argument(text: str) -> int:
+    """argparse type for positions in a document: ``0``, ``512``, ``16K``."""
+    try:
+        return parse_length(text, minimum=0)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def stride_argument(text: str) -> int | float:
     """argparse type: a token count (``512``, ``1K``) or a fraction of the context (``0.5``)."""
     try:

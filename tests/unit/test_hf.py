@@ -28,6 +28,7 @@ from longnet.hf import (  # noqa: E402
     LongNetCache,
     LongNetForCausalLM,
     LongNetHFConfig,
+    byte_tokenizer,
     load_tokenizer,
 )
 
@@ -64,8 +65,9 @@ def left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # ---------------------------------------------------------------------- Auto classes, files
-def test_auto_classes_load_a_save_pretrained_folder(tmp_path):
-    lm = make_lm()
+@pytest.mark.parametrize("tied", [True, False])
+def test_auto_classes_load_a_save_pretrained_folder(tmp_path, tied):
+    lm = make_lm(tie_word_embeddings=tied)
     lm.save_pretrained(tmp_path / "m")
     config = AutoConfig.from_pretrained(tmp_path / "m")
     assert isinstance(config, LongNetHFConfig) and config.to_longnet() == lm.config
@@ -73,7 +75,7 @@ def test_auto_classes_load_a_save_pretrained_folder(tmp_path):
         2, 64, True)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
     assert isinstance(model, LongNetForCausalLM) and model.dtype == torch.float32
-    assert model.longnet.lm_head.weight is model.longnet.model.embed_tokens.weight
+    assert (model.longnet.lm_head.weight is model.longnet.model.embed_tokens.weight) == tied
     x = torch.stack(prompts(20, 20))
     with torch.no_grad():
         torch.testing.assert_close(model(x).logits, lm(x).logits, rtol=0, atol=1e-6)
@@ -228,9 +230,12 @@ def _random_text(rng: random.Random, length: int) -> str:
     return "".join(chr(rng.randint(*rng.choice(pools))) for _ in range(length))
 
 
-def test_tokenizer_encodes_and_decodes_as_byte_tokenizer(tmp_path):
-    make_lm(eos_token_id=255, pad_token_id=254).save_pretrained(tmp_path)
-    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+@pytest.mark.parametrize("source", ["folder", "memory"])
+def test_tokenizer_encodes_and_decodes_as_byte_tokenizer(tmp_path, source):
+    lm = make_lm(eos_token_id=255, pad_token_id=254)
+    lm.save_pretrained(tmp_path)
+    tokenizer = (AutoTokenizer.from_pretrained(tmp_path) if source == "folder"
+                 else byte_tokenizer(lm.config))
     assert (tokenizer.eos_token_id, tokenizer.pad_token_id) == (255, 254)
     ours = ByteTokenizer()
     rng = random.Random(0)
