@@ -51,9 +51,10 @@ from longnet.modeling import LongNetLM, write_tokenizer_files
 
 BPB_TASK = "longnet_bpb"
 NIAH_TASKS = ("niah_single_1", "niah_multikey_2")
-"""RULER's needle-in-a-haystack tasks whose haystacks are generated (repeated filler
-sentences, distractor needles); ``niah_single_2``/``_3`` and the other multikey ones read Paul
-Graham's essays from the Hugging Face Hub and cannot run offline."""
+"""RULER's needle-in-a-haystack tasks run here; their haystacks are generated (a repeated
+filler paragraph; distractor needles). ``niah_single_2``/``_3``, ``niah_multikey_1``,
+``niah_multivalue`` and ``niah_multiquery`` read Paul Graham's essays from the Hugging Face
+Hub and cannot run offline."""
 
 
 def tokenizer_folder(model: LongNetLM, directory: str | Path) -> Path:
@@ -111,17 +112,21 @@ def write_bpb_task(
                                   ("word_perplexity", "weighted_perplexity"))
     )
     config = directory / f"{task}.yaml"
-    config.write_text(
-        f"task: {task}\n"
-        f"dataset_path: json\n"
-        f"dataset_kwargs:\n  data_files:\n    test: {json.dumps(str(data.resolve()))}\n"
-        f"test_split: test\n"
-        f"output_type: loglikelihood_rolling\n"
-        f'doc_to_text: ""\n'
-        f"doc_to_target: text\n"
-        f"metric_list:\n{metrics}"
-        f"metadata:\n  version: 1.0\n"
-    )
+    config.write_text("\n".join([
+        f"task: {task}",
+        "dataset_path: json",
+        "dataset_kwargs:",
+        "  data_files:",
+        f"    test: {json.dumps(str(data.resolve()))}",
+        "test_split: test",
+        "output_type: loglikelihood_rolling",
+        'doc_to_text: ""',
+        "doc_to_target: text",
+        "metric_list:",
+        metrics.rstrip("\n"),
+        "metadata:",
+        "  version: 1.0",
+    ]) + "\n")
     return config
 
 

@@ -77,7 +77,7 @@ class LongNetForCausalLM(PreTrainedModel, GenerationMixin):
     @classmethod
     def from_pretrained(
         cls, pretrained_model_name_or_path: str | Path, *model_args: Any, **kwargs: Any
-    ) -> LongNetForCausalLM:
+    ) -> LongNetForCausalLM | tuple[LongNetForCausalLM, dict[str, Any]]:
         """``transformers``' ``from_pretrained``, with two differences: a zoo name
         (``"longnet-tiny"``) resolves to its folder, and a checkpoint whose tensors do not
         match the model exactly (missing, unexpected or mis-shaped) raises
@@ -163,24 +163,21 @@ class LongNetForCausalLM(PreTrainedModel, GenerationMixin):
             padding = torch.zeros(batch, dtype=torch.long, device=input_ids.device)
         groups = (cache.bind(padding, batch) if cache is not None
                   else [(group, None) for group in row_groups(padding)])
-        logits, loss_sum, num_tokens = None, 0.0, 0
+        logits = torch.zeros(batch, length, self.config.vocab_size, dtype=self.dtype,
+                             device=input_ids.device)
+        loss_sum, num_tokens = 0.0, 0
         for group, group_cache in groups:
             start = max(group.padding - seen, 0)  # the first new column holding a token
-            if start >= length:
+            if start >= length:  # only padding in this chunk (a prefill in pieces)
                 continue
             out = self.longnet(
                 input_ids[group.rows, start:],
                 labels=None if labels is None else _aligned(labels[group.rows, start:]),
                 cache=group_cache,
             )
-            if logits is None:
-                logits = out.logits.new_zeros(batch, length, out.logits.shape[-1])
             logits[group.rows, start:] = out.logits
             if labels is not None:
                 loss_sum, num_tokens = loss_sum + out.loss_sum, num_tokens + out.num_tokens
-        if logits is None:  # every new column is padding (a prefill in chunks)
-            logits = torch.zeros(batch, length, self.config.vocab_size, dtype=self.dtype,
-                                 device=input_ids.device)
         if cache is not None:
             cache.advance(length)
         loss = None if labels is None else loss_sum / max(int(num_tokens), 1)
@@ -198,7 +195,11 @@ def _longnet_cache(past_key_values: Any, use_cache: bool, num_layers: int) -> Lo
     """The cache a forward call reads and extends, or None to run without one."""
     if isinstance(past_key_values, LongNetCache):
         return past_key_values
-    if past_key_values is not None and past_key_values.get_seq_length() > 0:
+    empty = past_key_values is None or (
+        callable(getattr(past_key_values, "get_seq_length", None))
+        and past_key_values.get_seq_length() == 0
+    )
+    if not empty:
         raise ValueError(
             f"past_key_values is a {type(past_key_values).__name__} holding tokens; LongNet "
             "decodes only with its own dilated-pattern cache (LongNetCache). Start without "

@@ -36,9 +36,9 @@ def left_padding(attention_mask: Tensor, batch: int, length: int) -> Tensor:
             f"attention_mask has shape {tuple(attention_mask.shape)}, expected ({batch}, "
             f"{length}): one column per token of the sequence, cached tokens included."
         )
-    tokens = attention_mask != 0
     if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
         raise ValueError("attention_mask must hold only 0 (padding) and 1 (token).")
+    tokens = attention_mask == 1
     padding = (tokens.long().cumsum(dim=1) == 0).sum(dim=1)
     inner = tokens.sum(dim=1) != length - padding
     if bool(inner.any()):
