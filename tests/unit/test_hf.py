@@ -13,7 +13,14 @@ import pytest
 import torch
 
 from longnet.data import ByteTokenizer
-from longnet.modeling import LongNetConfig, LongNetLM, WeightsMismatchError, resolve_model_dir
+from longnet.modeling import (
+    LongNetConfig,
+    LongNetLM,
+    WeightsMismatchError,
+    list_models,
+    resolve_model_dir,
+    write_tokenizer_files,
+)
 from longnet.modeling.tokenizer_files import byte_characters, tokenizer_json
 
 transformers = pytest.importorskip("transformers")
@@ -82,8 +89,8 @@ def test_auto_classes_load_a_save_pretrained_folder(tmp_path, tied):
 
 
 def test_save_pretrained_writes_the_longnet_folder(tmp_path):
-    model = LongNetForCausalLM(LongNetHFConfig.from_longnet(make_lm(tie_word_embeddings=False)
-                                                            .config))
+    config = LongNetHFConfig.from_longnet(make_lm(tie_word_embeddings=False).config)
+    model = LongNetForCausalLM(config)  # a fresh LongNetLM inside
     model.save_pretrained(tmp_path / "m")
     assert {p.name for p in (tmp_path / "m").iterdir()} == {
         "config.json", "model.safetensors", "README.md", "tokenizer.json",
@@ -268,8 +275,6 @@ def test_tokenizer_json_is_what_the_tokenizers_library_builds():
 
 
 def test_every_zoo_folder_ships_the_tokenizer(tmp_path):
-    from longnet.modeling import list_models, write_tokenizer_files
-
     for name in list_models():
         (tmp_path / name).mkdir()
         written = write_tokenizer_files(tmp_path / name, LongNetConfig.from_pretrained(name))
