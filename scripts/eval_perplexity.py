@@ -26,7 +26,6 @@ from longnet.eval import (
     compressor_baselines,
     default_context_lengths,
     format_table,
-    load_eval_documents,
     plot_bits_by_position,
     plot_bits_per_byte,
     position_buckets,
@@ -35,9 +34,12 @@ from longnet.eval import (
     write_csv,
 )
 from longnet.eval.cli import (
+    add_document_arguments,
     add_model_arguments,
+    documents_from_args,
     length_argument,
     models_from_args,
+    position_argument,
     run_cli,
     stride_argument,
 )
@@ -59,20 +61,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="window step: tokens (512, 1K) or a fraction of the context (default 0.5); "
         "scored tokens outside a document's first window see >= context - stride tokens",
     )
-    parser.add_argument("--data-files", nargs="+", help="text/json/parquet globs (default: stdlib)")
-    parser.add_argument("--text-column", default="text", help="text column of json/parquet rows")
-    parser.add_argument("--split", default="test", choices=["train", "validation", "test", "all"])
-    parser.add_argument("--val-fraction", type=float, default=0.05)
-    parser.add_argument("--test-fraction", type=float, default=0.05)
-    parser.add_argument("--max-documents", type=int, help="read only the first N documents")
+    add_document_arguments(parser)
     parser.add_argument(
-        "--min-document-bytes", type=int, default=0,
-        help="evaluate only documents at least this long (e.g. the longest context)",
-    )
-    parser.add_argument(
-        "--score-from", type=length_argument,
+        "--score-from", type=position_argument,
         help="also score only the bytes at document positions >= this (the same bytes for "
-        "every context length); the plot shows these",
+        "every context length; 0: every byte, the closing EOS left out); the plot shows these",
     )
     parser.add_argument(
         "--by-position", action="store_true",
@@ -94,15 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if not lengths:
         raise SystemExit(f"--max-context {args.max_context} leaves no default context length.")
-    documents = load_eval_documents(
-        args.data_files,
-        split=args.split,
-        val_fraction=args.val_fraction,
-        test_fraction=args.test_fraction,
-        text_column=args.text_column,
-        max_documents=args.max_documents,
-        min_bytes=args.min_document_bytes,
-    )
+    documents = documents_from_args(args)
     longest = max(doc.num_bytes for doc in documents) + 1
     print(f"{len(documents)} documents, {sum(d.num_bytes for d in documents):,} bytes, longest "
           f"{longest - 1:,}; context lengths {lengths}")

@@ -9,6 +9,9 @@ every sample. Two ids double as special tokens because valid UTF-8 never contain
   always ``IGNORE_INDEX`` so no loss is ever taken on them.
 
 ``decode`` renders these two ids (like any invalid byte) as U+FFFD.
+
+The same vocabulary ships as Hugging Face tokenizer files next to every byte-level model
+(``longnet.modeling.tokenizer_files``), so ``transformers.AutoTokenizer`` encodes as this class.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Command-line pieces shared by ``scripts/eval_perplexity.py`` and ``scripts/eval_passkey.py``."""
+"""Command-line pieces shared by the evaluation scripts (``scripts/eval_*.py``)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from longnet.eval.documents import EvalDocument, load_eval_documents
 from longnet.eval.loading import LoadedModel, load_models
 from longnet.eval.reporting import parse_length
 
@@ -31,10 +32,47 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_out: str) -> No
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
 
 
+def add_document_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--data-files``, ``--text-column``, ``--split``, ``--val-fraction``,
+    ``--test-fraction``, ``--max-documents``, ``--min-document-bytes``: which held-out
+    documents to score (:func:`documents_from_args`)."""
+    parser.add_argument("--data-files", nargs="+", help="text/json/parquet globs (default: stdlib)")
+    parser.add_argument("--text-column", default="text", help="text column of json/parquet rows")
+    parser.add_argument("--split", default="test", choices=["train", "validation", "test", "all"])
+    parser.add_argument("--val-fraction", type=float, default=0.05)
+    parser.add_argument("--test-fraction", type=float, default=0.05)
+    parser.add_argument("--max-documents", type=int, help="read only the first N documents")
+    parser.add_argument(
+        "--min-document-bytes", type=int, default=0,
+        help="evaluate only documents at least this long (e.g. the longest context)",
+    )
+
+
+def documents_from_args(args: argparse.Namespace) -> list[EvalDocument]:
+    """The documents :func:`add_document_arguments` selects."""
+    return load_eval_documents(
+        args.data_files,
+        split=args.split,
+        val_fraction=args.val_fraction,
+        test_fraction=args.test_fraction,
+        text_column=args.text_column,
+        max_documents=args.max_documents,
+        min_bytes=args.min_document_bytes,
+    )
+
+
 def length_argument(text: str) -> int:
     """argparse type for lengths like ``2048``, ``16K``, ``1M``."""
     try:
         return parse_length(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def position_argument(text: str) -> int:
+    """argparse type for positions in a document: ``0``, ``512``, ``16K``."""
+    try:
+        return parse_length(text, minimum=0)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
 

@@ -15,14 +15,15 @@ from typing import Any
 _LENGTH = re.compile(r"^\s*(\d+)\s*([kKmM]?)\s*$")
 
 
-def parse_length(text: str) -> int:
-    """``"4096"`` -> 4096, ``"16K"``/``"16k"`` -> 16384, ``"1M"`` -> 1048576 (binary units)."""
+def parse_length(text: str, minimum: int = 1) -> int:
+    """``"4096"`` -> 4096, ``"16K"``/``"16k"`` -> 16384, ``"1M"`` -> 1048576 (binary units);
+    values below ``minimum`` are refused."""
     match = _LENGTH.match(str(text))
     if not match:
         raise ValueError(f"cannot read {text!r} as a length; write e.g. 2048, 16K or 1M.")
     value = int(match.group(1)) * {"": 1, "k": 1 << 10, "m": 1 << 20}[match.group(2).lower()]
-    if value < 1:
-        raise ValueError(f"lengths must be at least 1, got {text!r}.")
+    if value < minimum:
+        raise ValueError(f"lengths must be at least {minimum}, got {text!r}.")
     return value
 
 

@@ -1,4 +1,5 @@
-"""LongNet models: config, causal LM, encoder, pretrained I/O, the zoo, Hugging Face import.
+"""LongNet models: config, causal LM, encoder, pretrained I/O (with the byte-level tokenizer
+files), the zoo, Hugging Face import.
 
 Zoo names (``"longnet-tiny"``, ...) resolve to folders of ``models/`` at the repository root
 in a source checkout or editable install, to the same folders shipped in the wheel as
@@ -19,6 +20,7 @@ from longnet.modeling.model import (
 from longnet.modeling.outputs import EncoderOutput, LMOutput
 from longnet.modeling.pretrained import count_parameters, model_card
 from longnet.modeling.serialization import WeightsMismatchError
+from longnet.modeling.tokenizer_files import write_tokenizer_files
 
 __all__ = [
     "EncoderOutput",
@@ -36,4 +38,5 @@ __all__ = [
     "model_card",
     "models_dir",
     "resolve_model_dir",
+    "write_tokenizer_files",
 ]

@@ -24,6 +24,7 @@ from longnet.modeling.serialization import (
     read_safetensors,
     save_weights,
 )
+from longnet.modeling.tokenizer_files import write_tokenizer_files
 
 if TYPE_CHECKING:
     from longnet.modeling.model import LongNetPreTrained
@@ -114,7 +115,8 @@ def model_card(
 
 
 def save_pretrained(model: LongNetPreTrained, directory: str | Path, name: str | None = None):
-    """Write ``config.json`` (with the architecture), ``model.safetensors`` and ``README.md``."""
+    """Write ``config.json`` (with the architecture), ``model.safetensors``, ``README.md`` and,
+    for a byte-level model, the tokenizer files (:mod:`longnet.modeling.tokenizer_files`)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     architecture = type(model).__name__
@@ -125,6 +127,7 @@ def save_pretrained(model: LongNetPreTrained, directory: str | Path, name: str |
         model.config, name or directory.name, architecture=architecture, has_weights=True
     )
     (directory / CARD_NAME).write_text(card)
+    write_tokenizer_files(directory, model.config)
     return directory
 
 
@@ -193,8 +196,9 @@ def write_model_folder(
     has_weights: bool = False,
     details: str = "",
 ) -> Path:
-    """Write a zoo entry's ``config.json`` and its ``README.md`` card (``has_weights``: the
-    card says ``model.safetensors`` is in the folder; the weights themselves are not written)."""
+    """Write a zoo entry's ``config.json``, its ``README.md`` card and, for a byte-level
+    model, the tokenizer files (``has_weights``: the card says ``model.safetensors`` is in the
+    folder; the weights themselves are not written)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     data = {"architecture": architecture, **config.to_dict()}
@@ -208,4 +212,5 @@ def write_model_folder(
         details=details,
     )
     (directory / CARD_NAME).write_text(card)
+    write_tokenizer_files(directory, config)
     return directory

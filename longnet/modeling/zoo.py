@@ -1,12 +1,13 @@
 """Definitions of the zoo models; ``python -m longnet.modeling.zoo`` (re)writes ``models/``.
 
 Each entry becomes ``models/<name>/config.json`` plus a ``README.md`` card whose table
-(parameter count, shape, pattern) is computed from the config.  A trained entry also ships
-``model.safetensors``, put there by ``python -m longnet.modeling.zoo --publish EXPORT NAME``
-from a training run's ``save_pretrained`` export; its card ends with a hand-written section
-(from ``RESULTS_HEADING`` on: the training command and the measured results) that rewriting
-keeps.  All zoo models read the byte-level vocabulary of ``longnet.data`` (256 ids; 255 = end
-of document, 254 = padding).
+(parameter count, shape, pattern) is computed from the config, and the byte tokenizer's
+``tokenizer.json`` / ``tokenizer_config.json`` (``longnet.modeling.tokenizer_files``).  A
+trained entry also ships ``model.safetensors``, put there by ``python -m longnet.modeling.zoo
+--publish EXPORT NAME`` from a training run's ``save_pretrained`` export; its card ends with a
+hand-written section (from ``RESULTS_HEADING`` on: the training command and the measured
+results) that rewriting keeps.  All zoo models read the byte-level vocabulary of
+``longnet.data`` (256 ids; 255 = end of document, 254 = padding).
 """
 
 from __future__ import annotations

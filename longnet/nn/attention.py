@@ -48,6 +48,13 @@ class LayerKVCache:
         self.value = self.value[:, drop:].clone()
         self.start = keep_from
 
+    def select_rows(self, index: Tensor) -> None:
+        """Keep the batch rows ``index`` ``(new_batch,)`` in that order (rows may repeat):
+        beam search's reordering of its hypotheses."""
+        if self.key is not None and self.value is not None:
+            self.key = self.key.index_select(0, index)
+            self.value = self.value.index_select(0, index)
+
     def window(self, from_position: int) -> tuple[Tensor, Tensor]:
         """Cached keys/values of positions ``from_position .. end - 1``."""
         assert self.key is not None and self.value is not None
@@ -69,6 +76,11 @@ class KVCache:
     @property
     def next_position(self) -> int:
         return self.layers[0].end if self.layers else 0
+
+    def select_rows(self, index: Tensor) -> None:
+        """:meth:`LayerKVCache.select_rows` on every layer."""
+        for layer in self.layers:
+            layer.select_rows(index)
 
     def __getitem__(self, index: int) -> LayerKVCache:
         return self.layers[index]

@@ -99,6 +99,24 @@ def test_eval_perplexity_by_position_and_same_scored_bytes(tmp_path: Path, tiny_
     assert is_png(out / "positions.png")
 
 
+def test_eval_perplexity_score_from_zero_scores_every_byte(tmp_path: Path, tiny_model: Path):
+    """``--score-from 0``: all bytes, the closing EOS left out (what lm-eval's bits per byte
+    of the same documents measures, see scripts/eval_harness.py)."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for index in range(2):
+        (docs / f"d{index}.txt").write_text(f"y = {index}\n" * (9 + 7 * index))
+    out = tmp_path / "out"
+    assert script("eval_perplexity").main([
+        "--models", str(tiny_model), "--data-files", str(docs / "*.txt"), "--split", "all",
+        "--context-lengths", "16", "--stride", "1.0", "--score-from", "0",
+        "--out", str(out), "--no-progress",
+    ]) == 0
+    (row,) = read_csv(out / "perplexity.csv")
+    assert row["scored_bytes"] == row["bytes"]
+    assert float(row["scored_bits_per_byte"]) != float(row["bits_per_byte"])
+
+
 def test_eval_perplexity_refuses_impossible_lengths(tmp_path: Path, tiny_model: Path, capsys):
     module = script("eval_perplexity")
     with pytest.raises(SystemExit):

@@ -207,6 +207,18 @@ def test_save_load_round_trip_is_bit_exact(tmp_path):
     assert torch.equal(model(x).logits, loaded(x).logits)
 
 
+def test_byte_level_models_are_saved_with_the_byte_tokenizer_files(tmp_path):
+    """The tokenizer files are plain JSON (test_hf.py loads them with transformers): every
+    byte is one token whose id is the byte, special tokens come from the config."""
+    make_lm(vocab_size=256, eos_token_id=255, pad_token_id=254).save_pretrained(tmp_path)
+    vocab = json.loads((tmp_path / "tokenizer.json").read_text(encoding="utf-8"))["model"]
+    assert sorted(vocab["vocab"].values()) == list(range(256)) and vocab["merges"] == []
+    assert vocab["vocab"]["A"] == 65 and vocab["vocab"]["Ġ"] == 32  # GPT-2's byte alphabet
+    options = json.loads((tmp_path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    assert (options["eos_token"], options["pad_token"]) == ("ÿ", "þ")  # bytes 255, 254
+    assert "bos_token" not in options and options["split_special_tokens"] is True
+
+
 def test_tied_weights_are_stored_once_and_restored_tied(tmp_path):
     model = make_lm()
     model.save_pretrained(tmp_path)

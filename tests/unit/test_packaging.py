@@ -17,10 +17,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 LAYERS = ["constants", "validation", "distributed", "attention", "nn", "modeling", "data",
-          "training", "eval", "bench", "cli", "__main__"]
+          "training", "eval", "hf", "bench", "cli", "__main__"]
 """``longnet``'s layers from the bottom up: shared constants and validators, the process-group
-launcher, then the library's layers, the benchmark harness, and ``cli``/``__main__`` (the
-command) on top."""
+launcher, then the library's layers, the Hugging Face adapters (``hf``, on top of evaluation:
+its lm-eval harness loads models with ``longnet.eval``), the benchmark harness, and
+``cli``/``__main__`` (the command) on top."""
 
 
 def _layer(module: str) -> int:
@@ -47,6 +48,27 @@ def test_layers_import_downwards_only():
                 if name.startswith("longnet.") and _layer(name) > own:
                     upward.append(f"{module} imports {name}")
     assert upward == []
+
+
+HF_ONLY = ("transformers", "tokenizers", "lm_eval")
+"""Packages of the optional extras ``hf`` / ``eval-harness``, imported by ``longnet.hf`` only."""
+
+
+def test_only_longnet_hf_imports_the_hugging_face_extras():
+    offending = []
+    for path in sorted(REPO.glob("longnet/**/*.py")):
+        if path.relative_to(REPO).parts[1] == "hf":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            else:
+                continue
+            offending += [f"{path.name} imports {n}" for n in names
+                          if n.split(".")[0] in HF_ONLY]
+    assert offending == []
 
 
 def _setuptools_config() -> dict:

@@ -1,0 +1,38 @@
+"""LongNet models in the Hugging Face tools: ``transformers`` Auto classes, tokenizer, lm-eval.
+
+Importing this package registers model type ``longnet`` with ``transformers``:
+``AutoConfig`` gives :class:`LongNetHFConfig` and ``AutoModelForCausalLM`` gives
+:class:`LongNetForCausalLM`, a thin adapter over the same ``LongNetLM`` module and weights.
+The folders that ``LongNetLM.save_pretrained`` and the zoo write then load unchanged, with
+no ``trust_remote_code``::
+
+    import longnet.hf  # registers the classes
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained("models/longnet-tiny")
+    tokenizer = AutoTokenizer.from_pretrained("models/longnet-tiny")
+
+Modules: ``configuration`` (the config), ``modeling`` (the model), ``cache`` (LongNet's
+dilated-pattern KV cache for ``generate``), ``padding`` (left padding from attention masks),
+``tokenizer`` (the byte tokenizer as a ``transformers`` tokenizer), ``harness`` (lm-eval:
+imported on its own, it needs the ``eval-harness`` extra). Needs the ``hf`` extra
+(``transformers``, ``tokenizers``); the rest of ``longnet`` never imports them.
+"""
+
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from longnet.hf.cache import LongNetCache
+from longnet.hf.configuration import LongNetHFConfig
+from longnet.hf.modeling import LongNetForCausalLM
+from longnet.hf.tokenizer import byte_tokenizer, load_tokenizer
+
+AutoConfig.register(LongNetHFConfig.model_type, LongNetHFConfig, exist_ok=True)
+AutoModelForCausalLM.register(LongNetHFConfig, LongNetForCausalLM, exist_ok=True)
+
+__all__ = [
+    "LongNetCache",
+    "LongNetForCausalLM",
+    "LongNetHFConfig",
+    "byte_tokenizer",
+    "load_tokenizer",
+]

@@ -1,0 +1,208 @@
+"""``LongNetForCausalLM``: a ``transformers`` ``PreTrainedModel`` around a ``LongNetLM``.
+
+One implementation: the module that computes is :class:`longnet.modeling.LongNetLM`, held as
+the submodule ``longnet`` (``base_model_prefix``). ``transformers`` adds that prefix to the
+tensor names of a LongNet ``model.safetensors`` when it loads one, so the folders that
+``LongNetLM.save_pretrained`` and the zoo write load unchanged, and :meth:`save_pretrained`
+writes them back through ``LongNetLM.save_pretrained``. What this class adds is the
+``transformers`` calling convention:
+
+- ``labels`` as ``transformers`` models take them (the token at each position; the model
+  shifts), where ``LongNetLM`` takes them aligned (the target of each position);
+- ``attention_mask``: left padding is exact (rows of equal padding run as one batch without
+  their padding, :mod:`longnet.hf.padding`; padded positions get zero logits); any other
+  padding is refused;
+- ``past_key_values``: a :class:`longnet.hf.cache.LongNetCache`, LongNet's exact
+  dilated-pattern KV cache. ``generate`` hands the first call an empty ``DynamicCache``,
+  which is replaced by a ``LongNetCache`` (returned in the output, where ``generate`` takes
+  its cache from).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from longnet.constants import IGNORE_INDEX
+from longnet.hf.cache import LongNetCache
+from longnet.hf.configuration import LongNetHFConfig
+from longnet.hf.padding import left_padding, row_groups
+from longnet.modeling import LongNetLM, WeightsMismatchError, list_models, resolve_model_dir
+
+PREFIX = "longnet"
+
+
+class LongNetForCausalLM(PreTrainedModel, GenerationMixin):
+    """``transformers`` causal LM over a :class:`LongNetLM` (module docstring).
+
+    ``LongNetForCausalLM(config)`` builds a fresh ``LongNetLM`` (LongNet's initialisation);
+    :meth:`from_longnet` wraps an existing one without copying it.
+    """
+
+    config_class = LongNetHFConfig
+    base_model_prefix = PREFIX
+    main_input_name = "input_ids"
+    _no_split_modules = ["TransformerBlock"]
+    _tied_weights_keys = {f"{PREFIX}.lm_head.weight": f"{PREFIX}.model.embed_tokens.weight"}
+
+    def __init__(self, config: LongNetHFConfig, longnet: LongNetLM | None = None) -> None:
+        super().__init__(config)
+        if longnet is not None and longnet.config != config.to_longnet():
+            raise ValueError("the LongNetLM's config differs from the given config.")
+        self.longnet = longnet if longnet is not None else LongNetLM(config.to_longnet())
+        self.post_init()
+
+    @classmethod
+    def from_longnet(cls, longnet: LongNetLM) -> LongNetForCausalLM:
+        """Wrap ``longnet`` (shared, not copied: same parameters, device and dtype)."""
+        dtype = next(longnet.parameters()).dtype
+        return cls(LongNetHFConfig.from_longnet(longnet.config, dtype=dtype), longnet=longnet)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """Nothing to do: ``LongNetLM`` initializes its weights when it is built, and
+        :meth:`from_pretrained` refuses a checkpoint that leaves any weight out."""
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.longnet.model.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.longnet.lm_head
+
+    # ------------------------------------------------------------------ files
+    @classmethod
+    def from_pretrained(
+        cls, pretrained_model_name_or_path: str | Path, *model_args: Any, **kwargs: Any
+    ) -> LongNetForCausalLM | tuple[LongNetForCausalLM, dict[str, Any]]:
+        """``transformers``' ``from_pretrained``, with two differences: a zoo name
+        (``"longnet-tiny"``) resolves to its folder, and a checkpoint whose tensors do not
+        match the model exactly (missing, unexpected or mis-shaped) raises
+        :class:`longnet.modeling.WeightsMismatchError` where ``transformers`` would warn and
+        initialize the missing ones at random."""
+        source = pretrained_model_name_or_path
+        if str(source) in list_models() and not Path(source).is_dir():
+            source = resolve_model_dir(source)
+        wants_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(source, *model_args, output_loading_info=True,
+                                              **kwargs)
+        problems = [f"{kind.replace('_', ' ')}: {', '.join(sorted(map(str, info[kind])))}"
+                    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")
+                    if info.get(kind)]
+        if problems:
+            raise WeightsMismatchError(
+                f"{source} does not match the model ({'; '.join(problems)}). Check that its "
+                "config.json belongs to these weights."
+            )
+        return (model, info) if wants_info else model
+
+    def save_pretrained(
+        self,
+        save_directory: str | Path,
+        *,
+        is_main_process: bool = True,
+        safe_serialization: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        """Write the LongNet folder with ``LongNetLM.save_pretrained``: ``config.json``,
+        ``model.safetensors`` (LongNet's tensor names), a ``README.md`` card and, for a
+        byte-level model, the tokenizer files. It loads with ``LongNetLM.from_pretrained``
+        and with this class. ``transformers``' other saving options (sharding, custom state
+        dicts, uploads) are refused."""
+        unsupported = sorted(name for name, value in kwargs.items() if value)
+        if unsupported or not safe_serialization:
+            raise TypeError(
+                f"LongNetForCausalLM.save_pretrained writes one safetensors file and takes no "
+                f"{unsupported or ['safe_serialization=False']}; save with the defaults."
+            )
+        if is_main_process:
+            self.longnet.save_pretrained(save_directory)
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        past_key_values: Any = None,
+        labels: Tensor | None = None,
+        use_cache: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast | tuple:
+        """Logits ``(batch, seq, vocab)`` of ``input_ids`` ``(batch, seq)``.
+
+        ``attention_mask``: ``(batch, cached + seq)`` ones for tokens, zeros for left
+        padding. ``past_key_values``: a :class:`LongNetCache` from an earlier call (or an
+        empty ``transformers`` cache, replaced by one); the new tokens continue it.
+        ``labels``: ``(batch, seq)`` tokens, ``-100`` where no loss is taken; the loss is
+        the mean cross-entropy of ``logits[:, t]`` against ``labels[:, t + 1]``.
+        ``use_cache`` (default ``config.use_cache``): return the cache as
+        ``past_key_values``. Other ``transformers`` options (``inputs_embeds``,
+        ``output_attentions``, ``output_hidden_states``, ...) are refused when set.
+        """
+        unsupported = sorted(name for name, value in kwargs.items() if value is not None
+                             and value is not False)
+        if unsupported:
+            raise TypeError(
+                f"LongNetForCausalLM.forward does not support {unsupported}; it takes "
+                "input_ids, attention_mask (left padding), past_key_values, labels and "
+                "use_cache."
+            )
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        cache = _longnet_cache(past_key_values, use_cache, self.config.num_layers)
+        batch, length = input_ids.shape
+        seen = cache.get_seq_length() if cache is not None else 0
+        if attention_mask is not None:
+            padding = left_padding(attention_mask, batch, seen + length)
+        elif cache is not None and cache.padding is not None:
+            padding = cache.padding
+        else:
+            padding = torch.zeros(batch, dtype=torch.long, device=input_ids.device)
+        groups = (cache.bind(padding, batch) if cache is not None
+                  else [(group, None) for group in row_groups(padding)])
+        logits = torch.zeros(batch, length, self.config.vocab_size, dtype=self.dtype,
+                             device=input_ids.device)
+        loss_sum, num_tokens = 0.0, 0
+        for group, group_cache in groups:
+            start = max(group.padding - seen, 0)  # the first new column holding a token
+            if start >= length:  # only padding in this chunk (a prefill in pieces)
+                continue
+            out = self.longnet(
+                input_ids[group.rows, start:],
+                labels=None if labels is None else _aligned(labels[group.rows, start:]),
+                cache=group_cache,
+            )
+            logits[group.rows, start:] = out.logits
+            if labels is not None:
+                loss_sum, num_tokens = loss_sum + out.loss_sum, num_tokens + out.num_tokens
+        if cache is not None:
+            cache.advance(length)
+        loss = None if labels is None else loss_sum / max(int(num_tokens), 1)
+        output = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
+        return output if return_dict is not False else output.to_tuple()
+
+
+def _aligned(labels: Tensor) -> Tensor:
+    """``transformers`` labels (the token at each position) as LongNet's aligned labels (the
+    target of each position): shifted left by one, ``-100`` for the last position."""
+    return torch.cat((labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)), dim=1)
+
+
+def _longnet_cache(past_key_values: Any, use_cache: bool, num_layers: int) -> LongNetCache | None:
+    """The cache a forward call reads and extends, or None to run without one."""
+    if isinstance(past_key_values, LongNetCache):
+        return past_key_values
+    empty = past_key_values is None or (
+        callable(getattr(past_key_values, "get_seq_length", None))
+        and past_key_values.get_seq_length() == 0
+    )
+    if not empty:
+        raise ValueError(
+            f"past_key_values is a {type(past_key_values).__name__} holding tokens; LongNet "
+            "decodes only with its own dilated-pattern cache (LongNetCache). Start without "
+            "past_key_values, or pass the one a previous call returned."
+        )
+    return LongNetCache(num_layers) if use_cache else None
