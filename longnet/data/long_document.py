@@ -112,6 +112,7 @@ class LongDocumentDataModule(L.LightningDataModule):
         if self.splits is not None:
             return
         self.splits = build_long_document_splits(self.source, self.settings, self.cache_dir)
+        _check_window_fits_a_document(self.splits, self.settings.seq_len)
         self.train_dataset = self.splits.train
         self.val_dataset, self.test_dataset = self.splits.validation, self.splits.test
         if self.passkey_fraction > 0:
@@ -135,3 +136,16 @@ class LongDocumentDataModule(L.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return self._loader(self.test_dataset, self.eval_batch_size, shuffle=False)
+
+
+def _check_window_fits_a_document(splits: LongDocumentSplits, seq_len: int) -> None:
+    """Refuse windows longer than every document: each would pack several documents and no
+    window would hold one context of ``seq_len`` bytes."""
+    sizes = splits.documents["num_bytes"]
+    longest = max(sizes) if len(sizes) else 0
+    if longest + 1 < seq_len:  # a window may hold the document and its closing EOS
+        raise ValueError(
+            f"seq_len {seq_len} is longer than every document of the corpus (longest: {longest} "
+            f"bytes at {splits.path}): each window would pack several short documents. Lower "
+            f"seq_len to at most {longest + 1}, or give data_files with longer documents."
+        )

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from longnet.eval.documents import EvalDocument, load_eval_documents
+from longnet.eval.documents import EVAL_SPLITS, EvalDocument, load_eval_documents
 from longnet.eval.loading import LoadedModel, load_models
 from longnet.eval.reporting import parse_length
 
@@ -38,7 +38,8 @@ def add_document_arguments(parser: argparse.ArgumentParser) -> None:
     documents to score (:func:`documents_from_args`)."""
     parser.add_argument("--data-files", nargs="+", help="text/json/parquet globs (default: stdlib)")
     parser.add_argument("--text-column", default="text", help="text column of json/parquet rows")
-    parser.add_argument("--split", default="test", choices=["train", "validation", "test", "all"])
+    parser.add_argument("--split", default="test", choices=list(EVAL_SPLITS),
+                        help="held-out = validation + test (default: test)")
     parser.add_argument("--val-fraction", type=float, default=0.05)
     parser.add_argument("--test-fraction", type=float, default=0.05)
     parser.add_argument("--max-documents", type=int, help="read only the first N documents")

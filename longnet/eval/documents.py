@@ -22,6 +22,13 @@ from longnet.data.tokenizer import ByteTokenizer
 from longnet.validation import is_int
 
 
+EVAL_SPLITS: dict[str, tuple[str, ...]] = {
+    **{name: (name,) for name in SPLITS},
+    "held-out": ("validation", "test"),
+    "all": SPLITS,
+}
+
+
 @dataclass(frozen=True)
 class EvalDocument:
     """One document.
@@ -54,7 +61,8 @@ def load_eval_documents(
     Args:
         data_files: glob(s) of local text/json/parquet files; None = the standard-library
             corpus (``longnet.data.stdlib_source``).
-        split: ``"train"``, ``"validation"``, ``"test"`` or ``"all"`` (every document).
+        split: ``"train"``, ``"validation"``, ``"test"``, ``"held-out"`` (validation and
+            test: every document training never saw) or ``"all"`` (every document).
         val_fraction, test_fraction: the hash-split fractions (as in the data module).
         text_column: the text column of json/parquet rows.
         max_documents: keep only the first non-empty documents of the source (before
@@ -65,8 +73,8 @@ def load_eval_documents(
     Raises:
         ValueError: a bad argument, or no document left (the message says which filter).
     """
-    if split not in (*SPLITS, "all"):
-        raise ValueError(f"split must be one of {[*SPLITS, 'all']}, got {split!r}.")
+    if split not in EVAL_SPLITS:
+        raise ValueError(f"split must be one of {list(EVAL_SPLITS)}, got {split!r}.")
     check_fractions(val_fraction, test_fraction)
     if max_documents is not None:
         _check_int("max_documents", max_documents, minimum=1)
@@ -85,7 +93,7 @@ def load_eval_documents(
             if max_documents is not None and kept > max_documents:
                 break
             doc_id = document_hash(tokens)
-            if split != "all" and split_of(doc_id, val_fraction, test_fraction) != split:
+            if split_of(doc_id, val_fraction, test_fraction) not in EVAL_SPLITS[split]:
                 continue
             if len(tokens) >= min_bytes:
                 documents.append(EvalDocument(doc_id=doc_id, tokens=tokens.copy()))

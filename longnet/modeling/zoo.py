@@ -59,6 +59,15 @@ _TINY = LongNetConfig(
     **_BYTE_LEVEL,
 )
 
+_TINY_16K = _TINY.replace(
+    num_heads=8,
+    max_positions=32768,
+    position_encoding="rope",
+    rope_theta=100000.0,
+    segment_lengths=(512, 1024, 2048, 4096, 16384),
+    dilation_rates=(1, 2, 4, 8, 8),
+)
+
 ZOO: dict[str, ZooEntry] = {
     "longnet-tiny": ZooEntry(
         _TINY,
@@ -73,6 +82,23 @@ ZOO: dict[str, ZooEntry] = {
         "The dense-attention twin of longnet-tiny: the same shape, data, steps and seed, with "
         "one full-length branch (segment 16,384, rate 1: dense causal attention up to 16K "
         "bytes) in place of the dilated pattern, for comparison.",
+        trained=True,
+    ),
+    "longnet-tiny-16k": ZooEntry(
+        _TINY_16K,
+        "longnet-tiny's width and depth with 8 heads of 32, RoPE (theta 1e5) and a pattern that "
+        "reaches across 16,384 bytes, every dilation rate at most the head count (so each "
+        "position is a key of every branch for some head). Trained on 2,048-byte windows, then "
+        "on 16,384-byte windows through the ring (two sequence-parallel processes), on long "
+        "Python source files with passkey examples mixed in (below).",
+        trained=True,
+    ),
+    "longnet-tiny-16k-dense": ZooEntry(
+        _TINY_16K.replace(segment_lengths=(16384,), dilation_rates=(1,)),
+        "The dense-attention twin of longnet-tiny-16k: the same shape, data and recipe, with "
+        "one full-window branch (segment 16,384, rate 1: dense causal attention up to 16K "
+        "bytes) in place of the dilated pattern, trained for the same compute, for the "
+        "equal-compute comparison.",
         trained=True,
     ),
     "longnet-small": ZooEntry(

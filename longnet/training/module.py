@@ -18,6 +18,7 @@ from longnet.training.builder import build_lm
 from longnet.training.loaders import ResumableDataOrder
 from longnet.training.metrics import TokenAccuracy, TokenCrossEntropy, lm_summary
 from longnet.training.optim import build_optimizer, parameter_groups
+from longnet.training.sharding import check_window_shards
 from longnet.training.strategy import SequenceParallelStrategy
 from longnet.validation import check_non_negative_int
 
@@ -158,6 +159,9 @@ class CausalLMModule(L.LightningModule):
                 f"{config.max_positions} (learned position embeddings); lower seq_len or "
                 "raise max_positions."
             )
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if stage == "fit" and seq_len is not None and isinstance(strategy, SequenceParallelStrategy):
+            check_window_shards(seq_len, self.pattern, strategy.sequence_parallel_size)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Keep the RNG state (dropout) so a resumed run draws what the uninterrupted one

@@ -101,3 +101,37 @@ def shard_batch(
         if key in out:
             out[key] = out[key][..., start : start + shard].contiguous()
     return out
+
+
+def check_window_shards(seq_len: int, pattern: DilatedPattern | None, world_size: int) -> None:
+    """Refuse training windows of ``seq_len`` tokens that ``world_size`` ranks can only run
+    ``pattern`` on after padding (see :func:`longnet.attention.padded_length`).
+
+    Padding is exact but every padded token is computed for nothing, on every step; a window
+    the pattern shards as it is costs no more. Raises ``ValueError`` naming the nearest window
+    lengths that need no padding.
+    """
+    if world_size == 1:
+        return
+    if pattern is None:
+        if seq_len % world_size:
+            raise ValueError(
+                f"seq_len {seq_len} cannot be cut into {world_size} equal sequence shards; use a "
+                f"multiple of {world_size}, e.g. {seq_len - seq_len % world_size}."
+            )
+        return
+    padded = padded_length(seq_len, pattern, world_size)
+    if padded == seq_len:
+        return
+    shorter = next(
+        (length for length in range(seq_len - seq_len % world_size, 0, -world_size)
+         if padded_length(length, pattern, world_size) == length),
+        None,
+    )
+    options = " or ".join(str(length) for length in (shorter, padded) if length is not None)
+    raise ValueError(
+        f"seq_len {seq_len} cannot be cut into {world_size} sequence shards that the pattern "
+        f"{list(pattern.branches)} runs on: each branch's segment (capped at the window) must divide "
+        f"the shard or be a multiple of it, so every window would be padded to {padded} tokens "
+        f"({padded - seq_len} computed for nothing). Use seq_len {options}."
+    )
