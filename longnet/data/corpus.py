@@ -249,7 +249,7 @@ def _build_logged(source: DocumentSource, settings: CorpusSettings, staging: Pat
         _build(source, settings, staging)
         return
     print(f"Building the {source.name} corpus ({len(source.files)} files) in {staging.parent}.",
-          flush=True)
+          file=sys.stderr, flush=True)
     datasets.disable_progress_bars()
     try:
         _build(source, settings, staging)
