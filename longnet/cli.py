@@ -178,7 +178,8 @@ class LongNetCLI(LightningCLI):
                 return None
             ckpt_path = str(found)
         if not Path(ckpt_path).is_file():
-            raise UsageError(f"--ckpt_path {ckpt_path}: no such file. {checkpoints_hint(trainer)}")
+            raise UsageError(f"--ckpt_path {ckpt_path}: no checkpoint file there. "
+                             f"{checkpoints_hint(trainer)}")
         checkpoint = read_checkpoint(ckpt_path)
         if subcommand == "fit":
             self.run_tag.run_id = checkpoint_run_id(checkpoint) or self.run_tag.run_id
