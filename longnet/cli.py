@@ -12,8 +12,18 @@ A :class:`~lightning.pytorch.cli.LightningCLI` over :class:`longnet.training.Cau
 - ``predict`` on a datamodule without a predict split scores its test split (per-sample
   summed cross-entropy, tokens and bits per byte; add ``longnet.training.PredictionsWriter``
   to the callbacks to write them);
-- configuration errors (unknown keys, bad values, missing data files, unknown model names)
-  reported as one line on stderr with exit code 2, before any work starts.
+- one run per run folder (``longnet.training.runs``): every subcommand holds
+  ``<run folder>/run.lock`` while it works (a second command into the folder is refused,
+  naming the live one), a new ``fit`` refuses a folder holding another run's checkpoints or
+  export, every metrics row and checkpoint carries the run id, and ``--ckpt_path last`` is
+  this folder's ``checkpoints/last.ckpt`` (the command says which checkpoint and step it
+  resumes);
+- every expected failure (configuration errors, unusable data or checkpoint files, settings
+  Lightning or the strategy refuse) reported in a few lines on stderr, naming the value and
+  the fix, with exit status 2 and no traceback (``--verbose``, anywhere on the command line,
+  prints it); unexpected errors keep their traceback;
+- progress in optimizer steps (``longnet.training.progress``): a tqdm bar on a terminal, plain
+  lines when stdout is a file or pipe; Lightning's advertisement tips are not shown.
 
 ``longnet --help`` and ``longnet fit --help`` list everything; ``--print_config`` prints the
 resolved config.
@@ -21,20 +31,47 @@ resolved config.
 
 from __future__ import annotations
 
+import logging
 import sys
-from collections.abc import Sequence
+import traceback
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import lightning as L
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from longnet.training import CausalLMModule
 from longnet.training.callbacks import run_dir
+from longnet.training.checkpoint import read_checkpoint
+from longnet.training.progress import progress_bar
+from longnet.training.runs import (
+    RunId,
+    RunLock,
+    checkpoint_dirs,
+    checkpoint_run_id,
+    earlier_run_outputs,
+    new_run_id,
+    run_folder,
+)
+from longnet.validation import UsageError
+
+VERBOSE_FLAG = "--verbose"
+USAGE_EXIT = 2
 
 
 class ConfigError(Exception):
     """A run's configuration cannot be instantiated (raised before any work)."""
+
+
+EXPECTED_ERRORS = (ConfigError, UsageError, MisconfigurationException)
+"""What ``main`` reports in a few lines with exit status 2; anything else is a bug and keeps
+its traceback."""
 
 
 class RunConfigSaver(SaveConfigCallback):
@@ -58,7 +95,8 @@ class LongNetCLI(LightningCLI):
             save_config_callback=RunConfigSaver,
             save_config_kwargs={"overwrite": True},
             auto_configure_optimizers=False,
-            parser_kwargs={"description": "LongNet dilated-attention LMs: train, evaluate."},
+            parser_kwargs={"description": "LongNet dilated-attention LMs: train, evaluate. "
+                           f"{VERBOSE_FLAG} (anywhere): show the traceback of an error."},
             args=list(args) if args is not None else None,
             run=run,
         )
@@ -72,14 +110,89 @@ class LongNetCLI(LightningCLI):
             "process. Ignored by the other subcommands.",
         )
 
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        """Lightning's; then a ``--ckpt_path`` file is checked (a clear error for random bytes,
+        a truncated or a foreign file) before Lightning reads its hyper-parameters."""
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if ckpt_path and Path(ckpt_path).is_file():
+            read_checkpoint(ckpt_path)
+
     def instantiate_classes(self) -> None:
         try:
             super().instantiate_classes()
         except (ValueError, TypeError, KeyError, FileNotFoundError) as err:
             raise ConfigError(f"{type(err).__name__}: {err}") from err
 
+    def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:
+        """Lightning's, plus :class:`RunId` first among the callbacks and, unless the config
+        disables the bar or brings its own, :func:`~longnet.training.progress.progress_bar`."""
+        config = self._get(self.config_init, "trainer", default={})
+        given = config.get("callbacks")
+        callbacks = [] if given is None else list(given) if isinstance(given, list) else [given]
+        self.run_tag = RunId(new_run_id())
+        callbacks.insert(0, self.run_tag)
+        if config.get("enable_progress_bar") is not False and not any(
+            isinstance(callback, ProgressBar) for callback in callbacks
+        ):
+            callbacks.append(progress_bar())
+        return super().instantiate_trainer(**{"callbacks": callbacks, **kwargs})
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        # Lightning's, inside the run folder's lock and with the checkpoint path resolved
+        with self._run_folder(subcommand):
+            super()._run_subcommand(subcommand)
+
+    @contextmanager
+    def _run_folder(self, subcommand: str) -> Iterator[None]:
+        """Resolve ``ckpt_path``, take the run folder's lock (rank 0), refuse a new ``fit`` in
+        a folder with another run's outputs; release the lock when the subcommand ends."""
+        trainer, arguments = self.trainer, self.config_init[subcommand]
+        folder = run_folder(trainer)
+        ckpt_path = arguments.get("ckpt_path")
+        if ckpt_path is not None:
+            ckpt_path = arguments["ckpt_path"] = self._checked_ckpt_path(str(ckpt_path), subcommand)
+        lock = RunLock(folder, self.run_tag.run_id) if trainer.is_global_zero else None
+        if lock is not None:
+            lock.acquire()
+        try:
+            if trainer.is_global_zero and subcommand == "fit" and ckpt_path is None:
+                refuse_earlier_run(folder, checkpoint_dirs(trainer))
+            yield
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _checked_ckpt_path(self, ckpt_path: str, subcommand: str) -> str | None:
+        """``ckpt_path`` checked: ``last`` is this run folder's ``last.ckpt`` (none yet: a new
+        run for ``fit``, an error otherwise), ``best`` needs a ``fit`` in this command, a path
+        must be a readable Lightning checkpoint. A resumed ``fit`` keeps the run id of its
+        checkpoint and says which file and step it resumes."""
+        trainer = self.trainer
+        if ckpt_path in ("best", "hpc") or "://" in ckpt_path:
+            return check_keyword(trainer, ckpt_path, subcommand)
+        if ckpt_path == "last":
+            found = last_checkpoint(trainer, subcommand)
+            if found is None:
+                return None
+            ckpt_path = str(found)
+        if not Path(ckpt_path).is_file():
+            raise UsageError(f"--ckpt_path {ckpt_path}: no checkpoint file there. "
+                             f"{checkpoints_hint(trainer)}")
+        checkpoint = read_checkpoint(ckpt_path)
+        if subcommand == "fit":
+            self.run_tag.run_id = checkpoint_run_id(checkpoint) or self.run_tag.run_id
+            if trainer.is_global_zero:
+                print(f"Resuming run {self.run_tag.run_id} from {ckpt_path} "
+                      f"(step {checkpoint.get('global_step')}).")
+        return ckpt_path
+
     def after_fit(self) -> None:
-        if self.config[self.subcommand].get("test_after_fit") and not self.trainer.interrupted:
+        if self.trainer.global_step == 0:
+            if self.trainer.is_global_zero:
+                print("fit took no optimizer step: no trained weights, so no test_after_fit.")
+        elif self.config[self.subcommand].get("test_after_fit") and not self.trainer.interrupted:
             best = getattr(self.trainer.checkpoint_callback, "best_model_path", "") or None
             self.trainer.test(self.model, datamodule=self.datamodule, ckpt_path=best)
         folder = run_dir(self.trainer)  # on every rank: log_dir is a collective
@@ -96,6 +209,57 @@ class LongNetCLI(LightningCLI):
             datamodule.setup("predict")
             return self.trainer.predict(model, dataloaders=datamodule.test_dataloader(), **kwargs)
         return self.trainer.predict(model, datamodule=datamodule, **kwargs)
+
+
+def refuse_earlier_run(folder: Path, checkpoint_folders: list[Path]) -> None:
+    """Raise :class:`UsageError` if ``folder`` holds another run's checkpoints or export."""
+    found = earlier_run_outputs(folder, checkpoint_folders)
+    if found:
+        shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+        raise UsageError(
+            f"run folder {folder} holds an earlier run ({shown}). Continue it with "
+            "--ckpt_path last, give this run its own folder with "
+            "--trainer.logger.init_args.name <new name>, or delete the folder."
+        )
+
+
+def last_checkpoint(trainer: L.Trainer, subcommand: str) -> Path | None:
+    """This run folder's ``last.ckpt`` (of the first ``ModelCheckpoint`` with ``save_last``
+    that has one): never another folder's, never a ``last-v1.ckpt``. None for a ``fit``
+    without one (it starts a new run); other subcommands raise :class:`UsageError`."""
+    candidates = [folder / "last.ckpt" for folder in checkpoint_dirs(trainer, save_last=True)]
+    found = next((path for path in candidates if path.is_file()), None)
+    if found is not None:
+        return found
+    where = ", ".join(map(str, candidates)) or "(no ModelCheckpoint with save_last)"
+    if subcommand != "fit":
+        raise UsageError(f"--ckpt_path last: no last checkpoint at {where}. "
+                         f"{checkpoints_hint(trainer)}")
+    if trainer.is_global_zero:
+        print(f"--ckpt_path last: no last checkpoint at {where}: starting a new run.")
+    return None
+
+
+def check_keyword(trainer: L.Trainer, ckpt_path: str, subcommand: str) -> str:
+    """``best`` needs a best checkpoint from a ``fit`` in this process; ``hpc`` and URLs are
+    Lightning's to resolve."""
+    if ckpt_path == "best" and (
+        subcommand == "fit" or not getattr(trainer.checkpoint_callback, "best_model_path", "")
+    ):
+        raise UsageError(
+            "--ckpt_path best: there is no best checkpoint of a fit in this command; give the "
+            f"file. {checkpoints_hint(trainer)}"
+        )
+    return ckpt_path
+
+
+def checkpoints_hint(trainer: L.Trainer) -> str:
+    """``Checkpoints of this run folder: ...`` (or that there are none)."""
+    found = sorted(str(path) for folder in checkpoint_dirs(trainer) for path in
+                   folder.glob("*.ckpt"))
+    if not found:
+        return f"The run folder {run_folder(trainer)} has no checkpoints."
+    return "Checkpoints of this run folder: " + ", ".join(found[:6]) + "."
 
 
 def describe_run(folder: Path) -> str:
@@ -122,13 +286,54 @@ def run_cli(args: Sequence[str] | None = None) -> LongNetCLI:
     return LongNetCLI(args=args)
 
 
+class _NoTips(logging.Filter):
+    """Drop Lightning's advertisement tips ("💡 Tip: ... litlogger / litmodels")."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Tip:" not in str(record.msg)
+
+
+def quiet_lightning() -> None:
+    """No advertisement tips, and none of the warnings every run would print that a user
+    cannot act on: the deprecation warning of Lightning's pytree helper with this torch, and
+    the non-empty checkpoint folder of a resumed run."""
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _NoTips) for f in logger.filters):
+            logger.addFilter(_NoTips())
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+    # a resumed fit writes into its own checkpoint folder; a new one never gets there
+    # (longnet.training.runs refuses a folder with another run's checkpoints)
+    warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+
+
+def error_message(err: BaseException) -> str:
+    """The lines ``main`` prints for an expected error."""
+    if isinstance(err, ConfigError):
+        what = f"configuration error: {err}"
+    elif isinstance(err, MisconfigurationException):
+        what = f"Lightning refused the settings: {err}"
+    else:
+        what = f"error: {err}"
+    return f"longnet: {what}\n(run again with {VERBOSE_FLAG} to see the traceback)"
+
+
 def main(args: Sequence[str] | None = None) -> int:
-    """Console entry point; returns the exit status (0, or 2 for a configuration error)."""
+    """Console entry point; returns the exit status: 0, or 2 for an expected error
+    (:data:`EXPECTED_ERRORS`, reported without a traceback unless ``--verbose`` is given)."""
+    argv = sys.argv[1:] if args is None else list(args)
+    verbose = VERBOSE_FLAG in argv
+    argv = [arg for arg in argv if arg != VERBOSE_FLAG]
+    if args is None:
+        sys.argv[1:] = argv  # LightningCLI reads sys.argv itself (and warns if given args too)
+    quiet_lightning()
     try:
-        run_cli(args)
-    except ConfigError as err:
-        print(f"longnet: configuration error: {err}", file=sys.stderr)
-        return 2
+        run_cli(None if args is None else argv)
+    except EXPECTED_ERRORS as err:
+        if verbose:
+            traceback.print_exc()
+        print(error_message(err), file=sys.stderr)
+        return USAGE_EXIT
     return 0
 
 

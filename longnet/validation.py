@@ -1,4 +1,4 @@
-"""Argument checks shared by every layer, each written once.
+"""Argument checks shared by every layer, each written once, and :class:`UsageError`.
 
 Import-free (like :mod:`longnet.constants`), so every layer from ``longnet.attention`` to
 ``longnet.eval`` may use it. The messages name the argument and its ``repr``.
@@ -7,6 +7,16 @@ Import-free (like :mod:`longnet.constants`), so every layer from ``longnet.atten
 from __future__ import annotations
 
 from typing import Any
+
+
+class UsageError(ValueError):
+    """A value, file or setting the user can fix, found while the work runs (data that cannot
+    be used, a run folder in use, a layout the devices cannot hold, ...).
+
+    The message names the offending value or file and the fix. The ``longnet`` command prints
+    it and exits with status 2, without a traceback (``--verbose`` shows it); any other
+    exception keeps its traceback. A ``ValueError``, so callers that catch those still do.
+    """
 
 
 def is_int(value: Any) -> bool:

@@ -17,10 +17,13 @@ A later call with the same files and settings loads the entry (memory-mapped) an
 from __future__ import annotations
 
 import json
+import math
 import shutil
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import datasets
 import numpy as np
 import pyarrow.compute as pc
 from datasets import Dataset, Features, Sequence, Value, load_from_disk
@@ -30,7 +33,7 @@ from longnet.data.sources import DocumentSource, load_documents
 from longnet.data.splits import SPLITS, check_fractions, document_hash, split_of
 from longnet.data.tokenizer import ByteTokenizer
 from longnet.data.windows import document_windows, packed_windows
-from longnet.validation import check_positive_int
+from longnet.validation import UsageError, check_positive_int
 
 CORPUS_FORMAT_VERSION = 1
 SAMPLE_COLUMNS = ["input_ids", "labels"]
@@ -153,6 +156,45 @@ def _window_features(seq_len: int, with_document: bool) -> Features:
     return Features(columns)
 
 
+def documents_needed(val_fraction: float, test_fraction: float, chance: float = 0.95) -> int:
+    """How many documents give every split at least one with probability ``chance``: each
+    document falls into validation with probability ``val_fraction`` (test likewise), so
+    about ``log((1 - chance) / 2) / log(1 - min fraction)``."""
+    smallest = min(val_fraction, test_fraction)
+    return max(3, math.ceil(math.log((1 - chance) / 2) / math.log1p(-smallest)))
+
+
+def _check_splits(source: DocumentSource, settings: CorpusSettings, split_column: np.ndarray,
+                  available: int) -> None:
+    """Raise :class:`UsageError` when no document is kept or a split gets none, saying how
+    many documents a corpus needs."""
+    kept = len(split_column)
+    files = (f"{len(source.files)} files" if len(source.files) > 3
+             else ", ".join(str(path) for path in source.files))
+    if kept == 0:
+        raise UsageError(
+            f"{source.name} corpus: no document of at least {settings.min_document_bytes} bytes "
+            f"in {files} (empty files are skipped); point data_files at files with text or "
+            "lower min_document_bytes."
+        )
+    empty = [split for split in SPLITS if not np.any(split_column == split)]
+    if not empty:
+        return
+    needed = documents_needed(settings.val_fraction, settings.test_fraction)
+    limited = (f" (max_documents/max_bytes kept {kept} of {available}; raise them)"
+               if kept < available else "")
+    splits = " and ".join(f"the {split} split" for split in empty)
+    raise UsageError(
+        f"{source.name} corpus: no document for {splits}: {kept} document"
+        f"{'s' if kept != 1 else ''} from {files}{limited}. Documents go "
+        "whole into one split, by a hash of their content, so a corpus needs at least 3 "
+        f"documents and about {needed} for every split to get one (val_fraction="
+        f"{settings.val_fraction}, test_fraction={settings.test_fraction}). Give more "
+        "documents (e.g. cut one large file into one file per chapter or section) or raise "
+        "val_fraction/test_fraction."
+    )
+
+
 def _build(source: DocumentSource, settings: CorpusSettings, staging: Path) -> None:
     documents = load_documents(source, staging / "hf")
     documents = documents.map(
@@ -168,23 +210,12 @@ def _build(source: DocumentSource, settings: CorpusSettings, staging: Path) -> N
     )
     num_bytes = pc.list_value_length(documents.data.column("tokens")).to_numpy()
     documents = documents.select(range(_documents_kept(num_bytes, settings)))
-    if len(documents) == 0:
-        raise ValueError(
-            f"{source.name} corpus: no document of at least {settings.min_document_bytes} bytes "
-            f"in {len(source.files)} files; point data_files at files with text or lower "
-            "min_document_bytes."
-        )
     split_column = np.asarray(documents["split"][:])
+    _check_splits(source, settings, split_column, available=len(num_bytes))
     counts = {}
     for split in SPLITS:
         part = documents.select(np.flatnonzero(split_column == split)).with_format("numpy")
         counts[split] = len(part)
-        if len(part) == 0:
-            raise ValueError(
-                f"{source.name} corpus: the {split} split is empty ({len(documents)} documents "
-                f"kept, val_fraction={settings.val_fraction}, test_fraction="
-                f"{settings.test_fraction}); raise max_documents/max_bytes or give more files."
-            )
         train = split == "train"
         windows = part.map(
             _pack_batch if train else _document_batch,
@@ -196,7 +227,7 @@ def _build(source: DocumentSource, settings: CorpusSettings, staging: Path) -> N
             desc=f"{split} windows",
         )
         if len(windows) == 0:
-            raise ValueError(
+            raise UsageError(
                 f"{source.name} corpus: the train split's {counts[split]} documents make no "
                 f"window of seq_len + 1 = {settings.seq_len + 1} tokens; lower seq_len or "
                 "raise max_documents/max_bytes."
@@ -210,6 +241,22 @@ def _build(source: DocumentSource, settings: CorpusSettings, staging: Path) -> N
     shutil.rmtree(staging / "hf")  # intermediate arrow files are not part of the entry
 
 
+def _build_logged(source: DocumentSource, settings: CorpusSettings, staging: Path) -> None:
+    """``_build``, with ``datasets``' progress bars only when stderr is a terminal (in a log
+    file every bar is a run of carriage-return updates); off a terminal one line says what is
+    being built."""
+    if sys.stderr.isatty() or not datasets.is_progress_bar_enabled():
+        _build(source, settings, staging)
+        return
+    print(f"Building the {source.name} corpus ({len(source.files)} files) in {staging.parent}.",
+          file=sys.stderr, flush=True)
+    datasets.disable_progress_bars()
+    try:
+        _build(source, settings, staging)
+    finally:
+        datasets.enable_progress_bars()
+
+
 def build_long_document_splits(
     source: DocumentSource, settings: CorpusSettings, cache_dir: str | Path
 ) -> LongDocumentSplits:
@@ -219,10 +266,13 @@ def build_long_document_splits(
     the files (list, sizes, mtimes) or the settings change.
 
     Raises:
-        ValueError: no document, an empty split, or no full training window.
+        UsageError: (a ``ValueError``; the message names the files or setting and the fix)
+            text files that are not UTF-8 or unreadable rows (``sources.load_documents``), no
+            document, a split without documents (the message says how many are needed), or
+            no full training window.
     """
     entry = Path(cache_dir) / f"{source.name}-{corpus_cache_key(source, settings)}"
-    built = build_once(entry, lambda staging: _build(source, settings, staging))
+    built = build_once(entry, lambda staging: _build_logged(source, settings, staging))
     splits = {}
     for split in SPLITS:
         splits[split] = load_from_disk(str(entry / split))

@@ -12,8 +12,9 @@ from longnet.data.cache import default_cache_dir
 from longnet.data.corpus import CorpusSettings, LongDocumentSplits, build_long_document_splits
 from longnet.data.loaders import check_loader_args, make_loader
 from longnet.data.passkey import LabelMode, PasskeyDataset
-from longnet.data.sources import files_source, stdlib_source
+from longnet.data.sources import InvalidFiles, files_source, stdlib_source
 from longnet.data.tokenizer import ByteTokenizer
+from longnet.validation import UsageError
 
 
 class LongDocumentDataModule(L.LightningDataModule):
@@ -30,6 +31,8 @@ class LongDocumentDataModule(L.LightningDataModule):
         data_files: glob(s) of local text/json/parquet files; None uses the running Python's
             standard-library sources.
         text_column: column holding the text in json/parquet rows.
+        invalid_files: text ``data_files`` that are binary or not UTF-8 are refused
+            (``"error"``, naming them) or left out with a warning (``"skip"``).
         val_fraction, test_fraction: expected shares of documents held out (hash split).
         max_documents, max_bytes: keep only the first documents (source order) to bound size.
         min_document_bytes: drop documents shorter than this (all splits), e.g. 16384 to train
@@ -46,6 +49,9 @@ class LongDocumentDataModule(L.LightningDataModule):
     Raises:
         FileNotFoundError: a ``data_files`` pattern matches nothing (raised here, before work).
         ValueError: an argument is out of range (the message names it).
+        UsageError: (in ``prepare_data``/``setup``) data that cannot be used: files that are
+            not UTF-8 text, no document, a corpus too small to split (see
+            ``build_long_document_splits``).
     """
 
     def __init__(
@@ -54,6 +60,7 @@ class LongDocumentDataModule(L.LightningDataModule):
         batch_size: int = 8,
         data_files: str | list[str] | None = None,
         text_column: str = "text",
+        invalid_files: InvalidFiles = "error",
         val_fraction: float = 0.05,
         test_fraction: float = 0.05,
         max_documents: int | None = None,
@@ -89,7 +96,8 @@ class LongDocumentDataModule(L.LightningDataModule):
             passkey_fraction, passkey_label_mode, seed
         )
         self.source = (
-            stdlib_source() if data_files is None else files_source(data_files, text_column)
+            stdlib_source() if data_files is None
+            else files_source(data_files, text_column, invalid_files)
         )
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.tokenizer = ByteTokenizer()
@@ -144,7 +152,7 @@ def _check_window_fits_a_document(splits: LongDocumentSplits, seq_len: int) -> N
     sizes = splits.documents["num_bytes"]
     longest = max(sizes) if len(sizes) else 0
     if longest + 1 < seq_len:  # a window may hold the document and its closing EOS
-        raise ValueError(
+        raise UsageError(
             f"seq_len {seq_len} is longer than every document of the corpus (longest: {longest} "
             f"bytes at {splits.path}): each window would pack several short documents. Lower "
             f"seq_len to at most {longest + 1}, or give data_files with longer documents."

@@ -16,11 +16,22 @@ from longnet.modeling.hub import resolve_model_dir
 from longnet.nn.feedforward import ACTIVATIONS, FFN_KINDS
 from longnet.nn.norm import NORM_KINDS
 from longnet.nn.positional import POSITION_ENCODINGS
-from longnet.validation import check_positive_int, is_int
+from longnet.validation import UsageError, check_positive_int, is_int
 
 CONFIG_NAME = "config.json"
 MODEL_TYPE = "longnet"
 POOLINGS = ("mean", "first", "last")
+COMPUTATION_FIELDS = (
+    "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+    "ffn_kind", "ffn_hidden_size", "activation", "norm", "norm_eps", "sub_ln",
+    "attention_bias", "mlp_bias", "tie_word_embeddings", "max_positions", "segment_lengths",
+    "dilation_rates", "position_encoding", "rope_theta", "xpos_scale_base", "num_labels",
+    "pooling",
+)
+"""Fields a saved ``config.json`` must spell out (``null`` where allowed): each changes what
+the model computes from its weights, so a missing one would silently be its default, another
+model (no ``segment_lengths``/``dilation_rates`` is dense attention). The others (dropout,
+initializer_range, gradient_checkpointing, token ids, extra) do not change the function."""
 
 
 @dataclass
@@ -258,6 +269,7 @@ class LongNetConfig:
             raise ValueError(f"{path} is not valid JSON: {err}.") from None
         if not isinstance(data, dict):
             raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}.")
+        check_saved_fields(data, path)
         return cls.from_dict(data, **overrides)
 
     @classmethod
@@ -267,6 +279,22 @@ class LongNetConfig:
 
 
 # ---------------------------------------------------------------------- helpers
+def check_saved_fields(data: dict[str, Any], source: str | Path) -> None:
+    """Raise :class:`UsageError` (a ``ValueError``) naming every :data:`COMPUTATION_FIELDS`
+    entry a config read from ``source`` (a ``config.json``) omits (after the check for unknown
+    names, whose message suggests the intended field for a misspelt one)."""
+    _check_names(name for name in data if name not in ("model_type", "architecture"))
+    missing = [name for name in COMPUTATION_FIELDS if name not in data]
+    if missing:
+        raise UsageError(
+            f"{source} omits {', '.join(missing)}: fields that change what the model computes, "
+            "so a default would silently make another model (no segment_lengths/"
+            "dilation_rates means dense attention). Add them (null where the default is "
+            "meant, e.g. \"segment_lengths\": null for dense attention); "
+            "LongNetLM.save_pretrained writes every field."
+        )
+
+
 def _field_names() -> list[str]:
     return [f.name for f in dataclasses.fields(LongNetConfig)]
 

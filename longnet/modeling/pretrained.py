@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from longnet.modeling.config import CONFIG_NAME, MODEL_TYPE, LongNetConfig
+from longnet.modeling.config import CONFIG_NAME, MODEL_TYPE, LongNetConfig, check_saved_fields
 from longnet.modeling.hub import resolve_model_dir
 from longnet.modeling.importers import import_hf_checkpoint, is_hf_config
 from longnet.modeling.serialization import (
@@ -151,6 +151,7 @@ def pretrained_config(name_or_dir: str | Path, **overrides: Any) -> LongNetConfi
     data = _read_config_json(folder)
     if is_hf_config(data):
         return import_hf_checkpoint(folder, data, **overrides)[0]
+    check_saved_fields(data, folder / CONFIG_NAME)
     return LongNetConfig.from_dict(data, **overrides)
 
 
@@ -170,6 +171,7 @@ def from_pretrained(
                 f"{folder} holds a {architecture}; load it with {architecture}.from_pretrained "
                 f"(or build a fresh {cls.__name__} from LongNetConfig.from_pretrained)."
             )
+        check_saved_fields(data, folder / CONFIG_NAME)
         config = LongNetConfig.from_dict(data, **overrides)
         weights = folder / WEIGHTS_NAME
         if not weights.is_file():

@@ -22,6 +22,8 @@ from longnet.training.logger import RunLogger
 from longnet.training.metrics import TokenAccuracy, TokenCrossEntropy, lm_summary
 from longnet.training.module import CausalLMModule
 from longnet.training.optim import parameter_groups, warmup_cosine
+from longnet.training.progress import LineProgressBar, StepProgressBar
+from longnet.training.runs import RunId, RunLock
 from longnet.training.sharding import pad_sequences, shard_batch
 from longnet.training.strategy import SequenceParallelModule, SequenceParallelStrategy
 
@@ -31,12 +33,16 @@ __all__ = [
     "EpochLoader",
     "ExportPretrained",
     "LastCheckpoint",
+    "LineProgressBar",
     "MetricsSummary",
     "PredictionsWriter",
     "ResumableDataOrder",
+    "RunId",
+    "RunLock",
     "RunLogger",
     "SequenceParallelModule",
     "SequenceParallelStrategy",
+    "StepProgressBar",
     "TokenAccuracy",
     "TokenCrossEntropy",
     "TrainingCurves",

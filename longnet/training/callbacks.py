@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,10 @@ class ExportPretrained(L.Callback):
     """At the end of ``fit``, write the model with ``save_pretrained`` (config.json,
     model.safetensors, README.md card), loadable with ``LongNetLM.from_pretrained(dirpath)``.
 
+    A ``fit`` that took no optimizer step (``max_steps: 0``, ``limit_train_batches: 0``,
+    ``max_epochs: 0``, stopped before the first step) has no trained weights: nothing is
+    written, with a warning.
+
     Args:
         dirpath: destination; None is ``<run folder>/model``.
         weights: ``"best"``: the best checkpoint of the first ``ModelCheckpoint`` that has one
@@ -72,6 +77,15 @@ class ExportPretrained(L.Callback):
         model: LongNetLM = pl_module.model
         target = Path(self.dirpath) if self.dirpath else run_dir(trainer) / "model"
         best = getattr(trainer.checkpoint_callback, "best_model_path", "") or ""
+        if trainer.global_step == 0:
+            if trainer.is_global_zero:
+                warnings.warn(
+                    f"ExportPretrained: fit took no optimizer step (max_steps="
+                    f"{trainer.max_steps}), so there are no trained weights; {target} is not "
+                    "written. Train for at least one step to export a model.",
+                    stacklevel=2,
+                )
+            return
         if trainer.is_global_zero:
             if self.weights == "best" and best:
                 export = load_lightning_checkpoint(best, config=model.config, prefix=MODEL_PREFIX)
@@ -88,8 +102,9 @@ class ExportPretrained(L.Callback):
 class MetricsSummary(L.Callback):
     """Write the last validation and test metrics to ``<run folder>/metrics.json``.
 
-    ``{"validate": {...}, "test": {...}}``, each with ``step`` and every ``val/*`` or
-    ``test/*`` value; updated after every validation (outside the sanity check) and test.
+    ``{"validate": {...}, "test": {...}}``, each with ``step``, the ``run_id`` of the run that
+    wrote it (the logger's, when it has one) and every ``val/*`` or ``test/*`` value; updated
+    after every validation (outside the sanity check) and test.
     """
 
     def __init__(self, filename: str = "metrics.json") -> None:
@@ -107,6 +122,9 @@ class MetricsSummary(L.Callback):
         if not trainer.is_global_zero:
             return
         values: dict[str, Any] = {"step": trainer.global_step}
+        run_id = getattr(trainer.logger, "run_id", None)
+        if run_id is not None:
+            values["run_id"] = run_id
         for key, value in trainer.callback_metrics.items():
             if key.startswith(prefix):
                 number = float(value)

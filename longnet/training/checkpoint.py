@@ -12,6 +12,7 @@ arguments :class:`~longnet.training.CausalLMModule` stores in its hyper-paramete
 
 from __future__ import annotations
 
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from torch import Tensor
 from longnet.modeling import LongNetConfig, LongNetLM, WeightsMismatchError
 from longnet.modeling.serialization import load_state_checked, unique_state_dict
 from longnet.training.builder import MODEL_SOURCES, lm_config
+from longnet.validation import UsageError
 
 LM_HEAD = "lm_head.weight"
 EMBEDDINGS = "model.embed_tokens.weight"
@@ -29,26 +31,42 @@ EMBEDDINGS = "model.embed_tokens.weight"
 
 def read_checkpoint(path: str | Path) -> dict[str, Any]:
     """The contents of the Lightning checkpoint at ``path``, read on the CPU with
-    ``torch.load(weights_only=True)``.
+    ``torch.load(weights_only=True, mmap=True)`` (tensors stay on disk until used).
 
     Raises:
         FileNotFoundError: no file at ``path``.
-        ValueError: the file cannot be read that way (corrupt, truncated, not a torch file,
-            or holding objects other than tensors and plain containers) or has no
-            ``state_dict``; the message names the file.
+        UsageError: (a ``ValueError``) the file is not a ``torch.save`` archive (truncated,
+            random bytes, another kind of file), cannot be read that way (corrupt, or holding
+            objects other than tensors and plain containers) or has no ``state_dict``; the
+            message names the file.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint file at {path}.")
+    if not zipfile.is_zipfile(path):
+        raise UsageError(
+            f"{path} is not a checkpoint: torch.save writes a zip archive and this file "
+            f"({path.stat().st_size:,} bytes) is not one (truncated, corrupt, or another kind "
+            "of file). Use a .ckpt written by Lightning, e.g. <run folder>/checkpoints/last.ckpt."
+        )
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # noqa: BLE001 - re-raised with the path and the cause
-        raise ValueError(
-            f"cannot read {path} as a checkpoint with torch.load(weights_only=True): {err}"
+        raise UsageError(
+            f"cannot read {path} as a checkpoint with torch.load(weights_only=True): "
+            f"{_load_error(err)}. The file is corrupt or holds objects other than tensors "
+            "and plain containers."
         ) from None
     if not isinstance(checkpoint, Mapping) or "state_dict" not in checkpoint:
-        raise ValueError(f"{path} is not a Lightning checkpoint (no 'state_dict' entry).")
+        raise UsageError(f"{path} is not a Lightning checkpoint (no 'state_dict' entry).")
     return dict(checkpoint)
+
+
+def _load_error(err: Exception) -> str:
+    """The informative line of a ``torch.load`` error (not its advice to drop weights_only)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    detail = next((line for line in lines if "Unpickler error" in line), None)
+    return detail or (lines[0] if lines else type(err).__name__)
 
 
 def checkpoint_config(

@@ -12,6 +12,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from longnet.training.callbacks import run_dir
+from longnet.training.logger import RUN_ID_COLUMN
 
 CURVE_KEYS = ("train/bpb", "val/bpb")
 SMOOTHING_FRACTION = 0.05
@@ -19,17 +20,19 @@ SMOOTHING_FRACTION = 0.05
 
 
 def read_curves(
-    metrics_csv: str | Path, keys: Sequence[str] = CURVE_KEYS
+    metrics_csv: str | Path, keys: Sequence[str] = CURVE_KEYS, run_id: str | None = None
 ) -> dict[str, list[tuple[int, float]]]:
     """``key -> [(step, value), ...]`` (sorted by step) from a Lightning CSV log.
 
     Rows without the key or a step are skipped; a step logged twice (a resumed run repeats
-    the steps after its last checkpoint) keeps the later row.
+    the steps after its last checkpoint) keeps the later row. With ``run_id``, only the rows
+    of that run are read (and rows without a ``run_id``, written before runs had ids).
     """
     values: dict[str, dict[int, float]] = {key: {} for key in keys}
     with open(metrics_csv, newline="") as handle:
         for row in csv.DictReader(handle):
-            if not row.get("step"):
+            other_run = run_id and row.get(RUN_ID_COLUMN) not in (run_id, "", None)
+            if not row.get("step") or other_run:
                 continue
             step = int(float(row["step"]))
             for key in keys:
@@ -84,8 +87,9 @@ def plot_training_curves(
 
 
 class TrainingCurves(L.Callback):
-    """When ``fit`` ends, plot ``train/bpb`` and ``val/bpb`` from the run folder's
-    ``metrics.csv`` (written by ``RunLogger``) to ``<run folder>/<filename>``.
+    """When ``fit`` ends, plot ``train/bpb`` and ``val/bpb`` of this run (the rows with the
+    logger's ``run_id``, when it has one) from the run folder's ``metrics.csv`` (written by
+    ``RunLogger``) to ``<run folder>/<filename>``.
 
     Args:
         filename: the PNG's name inside the run folder.
@@ -102,6 +106,6 @@ class TrainingCurves(L.Callback):
         metrics = folder / "metrics.csv"
         if not metrics.is_file():
             return
-        plot_training_curves(
-            read_curves(metrics), folder / self.filename, title=f"Training curves: {folder.name}"
-        )
+        curves = read_curves(metrics, run_id=getattr(trainer.logger, "run_id", None))
+        title = f"Training curves: {folder.name}"
+        plot_training_curves(curves, folder / self.filename, title=title)

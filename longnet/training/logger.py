@@ -1,12 +1,18 @@
-"""``RunLogger``: CSV metrics in one fixed run folder that survive resumes and later runs."""
+"""``RunLogger``: CSV metrics in one fixed run folder that survive resumes and later runs,
+every row tagged with the id of the run that wrote it."""
 
 from __future__ import annotations
 
 import csv
+from collections.abc import Mapping
 
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
+from lightning.pytorch.utilities import rank_zero_only
+from torch import Tensor
+
+RUN_ID_COLUMN = "run_id"
 
 
 class AppendingExperimentWriter(ExperimentWriter):
@@ -28,6 +34,10 @@ class RunLogger(CSVLogger):
     and ``metrics.csv`` is appended to, not replaced. Steps between the last checkpoint and an
     interruption may appear twice; the later rows are the resumed run's.
 
+    Every row carries the ``run_id`` column: the id the ``longnet`` command gives each run
+    (``longnet.training.runs.RunId`` sets :attr:`run_id`; a resumed run keeps its id), so rows
+    of different commands in one folder (a ``fit``, a later ``test``) stay apart.
+
     Args:
         save_dir: parent folder of runs.
         name: the run's folder name.
@@ -40,6 +50,13 @@ class RunLogger(CSVLogger):
             raise ValueError("name must be a non-empty folder name for the run.")
         super().__init__(save_dir=save_dir, name=name, version="",
                          flush_logs_every_n_steps=flush_logs_every_n_steps)
+        self.run_id: str | None = None
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, Tensor | float], step: int | None = None) -> None:
+        if self.run_id is not None:
+            metrics = {**metrics, RUN_ID_COLUMN: self.run_id}
+        super().log_metrics(dict(metrics), step)
 
     @property
     @rank_zero_experiment

@@ -20,7 +20,7 @@ from longnet.training.metrics import TokenAccuracy, TokenCrossEntropy, lm_summar
 from longnet.training.optim import build_optimizer, parameter_groups
 from longnet.training.sharding import check_window_shards
 from longnet.training.strategy import SequenceParallelStrategy
-from longnet.validation import check_non_negative_int
+from longnet.validation import UsageError, check_non_negative_int
 
 Batch = dict[str, Tensor]
 RNG_KEY = "longnet_rng_state"
@@ -147,14 +147,14 @@ class CausalLMModule(L.LightningModule):
         config = self.model.config
         vocab = getattr(datamodule, "vocab_size", None)
         if isinstance(vocab, int) and vocab > config.vocab_size:
-            raise ValueError(
+            raise UsageError(
                 f"the data has vocab_size {vocab} but the model only {config.vocab_size}; set "
                 f"model overrides {{vocab_size: {vocab}}} or use matching data."
             )
         seq_len = _datamodule_seq_len(datamodule)
         if seq_len is not None and config.position_encoding == "learned" \
                 and seq_len > config.max_positions:
-            raise ValueError(
+            raise UsageError(
                 f"data seq_len {seq_len} exceeds the model's max_positions "
                 f"{config.max_positions} (learned position embeddings); lower seq_len or "
                 "raise max_positions."
@@ -246,7 +246,7 @@ class CausalLMModule(L.LightningModule):
         if total is None:
             total = self.trainer.estimated_stepping_batches
             if total == float("inf"):
-                raise ValueError(
+                raise UsageError(
                     "total_steps is None and the trainer has no finite length; set "
                     "trainer.max_steps or model.init_args.total_steps."
                 )

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from longnet.attention import DilatedPattern, padded_length
 from longnet.constants import IGNORE_INDEX
+from longnet.validation import UsageError
 
 SEQUENCE_KEYS = ("input_ids", "labels", "position_ids")
 
@@ -108,14 +109,14 @@ def check_window_shards(seq_len: int, pattern: DilatedPattern | None, world_size
     ``pattern`` on after padding (see :func:`longnet.attention.padded_length`).
 
     Padding is exact but every padded token is computed for nothing, on every step; a window
-    the pattern shards as it is costs no more. Raises ``ValueError`` naming the nearest window
+    the pattern shards as it is costs no more. Raises :class:`~longnet.validation.UsageError` naming the nearest window
     lengths that need no padding.
     """
     if world_size == 1:
         return
     if pattern is None:
         if seq_len % world_size:
-            raise ValueError(
+            raise UsageError(
                 f"seq_len {seq_len} cannot be cut into {world_size} equal sequence shards; use a "
                 f"multiple of {world_size}, e.g. {seq_len - seq_len % world_size}."
             )
@@ -129,7 +130,7 @@ def check_window_shards(seq_len: int, pattern: DilatedPattern | None, world_size
         None,
     )
     options = " or ".join(str(length) for length in (shorter, padded) if length is not None)
-    raise ValueError(
+    raise UsageError(
         f"seq_len {seq_len} cannot be cut into {world_size} sequence shards that the pattern "
         f"{list(pattern.branches)} runs on: each branch's segment (capped at the window) must divide "
         f"the shard or be a multiple of it, so every window would be padded to {padded} tokens "

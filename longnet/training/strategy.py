@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from longnet.attention import DilatedPattern
 from longnet.training.sharding import shard_batch
-from longnet.validation import check_positive_int
+from longnet.validation import UsageError, check_positive_int
 
 MESH_DIMS = ("dp", "sp")
 
@@ -149,9 +149,14 @@ class SequenceParallelStrategy(DDPStrategy):
         check_sequence_parallel_module(model)
         super().connect(model)
 
+    def set_world_ranks(self) -> None:
+        """Check the layout first: the Trainer calls this when it is built (before any process
+        starts, so a bad layout fails at once) and again in ``setup_environment``."""
+        self._check_layout()
+        super().set_world_ranks()
+
     def setup_environment(self) -> None:
         """Start the process group (DDP) and build the mesh once; runs on every fit/test."""
-        self._check_layout()
         super().setup_environment()
         if self.device_mesh is None:
             device_type = "cuda" if self.root_device.type == "cuda" else "cpu"
@@ -164,7 +169,7 @@ class SequenceParallelStrategy(DDPStrategy):
     def _check_layout(self) -> None:
         world = self.num_nodes * self.num_processes
         if world % self.sequence_parallel_size:
-            raise ValueError(
+            raise UsageError(
                 f"sequence_parallel_size={self.sequence_parallel_size} does not divide the "
                 f"{world} processes (devices x num_nodes = {self.num_processes} x "
                 f"{self.num_nodes}); choose a divisor of {world} or change devices."

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -24,6 +25,7 @@ from longnet.data import (
 )
 from longnet.data.splits import SPLITS, document_hash
 from longnet.data.tokenizer import EOS_ID, PAD_ID, ByteTokenizer
+from longnet.validation import UsageError
 
 REPO = Path(__file__).resolve().parents[2]
 SETTINGS = CorpusSettings(seq_len=32, val_fraction=0.25, test_fraction=0.25)
@@ -189,7 +191,7 @@ def test_missing_data_files_name_the_glob(tmp_path: Path) -> None:
 
 
 def test_bad_corpora_fail_clearly(corpus: Path, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="split is empty"):
+    with pytest.raises(ValueError, match="no document for the validation split"):
         _build(corpus, tmp_path / "cache", CorpusSettings(seq_len=8, max_documents=1))
     with pytest.raises(ValueError, match="no window"):
         _build(
@@ -217,11 +219,11 @@ def test_json_and_parquet_rows_are_documents(tmp_path: Path) -> None:
     for name in ("rows.jsonl", "rows.parquet"):
         source = files_source(str(tmp_path / name), text_column="body")
         results.append(build_long_document_splits(source, SETTINGS, tmp_path / "cache"))
-        with pytest.raises(KeyError, match="text_column='text'"):
+        with pytest.raises(UsageError, match="text_column='text'"):
             build_long_document_splits(
                 files_source(str(tmp_path / name)), SETTINGS, tmp_path / "cache"
             )
-        with pytest.raises(TypeError, match="not strings"):
+        with pytest.raises(UsageError, match="not strings"):
             build_long_document_splits(
                 files_source(str(tmp_path / name), text_column="id"), SETTINGS, tmp_path / "cache"
             )
@@ -307,3 +309,74 @@ def test_stdlib_source_skips_tests_and_site_packages() -> None:
     assert {"test", "tests", "idle_test", "site-packages"}.isdisjoint(parts)
     assert any(path.name == "json" or path.parent.name == "json" for path in source.files)
     assert list(source.files) == sorted(source.files, key=lambda p: p.as_posix())
+
+
+# ---------------------------------------------------------------------- data a user points at
+ELF = b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)) * 4
+
+
+def _files(folder: Path, files: dict[str, bytes | str]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, content in files.items():
+        path = folder / name
+        path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
+    return folder
+
+
+def _texts(count: int) -> dict[str, str]:
+    return {f"doc{index:02d}.txt": _text(index) for index in range(count)}
+
+
+BAD_DATA = [  # (files, data_files glob, source options, settings, exception, message)
+    ({**_texts(30), "a.out": ELF}, "*", {}, {}, UsageError,
+     r"1 of the 31 data_files are not UTF-8 text:\n  .*a\.out: binary: a NUL byte at offset 7"),
+    ({**_texts(30), "latin1.txt": "caf\u00e9 cr\u00e8me".encode("latin-1")}, "*", {}, {},
+     UsageError, r"latin1\.txt: not UTF-8: byte 0xe9 at offset 3.*iconv"),
+    ({f"tool{index}": ELF for index in range(7)}, "*", {}, {}, UsageError,
+     r"7 of the 7 data_files.*tool0: binary.*and 2 more"),
+    ({f"tool{index}": ELF for index in range(3)}, "*", {"invalid_files": "skip"}, {},
+     UsageError, r"3 of the 3 data_files"),  # skipping everything leaves nothing
+    ({"empty.txt": ""}, "*", {}, {}, UsageError,
+     r"no document of at least 1 bytes in .*empty\.txt"),
+    ({"a.txt": "", "b.txt": "", "c.txt": ""}, "*", {}, {}, UsageError, r"no document .*a\.txt"),
+    ({"book.txt": "word " * 20000}, "*", {}, {}, UsageError,
+     r"no document for the \w+ split and the \w+ split: 1 document from .*book\.txt.*at least 3 "
+     r"documents and about 13 .*val_fraction=0\.25"),
+    (_texts(40), "*", {}, {"max_documents": 2}, UsageError,
+     r"max_documents/max_bytes kept 2 of 40"),
+    (_texts(40), "*", {}, {"seq_len": 100_000}, UsageError,
+     r"make no window of seq_len \+ 1 = 100001 tokens"),
+    (_texts(40), "*", {}, {"min_document_bytes": 10**6}, UsageError,
+     r"no document of at least 1000000 bytes"),
+    ({"rows.jsonl": '{"text": "a"}\n{"text": broken\n'}, "*.jsonl", {}, {}, UsageError,
+     r"cannot read the json data_files .*rows\.jsonl"),
+    ({"rows.jsonl": '{"body": "a"}\n'}, "*.jsonl", {}, {}, UsageError,
+     r"text_column='text' is not a column.*\['body'\]"),
+    ({"rows.jsonl": '{"text": 3}\n'}, "*.jsonl", {}, {}, UsageError,
+     r"text_column='text' holds Value\('int64'\), not strings"),
+    (_texts(3), "nothing-*.txt", {}, {}, FileNotFoundError, r"no file matches .*nothing-\*"),
+    (_texts(3), [], {}, {}, ValueError, r"data_files is empty"),
+    (_texts(3), "*", {"invalid_files": "maybe"}, {}, ValueError,
+     r"invalid_files must be 'error' or 'skip', got 'maybe'"),
+    ({**_texts(3), "rows.jsonl": "{}"}, "*", {}, {}, ValueError, r"mixes formats"),
+]
+
+
+@pytest.mark.parametrize(("files", "pattern", "options", "changes", "error", "match"), BAD_DATA)
+def test_unusable_data_is_refused_naming_the_files(
+    tmp_path: Path, files, pattern, options, changes, error, match
+) -> None:
+    folder = _files(tmp_path / "data", files)
+    patterns = [str(folder / item) for item in pattern] if isinstance(pattern, list) \
+        else str(folder / pattern)
+    settings = dataclasses.replace(SETTINGS, **changes)
+    with pytest.raises(error, match=f"(?s){match}"):
+        build_long_document_splits(files_source(patterns, **options), settings, tmp_path / "c")
+
+
+def test_invalid_files_skip_leaves_them_out_with_a_count(tmp_path: Path) -> None:
+    folder = _files(tmp_path / "data", {**_texts(30), "a.out": ELF, "b.bin": b"\xff\xfe"})
+    source = files_source(str(folder / "*"), invalid_files="skip")
+    with pytest.warns(UserWarning, match=r"(?s)skipping 2 of the 32 data_files.*a\.out.*b\.bin"):
+        splits = build_long_document_splits(source, SETTINGS, tmp_path / "cache")
+    assert len(splits.documents) == 30

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -109,8 +110,12 @@ def test_bad_checkpoints_are_explained(tmp_path: Path):
     with pytest.raises(ValueError, match="not a Lightning checkpoint"):
         load_model(tmp_path / "c.ckpt")
     (tmp_path / "d.ckpt").write_bytes(b"not a checkpoint")
-    with pytest.raises(ValueError, match="weights_only=True"):
+    with pytest.raises(ValueError, match="d.ckpt is not a checkpoint: torch.save writes a zip"):
         load_model(tmp_path / "d.ckpt")
+    with zipfile.ZipFile(tmp_path / "e.ckpt", "w") as archive:  # a zip, but not torch.save's
+        archive.writestr("notes.txt", "hello")
+    with pytest.raises(ValueError, match="cannot read .*e.ckpt .*weights_only=True"):
+        load_model(tmp_path / "e.ckpt")
 
 
 def test_checkpoint_errors_name_the_file(tmp_path: Path):
@@ -122,7 +127,7 @@ def test_checkpoint_errors_name_the_file(tmp_path: Path):
         read_checkpoint(missing)
     corrupt = tmp_path / "corrupt.ckpt"
     corrupt.write_bytes(b"\x80\x02 truncated")
-    with pytest.raises(ValueError, match="corrupt.ckpt.*weights_only=True"):
+    with pytest.raises(ValueError, match="corrupt.ckpt is not a checkpoint"):
         load_lightning_checkpoint(corrupt)
     model = tiny()
     path = lightning_like_checkpoint(model, tmp_path / "given.ckpt", {})

@@ -24,6 +24,7 @@ from longnet.modeling import (
 )
 from longnet.modeling.zoo import ZOO as ZOO_DEFINITIONS
 from longnet.modeling.zoo import card_results, publish_weights, write_zoo
+from longnet.validation import UsageError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -427,3 +428,72 @@ def test_models_on_sequence_parallel_shards_equal_single_device():
 
     failures = run_workers(_sequence_parallel_case, 2, timeout=300)
     assert not any(failures), failures
+
+
+# ---------------------------------------------------------------------- config.json a user edits
+def _edited(change):
+    data = {"architecture": "LongNetLM", **small_config().to_dict()}
+    change(data)
+    return data
+
+
+def _without(*names):
+    return lambda data: [data.pop(name) for name in names]
+
+
+def _with(**fields):
+    return lambda data: data.update(fields)
+
+
+def _renamed(old, new):
+    return lambda data: data.update({new: data.pop(old)})
+
+
+BAD_CONFIGS = [  # (edit of a saved config.json, exception, what the message must name)
+    (_without("segment_lengths"), UsageError, "omits segment_lengths: fields that change"),
+    (_without("dilation_rates"), UsageError, "omits dilation_rates"),
+    (_without("segment_lengths", "dilation_rates"), UsageError,
+     "omits segment_lengths, dilation_rates.*dense attention"),
+    (_without("position_encoding", "rope_theta"), UsageError,
+     "omits position_encoding, rope_theta"),
+    (_without("vocab_size"), UsageError, "omits vocab_size"),
+    (_without("norm_eps", "sub_ln", "pooling"), UsageError, "omits norm_eps, sub_ln, pooling"),
+    (_renamed("segment_lengths", "segment_length"), ValueError,
+     "no field 'segment_length'. Did you mean 'segment_lengths'"),
+    (_with(num_heads=0), ValueError, "num_heads must be a positive integer, got 0"),
+    (_with(segment_lengths=[16, 8, 4]), ValueError, "segment_lengths/dilation_rates"),
+    (_with(segment_lengths="1024"), ValueError, "segment_lengths must be a list.*'1024'"),
+    (_with(dilation_rates=[1, 2]), ValueError, "segment_lengths/dilation_rates"),
+    (_with(dropout=1.5), ValueError, "dropout must be in \\[0, 1\\), got 1.5"),
+    (_with(position_encoding="alibi"), ValueError, "position_encoding must be one of.*'alibi'"),
+    (_with(sub_ln="yes"), ValueError, "sub_ln must be true or false, got 'yes'"),
+    (_with(hidden_size=30), ValueError, "hidden_size \\(30\\) is not divisible by num_heads"),
+    (_with(model_type="gpt2"), ValueError, "gpt2"),  # load: not longnet; from_pretrained: a GPT-2
+    (_with(eos_token_id=300), ValueError, "eos_token_id must be None or a token id in 0..39"),
+]
+
+
+@pytest.mark.parametrize(("change", "error", "match"), BAD_CONFIGS)
+@pytest.mark.parametrize("reader", ["LongNetConfig.load", "LongNetLM.from_pretrained"])
+def test_a_bad_config_json_is_refused_naming_the_field(tmp_path, change, error, match, reader):
+    """A config.json that omits a field changing the computation, or holds a bad value, is
+    refused with the field named; never silently another model."""
+    make_lm().save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(_edited(change)))
+    load = LongNetConfig.load if reader == "LongNetConfig.load" else LongNetLM.from_pretrained
+    with pytest.raises(error, match=match):
+        load(tmp_path)
+
+
+def test_config_json_with_explicit_nulls_and_without_training_fields_loads(tmp_path):
+    """null spells out a default (dense attention); fields that do not change the function
+    (dropout, initialisation, token ids, extra) may be left out."""
+    data = _edited(_with(segment_lengths=None, dilation_rates=None))
+    for name in ("dropout", "initializer_range", "gradient_checkpointing", "bos_token_id",
+                 "eos_token_id", "pad_token_id", "extra"):
+        data.pop(name)
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    assert LongNetConfig.load(tmp_path).pattern == DilatedPattern.dense(64)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="must hold a JSON object, got list"):
+        LongNetConfig.load(tmp_path)

@@ -1,0 +1,202 @@
+"""One run per run folder: a lock while a command works in it, and a run id on its outputs.
+
+The ``longnet`` command (``longnet.cli``) uses these around every subcommand:
+
+- :class:`RunLock`: ``<run folder>/run.lock`` holds the pid, host and run id of the command
+  working in the folder (taken by rank 0 only, before any process is started or file written;
+  released when the command ends). A second command into the same folder is refused with the
+  folder, the live pid and the fix; a lock whose process is gone (killed) is taken over with a
+  note.
+- :func:`earlier_run_outputs`: a new ``fit`` (no ``--ckpt_path``) refuses a folder that already
+  holds another run's checkpoints or export, instead of mixing its files with them.
+- :class:`RunId`: the run id in every row of ``metrics.csv`` (``RunLogger``), in
+  ``metrics.json`` and in every checkpoint, so a resumed run keeps its id.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import time
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+
+from longnet.validation import UsageError
+
+LOCK_NAME = "run.lock"
+RUN_ID_KEY = "longnet_run_id"
+"""Top-level key of the run id in the checkpoints :class:`RunId` tags."""
+EXPORT_NAME = "model"
+
+
+def new_run_id() -> str:
+    """A fresh run id: the start time and 6 random hex digits, e.g. ``20260101-120000-3fa2c1``."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+
+
+def checkpoint_run_id(checkpoint: Mapping[str, Any]) -> str | None:
+    """The run id a checkpoint was tagged with (None for checkpoints written before run ids)."""
+    run_id = checkpoint.get(RUN_ID_KEY)
+    return run_id if isinstance(run_id, str) else None
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+class RunLock:
+    """``<folder>/run.lock`` while a command works in ``folder``.
+
+    Args:
+        folder: the run folder (created if missing).
+        run_id: the id written into the lock (and named when another command is refused).
+    """
+
+    def __init__(self, folder: str | Path, run_id: str) -> None:
+        self.folder = Path(folder)
+        self.path = self.folder / LOCK_NAME
+        self.run_id = run_id
+        self.held = False
+
+    def _record(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "host": socket.gethostname(), "run_id": self.run_id,
+                "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+    def _holder(self) -> dict[str, Any] | None:
+        """The lock's record; None if it vanished or cannot be read (a damaged lock)."""
+        try:
+            record = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            return {}
+        return record if isinstance(record, dict) else {}
+
+    def acquire(self) -> None:
+        """Take the lock, or raise :class:`UsageError` naming the live command that holds it.
+
+        A lock left by a process that no longer runs on this host (killed, machine restarted)
+        is taken over with a warning. A lock from another host cannot be checked, so it is
+        refused with the path to delete if that run is gone.
+        """
+        self.folder.mkdir(parents=True, exist_ok=True)
+        staging = self.folder / f".{LOCK_NAME}.{os.getpid()}.{secrets.token_hex(3)}"
+        staging.write_text(json.dumps(self._record()) + "\n")
+        try:
+            while True:
+                try:
+                    os.link(staging, self.path)  # atomic: fails if the lock exists
+                    self.held = True
+                    return
+                except FileExistsError:
+                    holder = self._holder()
+                    if holder is None:
+                        continue  # released meanwhile: try again
+                    self._refuse_or_take_over(holder)
+        finally:
+            staging.unlink()
+
+    def _refuse_or_take_over(self, holder: dict[str, Any]) -> None:
+        pid, host = holder.get("pid"), holder.get("host")
+        same_host = host == socket.gethostname()
+        if isinstance(pid, int) and same_host and pid != os.getpid() and _process_alive(pid):
+            raise UsageError(
+                f"run folder {self.folder} is in use by run {holder.get('run_id')} (pid {pid}, "
+                f"started {holder.get('started')}). Wait for it to end, or give this run its "
+                "own folder: --trainer.logger.init_args.name <new name>."
+            )
+        if isinstance(pid, int) and host and not same_host:
+            raise UsageError(
+                f"run folder {self.folder} is in use by run {holder.get('run_id')} (pid {pid} "
+                f"on host {host}, which this machine cannot check). Give this run its own "
+                f"folder (--trainer.logger.init_args.name <new name>), or delete {self.path} "
+                "if that run is no longer running."
+            )
+        what = (f"run {holder.get('run_id')} (pid {pid}, no longer running)" if pid
+                else "a damaged lock")
+        warnings.warn(f"{self.path}: taking over the lock of {what}.", stacklevel=3)
+        self.path.unlink(missing_ok=True)
+
+    def release(self) -> None:
+        """Remove the lock if this object holds it (and it still names this run)."""
+        if self.held and (self._holder() or {}).get("run_id") == self.run_id:
+            self.path.unlink(missing_ok=True)
+        self.held = False
+
+
+def earlier_run_outputs(folder: str | Path, checkpoint_dirs: list[Path]) -> list[str]:
+    """What an earlier run left that a new run would mix with: checkpoints (``*.ckpt`` in
+    ``checkpoint_dirs``) and the ``model/`` export; paths relative to ``folder`` where they
+    are inside it."""
+    folder = Path(folder)
+    found = [path for directory in checkpoint_dirs for path in sorted(directory.glob("*.ckpt"))]
+    if (folder / EXPORT_NAME).is_dir():
+        found.append(folder / EXPORT_NAME)
+    return [str(path.relative_to(folder)) if path.is_relative_to(folder) else str(path)
+            for path in found]
+
+
+class RunId(L.Callback):
+    """Tag a run's outputs with its id: ``RunLogger`` rows and ``metrics.json`` (through the
+    logger's ``run_id``) and every checkpoint (key ``longnet_run_id``).
+
+    Args:
+        run_id: the id; a resumed run passes the id of the checkpoint it resumes.
+    """
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        for logger in trainer.loggers:
+            if hasattr(logger, "run_id"):
+                logger.run_id = self.run_id
+
+    def on_save_checkpoint(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        checkpoint[RUN_ID_KEY] = self.run_id
+
+
+def run_folder(trainer: L.Trainer) -> Path:
+    """The run folder as ``trainer.log_dir`` finds it (the first logger's ``log_dir``, else its
+    ``save_dir``, else ``default_root_dir``), without its collective: safe before the
+    processes of a multi-process run exist, and on one rank."""
+    logger = trainer.logger
+    if logger is None:
+        return Path(trainer.default_root_dir)
+    return Path(getattr(logger, "log_dir", None) or logger.save_dir or trainer.default_root_dir)
+
+
+def checkpoint_dirs(trainer: L.Trainer, *, save_last: bool = False) -> list[Path]:
+    """The folders the trainer's ``ModelCheckpoint``\\ s write to (those with ``save_last``
+    only, if asked), resolved as Lightning does: ``dirpath``, else
+    ``<save_dir>/<name>/<version>/checkpoints`` of the first logger, else
+    ``<default_root_dir>/checkpoints``."""
+    folders = []
+    for callback in trainer.checkpoint_callbacks:
+        if save_last and not getattr(callback, "save_last", False):
+            continue
+        if callback.dirpath:
+            folders.append(Path(callback.dirpath))
+        elif trainer.logger is not None:
+            logger = trainer.logger
+            version = logger.version if isinstance(logger.version, str) else \
+                f"version_{logger.version}"
+            save_dir = logger.save_dir or trainer.default_root_dir
+            folders.append(Path(save_dir, str(logger.name), version, "checkpoints"))
+        else:
+            folders.append(Path(trainer.default_root_dir, "checkpoints"))
+    return list(dict.fromkeys(folders))
