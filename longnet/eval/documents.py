@@ -21,7 +21,6 @@ from longnet.data.splits import SPLITS, check_fractions, document_hash, split_of
 from longnet.data.tokenizer import ByteTokenizer
 from longnet.validation import is_int
 
-
 EVAL_SPLITS: dict[str, tuple[str, ...]] = {
     **{name: (name,) for name in SPLITS},
     "held-out": ("validation", "test"),

@@ -160,7 +160,8 @@ class CausalLMModule(L.LightningModule):
                 "raise max_positions."
             )
         strategy = self._trainer.strategy if self._trainer is not None else None
-        if stage == "fit" and seq_len is not None and isinstance(strategy, SequenceParallelStrategy):
+        sequence_parallel = isinstance(strategy, SequenceParallelStrategy)
+        if stage == "fit" and seq_len is not None and sequence_parallel:
             check_window_shards(seq_len, self.pattern, strategy.sequence_parallel_size)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

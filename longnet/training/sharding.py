@@ -109,8 +109,8 @@ def check_window_shards(seq_len: int, pattern: DilatedPattern | None, world_size
     ``pattern`` on after padding (see :func:`longnet.attention.padded_length`).
 
     Padding is exact but every padded token is computed for nothing, on every step; a window
-    the pattern shards as it is costs no more. Raises :class:`~longnet.validation.UsageError` naming the nearest window
-    lengths that need no padding.
+    the pattern shards as it is costs no more. Raises :class:`~longnet.validation.UsageError`
+    naming the nearest window lengths that need no padding.
     """
     if world_size == 1:
         return
@@ -132,7 +132,8 @@ def check_window_shards(seq_len: int, pattern: DilatedPattern | None, world_size
     options = " or ".join(str(length) for length in (shorter, padded) if length is not None)
     raise UsageError(
         f"seq_len {seq_len} cannot be cut into {world_size} sequence shards that the pattern "
-        f"{list(pattern.branches)} runs on: each branch's segment (capped at the window) must divide "
-        f"the shard or be a multiple of it, so every window would be padded to {padded} tokens "
+        f"{list(pattern.branches)} runs on: each branch's segment (capped at the window) must "
+        f"divide the shard or be a multiple of it, so every window would be padded to {padded} "
+        f"tokens "
         f"({padded - seq_len} computed for nothing). Use seq_len {options}."
     )
