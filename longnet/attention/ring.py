@@ -60,6 +60,19 @@ def _branch_fits(segment_length: int, shard_len: int) -> bool:
     return shard_len % segment_length == 0 or segment_length % shard_len == 0
 
 
+def fits_shards(
+    seq_len: int, pattern: DilatedPattern | Sequence[tuple[int, int]], world_size: int
+) -> bool:
+    """Whether ``world_size`` ranks run ``pattern`` on ``seq_len`` tokens as they are: the
+    length divides into equal shards and every branch's segment length (capped at the
+    sequence length) divides the shard length or is a multiple of it."""
+    if seq_len % world_size:
+        return False
+    shard_len = seq_len // world_size
+    pattern = DilatedPattern.coerce(pattern)
+    return all(_branch_fits(min(w, seq_len), shard_len) for w in pattern.segment_lengths)
+
+
 def padded_length(
     seq_len: int, pattern: DilatedPattern | Sequence[tuple[int, int]], world_size: int
 ) -> int:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from longnet.attention import DilatedPattern, padded_length
+from longnet.attention import DilatedPattern, fits_shards, padded_length
 from longnet.constants import IGNORE_INDEX
 from longnet.validation import UsageError
 
@@ -121,12 +121,12 @@ def check_window_shards(seq_len: int, pattern: DilatedPattern | None, world_size
                 f"multiple of {world_size}, e.g. {seq_len - seq_len % world_size}."
             )
         return
-    padded = padded_length(seq_len, pattern, world_size)
-    if padded == seq_len:
+    if fits_shards(seq_len, pattern, world_size):
         return
+    padded = padded_length(seq_len, pattern, world_size)
     shorter = next(
         (length for length in range(seq_len - seq_len % world_size, 0, -world_size)
-         if padded_length(length, pattern, world_size) == length),
+         if fits_shards(length, pattern, world_size)),
         None,
     )
     options = " or ".join(str(length) for length in (shorter, padded) if length is not None)

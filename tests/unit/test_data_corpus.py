@@ -209,6 +209,19 @@ def test_bad_corpora_fail_clearly(corpus: Path, tmp_path: Path) -> None:
         files_source([str(corpus / "*.txt"), str(tmp_path / "mixed.json")])
 
 
+def test_window_longer_than_every_document_is_refused(corpus: Path, tmp_path: Path) -> None:
+    longest = max(len(path.read_bytes()) for path in corpus.rglob("*.txt"))
+    files = str(corpus / "**" / "*.txt")
+    args = dict(data_files=files, val_fraction=0.25, test_fraction=0.25,
+                cache_dir=str(tmp_path / "cache"))
+    LongDocumentDataModule(seq_len=longest + 1, **args).setup()  # document + closing EOS
+    with pytest.raises(UsageError, match=(
+        f"seq_len {longest + 2} is longer than every document .*longest: {longest} bytes.*"
+        f"Lower seq_len to at most {longest + 1}"
+    )):
+        LongDocumentDataModule(seq_len=longest + 2, **args).setup()
+
+
 def test_json_and_parquet_rows_are_documents(tmp_path: Path) -> None:
     texts = [_text(index) for index in range(30)]
     with (tmp_path / "rows.jsonl").open("w") as handle:

@@ -22,6 +22,7 @@ from longnet.training import (
     shard_batch,
     warmup_cosine,
 )
+from longnet.training.sharding import check_window_shards
 from longnet.validation import UsageError
 
 TINY = {
@@ -104,6 +105,36 @@ def test_shard_keeps_given_positions_and_refuses_bad_lengths():
         shard_batch(_batch(8), 0, 3)
     with pytest.raises(KeyError, match="input_ids"):
         shard_batch({"labels": torch.zeros(1, 4)}, 0, 2)
+
+
+def _shards_without_padding(length: int, pattern: DilatedPattern, world: int) -> bool:
+    """Independent of padded_length: every branch's segment, capped at the window, divides
+    the shard or is a multiple of it."""
+    if length % world:
+        return False
+    shard = length // world
+    return all(shard % min(w, length) == 0 or min(w, length) % shard == 0
+               for w in pattern.segment_lengths)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_windows_that_need_padding_are_refused_naming_the_nearest(world):
+    pattern = DilatedPattern((48, 96, 512), (1, 2, 4))
+    fitting = [n for n in range(1, 10_000) if _shards_without_padding(n, pattern, world)]
+    for seq_len in range(1, 700):
+        if seq_len in fitting:
+            check_window_shards(seq_len, pattern, world)
+            continue
+        with pytest.raises(UsageError, match=f"seq_len {seq_len} cannot be cut") as error:
+            check_window_shards(seq_len, pattern, world)
+        options = [int(n) for n in str(error.value).rsplit("Use seq_len ", 1)[1][:-1].split(" or ")]
+        below = [n for n in fitting if n < seq_len][-1:]
+        above = next(n for n in fitting if n > seq_len)
+        assert options == below + [above], seq_len
+    check_window_shards(10, None, 2)
+    with pytest.raises(UsageError, match="seq_len 9 cannot be cut into 2 equal"):
+        check_window_shards(9, None, 2)
+    check_window_shards(7, pattern, 1)
 
 
 # ---------------------------------------------------------------------- data order
