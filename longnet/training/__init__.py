@@ -22,8 +22,13 @@ from longnet.training.logger import RunLogger
 from longnet.training.metrics import TokenAccuracy, TokenCrossEntropy, lm_summary
 from longnet.training.module import CausalLMModule
 from longnet.training.optim import parameter_groups, warmup_cosine
+from longnet.training.sharded import ShardedModule, ShardedSequenceParallelStrategy
 from longnet.training.sharding import pad_sequences, shard_batch
-from longnet.training.strategy import SequenceParallelModule, SequenceParallelStrategy
+from longnet.training.strategy import (
+    SequenceParallelLayout,
+    SequenceParallelModule,
+    SequenceParallelStrategy,
+)
 
 __all__ = [
     "CausalLMModule",
@@ -35,8 +40,11 @@ __all__ = [
     "PredictionsWriter",
     "ResumableDataOrder",
     "RunLogger",
+    "SequenceParallelLayout",
     "SequenceParallelModule",
     "SequenceParallelStrategy",
+    "ShardedModule",
+    "ShardedSequenceParallelStrategy",
     "TokenAccuracy",
     "TokenCrossEntropy",
     "TrainingCurves",

@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
 
 from longnet.modeling import LongNetLM
 from longnet.training.checkpoint import load_lightning_checkpoint
-from longnet.training.strategy import SequenceParallelStrategy
+from longnet.training.strategy import SequenceParallelLayout
 from longnet.validation import check_positive_int
 
 MODEL_PREFIX = "model."
@@ -139,7 +139,7 @@ class PredictionsWriter(BasePredictionWriter):
                            batch_idx, dataloader_idx) -> None:
         folder = self._folder or Path(self.dirpath or trainer.default_root_dir)
         strategy, rank = trainer.strategy, trainer.global_rank
-        if isinstance(strategy, SequenceParallelStrategy):
+        if isinstance(strategy, SequenceParallelLayout):
             if strategy.sequence_parallel_rank != 0:
                 return  # the other ranks of a sequence-parallel group hold the same values
             rank = strategy.data_parallel_rank

@@ -1,4 +1,5 @@
-"""``SequenceParallelStrategy``: data parallelism across sequence-parallel groups.
+"""``SequenceParallelStrategy``: data parallelism across sequence-parallel groups, and the
+sequence-parallel layout it shares with ``ShardedSequenceParallelStrategy``.
 
 See docs/training.md (``SequenceParallelStrategy``) for the training side and
 docs/architecture.md §4 for the attention across a group.
@@ -19,8 +20,16 @@ The contract between the strategy and the LightningModule, both ways:
   strategy is given the module: another module raises ``TypeError``);
 - the strategy exposes ``sequence_parallel_group`` (and ``sequence_parallel_rank``,
   ``data_parallel_rank``), which ``CausalLMModule`` hands to the attention: the module reads
-  them from a :class:`SequenceParallelStrategy` only; under any other Lightning strategy it
-  runs without a group (every rank holds whole sequences).
+  them from a :class:`SequenceParallelLayout` strategy only (this one or
+  ``ShardedSequenceParallelStrategy``); under any other Lightning strategy it runs without a
+  group (every rank holds whole sequences).
+
+Everything about the layout (the mesh, ranks, sampler replicas, cutting batches into shards,
+refusing a world size the group size does not divide) lives once, in
+:class:`SequenceParallelLayout`; the strategies differ only in how parameters and gradients
+are held (DDP replicas here, FSDP2 shards in ``longnet.training.sharded``). The loss scaling
+that makes either equal one device lives in ``CausalLMModule`` and reads only
+``world_size`` and the group.
 """
 
 from __future__ import annotations
@@ -59,22 +68,141 @@ class SequenceParallelModule(Protocol):
     def pad_token_id(self) -> int: ...
 
 
-def check_sequence_parallel_module(module: Any) -> SequenceParallelModule:
-    """``module`` if it is a :class:`SequenceParallelModule`, else a ``TypeError`` naming what
-    it lacks."""
-    if not isinstance(module, SequenceParallelModule):
-        members = ("pattern", "pad_token_id")
+def check_module_protocol(
+    module: Any, protocol: type, members: tuple[str, ...], strategy: str
+) -> Any:
+    """``module`` if it implements the runtime-checkable ``protocol`` (whose ``members`` are
+    listed for the message), else a ``TypeError`` naming the ``strategy`` and what the module
+    lacks."""
+    if not isinstance(module, protocol):
         missing = [name for name in members if not hasattr(module, name)] or members
         raise TypeError(
-            f"SequenceParallelStrategy needs a LightningModule with 'pattern' and "
-            f"'pad_token_id' (a SequenceParallelModule, e.g. longnet.training.CausalLMModule); "
-            f"{type(module).__name__} has no {' or '.join(repr(name) for name in missing)}."
+            f"{strategy} needs a LightningModule with "
+            f"{', '.join(repr(name) for name in members)} (a {protocol.__name__}, e.g. "
+            f"longnet.training.CausalLMModule); {type(module).__name__} has no "
+            f"{' or '.join(repr(name) for name in missing)}."
         )
     return module
 
 
-class SequenceParallelStrategy(DDPStrategy):
-    """DDP over a ``(data-parallel, sequence-parallel)`` mesh.
+def check_sequence_parallel_module(module: Any) -> SequenceParallelModule:
+    """``module`` if it is a :class:`SequenceParallelModule`, else a ``TypeError`` naming what
+    it lacks."""
+    return check_module_protocol(
+        module, SequenceParallelModule, ("pattern", "pad_token_id"), "SequenceParallelStrategy"
+    )
+
+
+class SequenceParallelLayout:
+    """The ``(data-parallel, sequence-parallel)`` layout of a Lightning strategy: a mixin put
+    before a Lightning ``ParallelStrategy`` (``DDPStrategy``, ``ModelParallelStrategy``).
+
+    It owns the ``(dp, sp)`` device mesh, the ranks, the sampler's replicas, the check that
+    ``sequence_parallel_size`` divides the world, and ``batch_to_device``, which cuts every
+    batch of every loop into this rank's contiguous shard (padded to fit the model's dilated
+    pattern, :func:`~longnet.training.shard_batch`). The strategy calls
+    :meth:`_init_layout` in ``__init__`` and :meth:`_build_mesh` once its process group is up.
+    """
+
+    _device_mesh: DeviceMesh | None
+    sequence_parallel_size: int
+
+    def _init_layout(self, sequence_parallel_size: int) -> None:
+        check_positive_int("sequence_parallel_size", sequence_parallel_size)
+        self.sequence_parallel_size = sequence_parallel_size
+        self._device_mesh = None
+
+    # ------------------------------------------------------------------ layout
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The ``(dp, sp)`` mesh (dimension names :data:`MESH_DIMS`), built when the process
+        group starts."""
+        if self._device_mesh is None:
+            raise RuntimeError(
+                f"{type(self).__name__}: the device mesh is not built yet (setup_environment "
+                "has not run)."
+            )
+        return self._device_mesh
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.num_nodes * self.num_processes // self.sequence_parallel_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.global_rank // self.sequence_parallel_size
+
+    @property
+    def sequence_parallel_rank(self) -> int:
+        return self.global_rank % self.sequence_parallel_size
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Data-parallel replicas only: all ranks of a sequence-parallel group read the same
+        samples."""
+        return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
+
+    @property
+    def sequence_parallel_group(self) -> dist.ProcessGroup | None:
+        """This rank's sequence-parallel process group (None when its size is 1)."""
+        if self.sequence_parallel_size == 1:
+            return None
+        return self.device_mesh.get_group("sp")
+
+    # ------------------------------------------------------------------ setup
+    def set_world_ranks(self) -> None:
+        """Lightning's ranks, after refusing a world the group size does not divide: this
+        runs when the ``Trainer`` is built, before any process starts."""
+        self._check_layout()
+        super().set_world_ranks()
+
+    def _check_layout(self) -> None:
+        world = self.num_nodes * self.num_processes
+        if world and world % self.sequence_parallel_size:
+            raise ValueError(
+                f"sequence_parallel_size={self.sequence_parallel_size} does not divide the "
+                f"{world} processes (devices x num_nodes = {self.num_processes} x "
+                f"{self.num_nodes}); choose a divisor of {world} or change devices."
+            )
+
+    def _build_mesh(self) -> DeviceMesh:
+        """The ``(dp, sp)`` mesh over the started process group, built once (Lightning calls
+        ``setup_environment`` again on every ``fit``/``test``)."""
+        self._check_layout()
+        if self._device_mesh is None:
+            device_type = "cuda" if self.root_device.type == "cuda" else "cpu"
+            self._device_mesh = init_device_mesh(
+                device_type,
+                (self.data_parallel_size, self.sequence_parallel_size),
+                mesh_dim_names=MESH_DIMS,
+            )
+        return self._device_mesh
+
+    # ------------------------------------------------------------------ batches
+    def batch_to_device(
+        self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0
+    ) -> Any:
+        """Move the batch, then cut every sequence to this rank's shard (global positions)."""
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        if self.sequence_parallel_size == 1:
+            return batch
+        if not isinstance(batch, Mapping):
+            raise TypeError(
+                f"{type(self).__name__} shards dict batches with 'input_ids' (and "
+                f"'labels'); got {type(batch).__name__}."
+            )
+        module = check_sequence_parallel_module(self.lightning_module)
+        return shard_batch(
+            batch,
+            self.sequence_parallel_rank,
+            self.sequence_parallel_size,
+            pattern=module.pattern,
+            pad_token_id=module.pad_token_id,
+        )
+
+
+class SequenceParallelStrategy(SequenceParallelLayout, DDPStrategy):
+    """DDP over a ``(data-parallel, sequence-parallel)`` mesh (:class:`SequenceParallelLayout`).
 
     Select it from YAML::
 
@@ -104,46 +232,13 @@ class SequenceParallelStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
-        check_positive_int("sequence_parallel_size", sequence_parallel_size)
+        self._init_layout(sequence_parallel_size)
         super().__init__(
             process_group_backend=process_group_backend,
             start_method=start_method,
             **kwargs,
         )
-        self.sequence_parallel_size = sequence_parallel_size
-        self.device_mesh: DeviceMesh | None = None
 
-    # ------------------------------------------------------------------ layout
-    @property
-    def data_parallel_size(self) -> int:
-        return self.num_nodes * self.num_processes // self.sequence_parallel_size
-
-    @property
-    def data_parallel_rank(self) -> int:
-        return self.global_rank // self.sequence_parallel_size
-
-    @property
-    def sequence_parallel_rank(self) -> int:
-        return self.global_rank % self.sequence_parallel_size
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Data-parallel replicas only: all ranks of a sequence-parallel group read the same
-        samples."""
-        return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
-
-    @property
-    def sequence_parallel_group(self) -> dist.ProcessGroup | None:
-        if self.sequence_parallel_size == 1:
-            return None
-        if self.device_mesh is None:
-            raise RuntimeError(
-                "SequenceParallelStrategy: the device mesh is not built yet (setup_environment "
-                "has not run)."
-            )
-        return self.device_mesh.get_group("sp")
-
-    # ------------------------------------------------------------------ setup
     def connect(self, model: Any) -> None:
         """Take the LightningModule, which must be a :class:`SequenceParallelModule`."""
         check_sequence_parallel_module(model)
@@ -153,41 +248,4 @@ class SequenceParallelStrategy(DDPStrategy):
         """Start the process group (DDP) and build the mesh once; runs on every fit/test."""
         self._check_layout()
         super().setup_environment()
-        if self.device_mesh is None:
-            device_type = "cuda" if self.root_device.type == "cuda" else "cpu"
-            self.device_mesh = init_device_mesh(
-                device_type,
-                (self.data_parallel_size, self.sequence_parallel_size),
-                mesh_dim_names=MESH_DIMS,
-            )
-
-    def _check_layout(self) -> None:
-        world = self.num_nodes * self.num_processes
-        if world % self.sequence_parallel_size:
-            raise ValueError(
-                f"sequence_parallel_size={self.sequence_parallel_size} does not divide the "
-                f"{world} processes (devices x num_nodes = {self.num_processes} x "
-                f"{self.num_nodes}); choose a divisor of {world} or change devices."
-            )
-
-    # ------------------------------------------------------------------ batches
-    def batch_to_device(
-        self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0
-    ) -> Any:
-        """Move the batch, then cut every sequence to this rank's shard (global positions)."""
-        batch = super().batch_to_device(batch, device, dataloader_idx)
-        if self.sequence_parallel_size == 1:
-            return batch
-        if not isinstance(batch, Mapping):
-            raise TypeError(
-                "SequenceParallelStrategy shards dict batches with 'input_ids' (and "
-                f"'labels'); got {type(batch).__name__}."
-            )
-        module = check_sequence_parallel_module(self.lightning_module)
-        return shard_batch(
-            batch,
-            self.sequence_parallel_rank,
-            self.sequence_parallel_size,
-            pattern=module.pattern,
-            pad_token_id=module.pad_token_id,
-        )
+        self._build_mesh()

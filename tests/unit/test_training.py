@@ -254,3 +254,40 @@ def test_strategy_refuses_bad_layouts_before_work():
     strategy = SequenceParallelStrategy(sequence_parallel_size=2)
     strategy.parallel_devices = [torch.device("cpu")] * 4
     assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}
+
+
+def test_sharded_strategy_refuses_bad_input_when_the_trainer_is_built():
+    """World size not divisible by the group size, a precision Lightning refuses with
+    ModelParallelStrategy (64-true), unknown mixed-precision dtypes, a module that does not
+    name its network and blocks: errors before any process starts."""
+    import lightning as L
+
+    from longnet.training import ShardedModule, ShardedSequenceParallelStrategy
+
+    def trainer(devices: int, precision: str = "32-true", **kwargs) -> L.Trainer:
+        strategy = ShardedSequenceParallelStrategy(**kwargs)
+        return L.Trainer(accelerator="cpu", devices=devices, strategy=strategy,
+                         precision=precision, logger=False)
+
+    with pytest.raises(ValueError, match="sequence_parallel_size=2 does not divide the 3 "):
+        trainer(3, sequence_parallel_size=2)
+    with pytest.raises(ValueError, match="does not support .*precision='64-true'"):
+        trainer(4, precision="64-true", sequence_parallel_size=2)
+    with pytest.raises(ValueError, match="param_dtype must be one of"):
+        trainer(4, sequence_parallel_size=2, param_dtype="bf16")
+    with pytest.raises(ValueError, match="sequence_parallel_size must be a positive integer"):
+        ShardedSequenceParallelStrategy(sequence_parallel_size=0)
+    strategy = trainer(4, sequence_parallel_size=2).strategy
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}
+    assert (strategy.data_parallel_size, strategy.sequence_parallel_rank) == (2, 0)
+
+    class PatternOnly(L.LightningModule):
+        pattern = None
+        pad_token_id = 0
+
+    with pytest.raises(TypeError, match="PatternOnly has no 'network' or 'blocks'"):
+        strategy.connect(PatternOnly())
+    module = CausalLMModule(model="longnet-tiny", overrides=TINY)
+    assert isinstance(module, ShardedModule)
+    assert list(module.blocks) == list(module.model.model.layers)
+    assert module.network is module.model
