@@ -9,6 +9,9 @@ from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from longnet.modeling import LongNetLM
 from longnet.training.checkpoint import load_lightning_checkpoint
@@ -51,9 +54,23 @@ class LastCheckpoint(ModelCheckpoint):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
 
+def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """The whole ``state_dict`` of ``model`` on the CPU. A model sharded by FSDP
+    (``ShardedSequenceParallelStrategy``) is gathered: a collective, call it on EVERY rank;
+    only rank 0 gets the tensors (the other ranks an empty dict)."""
+    if any(isinstance(param, DTensor) for param in model.parameters()):
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(model, options=options)
+    return {name: value.detach().cpu() for name, value in model.state_dict().items()}
+
+
 class ExportPretrained(L.Callback):
     """At the end of ``fit``, write the model with ``save_pretrained`` (config.json,
     model.safetensors, README.md card), loadable with ``LongNetLM.from_pretrained(dirpath)``.
+
+    Under ``ShardedSequenceParallelStrategy`` the final weights are gathered from every
+    rank's shards, and the best checkpoint is a folder of shards read on rank 0
+    (:func:`~longnet.training.read_checkpoint`).
 
     Args:
         dirpath: destination; None is ``<run folder>/model``.
@@ -72,14 +89,14 @@ class ExportPretrained(L.Callback):
         model: LongNetLM = pl_module.model
         target = Path(self.dirpath) if self.dirpath else run_dir(trainer) / "model"
         best = getattr(trainer.checkpoint_callback, "best_model_path", "") or ""
+        use_best = self.weights == "best" and bool(best)
+        state = None if use_best else full_state_dict(model)  # on every rank: may gather
         if trainer.is_global_zero:
-            if self.weights == "best" and best:
+            if use_best:
                 export = load_lightning_checkpoint(best, config=model.config, prefix=MODEL_PREFIX)
             else:
                 export = LongNetLM(model.config)
-                export.load_state_dict(
-                    {k: v.detach().cpu() for k, v in model.state_dict().items()}
-                )
+                export.load_state_dict(state)
             export.save_pretrained(target)
         self.exported = target
         trainer.strategy.barrier("ExportPretrained")

@@ -27,6 +27,7 @@ strategy. A module that shards itself in ``configure_model`` is refused.
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
@@ -38,10 +39,12 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.distributed._composable import checkpoint
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from longnet.attention import DilatedPattern
+from longnet.training.checkpoint import is_sharded_checkpoint, sharded_tensor_shapes
 from longnet.training.strategy import MESH_DIMS, SequenceParallelLayout, check_module_protocol
 
 FLAT_MESH_DIM = "dp_sp"
@@ -197,6 +200,16 @@ class ShardedSequenceParallelStrategy(SequenceParallelLayout, ModelParallelStrat
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
+    def load_checkpoint(
+        self, checkpoint_path: str | Path, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Check that a folder of shards holds this module's tensors with these shapes (from
+        its index, before any tensor is read), then let Lightning load it (any world size)."""
+        path = Path(self.broadcast(checkpoint_path))
+        if is_sharded_checkpoint(path):
+            check_checkpoint_fits(path, get_model_state_dict(self.model))
+        return super().load_checkpoint(path, weights_only=weights_only)
+
     def parallelize(self, module: ShardedModule) -> None:
         """``fully_shard`` every block, then the network, over :attr:`shard_mesh`, the
         ``(dp, sp)`` mesh flattened to one dimension of ``world`` ranks (with activation
@@ -229,3 +242,31 @@ class ShardedSequenceParallelStrategy(SequenceParallelLayout, ModelParallelStrat
             reshard_after_forward=self.reshard_after_forward,
         )
         self._sharded = network
+
+
+def check_checkpoint_fits(path: Path, state: dict[str, Any]) -> None:
+    """A ``ValueError`` naming every missing, unexpected and mis-shaped tensor when the folder
+    of shards at ``path`` does not hold ``state``'s tensors (full shapes) exactly."""
+    saved = sharded_tensor_shapes(path)
+    expected = {name: tuple(value.shape) for name, value in state.items()}
+    missing = sorted(set(expected) - set(saved))
+    unexpected = sorted(set(saved) - set(expected))
+    shapes = [
+        f"{name}: checkpoint {saved[name]}, model {shape}"
+        for name, shape in sorted(expected.items())
+        if name in saved and saved[name] != shape
+    ]
+    if missing or unexpected or shapes:
+        problems = [
+            f"{label} ({len(names)}): {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}"
+            for label, names in (
+                ("missing", missing),
+                ("unexpected", unexpected),
+                ("mis-shaped", shapes),
+            )
+            if names
+        ]
+        raise ValueError(
+            f"the checkpoint {path} was written by a different model: "
+            f"{'; '.join(problems)}. Resume with the model settings of the run that wrote it."
+        )

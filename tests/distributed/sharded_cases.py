@@ -19,8 +19,14 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.tensor import DTensor
 
-from longnet.training import CausalLMModule, ShardedSequenceParallelStrategy
-from tests.distributed.strategy_cases import GLOBAL_BATCH, STEPS, TinyData, make_module
+from longnet.training import CausalLMModule, ExportPretrained, ShardedSequenceParallelStrategy
+from tests.distributed.strategy_cases import (
+    GLOBAL_BATCH,
+    MODEL_OVERRIDES,
+    STEPS,
+    TinyData,
+    make_module,
+)
 
 CLIP = 0.5
 
@@ -128,11 +134,16 @@ def sharded_run(
     max_steps: int = STEPS,
     checkpoint_dir: str | None = None,
     resume_from: str | None = None,
+    export_dir: str | None = None,
+    hidden_size: int | None = None,
 ) -> dict[str, Any]:
     """One rank of a ``(world / sp, sp)`` mesh on the launcher's process group.
 
     ``checkpoint_dir``: save a distributed checkpoint after every step (``step=K.ckpt``
     folders). ``resume_from``: continue from that checkpoint (any earlier world size).
+    ``export_dir``: ``ExportPretrained`` of the best checkpoint (``best/``) and of the final
+    weights (``last/``). ``hidden_size``: a different model; the run reports the error it
+    raises (``{"error": message}``).
     """
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size))
     torch.set_default_dtype(torch.float64)
@@ -151,10 +162,24 @@ def sharded_run(
                 dirpath=checkpoint_dir, filename="{step}", every_n_train_steps=1, save_top_k=-1
             )
         )
+    if export_dir is not None:
+        callbacks.append(ExportPretrained(dirpath=os.path.join(export_dir, "best")))
+        callbacks.append(ExportPretrained(dirpath=os.path.join(export_dir, "last"), weights="last"))
     module = make_module(loss_reduction)
+    if hidden_size is not None:
+        module = CausalLMModule(
+            model="longnet-tiny", overrides={**MODEL_OVERRIDES, "hidden_size": hidden_size}
+        )
     trainer = L.Trainer(devices=world_size, strategy=strategy, callbacks=callbacks, **kwargs)
     data_parallel = world_size // sequence_parallel_size
-    trainer.fit(module, datamodule=TinyData(GLOBAL_BATCH // data_parallel), ckpt_path=resume_from)
+    datamodule = TinyData(GLOBAL_BATCH // data_parallel)
+    if hidden_size is not None:
+        try:
+            trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
+        except ValueError as err:
+            return {"error": str(err), "global_step": trainer.global_step}
+        return {"error": None}
+    trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
     out = result(trainer, module, losses)
     out["mesh"] = tuple(strategy.device_mesh.mesh.shape)
     out["shard_mesh_size"] = strategy.shard_mesh.size()

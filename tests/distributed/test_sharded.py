@@ -2,7 +2,8 @@
 exactly like one device, in float64: 4 gloo processes as (2 x 2) and (1 x 4) meshes, three
 AdamW steps with active gradient clipping, token-mean and sample-mean losses, activation
 checkpointing on one mesh; each rank holds 1/world of the parameters, gradients and AdamW
-state; distributed checkpoints resume on the same layout and on 4 -> 2 -> 1 processes.
+state; distributed checkpoints resume on the same layout and on 4 -> 2 -> 1 processes, refuse
+a different model, and turn into save_pretrained folders (ExportPretrained, export_pretrained).
 
 All meshes of one world size run in one spawned process group (``sharded_cases.sharded_runs``):
 every spawn pays the torch import."""
@@ -15,6 +16,8 @@ import numpy as np
 import pytest
 
 from longnet.distributed import run_workers
+from longnet.modeling import LongNetLM
+from longnet.training.checkpoint import export_pretrained
 from tests.distributed.sharded_cases import CLIP, STEPS, sharded_runs, single_device_run
 
 pytestmark = pytest.mark.distributed
@@ -49,6 +52,7 @@ def four_processes(checkpoints):
             loss_reduction=reduction,
             activation_checkpointing=ac,
             checkpoint_dir=str(checkpoints / "world4") if name == "2x2" else None,
+            export_dir=str(checkpoints / "export") if name == "2x2" else None,
         )
         for name, (_, sp, reduction, ac) in MESHES.items()
     ]
@@ -142,13 +146,23 @@ def test_resume_on_4_then_2_then_1_processes(references, four_processes, checkpo
                 checkpoint_dir=str(checkpoints / "world2"),
                 resume_from=str(checkpoints / "world4" / "step=1.ckpt"),
             ),
+            dict(
+                sequence_parallel_size=2,
+                hidden_size=48,
+                resume_from=str(checkpoints / "world4" / "step=1.ckpt"),
+            ),
         ),
         timeout=DEADLINE,
     )
     reference = references["token"]
-    for rank, (run,) in enumerate(two):
+    for rank, (run, wrong_model) in enumerate(two):
         assert sorted(run["losses"]) == [2], rank
         assert run["losses"][2] == pytest.approx(reference["losses"][2], rel=1e-9), rank
+        # a checkpoint of another model: a clear error before any step
+        assert wrong_model["global_step"] == 0, rank
+        message = wrong_model["error"]
+        assert "step=1.ckpt was written by a different model" in message, message
+        assert "model.model.embed_tokens.weight: checkpoint (256, 32), model (256, 48)" in message
     ((one,),) = run_workers(
         sharded_runs,
         1,
@@ -159,3 +173,26 @@ def test_resume_on_4_then_2_then_1_processes(references, four_processes, checkpo
     assert_same_training(
         one, reference, "1 process resumed at step 2 (from 2 processes)", steps=[3]
     )
+
+
+def test_sharded_checkpoints_export_to_pretrained_folders(references, four_processes, checkpoints):
+    """ExportPretrained at the end of a sharded fit (the best checkpoint's folder, and the final
+    weights gathered from the shards) and export_pretrained of a folder on one process give
+    the single-device parameters."""
+    expected = references["token"]["params"]
+    folders = [checkpoints / "export" / "best", checkpoints / "export" / "last"]
+    folders.append(
+        export_pretrained(checkpoints / "world4" / "step=3.ckpt", checkpoints / "exported")
+    )
+    for folder in folders:
+        model = LongNetLM.from_pretrained(folder)
+        params = dict(model.named_parameters())
+        assert sorted(params) == sorted(expected), folder
+        for name, value in expected.items():
+            np.testing.assert_allclose(
+                params[name].detach().double().numpy(),
+                value,
+                rtol=0,
+                atol=1e-6,
+                err_msg=f"{folder}: {name}",
+            )
