@@ -200,6 +200,24 @@ def load_lightning_checkpoint(
     return model.eval()
 
 
+def last_checkpoint(folder: str | Path, name: str = "last.ckpt") -> Path | None:
+    """The run's checkpoint to resume from: ``folder/name`` (``LastCheckpoint`` writes
+    ``<run folder>/checkpoints/last.ckpt``) when it is complete, else None (start fresh).
+
+    Complete: a file, or a folder of shards with both its index (``.metadata``, which
+    ``torch.distributed.checkpoint`` writes after every rank's shards) and Lightning's
+    ``meta.pt`` (written after that); a folder a killed run left without them is not one.
+    Not yet wired into the ``longnet`` command (re-running a command resumes by hand with
+    ``--ckpt_path``).
+    """
+    path = Path(folder) / name
+    if path.is_file():
+        return path
+    if path.is_dir() and is_sharded_checkpoint(path) and (path / SHARDED_META).is_file():
+        return path
+    return None
+
+
 def export_pretrained(checkpoint: str | Path, target: str | Path) -> Path:
     """Write the model of a Lightning checkpoint (file or folder of shards) to ``target``
     with ``save_pretrained``; returns ``target``."""

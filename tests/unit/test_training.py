@@ -291,3 +291,23 @@ def test_sharded_strategy_refuses_bad_input_when_the_trainer_is_built():
     assert isinstance(module, ShardedModule)
     assert list(module.blocks) == list(module.model.model.layers)
     assert module.network is module.model
+
+
+def test_last_checkpoint_finds_a_complete_file_or_folder(tmp_path):
+    """A run resumes from last.ckpt when it is a file or a complete folder of shards (index
+    and meta.pt), and starts fresh otherwise."""
+    from longnet.training.checkpoint import last_checkpoint
+
+    assert last_checkpoint(tmp_path / "missing") is None
+    folder = tmp_path / "last.ckpt"
+    folder.mkdir()
+    (folder / "__0_0.distcp").write_bytes(b"")
+    assert last_checkpoint(tmp_path) is None  # shards without an index: killed mid-save
+    (folder / ".metadata").write_bytes(b"")
+    assert last_checkpoint(tmp_path) is None  # no meta.pt yet
+    (folder / "meta.pt").write_bytes(b"")
+    assert last_checkpoint(tmp_path) == folder
+    file_run = tmp_path / "file-run"
+    file_run.mkdir()
+    (file_run / "last.ckpt").write_bytes(b"")
+    assert last_checkpoint(file_run) == file_run / "last.ckpt"
