@@ -135,7 +135,8 @@ class ShardedSequenceParallelStrategy(SequenceParallelLayout, ModelParallelStrat
         save_distributed_checkpoint: True: every rank writes its shards to a checkpoint
             folder; False: rank 0 writes one full ``.ckpt`` file (gathered in its memory).
         process_group_backend: ``"gloo"`` / ``"nccl"``; None picks by device.
-        timeout: timeout of every collective; a lost rank stops the others within it.
+        timeout: timeout of every collective: a lost rank stops the others within it (at
+            once when they exchange with it), with an error naming it.
 
     Raises:
         ValueError: when the ``Trainer`` is built, if ``sequence_parallel_size`` does not
@@ -180,7 +181,7 @@ class ShardedSequenceParallelStrategy(SequenceParallelLayout, ModelParallelStrat
         ``(data_parallel, tensor_parallel)`` one); runs on every fit/test."""
         self._check_layout()
         self._setup_distributed()
-        self.lightning_module._device_mesh = self._build_mesh()
+        self.lightning_module._device_mesh = self._start_layout()
 
     def setup(self, trainer: pl.Trainer) -> None:
         """Shard the module's network (:meth:`parallelize`), then what

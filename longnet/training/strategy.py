@@ -25,7 +25,7 @@ The contract between the strategy and the LightningModule, both ways:
   group (every rank holds whole sequences).
 
 Everything about the layout (the mesh, ranks, sampler replicas, cutting batches into shards,
-refusing a world size the group size does not divide) lives once, in
+refusing a world size the group size does not divide, naming a lost rank) lives once, in
 :class:`SequenceParallelLayout`; the strategies differ only in how parameters and gradients
 are held (DDP replicas here, FSDP2 shards in ``longnet.training.sharded``). The loss scaling
 that makes either equal one device lives in ``CausalLMModule`` and reads only
@@ -37,12 +37,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal, Protocol, runtime_checkable
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from longnet.attention import DilatedPattern
+from longnet.distributed.watch import RankWatch
 from longnet.training.sharding import shard_batch
 from longnet.validation import check_positive_int
 
@@ -101,16 +103,26 @@ class SequenceParallelLayout:
     ``sequence_parallel_size`` divides the world, and ``batch_to_device``, which cuts every
     batch of every loop into this rank's contiguous shard (padded to fit the model's dilated
     pattern, :func:`~longnet.training.shard_batch`). The strategy calls
-    :meth:`_init_layout` in ``__init__`` and :meth:`_build_mesh` once its process group is up.
+    :meth:`_init_layout` in ``__init__`` and :meth:`_start_layout` once its process group is
+    up.
+
+    A lost rank: while a multi-process run trains, every rank beats in the process group's
+    store (:class:`~longnet.distributed.watch.RankWatch`). When a rank dies mid-step (``kill
+    -9``, out of memory), its peers fail fast (a closed connection) or at the collective
+    timeout (a peer stuck waiting on another), and :meth:`on_exception` rewrites their error to
+    name the rank that stopped (``rank 1 (pid 4242 on host h) was lost ...``) and say how to
+    resume (``--ckpt_path last``).
     """
 
     _device_mesh: DeviceMesh | None
+    _watch: RankWatch | None
     sequence_parallel_size: int
 
     def _init_layout(self, sequence_parallel_size: int) -> None:
         check_positive_int("sequence_parallel_size", sequence_parallel_size)
         self.sequence_parallel_size = sequence_parallel_size
         self._device_mesh = None
+        self._watch = None
 
     # ------------------------------------------------------------------ layout
     @property
@@ -177,6 +189,38 @@ class SequenceParallelLayout:
                 mesh_dim_names=MESH_DIMS,
             )
         return self._device_mesh
+
+    def _start_layout(self) -> DeviceMesh:
+        """Once the process group is up (every ``fit``/``validate``/``test``): build the mesh,
+        start watching the ranks (more than one), keep Lightning's SIGTERM handler free of
+        collectives (:func:`note_sigterm_without_collectives`)."""
+        mesh = self._build_mesh()
+        if self._watch is None and self.world_size > 1:
+            self._watch = RankWatch.start()
+        note_sigterm_without_collectives(self.lightning_module.trainer)
+        return mesh
+
+    # ------------------------------------------------------------------ failures
+    def on_exception(self, exception: BaseException) -> None:
+        """Tell the other ranks this one fails; when ranks stopped (lost, or after an error of
+        their own), rewrite ``exception``'s message to name them and say how to resume
+        (Lightning then re-raises it). Waits ``SILENCE_SECONDS`` (3 s) to tell a lost rank
+        from a live one."""
+        super().on_exception(exception)
+        if self._watch is None:
+            return
+        self._watch.mark_failed(exception)
+        if isinstance(exception, Exception):
+            message = self._watch.explain(exception)
+            if message is not None:
+                exception.args = (message,)
+
+    def teardown(self) -> None:
+        """Stop the rank watch, then Lightning's teardown."""
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
+        super().teardown()
 
     # ------------------------------------------------------------------ batches
     def batch_to_device(
@@ -248,4 +292,29 @@ class SequenceParallelStrategy(SequenceParallelLayout, DDPStrategy):
         """Start the process group (DDP) and build the mesh once; runs on every fit/test."""
         self._check_layout()
         super().setup_environment()
-        self._build_mesh()
+        self._start_layout()
+
+
+def note_sigterm_without_collectives(trainer: pl.Trainer) -> None:
+    """Make Lightning's SIGTERM handler only note the signal (and pass it on to the processes
+    its launcher started), without its ``dist.broadcast``.
+
+    Lightning (2.6) broadcasts from rank 0 inside the signal handler: a collective at whatever
+    point each rank is interrupted. A rank waiting in the ring attention's point-to-point
+    exchange runs its handler only once the wait ends, and the peer it waits for posts the next
+    hop only after its own handler's broadcast returns: both wait until the collective timeout
+    (30 min by default). The training loop already broadcasts rank 0's flag at the start of
+    every batch, where every rank is at the same point, and stops all ranks together; the
+    handler only needs to set the flag. (A SIGTERM to some ranks but not rank 0 stops those at
+    the end of their batch; the others then stop naming them, :class:`RankWatch`.)
+    """
+    connector = trainer._signal_connector
+
+    def note(signum: int, frame: Any) -> None:
+        launcher = trainer.strategy.launcher
+        if not connector.received_sigterm and launcher is not None:
+            launcher.kill(signum)
+        connector.received_sigterm = True
+
+    # register_signal_handlers (after the strategy's setup) installs this attribute
+    connector._sigterm_notifier_fn = note
