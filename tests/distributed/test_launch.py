@@ -5,7 +5,9 @@ a torchrun-style environment, gloo on loopback):
   collective timeout, with an error naming the lost rank (its pid) and how to resume, also
   when the lost rank is rank 0, whose process hosts the rendezvous store; re-running the same
   command with ``ckpt_path="last"`` continues to the parameters of an uninterrupted run;
-- SIGTERM in the middle of a ring step stops every rank without waiting for the timeout.
+- SIGTERM in the middle of a ring step stops every rank without waiting for the timeout;
+- 2 nodes x 2 processes (two ``torchrun`` agents, ``num_nodes=2``) train like one device,
+  hence like 1 node x 4 processes (``test_sharded.py``), with the ring spanning both nodes.
 
 Every run is float64 and compared with ``sharded_cases.single_device_run`` (three AdamW steps
 with active clipping).
@@ -187,3 +189,43 @@ def test_sigterm_in_the_middle_of_a_ring_step_stops_every_rank(tmp_path):
     assert processes[1].returncode != 0, log
     assert f"rank 0 (pid {processes[0].pid} on {socket.gethostname()}) was lost" in log, log
 
+
+def test_two_nodes_of_two_processes_train_like_one_device(tmp_path, reference):
+    """``torchrun --nnodes 2 --nproc-per-node 2`` twice (static rendezvous on loopback, the
+    store in node 0's agent), ``num_nodes=2``: one sequence-parallel group of 4 spanning both
+    nodes (the 1 x 4 mesh of ``test_sharded.py``), FSDP over all 4."""
+    port = free_port()
+    spec = dict(
+        strategy="sharded",
+        sequence_parallel_size=4,
+        devices=2,
+        num_nodes=2,
+        out=str(tmp_path / "out"),
+    )
+    agents = [
+        start(
+            [
+                sys.executable, "-m", "torch.distributed.run",
+                "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
+                "--master-addr", "127.0.0.1", "--master-port", str(port),
+                "--max-restarts", "0",
+                "-m", "tests.distributed.launched", json.dumps(spec),
+            ],
+            environment(),
+            tmp_path / f"node{node}.log",
+        )
+        for node in range(2)
+    ]
+    wait_all(agents)
+    logs = "\n".join((tmp_path / f"node{node}.log").read_text() for node in range(2))
+    assert [agent.returncode for agent in agents] == [0, 0], logs
+    runs = results(tmp_path / "out", 4)
+    for rank, run in enumerate(runs):
+        assert (run["global_rank"], run["node_rank"], run["local_rank"]) == (
+            rank, rank // 2, rank % 2
+        )
+        assert run["mesh"] == (1, 4)
+        assert run["sp_ranks"] == [0, 1, 2, 3]
+        assert run["val_tokens"] == reference["val_tokens"]
+        assert run["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-9)
+    assert_reference_parameters(runs, reference, "2 nodes x 2 processes")
