@@ -334,13 +334,12 @@ class _Peers:
             return lambda: tensor
         index = self.index
         received = torch.empty_like(tensor)
+        after, before = self.ranks[(index + 1) % size], self.ranks[(index - 1) % size]
         ops = [
-            dist.P2POp(
-                dist.isend, tensor.contiguous(), self.ranks[(index + 1) % size], self.group, tag
-            ),
-            dist.P2POp(dist.irecv, received, self.ranks[(index - 1) % size], self.group, tag),
+            dist.P2POp(dist.isend, tensor.contiguous(), after, self.group, tag),
+            dist.P2POp(dist.irecv, received, before, self.group, tag),
         ]
-        wait = self._post(ops, f"hop {hop}")
+        wait = self._post(ops, f"hop {hop} (sending to rank {after}, receiving from rank {before})")
         return lambda: (wait(), received)[1]
 
     def all_gather(self, tensor: Tensor) -> list[Tensor]:
@@ -354,7 +353,7 @@ class _Peers:
                 ops.append(dist.P2POp(dist.isend, tensor.contiguous(), rank, self.group))
                 ops.append(dist.P2POp(dist.irecv, gathered[member], rank, self.group))
         if ops:
-            self._post(ops, "all-gather")()
+            self._post(ops, f"all-gather among ranks {self.ranks}")()
         return gathered
 
     def reduce_to_owners(self, partials: list[Tensor | None], schedule: Schedule) -> Tensor:
@@ -372,7 +371,7 @@ class _Peers:
                 received.append(buffer)
                 ops.append(dist.P2POp(dist.irecv, buffer, rank, self.group))
         if ops:
-            self._post(ops, "reduce")()
+            self._post(ops, f"reduce among ranks {self.ranks}")()
         for buffer in received:
             total += buffer
         return total

@@ -24,8 +24,13 @@ from longnet.training.module import CausalLMModule
 from longnet.training.optim import parameter_groups, warmup_cosine
 from longnet.training.progress import LineProgressBar, StepProgressBar
 from longnet.training.runs import RunId, RunLock
+from longnet.training.sharded import ShardedModule, ShardedSequenceParallelStrategy
 from longnet.training.sharding import pad_sequences, shard_batch
-from longnet.training.strategy import SequenceParallelModule, SequenceParallelStrategy
+from longnet.training.strategy import (
+    SequenceParallelLayout,
+    SequenceParallelModule,
+    SequenceParallelStrategy,
+)
 
 __all__ = [
     "CausalLMModule",
@@ -40,8 +45,11 @@ __all__ = [
     "RunId",
     "RunLock",
     "RunLogger",
+    "SequenceParallelLayout",
     "SequenceParallelModule",
     "SequenceParallelStrategy",
+    "ShardedModule",
+    "ShardedSequenceParallelStrategy",
     "StepProgressBar",
     "TokenAccuracy",
     "TokenCrossEntropy",

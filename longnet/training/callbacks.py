@@ -10,10 +10,13 @@ from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from longnet.modeling import LongNetLM
 from longnet.training.checkpoint import load_lightning_checkpoint
-from longnet.training.strategy import SequenceParallelStrategy
+from longnet.training.strategy import SequenceParallelLayout
 from longnet.validation import check_positive_int
 
 MODEL_PREFIX = "model."
@@ -52,6 +55,16 @@ class LastCheckpoint(ModelCheckpoint):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
 
+def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """The whole ``state_dict`` of ``model`` on the CPU. A model sharded by FSDP
+    (``ShardedSequenceParallelStrategy``) is gathered: a collective, call it on EVERY rank;
+    only rank 0 gets the tensors (the other ranks an empty dict)."""
+    if any(isinstance(param, DTensor) for param in model.parameters()):
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(model, options=options)
+    return {name: value.detach().cpu() for name, value in model.state_dict().items()}
+
+
 class ExportPretrained(L.Callback):
     """At the end of ``fit``, write the model with ``save_pretrained`` (config.json,
     model.safetensors, README.md card), loadable with ``LongNetLM.from_pretrained(dirpath)``.
@@ -59,6 +72,10 @@ class ExportPretrained(L.Callback):
     A ``fit`` that took no optimizer step (``max_steps: 0``, ``limit_train_batches: 0``,
     ``max_epochs: 0``, stopped before the first step) has no trained weights: nothing is
     written, with a warning.
+
+    Under ``ShardedSequenceParallelStrategy`` the final weights are gathered from every
+    rank's shards, and the best checkpoint is a folder of shards read on rank 0
+    (:func:`~longnet.training.read_checkpoint`).
 
     Args:
         dirpath: destination; None is ``<run folder>/model``.
@@ -86,14 +103,14 @@ class ExportPretrained(L.Callback):
                     stacklevel=2,
                 )
             return
+        use_best = self.weights == "best" and bool(best)
+        state = None if use_best else full_state_dict(model)  # on every rank: may gather
         if trainer.is_global_zero:
-            if self.weights == "best" and best:
+            if use_best:
                 export = load_lightning_checkpoint(best, config=model.config, prefix=MODEL_PREFIX)
             else:
                 export = LongNetLM(model.config)
-                export.load_state_dict(
-                    {k: v.detach().cpu() for k, v in model.state_dict().items()}
-                )
+                export.load_state_dict(state)
             export.save_pretrained(target)
         self.exported = target
         trainer.strategy.barrier("ExportPretrained")
@@ -157,7 +174,7 @@ class PredictionsWriter(BasePredictionWriter):
                            batch_idx, dataloader_idx) -> None:
         folder = self._folder or Path(self.dirpath or trainer.default_root_dir)
         strategy, rank = trainer.strategy, trainer.global_rank
-        if isinstance(strategy, SequenceParallelStrategy):
+        if isinstance(strategy, SequenceParallelLayout):
             if strategy.sequence_parallel_rank != 0:
                 return  # the other ranks of a sequence-parallel group hold the same values
             rank = strategy.data_parallel_rank

@@ -1,13 +1,22 @@
 """Read the :class:`~longnet.modeling.LongNetLM` out of a Lightning checkpoint, safely.
 
 The one loader of Lightning checkpoints (``*.ckpt``) that training (``ExportPretrained``) and
-evaluation (``longnet.eval.load_model``) share. Checkpoints are read with
+evaluation (``longnet.eval.load_model``) share. A checkpoint is a file (one process, DDP) or a
+folder of shards written by every rank (``ShardedSequenceParallelStrategy``:
+``torch.distributed.checkpoint`` files plus Lightning's ``meta.pt``), read on one process
+whatever the world size that wrote it. Files and ``meta.pt`` are read with
 ``torch.load(weights_only=True)``: tensors and plain containers only, never an arbitrary
 pickled object (so the module's hyper-parameters must be plain values, as ``longnet fit``
-writes them). The model is rebuilt by :func:`longnet.training.builder.lm_config` from the
-arguments :class:`~longnet.training.CausalLMModule` stores in its hyper-parameters
-(``model``, ``pretrained`` or ``config``, and ``overrides``) and its weights are the
-``state_dict`` entries under the attribute that holds it (``model.`` for ``CausalLMModule``).
+writes them). A folder's ``.metadata`` (the shards' index) is a pickle that
+``torch.distributed.checkpoint`` reads as such: load folders you trust.
+
+``scripts/export_pretrained.py CKPT OUT`` writes a checkpoint's model as a
+``save_pretrained`` folder (:func:`export_pretrained`).
+
+The model is rebuilt by :func:`longnet.training.builder.lm_config` from the arguments
+:class:`~longnet.training.CausalLMModule` stores in its hyper-parameters (``model``,
+``pretrained`` or ``config``, and ``overrides``) and its weights are the ``state_dict`` entries
+under the attribute that holds it (``model.`` for ``CausalLMModule``).
 """
 
 from __future__ import annotations
@@ -19,6 +28,12 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.format_utils import (
+    _EmptyStateDictLoadPlanner,
+    _load_state_dict,
+)
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from longnet.modeling import LongNetConfig, LongNetLM, WeightsMismatchError
 from longnet.modeling.serialization import load_state_checked, unique_state_dict
@@ -27,22 +42,19 @@ from longnet.validation import UsageError
 
 LM_HEAD = "lm_head.weight"
 EMBEDDINGS = "model.embed_tokens.weight"
+SHARDED_INDEX = ".metadata"  # torch.distributed.checkpoint's index of a folder's shards
+SHARDED_META = "meta.pt"  # Lightning's non-tensor state (loops, callbacks, hyper-parameters)
+STATE_DICT = "state_dict"
 
 
-def read_checkpoint(path: str | Path) -> dict[str, Any]:
-    """The contents of the Lightning checkpoint at ``path``, read on the CPU with
-    ``torch.load(weights_only=True, mmap=True)`` (tensors stay on disk until used).
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` is a folder of shards (``torch.distributed.checkpoint``)."""
+    return (Path(path) / SHARDED_INDEX).is_file()
 
-    Raises:
-        FileNotFoundError: no file at ``path``.
-        UsageError: (a ``ValueError``) the file is not a ``torch.save`` archive (truncated,
-            random bytes, another kind of file), cannot be read that way (corrupt, or holding
-            objects other than tensors and plain containers) or has no ``state_dict``; the
-            message names the file.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no checkpoint file at {path}.")
+
+def _torch_load(path: Path) -> Any:
+    """``torch.load(path, weights_only=True, mmap=True)`` on the CPU, or a ``UsageError``
+    naming the file and what is wrong with it."""
     if not zipfile.is_zipfile(path):
         raise UsageError(
             f"{path} is not a checkpoint: torch.save writes a zip archive and this file "
@@ -50,14 +62,65 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
             "of file). Use a .ckpt written by Lightning, e.g. <run folder>/checkpoints/last.ckpt."
         )
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # noqa: BLE001 - re-raised with the path and the cause
         raise UsageError(
             f"cannot read {path} as a checkpoint with torch.load(weights_only=True): "
             f"{_load_error(err)}. The file is corrupt or holds objects other than tensors "
             "and plain containers."
         ) from None
-    if not isinstance(checkpoint, Mapping) or "state_dict" not in checkpoint:
+
+
+def sharded_tensor_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Full shapes of the module's tensors in a sharded checkpoint folder, by ``state_dict``
+    name (read from the folder's index: no tensor is loaded)."""
+    metadata = FileSystemReader(str(path)).read_metadata()
+    prefix = f"{STATE_DICT}."
+    return {
+        key[len(prefix) :]: tuple(value.size)
+        for key, value in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(value, TensorStorageMetadata)
+    }
+
+
+def read_checkpoint(path: str | Path) -> dict[str, Any]:
+    """The contents of the Lightning checkpoint at ``path``, on the CPU: a file read with
+    ``torch.load(weights_only=True, mmap=True)`` (tensors stay on disk until used), or a folder
+    of shards whose ``state_dict`` is assembled into full tensors (on this process alone,
+    without a process group; optimizer states are not read) next to the entries of its
+    ``meta.pt``.
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``path``.
+        UsageError: (a ``ValueError``) the file is not a ``torch.save`` archive (truncated,
+            random bytes, another kind of file), cannot be read that way (corrupt, or holding
+            objects other than tensors and plain containers) or has no ``state_dict``; the
+            message names the file.
+    """
+    path = Path(path)
+    if path.is_dir() and is_sharded_checkpoint(path):
+        meta_path = path / SHARDED_META
+        if not meta_path.is_file():
+            raise UsageError(f"{path} is a folder of shards without Lightning's {SHARDED_META}.")
+        checkpoint = _torch_load(meta_path)
+        if not isinstance(checkpoint, Mapping):
+            raise UsageError(f"{meta_path} is not a Lightning checkpoint's {SHARDED_META}.")
+        tensors: dict[str, Any] = {}
+        # what torch.distributed.checkpoint.format_utils.dcp_to_torch_save does, for the
+        # module's tensors only (dcp.load fills a copy of an empty dict, not the dict)
+        _load_state_dict(
+            tensors,
+            storage_reader=FileSystemReader(str(path)),
+            planner=_EmptyStateDictLoadPlanner(keys={STATE_DICT}),
+            no_dist=True,
+        )
+        return {**checkpoint, STATE_DICT: tensors.get(STATE_DICT, {})}
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no checkpoint file at {path} (nor a folder of shards with {SHARDED_INDEX})."
+        )
+    checkpoint = _torch_load(path)
+    if not isinstance(checkpoint, Mapping) or STATE_DICT not in checkpoint:
         raise UsageError(f"{path} is not a Lightning checkpoint (no 'state_dict' entry).")
     return dict(checkpoint)
 
@@ -100,8 +163,9 @@ def lm_state_dict(
     ``model.embed_tokens.weight``.
     """
     if prefix is None:
-        candidates = sorted((name[: -len(LM_HEAD)] for name in state_dict
-                             if name.endswith(LM_HEAD)), key=len)
+        candidates = sorted(
+            (name[: -len(LM_HEAD)] for name in state_dict if name.endswith(LM_HEAD)), key=len
+        )
         prefix = next((p for p in candidates if f"{p}{EMBEDDINGS}" in state_dict), None)
     if prefix is None or f"{prefix}{LM_HEAD}" not in state_dict:
         raise ValueError(
@@ -110,7 +174,7 @@ def lm_state_dict(
             f"{sorted(state_dict)[:5]})."
         )
     return {
-        name[len(prefix):]: tensor
+        name[len(prefix) :]: tensor
         for name, tensor in state_dict.items()
         if name.startswith(prefix)
     }
@@ -126,7 +190,7 @@ def load_lightning_checkpoint(
     """The :class:`LongNetLM` inside a Lightning checkpoint, in eval mode on the CPU.
 
     Args:
-        path: the ``.ckpt`` file (read by :func:`read_checkpoint`).
+        path: the ``.ckpt`` file or folder of shards (read by :func:`read_checkpoint`).
         dtype: parameter dtype (default float32).
         config: the model's config; None reads it from the checkpoint
             (:func:`checkpoint_config`).
@@ -155,3 +219,29 @@ def load_lightning_checkpoint(
     except WeightsMismatchError as err:
         raise WeightsMismatchError(f"{err} ({origin})") from None
     return model.eval()
+
+
+def last_checkpoint(folder: str | Path, name: str = "last.ckpt") -> Path | None:
+    """The run's checkpoint to resume from: ``folder/name`` (``LastCheckpoint`` writes
+    ``<run folder>/checkpoints/last.ckpt``) when it is complete, else None (start fresh).
+
+    Complete: a file, or a folder of shards with both its index (``.metadata``, which
+    ``torch.distributed.checkpoint`` writes after every rank's shards) and Lightning's
+    ``meta.pt`` (written after that); a folder a killed run left without them is not one.
+    Not yet wired into the ``longnet`` command (re-running a command resumes by hand with
+    ``--ckpt_path``).
+    """
+    path = Path(folder) / name
+    if path.is_file():
+        return path
+    if path.is_dir() and is_sharded_checkpoint(path) and (path / SHARDED_META).is_file():
+        return path
+    return None
+
+
+def export_pretrained(checkpoint: str | Path, target: str | Path) -> Path:
+    """Write the model of a Lightning checkpoint (file or folder of shards) to ``target``
+    with ``save_pretrained``; returns ``target``."""
+    model = load_lightning_checkpoint(checkpoint)
+    model.save_pretrained(target)
+    return Path(target)

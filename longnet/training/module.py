@@ -19,7 +19,7 @@ from longnet.training.loaders import ResumableDataOrder
 from longnet.training.metrics import TokenAccuracy, TokenCrossEntropy, lm_summary
 from longnet.training.optim import build_optimizer, parameter_groups
 from longnet.training.sharding import check_window_shards
-from longnet.training.strategy import SequenceParallelStrategy
+from longnet.training.strategy import SequenceParallelLayout
 from longnet.validation import UsageError, check_non_negative_int
 
 Batch = dict[str, Tensor]
@@ -110,8 +110,9 @@ class CausalLMModule(L.LightningModule):
         self._step_tokens: Tensor | None = None
 
     # ------------------------------------------------------------------ model facts
-    # ``pattern`` and ``pad_token_id`` make this a ``SequenceParallelModule``: what
-    # ``SequenceParallelStrategy`` reads to cut batches into shards.
+    # ``pattern`` and ``pad_token_id`` make this a ``SequenceParallelModule``: what both
+    # sequence-parallel strategies read to cut batches into shards; ``network`` and ``blocks``
+    # make it a ``ShardedModule``: what ``ShardedSequenceParallelStrategy`` fully_shards.
     @property
     def pattern(self) -> DilatedPattern:
         """The model's dilated pattern (the strategy pads sequences to fit it)."""
@@ -123,12 +124,23 @@ class CausalLMModule(L.LightningModule):
         pad = self.model.config.pad_token_id
         return 0 if pad is None else pad
 
+    @property
+    def network(self) -> torch.nn.Module:
+        """The :class:`~longnet.modeling.LongNetLM` every step calls (the FSDP root)."""
+        return self.model
+
+    @property
+    def blocks(self) -> torch.nn.ModuleList:
+        """The model's transformer blocks (one FSDP unit each)."""
+        return self.model.model.layers
+
     def sequence_parallel_group(self) -> dist.ProcessGroup | None:
         """The sequence-parallel group of the trainer's strategy: that of a
-        :class:`~longnet.training.SequenceParallelStrategy` (None when its size is 1), None
-        under any other strategy or without a trainer."""
+        :class:`~longnet.training.SequenceParallelStrategy` or
+        :class:`~longnet.training.ShardedSequenceParallelStrategy` (None when its size is 1),
+        None under any other strategy or without a trainer."""
         strategy = self._trainer.strategy if self._trainer is not None else None
-        if isinstance(strategy, SequenceParallelStrategy):
+        if isinstance(strategy, SequenceParallelLayout):
             return strategy.sequence_parallel_group
         return None
 
@@ -160,7 +172,7 @@ class CausalLMModule(L.LightningModule):
                 "raise max_positions."
             )
         strategy = self._trainer.strategy if self._trainer is not None else None
-        sequence_parallel = isinstance(strategy, SequenceParallelStrategy)
+        sequence_parallel = isinstance(strategy, SequenceParallelLayout)
         if stage == "fit" and seq_len is not None and sequence_parallel:
             check_window_shards(seq_len, self.pattern, strategy.sequence_parallel_size)
 

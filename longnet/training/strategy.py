@@ -1,4 +1,5 @@
-"""``SequenceParallelStrategy``: data parallelism across sequence-parallel groups.
+"""``SequenceParallelStrategy``: data parallelism across sequence-parallel groups, and the
+sequence-parallel layout it shares with ``ShardedSequenceParallelStrategy``.
 
 See docs/training.md (``SequenceParallelStrategy``) for the training side and
 docs/architecture.md §4 for the attention across a group.
@@ -19,8 +20,16 @@ The contract between the strategy and the LightningModule, both ways:
   strategy is given the module: another module raises ``TypeError``);
 - the strategy exposes ``sequence_parallel_group`` (and ``sequence_parallel_rank``,
   ``data_parallel_rank``), which ``CausalLMModule`` hands to the attention: the module reads
-  them from a :class:`SequenceParallelStrategy` only; under any other Lightning strategy it
-  runs without a group (every rank holds whole sequences).
+  them from a :class:`SequenceParallelLayout` strategy only (this one or
+  ``ShardedSequenceParallelStrategy``); under any other Lightning strategy it runs without a
+  group (every rank holds whole sequences).
+
+Everything about the layout (the mesh, ranks, sampler replicas, cutting batches into shards,
+refusing a world size the group size does not divide, naming a lost rank) lives once, in
+:class:`SequenceParallelLayout`; the strategies differ only in how parameters and gradients
+are held (DDP replicas here, FSDP2 shards in ``longnet.training.sharded``). The loss scaling
+that makes either equal one device lives in ``CausalLMModule`` and reads only
+``world_size`` and the group.
 """
 
 from __future__ import annotations
@@ -28,12 +37,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal, Protocol, runtime_checkable
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from longnet.attention import DilatedPattern
+from longnet.distributed.watch import RankWatch
 from longnet.training.sharding import shard_batch
 from longnet.validation import UsageError, check_positive_int
 
@@ -59,22 +70,183 @@ class SequenceParallelModule(Protocol):
     def pad_token_id(self) -> int: ...
 
 
-def check_sequence_parallel_module(module: Any) -> SequenceParallelModule:
-    """``module`` if it is a :class:`SequenceParallelModule`, else a ``TypeError`` naming what
-    it lacks."""
-    if not isinstance(module, SequenceParallelModule):
-        members = ("pattern", "pad_token_id")
+def check_module_protocol(
+    module: Any, protocol: type, members: tuple[str, ...], strategy: str
+) -> Any:
+    """``module`` if it implements the runtime-checkable ``protocol`` (whose ``members`` are
+    listed for the message), else a ``TypeError`` naming the ``strategy`` and what the module
+    lacks."""
+    if not isinstance(module, protocol):
         missing = [name for name in members if not hasattr(module, name)] or members
         raise TypeError(
-            f"SequenceParallelStrategy needs a LightningModule with 'pattern' and "
-            f"'pad_token_id' (a SequenceParallelModule, e.g. longnet.training.CausalLMModule); "
-            f"{type(module).__name__} has no {' or '.join(repr(name) for name in missing)}."
+            f"{strategy} needs a LightningModule with "
+            f"{', '.join(repr(name) for name in members)} (a {protocol.__name__}, e.g. "
+            f"longnet.training.CausalLMModule); {type(module).__name__} has no "
+            f"{' or '.join(repr(name) for name in missing)}."
         )
     return module
 
 
-class SequenceParallelStrategy(DDPStrategy):
-    """DDP over a ``(data-parallel, sequence-parallel)`` mesh.
+def check_sequence_parallel_module(module: Any) -> SequenceParallelModule:
+    """``module`` if it is a :class:`SequenceParallelModule`, else a ``TypeError`` naming what
+    it lacks."""
+    return check_module_protocol(
+        module, SequenceParallelModule, ("pattern", "pad_token_id"), "SequenceParallelStrategy"
+    )
+
+
+class SequenceParallelLayout:
+    """The ``(data-parallel, sequence-parallel)`` layout of a Lightning strategy: a mixin put
+    before a Lightning ``ParallelStrategy`` (``DDPStrategy``, ``ModelParallelStrategy``).
+
+    It owns the ``(dp, sp)`` device mesh, the ranks, the sampler's replicas, the check that
+    ``sequence_parallel_size`` divides the world, and ``batch_to_device``, which cuts every
+    batch of every loop into this rank's contiguous shard (padded to fit the model's dilated
+    pattern, :func:`~longnet.training.shard_batch`). The strategy calls
+    :meth:`_init_layout` in ``__init__`` and :meth:`_start_layout` once its process group is
+    up.
+
+    A lost rank: while a multi-process run trains, every rank beats in the process group's
+    store (:class:`~longnet.distributed.watch.RankWatch`). When a rank dies mid-step (``kill
+    -9``, out of memory), its peers fail fast (a closed connection) or at the collective
+    timeout (a peer stuck waiting on another), and :meth:`on_exception` rewrites their error to
+    name the rank that stopped (``rank 1 (pid 4242 on host h) was lost ...``) and say how to
+    resume (``--ckpt_path last``).
+    """
+
+    _device_mesh: DeviceMesh | None
+    _watch: RankWatch | None
+    sequence_parallel_size: int
+
+    def _init_layout(self, sequence_parallel_size: int) -> None:
+        check_positive_int("sequence_parallel_size", sequence_parallel_size)
+        self.sequence_parallel_size = sequence_parallel_size
+        self._device_mesh = None
+        self._watch = None
+
+    # ------------------------------------------------------------------ layout
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The ``(dp, sp)`` mesh (dimension names :data:`MESH_DIMS`), built when the process
+        group starts."""
+        if self._device_mesh is None:
+            raise RuntimeError(
+                f"{type(self).__name__}: the device mesh is not built yet (setup_environment "
+                "has not run)."
+            )
+        return self._device_mesh
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.num_nodes * self.num_processes // self.sequence_parallel_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.global_rank // self.sequence_parallel_size
+
+    @property
+    def sequence_parallel_rank(self) -> int:
+        return self.global_rank % self.sequence_parallel_size
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Data-parallel replicas only: all ranks of a sequence-parallel group read the same
+        samples."""
+        return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
+
+    @property
+    def sequence_parallel_group(self) -> dist.ProcessGroup | None:
+        """This rank's sequence-parallel process group (None when its size is 1)."""
+        if self.sequence_parallel_size == 1:
+            return None
+        return self.device_mesh.get_group("sp")
+
+    # ------------------------------------------------------------------ setup
+    def set_world_ranks(self) -> None:
+        """Lightning's ranks, after refusing a world the group size does not divide: this
+        runs when the ``Trainer`` is built, before any process starts."""
+        self._check_layout()
+        super().set_world_ranks()
+
+    def _check_layout(self) -> None:
+        world = self.num_nodes * self.num_processes
+        if world and world % self.sequence_parallel_size:
+            raise UsageError(
+                f"sequence_parallel_size={self.sequence_parallel_size} does not divide the "
+                f"{world} processes (devices x num_nodes = {self.num_processes} x "
+                f"{self.num_nodes}); choose a divisor of {world} or change devices."
+            )
+
+    def _build_mesh(self) -> DeviceMesh:
+        """The ``(dp, sp)`` mesh over the started process group, built once (Lightning calls
+        ``setup_environment`` again on every ``fit``/``test``)."""
+        self._check_layout()
+        if self._device_mesh is None:
+            device_type = "cuda" if self.root_device.type == "cuda" else "cpu"
+            self._device_mesh = init_device_mesh(
+                device_type,
+                (self.data_parallel_size, self.sequence_parallel_size),
+                mesh_dim_names=MESH_DIMS,
+            )
+        return self._device_mesh
+
+    def _start_layout(self) -> DeviceMesh:
+        """Once the process group is up (every ``fit``/``validate``/``test``): build the mesh,
+        start watching the ranks (more than one), keep Lightning's SIGTERM handler free of
+        collectives (:func:`note_sigterm_without_collectives`)."""
+        mesh = self._build_mesh()
+        if self._watch is None and self.world_size > 1:
+            self._watch = RankWatch.start()
+        note_sigterm_without_collectives(self.lightning_module.trainer)
+        return mesh
+
+    # ------------------------------------------------------------------ failures
+    def on_exception(self, exception: BaseException) -> None:
+        """Tell the other ranks this one fails; when ranks stopped (lost, or after an error of
+        their own), rewrite ``exception``'s message to name them and say how to resume
+        (Lightning then re-raises it). Waits ``SILENCE_SECONDS`` (3 s) to tell a lost rank
+        from a live one."""
+        super().on_exception(exception)
+        if self._watch is None:
+            return
+        self._watch.mark_failed(exception)
+        if isinstance(exception, Exception):
+            message = self._watch.explain(exception)
+            if message is not None:
+                exception.args = (message,)
+
+    def teardown(self) -> None:
+        """Stop the rank watch, then Lightning's teardown."""
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
+        super().teardown()
+
+    # ------------------------------------------------------------------ batches
+    def batch_to_device(
+        self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0
+    ) -> Any:
+        """Move the batch, then cut every sequence to this rank's shard (global positions)."""
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        if self.sequence_parallel_size == 1:
+            return batch
+        if not isinstance(batch, Mapping):
+            raise TypeError(
+                f"{type(self).__name__} shards dict batches with 'input_ids' (and "
+                f"'labels'); got {type(batch).__name__}."
+            )
+        module = check_sequence_parallel_module(self.lightning_module)
+        return shard_batch(
+            batch,
+            self.sequence_parallel_rank,
+            self.sequence_parallel_size,
+            pattern=module.pattern,
+            pad_token_id=module.pad_token_id,
+        )
+
+
+class SequenceParallelStrategy(SequenceParallelLayout, DDPStrategy):
+    """DDP over a ``(data-parallel, sequence-parallel)`` mesh (:class:`SequenceParallelLayout`).
 
     Select it from YAML::
 
@@ -104,95 +276,45 @@ class SequenceParallelStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
-        check_positive_int("sequence_parallel_size", sequence_parallel_size)
+        self._init_layout(sequence_parallel_size)
         super().__init__(
             process_group_backend=process_group_backend,
             start_method=start_method,
             **kwargs,
         )
-        self.sequence_parallel_size = sequence_parallel_size
-        self.device_mesh: DeviceMesh | None = None
 
-    # ------------------------------------------------------------------ layout
-    @property
-    def data_parallel_size(self) -> int:
-        return self.num_nodes * self.num_processes // self.sequence_parallel_size
-
-    @property
-    def data_parallel_rank(self) -> int:
-        return self.global_rank // self.sequence_parallel_size
-
-    @property
-    def sequence_parallel_rank(self) -> int:
-        return self.global_rank % self.sequence_parallel_size
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Data-parallel replicas only: all ranks of a sequence-parallel group read the same
-        samples."""
-        return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
-
-    @property
-    def sequence_parallel_group(self) -> dist.ProcessGroup | None:
-        if self.sequence_parallel_size == 1:
-            return None
-        if self.device_mesh is None:
-            raise RuntimeError(
-                "SequenceParallelStrategy: the device mesh is not built yet (setup_environment "
-                "has not run)."
-            )
-        return self.device_mesh.get_group("sp")
-
-    # ------------------------------------------------------------------ setup
     def connect(self, model: Any) -> None:
         """Take the LightningModule, which must be a :class:`SequenceParallelModule`."""
         check_sequence_parallel_module(model)
         super().connect(model)
 
-    def set_world_ranks(self) -> None:
-        """Check the layout first: the Trainer calls this when it is built (before any process
-        starts, so a bad layout fails at once) and again in ``setup_environment``."""
-        self._check_layout()
-        super().set_world_ranks()
-
     def setup_environment(self) -> None:
         """Start the process group (DDP) and build the mesh once; runs on every fit/test."""
+        self._check_layout()
         super().setup_environment()
-        if self.device_mesh is None:
-            device_type = "cuda" if self.root_device.type == "cuda" else "cpu"
-            self.device_mesh = init_device_mesh(
-                device_type,
-                (self.data_parallel_size, self.sequence_parallel_size),
-                mesh_dim_names=MESH_DIMS,
-            )
+        self._start_layout()
 
-    def _check_layout(self) -> None:
-        world = self.num_nodes * self.num_processes
-        if world % self.sequence_parallel_size:
-            raise UsageError(
-                f"sequence_parallel_size={self.sequence_parallel_size} does not divide the "
-                f"{world} processes (devices x num_nodes = {self.num_processes} x "
-                f"{self.num_nodes}); choose a divisor of {world} or change devices."
-            )
 
-    # ------------------------------------------------------------------ batches
-    def batch_to_device(
-        self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0
-    ) -> Any:
-        """Move the batch, then cut every sequence to this rank's shard (global positions)."""
-        batch = super().batch_to_device(batch, device, dataloader_idx)
-        if self.sequence_parallel_size == 1:
-            return batch
-        if not isinstance(batch, Mapping):
-            raise TypeError(
-                "SequenceParallelStrategy shards dict batches with 'input_ids' (and "
-                f"'labels'); got {type(batch).__name__}."
-            )
-        module = check_sequence_parallel_module(self.lightning_module)
-        return shard_batch(
-            batch,
-            self.sequence_parallel_rank,
-            self.sequence_parallel_size,
-            pattern=module.pattern,
-            pad_token_id=module.pad_token_id,
-        )
+def note_sigterm_without_collectives(trainer: pl.Trainer) -> None:
+    """Make Lightning's SIGTERM handler only note the signal (and pass it on to the processes
+    its launcher started), without its ``dist.broadcast``.
+
+    Lightning (2.6) broadcasts from rank 0 inside the signal handler: a collective at whatever
+    point each rank is interrupted. A rank waiting in the ring attention's point-to-point
+    exchange runs its handler only once the wait ends, and the peer it waits for posts the next
+    hop only after its own handler's broadcast returns: both wait until the collective timeout
+    (30 min by default). The training loop already broadcasts rank 0's flag at the start of
+    every batch, where every rank is at the same point, and stops all ranks together; the
+    handler only needs to set the flag. (A SIGTERM to some ranks but not rank 0 stops those at
+    the end of their batch; the others then stop naming them, :class:`RankWatch`.)
+    """
+    connector = trainer._signal_connector
+
+    def note(signum: int, frame: Any) -> None:
+        launcher = trainer.strategy.launcher
+        if not connector.received_sigterm and launcher is not None:
+            launcher.kill(signum)
+        connector.received_sigterm = True
+
+    # register_signal_handlers (after the strategy's setup) installs this attribute
+    connector._sigterm_notifier_fn = note

@@ -286,3 +286,60 @@ def test_strategy_refuses_bad_layouts_before_work():
     strategy = SequenceParallelStrategy(sequence_parallel_size=2)
     strategy.parallel_devices = [torch.device("cpu")] * 4
     assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}
+
+
+def test_sharded_strategy_refuses_bad_input_when_the_trainer_is_built():
+    """World size not divisible by the group size, a precision Lightning refuses with
+    ModelParallelStrategy (64-true), unknown mixed-precision dtypes, a module that does not
+    name its network and blocks: errors before any process starts."""
+    import lightning as L
+
+    from longnet.training import ShardedModule, ShardedSequenceParallelStrategy
+
+    def trainer(devices: int, precision: str = "32-true", **kwargs) -> L.Trainer:
+        strategy = ShardedSequenceParallelStrategy(**kwargs)
+        return L.Trainer(accelerator="cpu", devices=devices, strategy=strategy,
+                         precision=precision, logger=False)
+
+    with pytest.raises(ValueError, match="sequence_parallel_size=2 does not divide the 3 "):
+        trainer(3, sequence_parallel_size=2)
+    with pytest.raises(ValueError, match="does not support .*precision='64-true'"):
+        trainer(4, precision="64-true", sequence_parallel_size=2)
+    with pytest.raises(ValueError, match="param_dtype must be one of"):
+        trainer(4, sequence_parallel_size=2, param_dtype="bf16")
+    with pytest.raises(ValueError, match="sequence_parallel_size must be a positive integer"):
+        ShardedSequenceParallelStrategy(sequence_parallel_size=0)
+    strategy = trainer(4, sequence_parallel_size=2).strategy
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}
+    assert (strategy.data_parallel_size, strategy.sequence_parallel_rank) == (2, 0)
+
+    class PatternOnly(L.LightningModule):
+        pattern = None
+        pad_token_id = 0
+
+    with pytest.raises(TypeError, match="PatternOnly has no 'network' or 'blocks'"):
+        strategy.connect(PatternOnly())
+    module = CausalLMModule(model="longnet-tiny", overrides=TINY)
+    assert isinstance(module, ShardedModule)
+    assert list(module.blocks) == list(module.model.model.layers)
+    assert module.network is module.model
+
+
+def test_last_checkpoint_finds_a_complete_file_or_folder(tmp_path):
+    """A run resumes from last.ckpt when it is a file or a complete folder of shards (index
+    and meta.pt), and starts fresh otherwise."""
+    from longnet.training.checkpoint import last_checkpoint
+
+    assert last_checkpoint(tmp_path / "missing") is None
+    folder = tmp_path / "last.ckpt"
+    folder.mkdir()
+    (folder / "__0_0.distcp").write_bytes(b"")
+    assert last_checkpoint(tmp_path) is None  # shards without an index: killed mid-save
+    (folder / ".metadata").write_bytes(b"")
+    assert last_checkpoint(tmp_path) is None  # no meta.pt yet
+    (folder / "meta.pt").write_bytes(b"")
+    assert last_checkpoint(tmp_path) == folder
+    file_run = tmp_path / "file-run"
+    file_run.mkdir()
+    (file_run / "last.ckpt").write_bytes(b"")
+    assert last_checkpoint(file_run) == file_run / "last.ckpt"

@@ -1,0 +1,171 @@
+"""Which rank of a process group stopped: per-rank heartbeats in the group's rendezvous store.
+
+A process killed mid-step (``kill -9``, the out-of-memory killer, a lost node) leaves its
+peers nothing but a closed socket or a timeout: gloo says "Connection closed by peer
+[127.0.0.1]:PORT", which names a port, not a rank. :class:`RankWatch` lets the survivors say
+which rank it was. Every rank, while it trains:
+
+- records ``pid P on host H`` under its rank in the store of the default process group (the
+  ``TCPStore`` every rank already reaches: ``MASTER_ADDR:MASTER_PORT``), and learns the
+  others' records;
+- bumps a counter every :data:`HEARTBEAT_SECONDS` from a daemon thread.
+
+When a rank fails, it first marks itself failed with its error (:meth:`RankWatch.mark_failed`),
+then asks :meth:`RankWatch.explain`: the ranks whose counters do not move for
+:data:`SILENCE_SECONDS` are gone, those with a mark stopped after an error of their own, the
+others were lost (killed or crashed). If the store itself no longer answers, the process that
+hosts it is gone: rank 0 (``env://`` and ``tcp://`` rendezvous), or torchrun's agent on node 0
+(``TORCHELASTIC_USE_AGENT_STORE``). The watch never blocks training: it adds one store
+round trip per heartbeat, and the survivors wait :data:`SILENCE_SECONDS` once, when they fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+
+import torch.distributed as dist
+
+HEARTBEAT_SECONDS = 0.5
+SILENCE_SECONDS = 3.0
+"""A rank whose heartbeat counter does not move for this long is gone (six heartbeats: a live
+rank on a loaded machine still beats)."""
+PREFIX = "longnet/watch"
+AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+
+
+def store_host_rank() -> int | None:
+    """The rank whose process hosts the default group's store: 0, or None when torchrun's
+    agent hosts it (``TORCHELASTIC_USE_AGENT_STORE=True``)."""
+    return None if os.environ.get(AGENT_STORE, "").lower() == "true" else 0
+
+
+class RankWatch:
+    """Heartbeats of every rank of a process group in its store; names the ranks that stopped.
+
+    Args:
+        store: a store every rank reaches (the default group's, :meth:`start`).
+        rank, world_size: this rank and the number of ranks.
+        store_host: the rank whose process hosts ``store`` (None: another process).
+        heartbeat_seconds, silence_seconds: beat interval; how long a rank must be silent to
+            count as gone.
+
+    Use :meth:`start` on every rank (each call opens a fresh key space, so the same ranks can
+    run several watches one after another, in the same order), :meth:`stop` when done.
+    """
+
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        store_host: int | None = 0,
+        heartbeat_seconds: float = HEARTBEAT_SECONDS,
+        silence_seconds: float = SILENCE_SECONDS,
+    ) -> None:
+        generation = store.add(f"{PREFIX}/starts/{rank}", 1)
+        self.store = dist.PrefixStore(f"{PREFIX}/{generation}", store)
+        self.rank, self.world_size, self.store_host = rank, world_size, store_host
+        self.heartbeat_seconds, self.silence_seconds = heartbeat_seconds, silence_seconds
+        self.who: dict[int, str] = {rank: f"pid {os.getpid()} on {socket.gethostname()}"}
+        self.store.set(f"who/{rank}", self.who[rank])
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._beat, name=f"longnet-rank-watch-{rank}", daemon=True
+        )
+        self._thread.start()
+
+    @classmethod
+    def start(cls, **kwargs) -> RankWatch:
+        """A watch over the default process group (its store, rank and size)."""
+        store = dist.distributed_c10d._get_default_store()
+        return cls(
+            store, dist.get_rank(), dist.get_world_size(), store_host=store_host_rank(), **kwargs
+        )
+
+    def stop(self) -> None:
+        """Stop beating (the others will count this rank as gone; mark a failure first)."""
+        self._stop.set()
+        self._thread.join(timeout=2 * self.heartbeat_seconds)
+
+    def _beat(self) -> None:
+        while True:
+            try:
+                self.store.add(f"beat/{self.rank}", 1)
+                self._learn_who()
+            except Exception:  # noqa: BLE001 - the store is gone: explain() will say so
+                return
+            if self._stop.wait(self.heartbeat_seconds):
+                return
+
+    def _learn_who(self) -> None:
+        """Read the records of the ranks not known yet (before the store may be lost)."""
+        for rank in range(self.world_size):
+            key = f"who/{rank}"
+            if rank not in self.who and self.store.check([key]):
+                self.who[rank] = self.store.get(key).decode()
+
+    def describe(self, rank: int) -> str:
+        """``rank N (pid P on host H)``, as far as known."""
+        return f"rank {rank} ({self.who[rank]})" if rank in self.who else f"rank {rank}"
+
+    def mark_failed(self, error: BaseException) -> None:
+        """Tell the others this rank stops because of ``error`` (its first line)."""
+        lines = str(error).strip().splitlines()
+        reason = f"{type(error).__name__}: {lines[0][:200] if lines else ''}"
+        with contextlib.suppress(Exception):  # the store is gone: nothing to tell
+            self.store.set(f"failed/{self.rank}", reason)
+
+    def stopped(self) -> list[str]:
+        """What happened to the ranks that are gone: one sentence per rank, the lost ones
+        (no error reported) first; empty when every other rank still beats. Takes
+        :data:`SILENCE_SECONDS`."""
+        others = [rank for rank in range(self.world_size) if rank != self.rank]
+        try:
+            before = {rank: self.store.add(f"beat/{rank}", 0) for rank in others}
+            time.sleep(self.silence_seconds)
+            gone = [rank for rank in others if self.store.add(f"beat/{rank}", 0) == before[rank]]
+            reasons = {
+                rank: self.store.get(f"failed/{rank}").decode()
+                for rank in gone
+                if self.store.check([f"failed/{rank}"])
+            }
+        except Exception:  # noqa: BLE001 - DistNetworkError & co: the store no longer answers
+            if self.store_host is None:
+                return [
+                    "the process group's rendezvous store (hosted by torchrun's agent on "
+                    "node 0) no longer answers: node 0 was lost"
+                ]
+            return [
+                f"{self.describe(self.store_host)} was lost: it hosts the process group's "
+                "rendezvous store, which no longer answers"
+            ]
+        lost = [
+            f"{self.describe(rank)} was lost: it stopped without reporting an error (killed, "
+            "crashed or out of memory)"
+            for rank in gone
+            if rank not in reasons
+        ]
+        failed = [
+            f"{self.describe(rank)} stopped after an error: {reasons[rank]}"
+            for rank in gone
+            if rank in reasons
+        ]
+        return lost + failed
+
+    def explain(self, error: BaseException) -> str | None:
+        """A message for ``error``, raised on this rank, that names the ranks that stopped
+        (and how to resume); None when every other rank still beats (``error`` is this
+        rank's own)."""
+        stopped = self.stopped()
+        if not stopped:
+            return None
+        return (
+            f"{'; '.join(stopped)}. Re-run the same command with --ckpt_path last "
+            "(Trainer.fit(ckpt_path='last')) to resume from the last checkpoint. "
+            f"Rank {self.rank} stopped on: {error}"
+        )
+

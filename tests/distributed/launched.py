@@ -1,0 +1,110 @@
+"""A fit launched the way a cluster launches one, for ``test_launch.py``: every rank is a
+separate ``python -m tests.distributed.launched SPEC`` process that finds its place from a
+torchrun-style environment (``MASTER_ADDR``, ``MASTER_PORT``, ``NODE_RANK``/``GROUP_RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE``; started by ``torchrun`` or by the test itself), and Lightning
+starts the process group (gloo on loopback).
+
+``SPEC`` is JSON: ``strategy`` (``"sharded"``: ``ShardedSequenceParallelStrategy``, ``"ddp"``:
+``SequenceParallelStrategy``), ``sequence_parallel_size``, ``devices``, ``num_nodes``,
+``max_steps``, ``timeout`` (of every collective, seconds), ``checkpoint_dir`` (a
+``LastCheckpoint`` after every step), ``ckpt_path`` (``"last"`` to resume), ``signal``
+(``{"rank": R, "step": S, "signum": N}``: rank ``R`` sends itself signal ``N``, SIGKILL by
+default, in the middle of optimizer step ``S``, after its forward, before its backward, and
+writes the time it did to ``out/signalled``) and ``out`` (a folder: each rank pickles
+its result there as ``rank<R>.pkl``). The tiny model of ``strategy_cases`` trains in float64,
+as in ``sharded_cases``, so the result is comparable with ``sharded_cases.single_device_run``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+from longnet.training import (
+    LastCheckpoint,
+    SequenceParallelStrategy,
+    ShardedSequenceParallelStrategy,
+)
+from tests.distributed.sharded_cases import StepLosses, result, trainer_kwargs
+from tests.distributed.strategy_cases import GLOBAL_BATCH, STEPS, TinyData, make_module
+
+
+class SignalMidStep(L.Callback):
+    """On ``rank``, send this process ``signum`` after the forward of optimizer step ``step``
+    (its peers are then inside the step: the backward's ring exchanges and gradient
+    reductions)."""
+
+    def __init__(self, rank: int, step: int, out: str, signum: int = signal.SIGKILL) -> None:
+        self.rank, self.step, self.signum, self.out = rank, step, signum, Path(out)
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step + 1 == self.step:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "signalled").write_text(str(time.time()))
+            os.kill(os.getpid(), self.signum)
+
+
+def fit(spec: dict[str, Any]) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float64)
+    sp = spec["sequence_parallel_size"]
+    options = dict(
+        sequence_parallel_size=sp,
+        process_group_backend="gloo",
+        timeout=timedelta(seconds=spec.get("timeout", 300)),
+    )
+    if spec["strategy"] == "sharded":
+        strategy = ShardedSequenceParallelStrategy(**options)
+    else:
+        strategy = SequenceParallelStrategy(**options)
+    losses = StepLosses()
+    callbacks: list[L.Callback] = [losses]
+    kwargs = trainer_kwargs(spec.get("max_steps", STEPS))
+    if spec.get("checkpoint_dir"):
+        kwargs["enable_checkpointing"] = True
+        callbacks.append(LastCheckpoint(dirpath=spec["checkpoint_dir"], every_n_train_steps=1))
+    if spec.get("signal"):
+        callbacks.append(SignalMidStep(**spec["signal"], out=spec["out"]))
+    trainer = L.Trainer(
+        devices=spec["devices"],
+        num_nodes=spec.get("num_nodes", 1),
+        strategy=strategy,
+        callbacks=callbacks,
+        **kwargs,
+    )
+    module = make_module()
+    world = spec["devices"] * spec.get("num_nodes", 1)
+    trainer.fit(module, datamodule=TinyData(GLOBAL_BATCH // (world // sp)), ckpt_path=spec.get(
+        "ckpt_path"))
+    out = result(trainer, module, losses)
+    out.update(
+        global_rank=trainer.global_rank,
+        node_rank=trainer.node_rank,
+        local_rank=trainer.local_rank,
+        mesh=tuple(strategy.device_mesh.mesh.shape),
+        sp_ranks=torch.distributed.get_process_group_ranks(strategy.sequence_parallel_group),
+    )
+    return out
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    out = fit(spec)
+    folder = Path(spec["out"])
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / f"rank{out['global_rank']}.pkl", "wb") as handle:
+        pickle.dump(out, handle)
+
+
+if __name__ == "__main__":
+    main()
