@@ -48,7 +48,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from longnet.training import CausalLMModule
 from longnet.training.callbacks import run_dir
-from longnet.training.checkpoint import read_checkpoint
+from longnet.training.checkpoint import is_sharded_checkpoint, last_checkpoint, read_checkpoint
 from longnet.training.progress import progress_bar
 from longnet.training.runs import (
     RunId,
@@ -173,14 +173,14 @@ class LongNetCLI(LightningCLI):
         if ckpt_path in ("best", "hpc") or "://" in ckpt_path:
             return check_keyword(trainer, ckpt_path, subcommand)
         if ckpt_path == "last":
-            found = last_checkpoint(trainer, subcommand)
+            found = run_last_checkpoint(trainer, subcommand)
             if found is None:
                 return None
             ckpt_path = str(found)
-        if not Path(ckpt_path).is_file():
-            raise UsageError(f"--ckpt_path {ckpt_path}: no checkpoint file there. "
-                             f"{checkpoints_hint(trainer)}")
-        checkpoint = read_checkpoint(ckpt_path)
+        if not (Path(ckpt_path).is_file() or is_sharded_checkpoint(ckpt_path)):
+            raise UsageError(f"--ckpt_path {ckpt_path}: no checkpoint file (or folder of "
+                             f"shards) there. {checkpoints_hint(trainer)}")
+        checkpoint = read_checkpoint(ckpt_path, tensors=False)
         if subcommand == "fit":
             self.run_tag.run_id = checkpoint_run_id(checkpoint) or self.run_tag.run_id
             if trainer.is_global_zero:
@@ -223,12 +223,15 @@ def refuse_earlier_run(folder: Path, checkpoint_folders: list[Path]) -> None:
         )
 
 
-def last_checkpoint(trainer: L.Trainer, subcommand: str) -> Path | None:
-    """This run folder's ``last.ckpt`` (of the first ``ModelCheckpoint`` with ``save_last``
-    that has one): never another folder's, never a ``last-v1.ckpt``. None for a ``fit``
-    without one (it starts a new run); other subcommands raise :class:`UsageError`."""
-    candidates = [folder / "last.ckpt" for folder in checkpoint_dirs(trainer, save_last=True)]
-    found = next((path for path in candidates if path.is_file()), None)
+def run_last_checkpoint(trainer: L.Trainer, subcommand: str) -> Path | None:
+    """This run folder's complete ``last.ckpt`` (a file, or a folder of shards whose writing
+    finished) of the first ``ModelCheckpoint`` with ``save_last`` that has one: never another
+    folder's, never a ``last-v1.ckpt``. None for a ``fit`` without one (it starts a new run, so
+    a command with ``--ckpt_path last`` can be re-run as it is, e.g. by ``torchrun
+    --max-restarts``); other subcommands raise :class:`UsageError`."""
+    folders = checkpoint_dirs(trainer, save_last=True)
+    candidates = [folder / "last.ckpt" for folder in folders]
+    found = next((path for path in map(last_checkpoint, folders) if path is not None), None)
     if found is not None:
         return found
     where = ", ".join(map(str, candidates)) or "(no ModelCheckpoint with save_last)"

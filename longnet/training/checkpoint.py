@@ -83,12 +83,13 @@ def sharded_tensor_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     }
 
 
-def read_checkpoint(path: str | Path) -> dict[str, Any]:
+def read_checkpoint(path: str | Path, *, tensors: bool = True) -> dict[str, Any]:
     """The contents of the Lightning checkpoint at ``path``, on the CPU: a file read with
     ``torch.load(weights_only=True, mmap=True)`` (tensors stay on disk until used), or a folder
     of shards whose ``state_dict`` is assembled into full tensors (on this process alone,
     without a process group; optimizer states are not read) next to the entries of its
-    ``meta.pt``.
+    ``meta.pt``; with ``tensors=False`` a folder's ``state_dict`` is left empty (its
+    ``meta.pt`` alone: step, run id, hyper-parameters).
 
     Raises:
         FileNotFoundError: no checkpoint at ``path``.
@@ -105,16 +106,18 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
         checkpoint = _torch_load(meta_path)
         if not isinstance(checkpoint, Mapping):
             raise UsageError(f"{meta_path} is not a Lightning checkpoint's {SHARDED_META}.")
-        tensors: dict[str, Any] = {}
+        if not tensors:
+            return {**checkpoint, STATE_DICT: {}}
+        state: dict[str, Any] = {}
         # what torch.distributed.checkpoint.format_utils.dcp_to_torch_save does, for the
         # module's tensors only (dcp.load fills a copy of an empty dict, not the dict)
         _load_state_dict(
-            tensors,
+            state,
             storage_reader=FileSystemReader(str(path)),
             planner=_EmptyStateDictLoadPlanner(keys={STATE_DICT}),
             no_dist=True,
         )
-        return {**checkpoint, STATE_DICT: tensors.get(STATE_DICT, {})}
+        return {**checkpoint, STATE_DICT: state.get(STATE_DICT, {})}
     if not path.is_file():
         raise FileNotFoundError(
             f"no checkpoint file at {path} (nor a folder of shards with {SHARDED_INDEX})."
@@ -228,8 +231,7 @@ def last_checkpoint(folder: str | Path, name: str = "last.ckpt") -> Path | None:
     Complete: a file, or a folder of shards with both its index (``.metadata``, which
     ``torch.distributed.checkpoint`` writes after every rank's shards) and Lightning's
     ``meta.pt`` (written after that); a folder a killed run left without them is not one.
-    Not yet wired into the ``longnet`` command (re-running a command resumes by hand with
-    ``--ckpt_path``).
+    ``longnet fit --ckpt_path last`` resumes from it (and starts fresh without one).
     """
     path = Path(folder) / name
     if path.is_file():
