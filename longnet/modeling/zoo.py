@@ -88,18 +88,15 @@ ZOO: dict[str, ZooEntry] = {
         _TINY_16K,
         "longnet-tiny's width and depth with 8 heads of 32, RoPE (theta 1e5) and a pattern that "
         "reaches across 16,384 bytes, every dilation rate at most the head count (so each "
-        "position is a key of every branch for some head). Trained on 2,048-byte windows, then "
-        "on 16,384-byte windows through the ring (two sequence-parallel processes), on long "
-        "Python source files with passkey examples mixed in (below).",
-        trained=True,
+        "position is a key of every branch for some head). The shape of the long-context "
+        "recipe (configs/longnet_tiny_16k.yaml, then configs/longnet_tiny_16k_ring.yaml through "
+        "the ring); no weights published yet: docs/training.md has the runs so far.",
     ),
     "longnet-tiny-16k-dense": ZooEntry(
         _TINY_16K.replace(segment_lengths=(16384,), dilation_rates=(1,)),
-        "The dense-attention twin of longnet-tiny-16k: the same shape, data and recipe, with "
-        "one full-window branch (segment 16,384, rate 1: dense causal attention up to 16K "
-        "bytes) in place of the dilated pattern, trained for the same compute, for the "
-        "equal-compute comparison.",
-        trained=True,
+        "The dense-attention twin of longnet-tiny-16k: the same shape with one full-window "
+        "branch (segment 16,384, rate 1: dense causal attention up to 16K bytes) in place of "
+        "the dilated pattern, for the equal-compute comparison; no weights published yet.",
     ),
     "longnet-small": ZooEntry(
         LongNetConfig(
