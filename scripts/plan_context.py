@@ -277,10 +277,11 @@ def state_lines(args: argparse.Namespace, config: LongNetConfig, activations: in
     lines.append(f"  {'attention activations':<{width}} {act:>12} {act:>12}")
     totals = [format_bytes(plan.total_bytes + activations) for plan in plans]
     lines.append(f"  {'total':<{width}} {totals[0]:>12} {totals[1]:>12}")
-    lines.append(
-        "  (DDP: SequenceParallelStrategy, FSDP: ShardedSequenceParallelStrategy; not counted: "
-        "activations outside the attention core, AdamW step counters, allocator overhead)"
-    )
+    lines += [
+        "  DDP: SequenceParallelStrategy; FSDP: ShardedSequenceParallelStrategy",
+        "  not counted: activations outside the attention core, AdamW step counters, "
+        "allocator overhead",
+    ]
     return lines
 
 
