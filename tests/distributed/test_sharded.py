@@ -14,11 +14,14 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from longnet.distributed import run_workers
 from longnet.modeling import LongNetLM
 from longnet.training.checkpoint import export_pretrained
+from longnet.training.memory import ParameterShapes, StateDtypes, model_config, state_memory
 from tests.distributed.sharded_cases import CLIP, STEPS, sharded_runs, single_device_run
+from tests.distributed.strategy_cases import MODEL_OVERRIDES
 
 pytestmark = pytest.mark.distributed
 
@@ -107,7 +110,9 @@ def test_meshes_equal_single_device_training(references, four_processes):
 def test_each_rank_holds_a_quarter_of_params_grads_and_optimizer_state(references, four_processes):
     """Local shards of every rank add up to one device's tensors exactly; none is larger than
     ``1 / world`` of them with every parameter's first dimension padded to a multiple of
-    ``world`` (what FSDP2 allocates)."""
+    ``world`` (what FSDP2 allocates). ``longnet.training.memory`` (``plan_context.py``) plans
+    that padded bound from the config alone, within 15 % of the largest rank's measured
+    shards, and one device's tensors as what a DDP rank holds (its buckets aside)."""
     reference = references["token"]
     world = 4
     total = reference["local_bytes"]
@@ -116,12 +121,30 @@ def test_each_rank_holds_a_quarter_of_params_grads_and_optimizer_state(reference
         rows = value.shape[0]
         padded += math.ceil(rows / world) * world * (value.size // rows) * value.itemsize
     bound = {"params": padded // world, "grads": padded // world, "optimizer": 2 * padded // world}
+    shapes = ParameterShapes.of_config(model_config("longnet-tiny", MODEL_OVERRIDES))
+    float64 = StateDtypes.uniform(torch.float64)
+    ddp = state_memory(shapes, "ddp", world, 1, float64)
+    assert total == {
+        "params": ddp.parameter_bytes,
+        "grads": ddp.gradient_bytes,
+        "optimizer": ddp.optimizer_bytes,
+    }
     for name in ("2x2", "1x4"):
         per_rank = [run["local_bytes"] for run in four_processes[name]]
+        fsdp = state_memory(shapes, "fsdp", world, MESHES[name][1], float64)
+        planned = {
+            "params": fsdp.parameter_bytes,
+            "grads": fsdp.gradient_bytes,
+            "optimizer": fsdp.optimizer_bytes,
+        }
         for kind in ("params", "grads", "optimizer"):
+            measured = max(rank[kind] for rank in per_rank)
+            print(f"{name} {kind}: planned {planned[kind]} B, measured max {measured} B")
             assert sum(rank[kind] for rank in per_rank) == total[kind], (name, kind)
-            assert max(rank[kind] for rank in per_rank) <= bound[kind], (name, kind)
-            assert max(rank[kind] for rank in per_rank) >= total[kind] // world, (name, kind)
+            assert measured <= bound[kind], (name, kind)
+            assert measured >= total[kind] // world, (name, kind)
+            assert planned[kind] == bound[kind], (name, kind)
+            assert abs(planned[kind] - measured) <= 0.15 * measured, (name, kind, planned)
 
 
 def test_resume_on_the_same_layout(references, four_processes):
