@@ -283,7 +283,8 @@ def test_corrupt_weights_file_gives_clear_error(tmp_path):
 
 
 # ---------------------------------------------------------------------- the zoo
-ZOO = ["longnet-base", "longnet-small", "longnet-tiny", "longnet-tiny-dense"]
+ZOO = ["longnet-base", "longnet-small", "longnet-tiny", "longnet-tiny-16k",
+       "longnet-tiny-16k-dense", "longnet-tiny-dense"]
 TRAINED = ["longnet-tiny", "longnet-tiny-dense"]
 
 
