@@ -88,9 +88,7 @@ def padded_length(
             f"padded_length: need seq_len >= 1 and world_size >= 1, got {seq_len}, {world_size}."
         )
     shard_len = -(-seq_len // world_size)
-    while not all(
-        _branch_fits(min(w, shard_len * world_size), shard_len) for w in pattern.segment_lengths
-    ):
+    while not fits_shards(shard_len * world_size, pattern, world_size):
         shard_len += 1
     return shard_len * world_size
 

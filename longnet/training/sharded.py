@@ -178,8 +178,8 @@ class ShardedSequenceParallelStrategy(SequenceParallelLayout, ModelParallelStrat
 
     def setup_environment(self) -> None:
         """Start the process group and build the ``(dp, sp)`` mesh (instead of Lightning's
-        ``(data_parallel, tensor_parallel)`` one); runs on every fit/test."""
-        self._check_layout()
+        ``(data_parallel, tensor_parallel)`` one); runs on every fit/test. The layout was
+        checked by :meth:`set_world_ranks`, which ``_setup_distributed`` calls first."""
         self._setup_distributed()
         self.lightning_module._device_mesh = self._start_layout()
 

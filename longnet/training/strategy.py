@@ -163,8 +163,9 @@ class SequenceParallelLayout:
 
     # ------------------------------------------------------------------ setup
     def set_world_ranks(self) -> None:
-        """Lightning's ranks, after refusing a world the group size does not divide: this
-        runs when the ``Trainer`` is built, before any process starts."""
+        """Lightning's ranks, after refusing a world the group size does not divide: the one
+        layout check; it runs when the ``Trainer`` is built, before any process starts, and
+        again in ``setup_environment`` before the process group starts."""
         self._check_layout()
         super().set_world_ranks()
 
@@ -180,7 +181,6 @@ class SequenceParallelLayout:
     def _build_mesh(self) -> DeviceMesh:
         """The ``(dp, sp)`` mesh over the started process group, built once (Lightning calls
         ``setup_environment`` again on every ``fit``/``test``)."""
-        self._check_layout()
         if self._device_mesh is None:
             device_type = "cuda" if self.root_device.type == "cuda" else "cpu"
             self._device_mesh = init_device_mesh(
@@ -290,7 +290,6 @@ class SequenceParallelStrategy(SequenceParallelLayout, DDPStrategy):
 
     def setup_environment(self) -> None:
         """Start the process group (DDP) and build the mesh once; runs on every fit/test."""
-        self._check_layout()
         super().setup_environment()
         self._start_layout()
 
