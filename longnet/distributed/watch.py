@@ -33,6 +33,9 @@ HEARTBEAT_SECONDS = 0.5
 SILENCE_SECONDS = 3.0
 """A rank whose heartbeat counter does not move for this long is gone (six heartbeats: a live
 rank on a loaded machine still beats)."""
+STOP_SECONDS = 10.0
+"""How long :meth:`RankWatch.stop` waits for the beating thread (it returns at once unless a
+store call is in flight; a loaded machine can delay it well past one heartbeat)."""
 PREFIX = "longnet/watch"
 AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
 
@@ -72,6 +75,7 @@ class RankWatch:
         self.heartbeat_seconds, self.silence_seconds = heartbeat_seconds, silence_seconds
         self.who: dict[int, str] = {rank: f"pid {os.getpid()} on {socket.gethostname()}"}
         self.store.set(f"who/{rank}", self.who[rank])
+        self._learn_who()  # the ranks already here are known even if this process stalls
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._beat, name=f"longnet-rank-watch-{rank}", daemon=True
@@ -89,7 +93,7 @@ class RankWatch:
     def stop(self) -> None:
         """Stop beating (the others will count this rank as gone; mark a failure first)."""
         self._stop.set()
-        self._thread.join(timeout=2 * self.heartbeat_seconds)
+        self._thread.join(timeout=STOP_SECONDS)
 
     def _beat(self) -> None:
         while True:
