@@ -36,14 +36,13 @@ from longnet.bench.common import (
     pyplot,
     ratio,
     reference_rows,
-    reset_peak_rss,
     run_lines,
     sample_rows,
     save_figure,
     sdpa,
-    status_bytes,
 )
 from longnet.bench.peers import dilated_attention_pytorch
+from longnet.training.rank_memory import reset_peak_rss, status_bytes
 
 SECTION = "## Attention"
 PREFIX = "bench_attention"

@@ -1,7 +1,7 @@
 """Plumbing shared by the benchmark harnesses: measuring, describing and reporting a run.
 
-* peak memory of this process (``status_bytes``, ``reset_peak_rss``) and glibc's allocator
-  settings for child processes (``malloc_env``, ``fixed_malloc``);
+* glibc's allocator settings for child processes that measure their peak memory
+  (``malloc_env``, ``fixed_malloc``; the readers: ``longnet.training.rank_memory``);
 * what the error checks compare against: float64 ``reference_rows`` at ``sample_rows``, and
   dense SDPA in our ``(batch, seq, heads, head_dim)`` layout (``sdpa``);
 * the run's description: ``machine``, ``commit_version`` / ``source_version`` (the code),
@@ -43,25 +43,6 @@ MALLOC_FIXED = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "1
 """glibc settings under which freed buffers above 128 KiB leave the RSS at once, so that the
 peak RSS is the peak of live bytes (glibc's default adapts its threshold up to 32 MiB and keeps
 freed buffers below it)."""
-
-
-def status_bytes(field: str) -> int:
-    """A ``kB`` field of ``/proc/self/status`` (``VmRSS``: now, ``VmHWM``: peak) in bytes."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def reset_peak_rss() -> bool:
-    """Reset ``VmHWM`` to the current RSS (Linux >= 4.0); False where not permitted."""
-    try:
-        with open("/proc/self/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")
-    except OSError:
-        return False
-    return True
 
 
 def malloc_env(fixed: bool, env: dict[str, str] | None = None) -> dict[str, str]:

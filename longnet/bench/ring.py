@@ -47,16 +47,15 @@ from longnet.bench.common import (
     markdown_table,
     pyplot,
     reference_rows,
-    reset_peak_rss,
     run_lines,
     sample_rows,
     save_figure,
     sdpa,
-    status_bytes,
 )
 from longnet.bench.instrument import KernelClock, SendCounter, replay_seconds
 from longnet.bench.peers import ring_flash_attention
 from longnet.distributed import run_workers
+from longnet.training.rank_memory import reset_peak_rss, status_bytes
 
 SECTION = "## Sequence-parallel ring"
 PREFIX = "bench_ring"

@@ -23,6 +23,7 @@ from longnet.training.metrics import TokenAccuracy, TokenCrossEntropy, lm_summar
 from longnet.training.module import CausalLMModule
 from longnet.training.optim import parameter_groups, warmup_cosine
 from longnet.training.progress import LineProgressBar, StepProgressBar
+from longnet.training.rank_memory import RankMemory
 from longnet.training.runs import RunId, RunLock
 from longnet.training.sharded import ShardedModule, ShardedSequenceParallelStrategy
 from longnet.training.sharding import pad_sequences, shard_batch
@@ -41,6 +42,7 @@ __all__ = [
     "LineProgressBar",
     "MetricsSummary",
     "PredictionsWriter",
+    "RankMemory",
     "ResumableDataOrder",
     "RunId",
     "RunLock",

@@ -79,6 +79,9 @@ def test_ring_stage_trains_and_its_test_loss_is_the_exports(setup):
     run_folder = root / "longnet-tiny-16k"
     summary = json.loads((run_folder / "metrics.json").read_text())
     assert summary["test"]["step"] == 4
+    memory = json.loads((run_folder / "memory.json").read_text())
+    assert [rank["rank"] for rank in memory["ranks"]] == [0, 1]
+    assert all(rank["peak_mib"] >= rank["start_mib"] > 0 for rank in memory["ranks"])
 
     exported = LongNetLM.from_pretrained(run_folder / "model")
     assert exported.config == LongNetLM.from_pretrained(pretrained).config

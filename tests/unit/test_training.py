@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 
+import lightning as L
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -14,6 +16,7 @@ from longnet.training import (
     CausalLMModule,
     EpochIndexSampler,
     EpochLoader,
+    RankMemory,
     SequenceParallelStrategy,
     TokenCrossEntropy,
     build_lm,
@@ -343,3 +346,35 @@ def test_last_checkpoint_finds_a_complete_file_or_folder(tmp_path):
     file_run.mkdir()
     (file_run / "last.ckpt").write_bytes(b"")
     assert last_checkpoint(file_run) == file_run / "last.ckpt"
+
+
+class Allocates(L.LightningModule):
+    """One step that holds a ``mib``-MiB tensor alive while it computes its loss."""
+
+    def __init__(self, mib: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(1))
+        self.mib = mib
+
+    def training_step(self, batch, batch_idx):
+        held = torch.ones(self.mib * 2**20 // 4)  # float32
+        return (held.sum() * self.weight).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def train_dataloader(self):
+        return DataLoader(range(1), batch_size=1)
+
+
+def test_rank_memory_records_the_peak_a_step_adds(tmp_path):
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        default_root_dir=tmp_path, callbacks=[RankMemory()])
+    trainer.fit(Allocates(mib=96))
+    memory = json.loads((tmp_path / "memory.json").read_text())
+    assert memory["device"] == "cpu" and memory["step"] == 1
+    (rank,) = memory["ranks"]
+    assert rank["rank"] == 0 and rank["peak_mib"] > rank["start_mib"] > 0
+    if memory["peak_since"] == "train start":  # the peak was reset: the 96 MiB tensor shows
+        assert 96 <= rank["peak_above_start_mib"] < 96 + 64
