@@ -39,8 +39,9 @@ class LongDocumentDataModule(L.LightningDataModule):
             and validate a long-context model on long documents only.
         passkey_fraction: share in ``[0, 1)`` of training samples that are passkey examples
             (drawn on the fly from ``seed``); validation and test stay pure text.
-        passkey_label_mode: ``"all"`` (language modelling on the whole passkey text) or
-            ``"answer"`` (loss on the key's digits only) for the mixed-in examples.
+        passkey_label_mode: ``"all"`` (language modelling on the whole passkey text),
+            ``"answer"`` (loss on the key's digits only) or ``"recall"`` (the answer and the
+            needle's second copy of the key; ``PasskeyDataset``) for the mixed-in examples.
         seed: seed of the mixed-in passkey examples.
         cache_dir: where processed corpora are cached; None is the repository's ``data/cache``.
         num_workers: DataLoader worker processes.

@@ -36,7 +36,7 @@ FILLER = (
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
 QUESTION = "\nWhat is the pass key? The pass key is "
 ANSWER_END = "."
-LabelMode = Literal["answer", "all"]
+LabelMode = Literal["answer", "recall", "all"]
 
 
 @dataclass(frozen=True)
@@ -118,8 +118,12 @@ class PasskeyDataset(Dataset):
     A sample is ``{"input_ids": (seq_len,), "labels": (seq_len,)}`` (int64) of the text
     ``prompt + key + ANSWER_END`` of an example of ``seq_len`` bytes (prompt + key), i.e.
     ``seq_len + 1`` bytes. ``label_mode="answer"`` labels only the positions that predict the
-    key's digits and the end mark (``num_digits + 1`` positions); ``"all"`` labels every
-    position (language modelling on the whole text, the key included).
+    key's digits and the end mark (``num_digits + 1`` positions); ``"recall"`` adds the digits
+    of the needle's second copy of the key (``"... Remember it. <key> is the pass key."``),
+    which a model can also only predict by recalling the first, a few bytes back: a
+    short-range copy in every sample next to the long-range one (``2 * num_digits + 1``
+    positions); ``"all"`` labels every position (language modelling on the whole text, the key
+    included).
     """
 
     def __init__(
@@ -132,8 +136,10 @@ class PasskeyDataset(Dataset):
         num_digits: int = 5,
         label_mode: LabelMode = "answer",
     ) -> None:
-        if label_mode not in ("answer", "all"):
-            raise ValueError(f"label_mode must be 'answer' or 'all', got {label_mode!r}.")
+        if label_mode not in ("answer", "recall", "all"):
+            raise ValueError(
+                f"label_mode must be 'answer', 'recall' or 'all', got {label_mode!r}."
+            )
         check_non_negative_int("size", size)
         _check_passkey_args(seq_len, depth, num_digits)
         sample_rng(seed, split, 0)  # validates seed and split
@@ -158,4 +164,7 @@ class PasskeyDataset(Dataset):
             return shifted_sample(tokens)
         labelled = np.zeros(self.seq_len, dtype=bool)
         labelled[len(example.prompt) - 1:] = True
+        if self.label_mode == "recall":  # the filler has no digits: the second find is the copy
+            copy = example.prompt.find(example.answer, example.prompt.find(example.answer) + 1)
+            labelled[copy - 1:copy - 1 + len(example.answer)] = True
         return shifted_sample(tokens, labelled)

@@ -52,7 +52,8 @@ class PasskeyDataModule(_SyntheticDataModule):
         train_size, val_size, test_size: samples per split.
         depth: needle depth in ``[0, 1]``; None draws it per sample.
         num_digits: digits of the key.
-        label_mode: ``"answer"`` (loss on the key only) or ``"all"`` (every position).
+        label_mode: ``"answer"`` (loss on the key only), ``"recall"`` (the key and the needle's
+            second copy of it) or ``"all"`` (every position).
         seed: generation seed.
         num_workers: DataLoader worker processes.
     """

@@ -69,6 +69,22 @@ def test_passkey_labels() -> None:
         assert tokenizer.decode(sample["input_ids"]) == example.prompt + example.answer
 
 
+def test_passkey_recall_labels_add_the_needles_second_copy() -> None:
+    tokenizer = ByteTokenizer()
+    answer_only = PasskeyDataset(seq_len=400, size=4, seed=1, label_mode="answer")
+    recall = PasskeyDataset(seq_len=400, size=4, seed=1, label_mode="recall")
+    for index in range(4):
+        sample, key = recall[index], recall.example(index).answer
+        assert torch.equal(sample["input_ids"], answer_only[index]["input_ids"])
+        scored = (sample["labels"] != IGNORE_INDEX).nonzero().flatten()
+        assert len(scored) == 11 and scored[-6:].tolist() == list(range(394, 400))
+        copy = scored[:5]
+        assert copy.tolist() == list(range(int(copy[0]), int(copy[0]) + 5))
+        assert tokenizer.decode(sample["labels"][copy]) == key
+        assert tokenizer.decode(sample["input_ids"][copy[0] - 12:copy[0] + 1]) == "Remember it. "
+        assert tokenizer.decode(sample["labels"][scored]) == key + key + "."
+
+
 def test_passkey_evaluation_pairs_and_match() -> None:
     pairs = passkey_examples(6, 600, depth=0.25, seed=2)
     assert pairs == passkey_examples(6, 600, depth=0.25, seed=2)
