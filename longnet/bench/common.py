@@ -1,7 +1,8 @@
 """Plumbing shared by the benchmark harnesses: measuring, describing and reporting a run.
 
 * glibc's allocator settings for child processes that measure their peak memory
-  (``malloc_env``, ``fixed_malloc``; the readers: ``longnet.training.rank_memory``);
+  (``malloc_env``, ``fixed_malloc``; the settings ``MALLOC_FIXED`` and the readers live in
+  ``longnet.training.rank_memory``);
 * what the error checks compare against: float64 ``reference_rows`` at ``sample_rows``, and
   dense SDPA in our ``(batch, seq, heads, head_dim)`` layout (``sdpa``);
 * the run's description: ``machine``, ``commit_version`` / ``source_version`` (the code),
@@ -31,18 +32,13 @@ import torch.nn.functional as F
 
 import longnet.attention
 from longnet.attention import DilatedPattern
+from longnet.training.rank_memory import MALLOC_FIXED, MIB
 
-MIB = 2**20
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 ATTENTION_DIR = Path(longnet.attention.__file__).resolve().parent
 """The ``longnet/attention`` sources this process imported (and measures)."""
 
 # --------------------------------------------------------------------------- memory
-
-MALLOC_FIXED = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
-"""glibc settings under which freed buffers above 128 KiB leave the RSS at once, so that the
-peak RSS is the peak of live bytes (glibc's default adapts its threshold up to 32 MiB and keeps
-freed buffers below it)."""
 
 
 def malloc_env(fixed: bool, env: dict[str, str] | None = None) -> dict[str, str]:

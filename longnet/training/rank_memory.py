@@ -25,6 +25,10 @@ from longnet.training.callbacks import run_dir
 
 MIB = 2**20
 MMAP_THRESHOLD = "MALLOC_MMAP_THRESHOLD_"
+MALLOC_FIXED = {MMAP_THRESHOLD: "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+"""glibc settings under which freed buffers above 128 KiB leave the RSS at once, so that the
+peak RSS is the peak of live bytes (glibc's default adapts its threshold up to 32 MiB and keeps
+freed buffers below it). The benchmarks start their measuring processes under them."""
 
 
 def status_bytes(field: str) -> int:
