@@ -6,11 +6,12 @@
 A step is forward + loss + backward + AdamW on random bytes (``longnet/bench/training.py``).
 Per length the model runs with its own dilated pattern and as its dense twin (one branch
 covering the sequence), interleaved, and the table reports median tokens/s, the dilated/dense
-ratio and the dilated model's tokens/s relative to its own at the shortest length (linear cost
-keeps it near 1). ``--profile LEN`` adds where one dilated step's time goes at that length and
-the attention core's time per branch. Writes the table and ``bench_training.png`` and the block
-``<model>-<precision>`` of the "Training step" section of ``<out>/benchmarks.md``;
-``--json PATH`` also writes every sample.
+ratio, the same ratio of arithmetic (``forward_macs``: multiply-accumulates of the attention and
+the linear layers, the most the pattern can save) and the dilated model's tokens/s relative to
+its own at the shortest length (linear cost keeps it near 1). ``--profile LEN`` adds where one
+dilated step's time goes at that length and the attention core's time per branch. Writes the
+table and ``bench_training.png`` and the block ``<model>-<precision>`` of the "Training step"
+section of ``<out>/benchmarks.md``; ``--json PATH`` also writes every sample.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from longnet.bench.training import (
     PRECISIONS,
     SYSTEMS,
     branch_seconds,
+    forward_macs,
     profile_step,
     time_length,
+    twin_config,
 )
 from longnet.eval.reporting import parse_length
 from longnet.modeling import LongNetConfig
@@ -81,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     shortest = min(args.lengths)
     header = ["length", *(f"{s} tokens/s" for s in args.systems)]
     if len(args.systems) == 2:
-        header.append("dilated / dense")
+        header += ["dilated / dense", "arithmetic dense / dilated"]
     if "dilated" in args.systems:
         header.append(f"dilated vs its own at {shortest}")
     rows = []
@@ -90,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         if len(args.systems) == 2:
             row.append(common.ratio(by["dilated", length].tokens_per_s,
                                     by["dense", length].tokens_per_s))
+            row.append(common.ratio(_macs(twin_config(config, "dense", length), length),
+                                    _macs(config, length)))
         if "dilated" in args.systems:
             row.append(common.ratio(by["dilated", length].tokens_per_s,
                                     by["dilated", shortest].tokens_per_s))
@@ -129,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
             "profile": profile, "branches": branches,
         }, indent=2) + "\n")
     return 0
+
+
+def _macs(config: LongNetConfig, length: int) -> int:
+    return sum(forward_macs(config, length).values())
 
 
 def _plot(timings, args: argparse.Namespace, path: Path) -> None:

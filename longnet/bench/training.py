@@ -12,6 +12,8 @@ report medians.
 products of the projections and the feed-forward, norms, element-wise work (activations,
 positional encodings, residuals), the loss, and the optimizer; ``branch_seconds`` times each
 branch of the pattern alone (forward + backward of the attention core at the model's shapes).
+``forward_macs`` counts the multiply-accumulates of one forward pass, the arithmetic bound on
+what the dilated pattern can save against the dense twin.
 """
 
 from __future__ import annotations
@@ -111,6 +113,38 @@ def time_length(config: LongNetConfig, length: int, *, batch: int, precision: st
         for system in order:
             seconds[system].append(runners[system].run())
     return [StepTiming(s, length, batch, seconds[s]) for s in systems]
+
+
+def attention_pairs(pattern: DilatedPattern, length: int, num_heads: int) -> int:
+    """Causal (query, key) pairs the branches of ``pattern`` score over ``length`` positions,
+    summed over heads and branches (a pair two branches give counts twice).
+
+    Per branch ``(w, r)``, a segment of ``L`` positions gives head ``h`` the ``m`` positions
+    ``p < L`` with ``p % r == h % r``, and those ``m`` queries score ``m (m + 1) / 2`` pairs.
+    """
+    pairs = 0
+    for w, r in pattern.branches:
+        for start in range(0, length, w):
+            size = min(w, length - start)
+            for head in range(num_heads):
+                m = max(0, -(-(size - head % r) // r))
+                pairs += m * (m + 1) // 2
+    return pairs
+
+
+def forward_macs(config: LongNetConfig, length: int) -> dict[str, int]:
+    """Multiply-accumulates of one forward pass over ``length`` tokens (one sample):
+    ``"attention"`` (scores ``q k^T`` and the weighted sum of values, over every pair of
+    :func:`attention_pairs` in every layer) and ``"matmuls"`` (every linear layer: projections,
+    feed-forward and the logits). Element-wise work, norms and gathers are not counted; the
+    backward pass costs about twice the forward in both parts."""
+    with torch.device("meta"):
+        model = LongNetLM(config)
+    linear = sum(m.in_features * m.out_features for m in model.modules()
+                 if isinstance(m, torch.nn.Linear))  # the logits' head is one, tied or not
+    pairs = attention_pairs(config.pattern, length, config.num_heads)
+    return {"attention": 2 * pairs * config.resolved_head_dim * config.num_layers,
+            "matmuls": linear * length}
 
 
 def _category(name: str) -> str:

@@ -7,8 +7,18 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
 
-from longnet.bench.training import OPTIMIZER, profile_step, time_length, twin_config
+from longnet.attention import DilatedPattern
+from longnet.bench.training import (
+    OPTIMIZER,
+    attention_pairs,
+    forward_macs,
+    profile_step,
+    time_length,
+    twin_config,
+)
 from longnet.modeling import LongNetConfig, LongNetLM
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,6 +33,30 @@ def test_dense_twin_is_the_same_model_with_one_full_branch():
     assert twin_config(TINY, "dilated", 16) == TINY
     with pytest.raises(ValueError, match="system"):
         twin_config(TINY, "sparse", 16)
+
+
+@pytest.mark.parametrize("branches, heads, length", [
+    (((8, 1), (16, 2), (32, 4)), 4, 40),   # a ragged last segment of every branch
+    (((4, 1), (12, 3)), 2, 30),            # more offsets than heads: some rows are no head's
+    (((64, 1),), 3, 50),                   # dense, shorter than its segment
+])
+def test_attention_pairs_counts_what_the_pattern_scores(branches, heads, length):
+    pattern = DilatedPattern.coerce(branches)
+    positions = torch.arange(length)
+    counts = pattern.key_multiplicity(positions, positions, heads, causal=True)
+    assert attention_pairs(pattern, length, heads) == int(counts.sum())
+
+
+def test_forward_macs_matches_the_flop_counter_on_the_linear_layers():
+    model = LongNetLM(TINY)
+    with FlopCounterMode(display=False) as counter:
+        model(torch.randint(0, TINY.vocab_size, (1, 24)))
+    matmul_flops = sum(count for op, count in counter.get_flop_counts()["Global"].items()
+                       if op.__name__.split(".")[0] in ("mm", "addmm"))
+    macs = forward_macs(TINY, 24)
+    assert 2 * macs["matmuls"] == matmul_flops
+    pairs = attention_pairs(TINY.pattern, 24, TINY.num_heads)
+    assert macs["attention"] == 2 * pairs * TINY.resolved_head_dim * TINY.num_layers
 
 
 def test_time_length_gives_every_system_its_steps():
