@@ -59,13 +59,12 @@ _TINY = LongNetConfig(
     **_BYTE_LEVEL,
 )
 
-_TINY_16K = _TINY.replace(
-    num_heads=8,
+_TINY_16K = _TINY.replace(  # longnet-tiny's weights fit it: training starts from them
     max_positions=32768,
     position_encoding="rope",
-    rope_theta=100000.0,
-    segment_lengths=(512, 1024, 2048, 4096, 16384),
-    dilation_rates=(1, 2, 4, 8, 8),
+    rope_theta=10000.0,
+    segment_lengths=(512, 1024, 2048, 16384),
+    dilation_rates=(1, 2, 4, 4),
 )
 
 ZOO: dict[str, ZooEntry] = {
@@ -86,17 +85,19 @@ ZOO: dict[str, ZooEntry] = {
     ),
     "longnet-tiny-16k": ZooEntry(
         _TINY_16K,
-        "longnet-tiny's width and depth with 8 heads of 32, RoPE (theta 1e5) and a pattern that "
-        "reaches across 16,384 bytes, every dilation rate at most the head count (so each "
-        "position is a key of every branch for some head). The shape of the long-context "
-        "recipe (configs/longnet_tiny_16k.yaml, then configs/longnet_tiny_16k_ring.yaml through "
-        "the ring); no weights published yet: docs/training.md has the runs so far.",
+        "longnet-tiny's shape (4 layers, width 256, 4 heads of 64) with RoPE in place of xPos "
+        "and a pattern that reaches across 16,384 bytes, every dilation rate at most the head "
+        "count (so each position is a key of every branch for some head); training starts from "
+        "longnet-tiny's weights (configs/longnet_tiny_16k.yaml, then "
+        "configs/longnet_tiny_16k_ring.yaml through the ring); no weights published yet: "
+        "docs/training.md has the runs so far.",
     ),
     "longnet-tiny-16k-dense": ZooEntry(
         _TINY_16K.replace(segment_lengths=(16384,), dilation_rates=(1,)),
         "The dense-attention twin of longnet-tiny-16k: the same shape with one full-window "
         "branch (segment 16,384, rate 1: dense causal attention up to 16K bytes) in place of "
-        "the dilated pattern, for the equal-compute comparison; no weights published yet.",
+        "the dilated pattern, for the equal-compute comparison; its training starts from "
+        "longnet-tiny-dense's weights; no weights published yet.",
     ),
     "longnet-small": ZooEntry(
         LongNetConfig(

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 from safetensors.torch import load_file, save_file
 
 from longnet.attention import DilatedPattern
@@ -340,6 +341,15 @@ def test_zoo_folders_match_their_definitions(tmp_path):
     for name in ZOO:
         for file in ("config.json", "README.md"):
             assert (tmp_path / name / file).read_text() == (models_dir() / name / file).read_text()
+
+
+def test_long_context_recipe_starts_from_longnet_tiny_in_the_16k_shape():
+    """configs/longnet_tiny_16k.yaml loads longnet-tiny's weights with config overrides: they
+    must give zoo entry longnet-tiny-16k's shape, or the recipe trains another model."""
+    init = yaml.safe_load((REPO / "configs" / "longnet_tiny_16k.yaml").read_text())
+    init = init["model"]["init_args"]
+    model = LongNetLM.from_pretrained(init["pretrained"], **init["overrides"])
+    assert model.config == ZOO_DEFINITIONS["longnet-tiny-16k"].config
 
 
 @pytest.mark.parametrize("name", TRAINED)
