@@ -62,7 +62,7 @@ _TINY = LongNetConfig(
 _TINY_16K = _TINY.replace(  # longnet-tiny's weights fit it: training starts from them
     max_positions=32768,
     position_encoding="rope",
-    rope_theta=10000.0,
+    rope_theta=100000.0,
     segment_lengths=(512, 1024, 2048, 16384),
     dilation_rates=(1, 2, 4, 4),
 )
@@ -85,11 +85,12 @@ ZOO: dict[str, ZooEntry] = {
     ),
     "longnet-tiny-16k": ZooEntry(
         _TINY_16K,
-        "longnet-tiny's shape (4 layers, width 256, 4 heads of 64) with RoPE in place of xPos "
+        "longnet-tiny's shape (4 layers, width 256, 4 heads of 64) with RoPE (base 100,000) in "
+        "place of xPos "
         "and a pattern that reaches across 16,384 bytes, every dilation rate at most the head "
         "count (so each position is a key of every branch for some head); training starts from "
-        "longnet-tiny's weights (configs/longnet_tiny_16k.yaml, then "
-        "configs/longnet_tiny_16k_ring.yaml through the ring); no weights published yet: "
+        "longnet-tiny's weights (configs/longnet_tiny_16k.yaml, configs/longnet_tiny_16k_4k.yaml, "
+        "then configs/longnet_tiny_16k_ring.yaml through the ring); no weights published yet: "
         "docs/training.md has the runs so far.",
     ),
     "longnet-tiny-16k-dense": ZooEntry(

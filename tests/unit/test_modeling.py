@@ -344,11 +344,15 @@ def test_zoo_folders_match_their_definitions(tmp_path):
 
 
 def test_long_context_recipe_starts_from_longnet_tiny_in_the_16k_shape():
-    """configs/longnet_tiny_16k.yaml loads longnet-tiny's weights with config overrides: they
-    must give zoo entry longnet-tiny-16k's shape, or the recipe trains another model."""
-    init = yaml.safe_load((REPO / "configs" / "longnet_tiny_16k.yaml").read_text())
-    init = init["model"]["init_args"]
-    model = LongNetLM.from_pretrained(init["pretrained"], **init["overrides"])
+    """The recipe loads longnet-tiny's weights with config overrides (stage 1), then stage 1's
+    export with more (stage 1b): together they must give zoo entry longnet-tiny-16k's shape,
+    or the recipe trains another model."""
+    stages = [yaml.safe_load((REPO / "configs" / name).read_text())["model"]["init_args"]
+              for name in ("longnet_tiny_16k.yaml", "longnet_tiny_16k_4k.yaml")]
+    assert stages[0]["pretrained"] == "longnet-tiny"
+    assert stages[1]["pretrained"] == "runs/longnet-tiny-16k-stage1/model"
+    overrides = stages[0]["overrides"] | stages[1]["overrides"]
+    model = LongNetLM.from_pretrained("longnet-tiny", **overrides)
     assert model.config == ZOO_DEFINITIONS["longnet-tiny-16k"].config
 
 
