@@ -86,9 +86,9 @@ ZOO: dict[str, ZooEntry] = {
     "longnet-tiny-16k": ZooEntry(
         _TINY_16K,
         "longnet-tiny's shape (4 layers, width 256, 4 heads of 64) with RoPE (base 100,000) in "
-        "place of xPos "
-        "and a pattern that reaches across 16,384 bytes, every dilation rate at most the head "
-        "count (so each position is a key of every branch for some head); training starts from "
+        "place of xPos and a pattern that reaches across 16,384 bytes, every dilation rate at "
+        "most the head count (so each position is a key of every branch for some head); "
+        "training starts from "
         "longnet-tiny's weights (configs/longnet_tiny_16k.yaml, configs/longnet_tiny_16k_4k.yaml, "
         "then configs/longnet_tiny_16k_ring.yaml through the ring); no weights published yet: "
         "docs/training.md has the runs so far.",
