@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
             })
             example_rows += [
                 {"model": item.label, "context_length": cell.length, "depth": cell.depth,
-                 "index": index, "actual_depth": o.depth, "answer": o.answer,
+                 "index": index, "actual_depth": o.depth,
+                 "needle_distance": o.needle_distance, "answer": o.answer,
                  "generated": o.generated, "correct": o.correct}
                 for index, o in enumerate(cell.outcomes)
             ]

@@ -4,9 +4,14 @@ A sample of ``length`` bytes (all ASCII, so bytes and characters coincide) reads
 
     <TASK><filler...><NEEDLE with the key><...filler>\\nWhat is the pass key? The pass key is <key>
 
-The needle starts at a sentence boundary of the filler nearest to the requested depth (0 = right
-after the task line, 1 = right before the question); the key has ``num_digits`` digits and no
-leading zero. The prompt is everything before the key, so an evaluator feeds the prompt and
+The needle starts at a byte of the filler drawn uniformly from a window of ``2 * NEEDLE_JITTER + 1``
+bytes (one filler period) around the requested depth (0 = right after the task line, 1 = right
+before the question), moved inside the filler at its ends; as in the original task, it may cut
+a filler word. The jitter matters for dilated attention: a key beyond the dense branch's segment
+is seen only by queries at the same offset modulo the dilation rate (docs/architecture.md), so
+with the needle at one fixed byte every example of a ``(length, depth)`` cell would share one
+alignment and the cell would measure that alignment's luck. The key has ``num_digits`` digits
+and no leading zero. The prompt is everything before the key, so an evaluator feeds the prompt and
 greedily generates ``num_digits`` bytes (``passkey_examples`` + ``passkey_match``).
 Training samples (``PasskeyDataset``) append ``ANSWER_END`` (a full stop) to the key, so a
 model learns where the answer stops; ``passkey_match`` rejects an answer followed by a digit.
@@ -14,7 +19,6 @@ model learns where the answer stops; ``passkey_match`` rejects an answer followe
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -36,6 +40,7 @@ FILLER = (
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
 QUESTION = "\nWhat is the pass key? The pass key is "
 ANSWER_END = "."
+NEEDLE_JITTER = len(FILLER) // 2
 LabelMode = Literal["answer", "recall", "all"]
 
 
@@ -53,6 +58,12 @@ class PasskeyExample:
     answer: str
     depth: float
 
+    @property
+    def needle_distance(self) -> int:
+        """Bytes from the needle's first byte to the end of the prompt (its offset from the
+        question modulo a dilation rate decides which heads can see it)."""
+        return len(self.prompt) - self.prompt.index(NEEDLE[:NEEDLE.index("{")])
+
 
 def min_passkey_length(num_digits: int = 5) -> int:
     """The shortest sample (bytes, answer included) with ``num_digits`` digits and no filler."""
@@ -67,7 +78,8 @@ def make_passkey_example(
     Args:
         length: total bytes, at least ``min_passkey_length(num_digits)``.
         rng: the source of the key and, when ``depth`` is None, of the depth.
-        depth: needle depth in ``[0, 1]``; None draws it uniformly.
+        depth: needle depth in ``[0, 1]``; None draws it uniformly.  The needle starts at a
+            byte drawn uniformly within about ``NEEDLE_JITTER`` bytes of it.
         num_digits: digits of the key (1-18).
     """
     _check_passkey_args(length, depth, num_digits)
@@ -75,8 +87,8 @@ def make_passkey_example(
     depth = float(rng.random()) if depth is None else depth
     budget = length - min_passkey_length(num_digits)
     filler = (FILLER * (budget // len(FILLER) + 1))[:budget]
-    boundaries = np.array([0, *(m.end() for m in re.finditer(r"\. ", filler)), budget])
-    cut = int(boundaries[np.argmin(np.abs(boundaries - depth * budget))])
+    low = min(max(0, round(depth * budget) - NEEDLE_JITTER), max(0, budget - 2 * NEEDLE_JITTER))
+    cut = int(rng.integers(low, min(budget, low + 2 * NEEDLE_JITTER) + 1))
     prompt = TASK + filler[:cut] + NEEDLE.format(key=key) + filler[cut:] + QUESTION
     return PasskeyExample(prompt=prompt, answer=key, depth=cut / budget if budget else 0.0)
 

@@ -19,7 +19,7 @@ from longnet.data import (
     passkey_match,
     sample_rng,
 )
-from longnet.data.passkey import min_passkey_length
+from longnet.data.passkey import NEEDLE_JITTER, min_passkey_length
 from longnet.data.tokenizer import ByteTokenizer
 
 
@@ -37,7 +37,17 @@ def test_passkey_example_layout(length: int, depth: float) -> None:
     assert example.prompt.endswith("The pass key is ")
     assert text.count(example.answer) == 3  # twice in the needle, once as the answer
     budget = length - min_passkey_length()
-    assert abs(example.depth - depth) * budget <= 60  # nearest sentence boundary
+    assert abs(example.depth - depth) * budget <= 2 * NEEDLE_JITTER
+
+
+def test_passkey_cell_places_its_needles_at_every_alignment() -> None:
+    """A cell's examples must not share the needle's offset from the question modulo a
+    dilation rate: a dilated model sees a far key only from queries at the same offset."""
+    examples = passkey_examples(16, 2048, depth=0.5, seed=0)
+    distances = [e.needle_distance for e in examples]
+    assert [len(e.prompt) - e.prompt.index("The pass key is") for e in examples] == distances
+    assert {d % 4 for d in distances} == {0, 1, 2, 3}
+    assert max(distances) - min(distances) <= 2 * NEEDLE_JITTER
 
 
 def test_passkey_dataset_deterministic_per_seed_and_split() -> None:

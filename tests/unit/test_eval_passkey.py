@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from longnet.data import ByteTokenizer, passkey_examples, passkey_match
-from longnet.data.passkey import min_passkey_length
+from longnet.data.passkey import NEEDLE_JITTER, min_passkey_length
 from longnet.eval import check_passkey_grid, evaluate_passkey
 from longnet.modeling import LongNetConfig, LongNetLM
 
@@ -66,7 +66,12 @@ def test_grid_cells_accuracy_and_order():
     # 3 examples with batch_size 2: batches of 2 and 1, prompts of length - 5 bytes
     assert model.calls[:2] == [(2, lengths[0] - 5), (1, lengths[0] - 5)]
     assert cells[0].outcomes[0].generated == cells[0].outcomes[0].answer + "!"
-    assert all(c.mean_depth == pytest.approx(1.0) for c in cells if c.depth == 1.0)
+    first_cell = passkey_examples(3, lengths[0], depths[0], seed=1)
+    assert [o.needle_distance for o in cells[0].outcomes] == [
+        len(e.prompt) - e.prompt.index("The pass key is") for e in first_cell
+    ]
+    budgets = {n: n - SHORTEST for n in lengths}  # the needle lies within a filler period
+    assert all(abs(c.mean_depth - c.depth) * budgets[c.length] <= 2 * NEEDLE_JITTER for c in cells)
     again = evaluate_passkey(OracleLM(), lengths, depths, num_examples=3, seed=1)
     assert [c.outcomes for c in again] == [c.outcomes for c in cells]
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from longnet.data import passkey_examples
 from longnet.modeling import LongNetConfig, LongNetLM
 
 REPO = Path(__file__).resolve().parents[2]
@@ -145,5 +146,9 @@ def test_eval_passkey_end_to_end(tmp_path: Path, tiny_model: Path):
         assert row["examples"] == "2" and 0 <= float(row["accuracy"]) <= 1
     generations = read_csv(out / "passkey_generations.csv")
     assert len(generations) == 8 and all(len(g["answer"]) == 5 for g in generations)
+    examples = passkey_examples(2, 300, 1.0, seed=5)  # the last cell's prompts
+    assert [int(g["needle_distance"]) for g in generations[-2:]] == [
+        len(e.prompt) - e.prompt.index("The pass key is") for e in examples
+    ]
     assert is_png(out / "passkey.png")
     assert json.loads((out / "run.json").read_text())["lengths"] == [240, 300]
