@@ -12,10 +12,11 @@ writes them back through ``LongNetLM.save_pretrained``. What this class adds is 
 - ``attention_mask``: left padding is exact (rows of equal padding run as one batch without
   their padding, :mod:`longnet.hf.padding`; padded positions get zero logits); any other
   padding is refused;
-- ``past_key_values``: a :class:`longnet.hf.cache.LongNetCache`, LongNet's exact
-  dilated-pattern KV cache. ``generate`` hands the first call an empty ``DynamicCache``,
-  which is replaced by a ``LongNetCache`` (returned in the output, where ``generate`` takes
-  its cache from).
+- ``cache`` (``past_key_values`` before ``transformers`` 5.24 renamed it; both are taken): a
+  :class:`longnet.hf.cache.LongNetCache`, LongNet's exact dilated-pattern KV cache.
+  ``generate`` hands the first call an empty ``DynamicCache``, which is replaced by a
+  ``LongNetCache`` (returned in the output, under the installed version's name, where
+  ``generate`` takes its cache from).
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ from longnet.hf.padding import left_padding, row_groups
 from longnet.modeling import LongNetLM, WeightsMismatchError, list_models, resolve_model_dir
 
 PREFIX = "longnet"
+CACHE_FIELD = (
+    "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+)
+"""The output field ``generate`` reads the cache from: ``cache`` from ``transformers`` 5.24 on,
+``past_key_values`` before."""
 
 
 class LongNetForCausalLM(PreTrainedModel, GenerationMixin):
@@ -130,17 +136,19 @@ class LongNetForCausalLM(PreTrainedModel, GenerationMixin):
         labels: Tensor | None = None,
         use_cache: bool | None = None,
         return_dict: bool | None = None,
+        cache: Any = None,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast | tuple:
         """Logits ``(batch, seq, vocab)`` of ``input_ids`` ``(batch, seq)``.
 
         ``attention_mask``: ``(batch, cached + seq)`` ones for tokens, zeros for left
-        padding. ``past_key_values``: a :class:`LongNetCache` from an earlier call (or an
-        empty ``transformers`` cache, replaced by one); the new tokens continue it.
+        padding. ``cache`` (or, by its name before ``transformers`` 5.24,
+        ``past_key_values``): a :class:`LongNetCache` from an earlier call (or an empty
+        ``transformers`` cache, replaced by one); the new tokens continue it.
         ``labels``: ``(batch, seq)`` tokens, ``-100`` where no loss is taken; the loss is
         the mean cross-entropy of ``logits[:, t]`` against ``labels[:, t + 1]``.
-        ``use_cache`` (default ``config.use_cache``): return the cache as
-        ``past_key_values``. Other ``transformers`` options (``inputs_embeds``,
+        ``use_cache`` (default ``config.use_cache``): return the cache (output field
+        :data:`CACHE_FIELD`). Other ``transformers`` options (``inputs_embeds``,
         ``output_attentions``, ``output_hidden_states``, ...) are refused when set.
         """
         unsupported = sorted(name for name, value in kwargs.items() if value is not None
@@ -148,11 +156,17 @@ class LongNetForCausalLM(PreTrainedModel, GenerationMixin):
         if unsupported:
             raise TypeError(
                 f"LongNetForCausalLM.forward does not support {unsupported}; it takes "
-                "input_ids, attention_mask (left padding), past_key_values, labels and "
-                "use_cache."
+                "input_ids, attention_mask (left padding), cache (or past_key_values), labels "
+                "and use_cache."
+            )
+        if cache is not None and past_key_values is not None:
+            raise ValueError(
+                "pass the cache once: as cache or as past_key_values (its name before "
+                "transformers 5.24), not both."
             )
         use_cache = self.config.use_cache if use_cache is None else use_cache
-        cache = _longnet_cache(past_key_values, use_cache, self.config.num_layers)
+        given = cache if cache is not None else past_key_values
+        cache = _longnet_cache(given, use_cache, self.config.num_layers)
         batch, length = input_ids.shape
         seen = cache.get_seq_length() if cache is not None else 0
         if attention_mask is not None:
@@ -181,7 +195,7 @@ class LongNetForCausalLM(PreTrainedModel, GenerationMixin):
         if cache is not None:
             cache.advance(length)
         loss = None if labels is None else loss_sum / max(int(num_tokens), 1)
-        output = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
+        output = CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: cache})
         return output if return_dict is not False else output.to_tuple()
 
 
@@ -191,18 +205,17 @@ def _aligned(labels: Tensor) -> Tensor:
     return torch.cat((labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)), dim=1)
 
 
-def _longnet_cache(past_key_values: Any, use_cache: bool, num_layers: int) -> LongNetCache | None:
+def _longnet_cache(given: Any, use_cache: bool, num_layers: int) -> LongNetCache | None:
     """The cache a forward call reads and extends, or None to run without one."""
-    if isinstance(past_key_values, LongNetCache):
-        return past_key_values
-    empty = past_key_values is None or (
-        callable(getattr(past_key_values, "get_seq_length", None))
-        and past_key_values.get_seq_length() == 0
+    if isinstance(given, LongNetCache):
+        return given
+    empty = given is None or (
+        callable(getattr(given, "get_seq_length", None)) and given.get_seq_length() == 0
     )
     if not empty:
         raise ValueError(
-            f"past_key_values is a {type(past_key_values).__name__} holding tokens; LongNet "
-            "decodes only with its own dilated-pattern cache (LongNetCache). Start without "
-            "past_key_values, or pass the one a previous call returned."
+            f"the cache is a {type(given).__name__} holding tokens; LongNet decodes only with "
+            "its own dilated-pattern cache (LongNetCache). Start without a cache, or pass the "
+            "one a previous call returned."
         )
     return LongNetCache(num_layers) if use_cache else None
