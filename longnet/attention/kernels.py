@@ -70,10 +70,19 @@ def _causal_bias(scores: Tensor) -> Tensor:
     return torch.zeros_like(future, dtype=scores.dtype).masked_fill(future, float("-inf"))
 
 
+def _unit_stride(*tensors: Tensor) -> list[Tensor]:
+    """The fused kernels read each row's ``head_dim`` elements as consecutive memory, without
+    checking (``scaled_dot_product_attention`` checks before it calls them): a tensor whose
+    last dimension has another stride (a transposed or channel-major layout, e.g. a
+    convolution's output) is copied first, or the kernels silently read the wrong elements."""
+    return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
+
+
 def cpu_flash_forward(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor]:
     """``aten._scaled_dot_product_flash_attention_for_cpu`` (any float dtype, needs keys)."""
+    q, k, v = _unit_stride(q, k, v)
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, causal, scale=scale
     )
@@ -89,6 +98,7 @@ def cpu_flash_backward(
     causal: bool,
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    d_out, q, k, v, out = _unit_stride(d_out, q, k, v, out)
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         d_out, q, k, v, out, lse, 0.0, causal, scale=scale
     )
@@ -98,6 +108,7 @@ def cuda_efficient_forward(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor]:
     """``aten._scaled_dot_product_efficient_attention`` (CUDA, fp16/bf16/fp32)."""
+    q, k, v = _unit_stride(q, k, v)
     out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
         q, k, v, None, True, 0.0, causal, scale=scale
     )
@@ -114,6 +125,7 @@ def cuda_efficient_backward(
     causal: bool,
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    d_out, q, k, v, out = _unit_stride(d_out, q, k, v, out)
     seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)
     # Pass lse in the op's own padded layout (length a multiple of 32), as its forward returns it.
     lse = torch.nn.functional.pad(lse, (0, -lse.shape[-1] % 32))

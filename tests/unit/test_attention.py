@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 
 from longnet.attention import DilatedPattern, dilated_attention, padded_length
 from longnet.attention.kernels import (
@@ -54,6 +55,30 @@ def test_matches_dense_reference_float64(name, seq_len, heads, branches, causal)
     out, lse = _assert_matches_reference(q, k, v, branches, causal, grad_seed=1)
     assert out.dtype == torch.float64 and lse.dtype == torch.float64
     assert lse.shape == (2, heads, seq_len)
+
+
+LAYOUTS = {  # memory layouts of (batch, seq, heads, dim) inputs
+    "channel_major": "b (h d) n -> b n h d",  # a convolution's output: seq has stride 1
+    "head_major": "b h n d -> b n h d",
+    "dim_outermost": "d b n h -> b n h d",  # head_dim has the largest stride
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_inputs_in_any_memory_layout_match_dense_reference(layout, causal):
+    """Views whose last dimension is not contiguous in memory give the exact function (the
+    fused kernels read rows as consecutive memory, so they must get copies)."""
+    gen = torch.Generator().manual_seed(3)
+    shapes = {"channel_major": (2, 4 * 8, 45), "head_major": (2, 4, 45, 8),
+              "dim_outermost": (8, 2, 45, 4)}
+    q, k, v = (
+        rearrange(torch.randn(shapes[layout], generator=gen, dtype=torch.float64),
+                  LAYOUTS[layout], h=4).requires_grad_()
+        for _ in range(3)
+    )
+    assert q.shape == (2, 45, 4, 8) and (layout == "head_major") == (q.stride(-1) == 1)
+    _assert_matches_reference(q, k, v, [(8, 1), (16, 2), (64, 1)], causal, grad_seed=2)
 
 
 def _assert_matches_reference(q, k, v, branches, causal: bool, grad_seed: int):
