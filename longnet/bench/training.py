@@ -136,8 +136,9 @@ def forward_macs(config: LongNetConfig, length: int) -> dict[str, int]:
     """Multiply-accumulates of one forward pass over ``length`` tokens (one sample):
     ``"attention"`` (scores ``q k^T`` and the weighted sum of values, over every pair of
     :func:`attention_pairs` in every layer) and ``"matmuls"`` (every linear layer: projections,
-    feed-forward and the logits). Element-wise work, norms and gathers are not counted; the
-    backward pass costs about twice the forward in both parts."""
+    feed-forward and the logits). Element-wise work, norms, gathers and the K/V convolutions'
+    ``kv_conv_size`` taps per channel are not counted; the backward pass costs about twice the
+    forward in both parts."""
     with torch.device("meta"):
         model = LongNetLM(config)
     linear = sum(m.in_features * m.out_features for m in model.modules()

@@ -31,7 +31,8 @@ COMPUTATION_FIELDS = (
 """Fields a saved ``config.json`` must spell out (``null`` where allowed): each changes what
 the model computes from its weights, so a missing one would silently be its default, another
 model (no ``segment_lengths``/``dilation_rates`` is dense attention). The others (dropout,
-initializer_range, gradient_checkpointing, token ids, extra) do not change the function."""
+initializer_range, gradient_checkpointing, token ids, extra) do not change the function, and
+``kv_conv_size`` came later: a config written before it had no convolution, its default."""
 
 
 @dataclass
@@ -59,6 +60,10 @@ class LongNetConfig:
             embeddings, and the segment length of the default dense pattern.
         segment_lengths, dilation_rates: the dilated pattern (docs/architecture.md §2); both
             ``None`` = dense attention, one branch ``(max_positions, 1)``.
+        kv_conv_size: width of the causal depthwise convolution over each layer's key and
+            value projections (0: none, else at least 2). With a width of at least the largest
+            dilation rate, a far token is a key at every offset (docs/architecture.md §2,
+            "Alignment").
         position_encoding: ``"xpos"`` (the LongNet paper's), ``"rope"``, ``"learned"``
             (absolute, GPT-2) or ``"none"``.
         rope_theta: base of the rotary frequencies (RoPE and xPos).
@@ -92,6 +97,7 @@ class LongNetConfig:
     max_positions: int = 1024
     segment_lengths: tuple[int, ...] | None = None
     dilation_rates: tuple[int, ...] | None = None
+    kv_conv_size: int = 0
     position_encoding: str = "xpos"
     rope_theta: float = 10000.0
     xpos_scale_base: float = 512.0
@@ -145,6 +151,11 @@ class LongNetConfig:
             if getattr(self, name) is not None:
                 check_positive_int(name, getattr(self, name))
         check_positive_int("num_labels", self.num_labels)
+        if not is_int(self.kv_conv_size) or self.kv_conv_size == 1 or self.kv_conv_size < 0:
+            raise ValueError(
+                f"kv_conv_size must be 0 (no convolution) or an integer of at least 2, got "
+                f"{self.kv_conv_size!r}."
+            )
         _choice("ffn_kind", self.ffn_kind, FFN_KINDS)
         _choice("activation", self.activation, tuple(ACTIVATIONS))
         _choice("norm", self.norm, NORM_KINDS)

@@ -55,6 +55,7 @@ def build_block(config: LongNetConfig, causal: bool) -> TransformerBlock:
         sub_ln=config.sub_ln,
         norm=config.norm,
         norm_eps=config.norm_eps,
+        kv_conv_size=config.kv_conv_size,
     )
     ffn = build_feed_forward(
         config.ffn_kind,

@@ -90,6 +90,11 @@ def model_card(
         f"{config.hidden_size}, {config.num_heads} heads of {config.resolved_head_dim}{kv} |",
         f"| Attention pattern | {'dense: ' if dense else ''}(segment length, dilation rate) = "
         f"{branches} |",
+        *(
+            [f"| K/V convolution | causal, depthwise, width {config.kv_conv_size} |"]
+            if config.kv_conv_size
+            else []
+        ),
         f"| Context length | {config.max_positions:,} tokens |",
         f"| Position encoding | {config.position_encoding} |",
         f"| Norm | {norm}, eps {config.norm_eps} |",
@@ -185,6 +190,13 @@ def from_pretrained(
     model = cls(config)
     if dtype is not None:
         model = model.to(dtype)
+    if config.kv_conv_size and not any(name.endswith(".kv_conv.weight") for name in tensors):
+        # An override adds the K/V convolution to a model trained without one: it starts as
+        # the identity, so the loaded model computes what the saved one did.
+        tensors = {
+            **{n: t for n, t in model.state_dict().items() if n.endswith(".kv_conv.weight")},
+            **tensors,
+        }
     load_state_checked(model, tensors, source=source)
     return model.eval()
 

@@ -22,6 +22,7 @@ from longnet.nn.positional import (
     default_position_ids,
     rotate_half,
 )
+from longnet.nn.short_conv import CausalShortConv
 
 __all__ = [
     "ACTIVATIONS",
@@ -29,6 +30,7 @@ __all__ = [
     "MLP",
     "NORM_KINDS",
     "POSITION_ENCODINGS",
+    "CausalShortConv",
     "GatedMLP",
     "KVCache",
     "LayerKVCache",

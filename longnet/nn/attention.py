@@ -7,8 +7,10 @@ from einops import rearrange, repeat
 from torch import Tensor, nn
 
 from longnet.attention import DilatedPattern, dilated_attention
+from longnet.distributed.halo import previous_rows
 from longnet.nn.norm import build_norm
 from longnet.nn.positional import XPos, check_position_ids, default_position_ids
+from longnet.nn.short_conv import CausalShortConv
 
 
 class LayerKVCache:
@@ -18,12 +20,15 @@ class LayerKVCache:
     encoding, before grouped heads are expanded) for the global positions
     ``start .. end - 1``.  Keys that no future query can attend to (before the start of the
     segment, in every branch, of the next position) are dropped, so the cache holds at most
-    about one largest segment.
+    about one largest segment.  With a K/V convolution, ``conv_tail`` ``(batch,
+    kernel_size - 1, 2 * kv_heads * head_dim)`` holds the unmixed key/value projections of the
+    last positions, the rows the next token's convolution reads.
     """
 
     def __init__(self) -> None:
         self.key: Tensor | None = None
         self.value: Tensor | None = None
+        self.conv_tail: Tensor | None = None
         self.start = 0
         self.end = 0
 
@@ -54,6 +59,8 @@ class LayerKVCache:
         if self.key is not None and self.value is not None:
             self.key = self.key.index_select(0, index)
             self.value = self.value.index_select(0, index)
+        if self.conv_tail is not None:
+            self.conv_tail = self.conv_tail.index_select(0, index)
 
     def window(self, from_position: int) -> tuple[Tensor, Tensor]:
         """Cached keys/values of positions ``from_position .. end - 1``."""
@@ -123,8 +130,8 @@ def multiplicity_attention(
 class MultiheadDilatedAttention(nn.Module):
     """Multi-head LongNet dilated self-attention with optional grouped K/V heads.
 
-    ``x -> q, k, v projections -> positional encoding (global positions) -> dilated
-    attention -> [sub-LN] -> output projection -> dropout``.
+    ``x -> q, k, v projections -> [causal short convolution of k, v] -> positional encoding
+    (global positions) -> dilated attention -> [sub-LN] -> output projection -> dropout``.
 
     Args:
         embed_dim: model width.
@@ -143,6 +150,10 @@ class MultiheadDilatedAttention(nn.Module):
         sub_ln: MAGNETO sub-LN: a norm over the attention output before the output projection.
         norm, norm_eps: kind and epsilon of that norm.
         scale: score scale, default ``head_dim ** -0.5``.
+        kv_conv_size: width of a causal depthwise convolution over the key and value
+            projections (:class:`CausalShortConv`, identity at initialisation), so that a far
+            token is a key at every offset modulo the dilation rates (docs/architecture.md §2,
+            "Alignment"); 0 (default) for none, else at least 2.
 
     Shapes: ``x`` ``(batch, seq, embed_dim)`` -> ``(batch, seq, embed_dim)``.
     """
@@ -163,8 +174,13 @@ class MultiheadDilatedAttention(nn.Module):
         norm: str = "layernorm",
         norm_eps: float = 1e-5,
         scale: float | None = None,
+        kv_conv_size: int = 0,
     ) -> None:
         super().__init__()
+        if kv_conv_size == 1 or kv_conv_size < 0:
+            raise ValueError(
+                f"kv_conv_size must be 0 (no convolution) or at least 2, got {kv_conv_size}."
+            )
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
             raise ValueError(
@@ -188,6 +204,9 @@ class MultiheadDilatedAttention(nn.Module):
         self.q_proj = nn.Linear(embed_dim, num_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=bias)
+        self.kv_conv = (
+            CausalShortConv(2 * num_kv_heads * head_dim, kv_conv_size) if kv_conv_size else None
+        )
         self.positional = positional
         if isinstance(positional, XPos):
             positional.check_pattern(self.pattern)
@@ -226,8 +245,11 @@ class MultiheadDilatedAttention(nn.Module):
             position_ids = default_position_ids(seq, x.device, offset=offset, group=group)
         check_position_ids(position_ids, batch, seq)
         q = rearrange(self.q_proj(x), "b n (h d) -> b n h d", h=self.num_heads)
-        k = rearrange(self.k_proj(x), "b n (h d) -> b n h d", h=self.num_kv_heads)
-        v = rearrange(self.v_proj(x), "b n (h d) -> b n h d", h=self.num_kv_heads)
+        k, v = self.k_proj(x), self.v_proj(x)
+        if self.kv_conv is not None:
+            k, v = self._convolve_kv(k, v, group, cache)
+        k = rearrange(k, "b n (h d) -> b n h d", h=self.num_kv_heads)
+        v = rearrange(v, "b n (h d) -> b n h d", h=self.num_kv_heads)
         if self.positional is not None:
             q, k = self.positional(q, k, position_ids)
         if cache is None:
@@ -246,6 +268,29 @@ class MultiheadDilatedAttention(nn.Module):
         if self.sub_norm is not None:
             out = self.sub_norm(out)
         return self.dropout(self.out_proj(out))
+
+    def _convolve_kv(
+        self,
+        k: Tensor,
+        v: Tensor,
+        group: torch.distributed.ProcessGroup | None,
+        cache: LayerKVCache | None,
+    ) -> tuple[Tensor, Tensor]:
+        """The short convolution of the projections ``k, v`` ``(batch, seq, kv_heads *
+        head_dim)``; the rows before them come from the previous rank's shard (``group``) or
+        the cache's tail (``cache``, which is then advanced)."""
+        assert self.kv_conv is not None
+        kv = torch.cat((k, v), dim=-1)
+        width = self.kv_conv.kernel_size - 1
+        history = None
+        if cache is not None:
+            history = cache.conv_tail
+            if history is None:
+                history = kv.new_zeros(kv.shape[0], width, kv.shape[2])
+            cache.conv_tail = torch.cat((history, kv.detach()), dim=1)[:, -width:]
+        elif group is not None:
+            history = previous_rows(kv, width, group)
+        return self.kv_conv(kv, history).split(k.shape[-1], dim=-1)
 
     def _cached_attention(
         self,

@@ -9,16 +9,24 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
+from longnet.nn.short_conv import CausalShortConv
+
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Two AdamW groups: weight decay on parameters with >= 2 dims (linear weights, embeddings),
-    none on vectors (biases, norm scales). Tied parameters appear once."""
+    none on vectors (biases, norm scales) and on the K/V convolutions' per-channel taps (they
+    start as the identity; decay would pull them towards dropping the keys). Tied parameters
+    appear once."""
+    convolution_taps = {
+        id(module.weight) for module in model.modules() if isinstance(module, CausalShortConv)
+    }
     decay, no_decay, seen = [], [], set()
     for param in model.parameters():
         if not param.requires_grad or id(param) in seen:
             continue
         seen.add(id(param))
-        (decay if param.dim() >= 2 else no_decay).append(param)
+        matrix = param.dim() >= 2 and id(param) not in convolution_taps
+        (decay if matrix else no_decay).append(param)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

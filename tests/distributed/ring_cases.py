@@ -1,6 +1,7 @@
 """Worker bodies for the sequence-parallel tests: every rank builds the same global float64
 inputs, runs its shard through the ring and compares out, lse, dq, dk, dv with the
-single-device result and with the independent dense reference."""
+single-device result and with the independent dense reference; an attention layer with a K/V
+convolution (whose rows cross shard boundaries) is compared with the single-device layer."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from longnet.attention import blocks, dilated_attention
+from longnet.nn import MultiheadDilatedAttention, RotaryEmbedding
 from tests.reference import dense_dilated_attention
 
 TOL = 1e-10
@@ -86,7 +88,49 @@ def check_ring_cases(rank: int, world_size: int, device: torch.device) -> list[s
             _check_case(rank, world_size, device, case, seed)
         except AssertionError as error:
             failures.append(f"{case['name']} {case['branches']}: {error}")
+    try:
+        _check_kv_conv_layer(rank, world_size, device)
+    except AssertionError as error:
+        failures.append(f"attention layer with a K/V convolution: {error}")
     return failures
+
+
+def _check_kv_conv_layer(rank: int, world_size: int, device: torch.device) -> None:
+    """A ``MultiheadDilatedAttention`` with a K/V convolution (random taps, so the rows before
+    each shard matter) on this rank's shard equals the single-device layer: output, input
+    gradient and (summed over ranks) every parameter gradient."""
+    torch.manual_seed(11)
+    shard_len = 8
+    n = shard_len * world_size
+    attn = MultiheadDilatedAttention(
+        24, 4, [(4, 1), (8, 2), (32, 4)], num_kv_heads=2, positional=RotaryEmbedding(6),
+        kv_conv_size=4,
+    ).double()
+    with torch.no_grad():
+        attn.kv_conv.weight.normal_()
+    x = torch.randn(2, n, 24, dtype=torch.float64)
+    upstream = torch.randn(2, n, 24, dtype=torch.float64)
+    params = list(attn.parameters())
+
+    def run(inputs, group, grad_out):
+        inputs = inputs.detach().clone().requires_grad_()
+        out = attn(inputs, group=group)
+        grads = torch.autograd.grad(out, [inputs, *params], grad_out.to(out.device))
+        return out.detach(), grads[0], list(grads[1:])
+
+    full_out, full_dx, full_dparams = run(x, None, upstream)
+    shard = slice(rank * shard_len, (rank + 1) * shard_len)
+    attn.to(device)
+    params = list(attn.parameters())
+    out, dx, dparams = run(x[:, shard].to(device), dist.group.WORLD, upstream[:, shard])
+    for grad in dparams:
+        dist.all_reduce(grad)
+    checks = [("out", out, full_out[:, shard]), ("dx", dx, full_dx[:, shard])]
+    checks += [(f"d{name}", got, want) for (name, _), got, want in
+               zip(attn.named_parameters(), dparams, full_dparams)]
+    for name, got, want in checks:
+        error = (got.cpu() - want).abs().max().item()
+        assert error <= TOL, f"rank {rank}: {name} vs single-device: max error {error:.2e}"
 
 
 def _run(tensors, d_out, d_lse, fn):

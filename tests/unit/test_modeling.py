@@ -75,6 +75,9 @@ def make_lm(seed: int = 0, **overrides) -> LongNetLM:
         ({"head_dim": 5}, "head_dim"),
         ({"eos_token_id": 40}, "eos_token_id"),
         ({"pooling": "max"}, "pooling"),
+        ({"kv_conv_size": 1}, "kv_conv_size"),
+        ({"kv_conv_size": -3}, "kv_conv_size"),
+        ({"kv_conv_size": 2.5}, "kv_conv_size"),
     ],
 )
 def test_config_validation_names_the_field(overrides, field):
@@ -244,6 +247,28 @@ def test_from_pretrained_overrides_and_dtype(tmp_path):
         LongNetEncoder.from_pretrained(tmp_path)
 
 
+def test_kv_conv_added_by_override_starts_as_identity_and_trained_taps_round_trip(tmp_path):
+    """An override that adds the K/V convolution to a model saved without one loads its
+    weights and computes what it did; a model saved with trained taps gets them back."""
+    model = make_lm()
+    model.save_pretrained(tmp_path / "plain")
+    with_conv = LongNetLM.from_pretrained(tmp_path / "plain", kv_conv_size=3)
+    x = torch.randint(0, 40, (2, 19))
+    with torch.no_grad():
+        torch.testing.assert_close(with_conv(x).logits, model.eval()(x).logits)
+        for layer in with_conv.model.layers:
+            layer.attn.kv_conv.weight.normal_()
+        changed = with_conv(x).logits
+    assert not torch.allclose(changed, model(x).logits)
+    with_conv.save_pretrained(tmp_path / "conv")
+    reloaded = LongNetLM.from_pretrained(tmp_path / "conv")
+    assert reloaded.config.kv_conv_size == 3
+    with torch.no_grad():
+        assert torch.equal(reloaded(x).logits, changed)
+    with pytest.raises(WeightsMismatchError, match="kv_conv"):
+        LongNetLM.from_pretrained(tmp_path / "conv", kv_conv_size=2)
+
+
 def _edit_weights(path, edit):
     tensors = load_file(path)
     edit(tensors)
@@ -394,8 +419,14 @@ def _sequence_parallel_case(rank, world_size, device):
     group = dist.group.WORLD
     seq = 16 * world_size
     # the 32-segment spans two ranks' shards, so the ring path is exercised
-    overrides = dict(segment_lengths=(4, 8, 32), dilation_rates=(1, 2, 4), num_kv_heads=2)
+    overrides = dict(
+        segment_lengths=(4, 8, 32), dilation_rates=(1, 2, 4), num_kv_heads=2, kv_conv_size=4
+    )
     lm = make_lm(seed=5, gradient_checkpointing=True, **overrides).double().to(device)
+    torch.manual_seed(7)
+    with torch.no_grad():  # random taps: the rows each shard reads from the previous rank matter
+        for layer in lm.model.layers:
+            layer.attn.kv_conv.weight.normal_()
     torch.manual_seed(6)
     x = torch.randint(0, 40, (2, seq), device=device)
     labels = torch.randint(0, 40, (2, seq), device=device)

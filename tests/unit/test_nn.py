@@ -10,6 +10,7 @@ from einops import rearrange
 from longnet.attention import DilatedPattern
 from longnet.nn import (
     MLP,
+    CausalShortConv,
     GatedMLP,
     LayerKVCache,
     LearnedPositionalEmbedding,
@@ -162,6 +163,76 @@ def test_attention_dilated_matches_explicit_multiplicity_formula():
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
 
 
+def _shifted_sum(x, weight, history=None):
+    """``y[t] = sum_j weight[:, j] * x[t - j]`` written as a sum of shifted copies, the rows
+    before ``x`` taken from ``history`` (zeros when None)."""
+    width = weight.shape[1] - 1
+    if history is None:
+        history = torch.zeros(x.shape[0], width, x.shape[2], dtype=x.dtype)
+    rows = torch.cat((history, x), dim=1)
+    n = x.shape[1]
+    return sum(weight[:, j] * rows[:, width - j : width - j + n] for j in range(width + 1))
+
+
+def test_short_conv_matches_shifted_sum_with_and_without_history():
+    torch.manual_seed(7)
+    conv = CausalShortConv(6, 4).double()
+    with torch.no_grad():
+        conv.weight.normal_()
+    x = torch.randn(2, 9, 6, dtype=F64, requires_grad=True)
+    history = torch.randn(2, 3, 6, dtype=F64, requires_grad=True)
+    for hist in (None, history):
+        out = conv(x, hist)
+        ref = _shifted_sum(x, conv.weight, hist)
+        upstream = torch.randn_like(out)
+        inputs = [x, conv.weight] + ([hist] if hist is not None else [])
+        grads = torch.autograd.grad(out, inputs, upstream)
+        ref_grads = torch.autograd.grad(ref, inputs, upstream)
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+        for got, want in zip(grads, ref_grads):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    fresh = CausalShortConv(6, 4).double()
+    torch.testing.assert_close(fresh(x), x)  # starts as the identity
+    with pytest.raises(ValueError, match="history"):
+        conv(x, history[:, :2])
+    with pytest.raises(ValueError, match="kv_conv_size"):
+        MultiheadDilatedAttention(16, 2, [(8, 1)], kv_conv_size=1)
+
+
+def test_attention_with_kv_conv_matches_reference_outputs_and_gradients():
+    """Projections, shifted-sum convolution of k and v, dense dilated reference: equal
+    outputs and gradients (input and every parameter) under a random upstream gradient."""
+    torch.manual_seed(8)
+    pattern = DilatedPattern((4, 8, 16), (1, 2, 4))
+    attn = MultiheadDilatedAttention(
+        32, 4, pattern, causal=True, num_kv_heads=2, positional=RotaryEmbedding(8),
+        kv_conv_size=4,
+    ).double()
+    with torch.no_grad():
+        attn.kv_conv.weight.normal_()
+    x = torch.randn(2, 37, 32, dtype=F64, requires_grad=True)
+    pos = torch.arange(37)
+
+    def reference():
+        q = rearrange(attn.q_proj(x), "b n (h d) -> b n h d", h=4)
+        kv = _shifted_sum(torch.cat((attn.k_proj(x), attn.v_proj(x)), -1), attn.kv_conv.weight)
+        k = rearrange(kv[..., :16], "b n (h d) -> b n h d", h=2)
+        v = rearrange(kv[..., 16:], "b n (h d) -> b n h d", h=2)
+        q, k = attn.positional(q, k, pos)
+        k, v = k.repeat_interleave(2, dim=2), v.repeat_interleave(2, dim=2)
+        out, _ = dense_dilated_attention(q, k, v, pattern.branches, causal=True, scale=attn.scale)
+        return attn.out_proj(rearrange(out, "b n h d -> b n (h d)"))
+
+    inputs = [x, *attn.parameters()]
+    out, ref = attn(x, pos), reference()
+    upstream = torch.randn_like(out)
+    grads = torch.autograd.grad(out, inputs, upstream)
+    ref_grads = torch.autograd.grad(ref, inputs, upstream)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_multiplicity_attention_matches_the_reference(causal):
     """The library's explicit formula (the decoding path) against the independent oracle of
@@ -191,15 +262,22 @@ def test_multiplicity_attention_query_without_keys_outputs_zero():
     assert out[0, 0::2, 0].abs().sum() > 0
 
 
-@pytest.mark.parametrize("positional", ["rope", "xpos", None])
-def test_cached_chunks_equal_full_run_and_cache_stays_bounded(positional):
-    """The last shard computed with the earlier tokens' K/V (the cache) equals the full run."""
+@pytest.mark.parametrize(
+    ("positional", "kv_conv_size"), [("rope", 0), ("xpos", 0), (None, 0), ("rope", 3)]
+)
+def test_cached_chunks_equal_full_run_and_cache_stays_bounded(positional, kv_conv_size):
+    """The last shard computed with the earlier tokens' K/V (the cache) equals the full run;
+    with a K/V convolution (random taps), its tail carries over between chunks."""
     torch.manual_seed(2)
     pattern = DilatedPattern((4, 8, 16), (1, 2, 4))
     enc = {"rope": RotaryEmbedding(8), "xpos": XPos(8, block_size=16, scale_base=8.0)}
     attn = MultiheadDilatedAttention(
-        32, 4, pattern, causal=True, num_kv_heads=2, positional=enc.get(positional)
+        32, 4, pattern, causal=True, num_kv_heads=2, positional=enc.get(positional),
+        kv_conv_size=kv_conv_size,
     ).double()
+    if attn.kv_conv is not None:
+        with torch.no_grad():
+            attn.kv_conv.weight.normal_()
     x = torch.randn(2, 53, 32, dtype=F64)
     full = attn(x)
     cache = LayerKVCache()

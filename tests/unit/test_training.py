@@ -51,11 +51,13 @@ def test_warmup_cosine_shape():
 
 
 def test_parameter_groups_decay_matrices_once():
-    model = build_lm("longnet-tiny", overrides=TINY)  # tied embeddings
+    model = build_lm("longnet-tiny", overrides=TINY | {"kv_conv_size": 4})  # tied embeddings
     decay, no_decay = parameter_groups(model, 0.1)
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
-    assert all(p.dim() >= 2 for p in decay["params"])
-    assert all(p.dim() < 2 for p in no_decay["params"])
+    taps = {id(layer.attn.kv_conv.weight) for layer in model.model.layers}
+    assert all(p.dim() >= 2 and id(p) not in taps for p in decay["params"])
+    assert all(p.dim() < 2 or id(p) in taps for p in no_decay["params"])
+    assert taps <= {id(p) for p in no_decay["params"]}
     ids = [id(p) for p in decay["params"] + no_decay["params"]]
     assert len(ids) == len(set(ids)) == len({id(p) for p in model.parameters()})
 

@@ -1,0 +1,64 @@
+"""A causal depthwise convolution along the sequence, for keys and values.
+
+Dilated attention shows a query at position ``p`` the far keys at positions ``= p (mod r)``
+only (docs/architecture.md §2, "Alignment"), so a token copied from far away is found only
+when it sits at the right offset.  Mixing each key/value row with the ``kernel_size - 1``
+rows before it puts every token into ``kernel_size`` consecutive rows, one of them at each
+offset when ``kernel_size >= r``: retrieval no longer depends on where the needle falls.
+The weights start as the identity (``weight[:, 0] = 1``), so adding the layer to a trained
+model leaves its function unchanged until training moves them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor, nn
+
+
+class CausalShortConv(nn.Module):
+    """``y[t] = sum_j weight[:, j] * x[t - j]`` for ``j = 0 .. kernel_size - 1``, per channel.
+
+    Rows before the first are ``history`` (the last ``kernel_size - 1`` rows of the sequence
+    before this chunk: the previous rank's shard, or a decoding cache's tail) or zeros.
+
+    Shapes: ``x`` ``(batch, seq, channels)``, ``history`` ``(batch, kernel_size - 1,
+    channels)``; returns ``(batch, seq, channels)``.
+    """
+
+    def __init__(self, channels: int, kernel_size: int) -> None:
+        super().__init__()
+        if kernel_size < 1 or channels < 1:
+            raise ValueError(
+                f"CausalShortConv needs channels >= 1 and kernel_size >= 1, got {channels} "
+                f"and {kernel_size}."
+            )
+        self.channels = channels
+        self.kernel_size = kernel_size
+        self.weight = nn.Parameter(torch.empty(channels, kernel_size))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The identity: ``y = x``."""
+        with torch.no_grad():
+            self.weight.zero_()
+            self.weight[:, 0] = 1.0
+
+    def extra_repr(self) -> str:
+        return f"channels={self.channels}, kernel_size={self.kernel_size}"
+
+    def forward(self, x: Tensor, history: Tensor | None = None) -> Tensor:
+        batch, _, channels = x.shape
+        width = self.kernel_size - 1
+        if history is None:
+            history = x.new_zeros(batch, width, channels)
+        elif tuple(history.shape) != (batch, width, channels):
+            raise ValueError(
+                f"CausalShortConv: history has shape {tuple(history.shape)}, expected "
+                f"{(batch, width, channels)} (the {width} rows before x)."
+            )
+        padded = rearrange(torch.cat((history.to(x.dtype), x), dim=1), "b n c -> b c n")
+        # conv1d correlates: output t reads input t + i, i.e. x[t - (width - i)].
+        kernel = rearrange(self.weight.flip(-1), "c k -> c 1 k").to(x.dtype)
+        return rearrange(F.conv1d(padded, kernel, groups=channels), "b c n -> b n c")
