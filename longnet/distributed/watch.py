@@ -75,7 +75,7 @@ class RankWatch:
         self.heartbeat_seconds, self.silence_seconds = heartbeat_seconds, silence_seconds
         self.who: dict[int, str] = {rank: f"pid {os.getpid()} on {socket.gethostname()}"}
         self.store.set(f"who/{rank}", self.who[rank])
-        self._learn_who()  # the ranks already here are known even if this process stalls
+        self.learn_others()  # the ranks already here are known even if this process stalls
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._beat, name=f"longnet-rank-watch-{rank}", daemon=True
@@ -99,14 +99,16 @@ class RankWatch:
         while True:
             try:
                 self.store.add(f"beat/{self.rank}", 1)
-                self._learn_who()
+                self.learn_others()
             except Exception:  # noqa: BLE001 - the store is gone: explain() will say so
                 return
             if self._stop.wait(self.heartbeat_seconds):
                 return
 
-    def _learn_who(self) -> None:
-        """Read the records of the ranks not known yet (before the store may be lost)."""
+    def learn_others(self) -> None:
+        """Read the ``pid on host`` records of the ranks not known yet (while the store still
+        answers: a rank is named by them when it is lost). The constructor and every heartbeat
+        call it; call it once all ranks have started their watch to know them all."""
         for rank in range(self.world_size):
             key = f"who/{rank}"
             if rank not in self.who and self.store.check([key]):

@@ -197,6 +197,11 @@ class SequenceParallelLayout:
         mesh = self._build_mesh()
         if self._watch is None and self.world_size > 1:
             self._watch = RankWatch.start()
+            # Every rank has written its record now: read them all while the store is sure
+            # to answer (the heartbeat thread also does, but may not run in time on a busy
+            # machine, and a rank lost later would then be named by number only).
+            dist.barrier()
+            self._watch.learn_others()
         note_sigterm_without_collectives(self.lightning_module.trainer)
         return mesh
 
