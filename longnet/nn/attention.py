@@ -35,8 +35,10 @@ class LayerKVCache:
     def __len__(self) -> int:
         return self.end - self.start
 
-    def append(self, key: Tensor, value: Tensor) -> None:
-        """Add the keys/values of positions ``end .. end + key.shape[1] - 1``."""
+    def append(self, key: Tensor, value: Tensor, conv_tail: Tensor | None = None) -> None:
+        """Add the keys/values of positions ``end .. end + key.shape[1] - 1`` (and, with a K/V
+        convolution, the unmixed rows that end there: the new ``conv_tail``)."""
+        self.conv_tail = conv_tail
         if self.key is None:
             self.key, self.value = key, value
         else:
@@ -246,8 +248,9 @@ class MultiheadDilatedAttention(nn.Module):
         check_position_ids(position_ids, batch, seq)
         q = rearrange(self.q_proj(x), "b n (h d) -> b n h d", h=self.num_heads)
         k, v = self.k_proj(x), self.v_proj(x)
+        conv_tail = None
         if self.kv_conv is not None:
-            k, v = self._convolve_kv(k, v, group, cache)
+            k, v, conv_tail = self._convolve_kv(k, v, group, cache)
         k = rearrange(k, "b n (h d) -> b n h d", h=self.num_kv_heads)
         v = rearrange(v, "b n (h d) -> b n h d", h=self.num_kv_heads)
         if self.positional is not None:
@@ -263,7 +266,7 @@ class MultiheadDilatedAttention(nn.Module):
                 group=group,
             )
         else:
-            out = self._cached_attention(q, k, v, position_ids, group, cache)
+            out = self._cached_attention(q, k, v, position_ids, group, cache, conv_tail)
         out = rearrange(out, "b n h d -> b n (h d)")
         if self.sub_norm is not None:
             out = self.sub_norm(out)
@@ -275,22 +278,24 @@ class MultiheadDilatedAttention(nn.Module):
         v: Tensor,
         group: torch.distributed.ProcessGroup | None,
         cache: LayerKVCache | None,
-    ) -> tuple[Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
         """The short convolution of the projections ``k, v`` ``(batch, seq, kv_heads *
         head_dim)``; the rows before them come from the previous rank's shard (``group``) or
-        the cache's tail (``cache``, which is then advanced)."""
+        the cache's tail (``cache``). Returns the convolved ``k, v`` and, with a cache, its
+        next tail (stored by ``LayerKVCache.append`` once the call has passed its checks)."""
         assert self.kv_conv is not None
         kv = torch.cat((k, v), dim=-1)
         width = self.kv_conv.kernel_size - 1
-        history = None
+        history, tail = None, None
         if cache is not None:
             history = cache.conv_tail
             if history is None:
                 history = kv.new_zeros(kv.shape[0], width, kv.shape[2])
-            cache.conv_tail = torch.cat((history, kv.detach()), dim=1)[:, -width:]
+            tail = torch.cat((history, kv.detach()), dim=1)[:, -width:]
         elif group is not None:
             history = previous_rows(kv, width, group)
-        return self.kv_conv(kv, history).split(k.shape[-1], dim=-1)
+        k, v = self.kv_conv(kv, history).split(k.shape[-1], dim=-1)
+        return k, v, tail
 
     def _cached_attention(
         self,
@@ -300,6 +305,7 @@ class MultiheadDilatedAttention(nn.Module):
         position_ids: Tensor,
         group: torch.distributed.ProcessGroup | None,
         cache: LayerKVCache,
+        conv_tail: Tensor | None,
     ) -> Tensor:
         if not self.causal:
             raise ValueError("a KV cache needs causal attention; this layer is bidirectional.")
@@ -346,7 +352,7 @@ class MultiheadDilatedAttention(nn.Module):
                 causal=True,
                 scale=self.scale,
             )
-        cache.append(k.detach(), v.detach())
+        cache.append(k.detach(), v.detach(), conv_tail)
         next_position = cache.end
         cache.trim(min((next_position // w) * w for w in self.pattern.segment_lengths))
         return out

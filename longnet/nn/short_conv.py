@@ -4,7 +4,8 @@ Dilated attention shows a query at position ``p`` the far keys at positions ``= 
 only (docs/architecture.md §2, "Alignment"), so a token copied from far away is found only
 when it sits at the right offset.  Mixing each key/value row with the ``kernel_size - 1``
 rows before it puts every token into ``kernel_size`` consecutive rows, one of them at each
-offset when ``kernel_size >= r``: retrieval no longer depends on where the needle falls.
+offset when ``kernel_size >= r``, so a far token can be found whatever its offset (whether
+a model learns to use that is a matter of training: docs/training.md).
 The weights start as the identity (``weight[:, 0] = 1``), so adding the layer to a trained
 model leaves its function unchanged until training moves them.
 """

@@ -301,6 +301,20 @@ def test_cache_rejects_non_contiguous_positions_and_bidirectional_layers():
         bidir(torch.randn(1, 3, 16), cache=LayerKVCache())
 
 
+def test_a_refused_cached_call_leaves_the_convolution_tail_as_it_was():
+    torch.manual_seed(9)
+    attn = MultiheadDilatedAttention(16, 2, [(4, 1), (8, 2)], kv_conv_size=3).double()
+    with torch.no_grad():
+        attn.kv_conv.weight.normal_()
+    x = torch.randn(1, 9, 16, dtype=F64)
+    cache = LayerKVCache()
+    first = attn(x[:, :5], cache=cache)
+    with pytest.raises(ValueError, match="continue"):
+        attn(x[:, 5:7], torch.tensor([6, 7]), cache=cache)
+    rest = attn(x[:, 5:], cache=cache)
+    torch.testing.assert_close(torch.cat((first, rest), dim=1), attn(x), rtol=1e-10, atol=1e-10)
+
+
 def test_attention_argument_errors():
     with pytest.raises(ValueError, match="num_kv_heads"):
         MultiheadDilatedAttention(16, 4, [(8, 1)], num_kv_heads=3)
