@@ -18,7 +18,13 @@ from longnet.data.passkey import (
     passkey_match,
 )
 from longnet.data.samples import sample_rng
-from longnet.data.sources import DocumentSource, files_source, stdlib_source
+from longnet.data.sources import (
+    DocumentSource,
+    corpus_source,
+    files_source,
+    package_source,
+    stdlib_source,
+)
 from longnet.data.synthetic import MQARDataModule, PasskeyDataModule
 from longnet.data.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE, ByteTokenizer
 
@@ -41,9 +47,11 @@ __all__ = [
     "answer_accuracy",
     "answer_exact_match",
     "build_long_document_splits",
+    "corpus_source",
     "files_source",
     "make_mqar_example",
     "make_passkey_example",
+    "package_source",
     "passkey_examples",
     "passkey_match",
     "sample_rng",

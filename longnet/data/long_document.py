@@ -12,7 +12,7 @@ from longnet.data.cache import default_cache_dir
 from longnet.data.corpus import CorpusSettings, LongDocumentSplits, build_long_document_splits
 from longnet.data.loaders import check_loader_args, make_loader
 from longnet.data.passkey import LabelMode, PasskeyDataset
-from longnet.data.sources import InvalidFiles, files_source, stdlib_source
+from longnet.data.sources import InvalidFiles, select_source
 from longnet.data.tokenizer import ByteTokenizer
 from longnet.validation import UsageError
 
@@ -28,8 +28,13 @@ class LongDocumentDataModule(L.LightningDataModule):
     Args:
         seq_len: tokens per sample.
         batch_size: samples per training batch.
-        data_files: glob(s) of local text/json/parquet files; None uses the running Python's
-            standard-library sources.
+        data_files: glob(s) of local text/json/parquet files; None uses ``corpus``.
+        corpus: the offline corpus when ``data_files`` is None: one entry or a list, read in
+            that order, one document per ``*.py`` file: ``"stdlib"`` (the running Python's
+            standard library) and installed distributions, pinned as ``"sympy==1.14.0"``
+            (``longnet.data.corpus_source``). None (the default) is ``"stdlib"``, unchanged:
+            the same documents, splits and cache entry as ``corpus="stdlib"``. Setting both
+            ``data_files`` and ``corpus`` is an error.
         text_column: column holding the text in json/parquet rows.
         invalid_files: text ``data_files`` that are binary or not UTF-8 are refused
             (``"error"``, naming them) or left out with a warning (``"skip"``).
@@ -49,7 +54,10 @@ class LongDocumentDataModule(L.LightningDataModule):
 
     Raises:
         FileNotFoundError: a ``data_files`` pattern matches nothing (raised here, before work).
-        ValueError: an argument is out of range (the message names it).
+        ValueError: an argument is out of range or a ``corpus`` entry is malformed (the message
+            names it).
+        UsageError: (here) a ``corpus`` distribution that is not installed, not the pinned
+            version, or modified since it was installed (files that differ from its RECORD).
         UsageError: (in ``prepare_data``/``setup``) data that cannot be used: files that are
             not UTF-8 text, no document, a corpus too small to split (see
             ``build_long_document_splits``).
@@ -60,6 +68,7 @@ class LongDocumentDataModule(L.LightningDataModule):
         seq_len: int = 1024,
         batch_size: int = 8,
         data_files: str | list[str] | None = None,
+        corpus: str | list[str] | None = None,
         text_column: str = "text",
         invalid_files: InvalidFiles = "error",
         val_fraction: float = 0.05,
@@ -96,10 +105,7 @@ class LongDocumentDataModule(L.LightningDataModule):
         self.passkey_fraction, self.passkey_label_mode, self.seed = (
             passkey_fraction, passkey_label_mode, seed
         )
-        self.source = (
-            stdlib_source() if data_files is None
-            else files_source(data_files, text_column, invalid_files)
-        )
+        self.source = select_source(data_files, corpus, text_column, invalid_files)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.tokenizer = ByteTokenizer()
         self.splits: LongDocumentSplits | None = None

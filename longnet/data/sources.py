@@ -1,25 +1,37 @@
 """Where long documents come from, and reading them into a ``datasets.Dataset``.
 
-Two kinds of source:
+Three kinds of source:
 
 - ``stdlib_source()``: the ``*.py`` files of the running interpreter's standard library
   (``sysconfig.get_paths()["stdlib"]``), one document per file. Folders named ``test``,
   ``tests`` or ``idle_test`` (CPython's own test suites, which would be two thirds of the bytes
   and are mostly generated-looking fixtures) and third-party ``site-packages``/``dist-packages``
   are skipped, so the corpus is the same on every machine with the same Python version.
+- ``package_source(distribution, version)``: the ``*.py`` files of an installed distribution
+  (e.g. sympy, which torch depends on), located through its ``RECORD`` with
+  ``importlib.metadata`` (never imported), test folders skipped as for the stdlib. Every file
+  must match the sha256 of the ``RECORD``, and a pinned ``version`` must be the installed one,
+  so the same pin gives the same documents on every machine.
 - ``files_source(data_files)``: local files matched by glob patterns. ``.json``/``.jsonl`` rows
   and ``.parquet`` rows are documents (their ``text_column``); any other file is one text
   document, which must be UTF-8 text: a binary file (a NUL byte) or one that is not valid
   UTF-8 is refused, naming every such file, or skipped with a warning and a count when the
   source is made with ``invalid_files="skip"``.
 
+``corpus_source(["stdlib", "sympy==1.14.0"])`` reads the first two kinds together, one source
+after the other; ``select_source`` picks the source from the data options.
 Files are ordered by path, rows by file then row, so reading is deterministic.
 """
 
 from __future__ import annotations
 
+import base64
 import glob
+import hashlib
+import importlib.metadata
 import os
+import re
+import sys
 import sysconfig
 import warnings
 from collections.abc import Iterator, Sequence
@@ -39,6 +51,11 @@ _ROW_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 InvalidFiles = Literal["error", "skip"]
 SHOWN_FILES = 5
 """How many offending files an error or warning names (then a count of the rest)."""
+STDLIB_CORPUS = "stdlib"
+"""The corpus entry naming :func:`stdlib_source` (any other entry names a distribution)."""
+_CORPUS_ENTRY = re.compile(
+    r"(?P<name>[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?)(?:==(?P<version>[A-Za-z0-9][\w.+!-]*))?"
+)
 
 
 @dataclass(frozen=True)
@@ -46,7 +63,8 @@ class DocumentSource:
     """Files to read documents from.
 
     Attributes:
-        name: short label used in cache folder names (``"stdlib"`` or ``"files"``).
+        name: short label used in cache folder names: ``"stdlib"``, ``"files"``,
+            ``"<distribution>-<version>"`` or several of those joined by ``+``.
         files: the files, in reading order.
         format: ``"text"`` (one document per file), ``"json"`` or ``"parquet"`` (one per row).
         text_column: the column holding the text for json/parquet rows.
@@ -80,6 +98,159 @@ def stdlib_source() -> DocumentSource:
             "standard-library sources, so pass data_files= pointing at local documents."
         )
     return DocumentSource(name="stdlib", files=tuple(files), format="text")
+
+
+def package_source(distribution: str, version: str | None = None) -> DocumentSource:
+    """The ``*.py`` files of the installed ``distribution``, named ``"<name>-<version>"``.
+
+    The files are those its ``RECORD`` lists (found with ``importlib.metadata``; the package is
+    not imported), outside the folders :data:`STDLIB_SKIPPED_DIRS` (test suites), ordered by
+    their path inside the distribution, and each one matching its ``RECORD`` hash.
+
+    Raises:
+        UsageError: the distribution is not installed, is not ``version`` (when given), lists
+            no such file (e.g. an editable install), or has files that are missing or differ
+            from its ``RECORD`` (the message names them; reinstalling fixes it).
+    """
+    dist = _installed_distribution(distribution, version)
+    pin = f"{dist.name}=={dist.version}"
+    listed = sorted(
+        (path for path in dist.files or ()
+         if path.suffix == ".py" and STDLIB_SKIPPED_DIRS.isdisjoint(path.parts[:-1])),
+        key=lambda path: path.as_posix(),
+    )
+    if not listed:
+        raise UsageError(
+            f"{dist.name} {dist.version} at {dist.locate_file('')}: its RECORD lists no *.py "
+            "file outside test folders (an editable or source install lists none); install it "
+            f"from a wheel: pip install --force-reinstall {pin}"
+        )
+    files = [Path(path.locate()) for path in listed]
+    problems = {
+        file: why for file, path in zip(files, listed) if (why := _record_problem(path)) is not None
+    }
+    if problems:
+        raise UsageError(
+            f"{dist.name} {dist.version} at {dist.locate_file('')}: {len(problems)} of its "
+            f"{len(files)} *.py files do not match its RECORD:\n{_listing(problems)}\nThe "
+            f"installation was modified; reinstall it: pip install --force-reinstall {pin}"
+        )
+    return DocumentSource(name=f"{dist.name}-{dist.version}", files=tuple(files), format="text")
+
+
+def _installed_distribution(
+    distribution: str, version: str | None
+) -> importlib.metadata.Distribution:
+    """The installed ``distribution``; :class:`UsageError` when it is not installed or, with
+    ``version`` given, is another version."""
+    pin = distribution if version is None else f"{distribution}=={version}"
+    try:
+        dist = importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        raise UsageError(
+            f"the distribution {distribution!r} is not installed in this environment "
+            f"({sys.prefix}); install it (pip install {pin}) or fix the name (a corpus entry is "
+            f"{STDLIB_CORPUS!r} or an installed distribution)."
+        ) from None
+    if version is not None and dist.version != version:
+        raise UsageError(
+            f"{dist.name} {dist.version} is installed, but the corpus asks for {pin}; install "
+            f"that version (pip install {pin}) or ask for {dist.name}=={dist.version} (other "
+            "documents: another corpus and cache entry)."
+        )
+    return dist
+
+
+def _record_problem(path: importlib.metadata.PackagePath) -> str | None:
+    """Why the installed file ``path`` does not match its distribution's ``RECORD``
+    (``"missing"``, ``"no hash in RECORD"`` or ``"sha256 differs from RECORD"``), or None when
+    it matches."""
+    try:
+        data = path.read_binary()
+    except FileNotFoundError:
+        return "missing"
+    if path.hash is None:
+        return "no hash in RECORD"
+    digest = hashlib.new(path.hash.mode, data).digest()
+    if base64.urlsafe_b64encode(digest).rstrip(b"=").decode() != path.hash.value:
+        return f"{path.hash.mode} differs from RECORD"
+    return None
+
+
+def corpus_source(corpus: str | Sequence[str]) -> DocumentSource:
+    """The source of the corpus entries ``corpus`` (one or a list), read in the order given,
+    one document per file: ``"stdlib"`` is :func:`stdlib_source`, ``"<distribution>"`` or
+    ``"<distribution>==<version>"`` is :func:`package_source`. One entry returns its source
+    unchanged; several return one source named after theirs joined by ``+`` (e.g.
+    ``"stdlib+sympy-1.14.0"``).
+
+    Raises:
+        ValueError: no entry, an entry that is not of those forms, or a source listed twice.
+        UsageError: from :func:`package_source`.
+    """
+    entries = [corpus] if isinstance(corpus, str) else list(corpus)
+    if not entries:
+        raise ValueError(
+            f"corpus is empty; give {STDLIB_CORPUS!r} and/or installed distributions such as "
+            "'sympy==1.14.0', or leave it unset for the standard library."
+        )
+    specs = [_corpus_entry(entry) for entry in entries]
+    names = [re.sub(r"[-_.]+", "-", name).lower() for name, _ in specs]
+    if len(set(names)) < len(names):
+        twice = sorted({name for name in names if names.count(name) > 1})
+        raise ValueError(f"corpus lists {', '.join(twice)} more than once; list each once.")
+    sources = [
+        stdlib_source() if name == STDLIB_CORPUS else package_source(name, version)
+        for name, version in specs
+    ]
+    if len(sources) == 1:
+        return sources[0]
+    return DocumentSource(
+        name="+".join(source.name for source in sources),
+        files=tuple(path for source in sources for path in source.files),
+        format="text",
+    )
+
+
+def _corpus_entry(entry: object) -> tuple[str, str | None]:
+    """``(name, version or None)`` of a corpus entry such as ``"sympy==1.14.0"``;
+    ``ValueError`` naming the entry and the accepted forms when it is not one."""
+    match = _CORPUS_ENTRY.fullmatch(entry) if isinstance(entry, str) else None
+    if match is None:
+        raise ValueError(
+            f"corpus entry {entry!r} is not {STDLIB_CORPUS!r}, '<distribution>' or "
+            "'<distribution>==<version>' (an exact pin, e.g. 'sympy==1.14.0'); fix the entry."
+        )
+    if match["name"] == STDLIB_CORPUS and match["version"] is not None:
+        raise ValueError(
+            f"corpus entry {entry!r}: the standard library is the running Python's "
+            f"({sys.version.split()[0]}) and takes no version; write {STDLIB_CORPUS!r}."
+        )
+    return match["name"], match["version"]
+
+
+def select_source(
+    data_files: str | Sequence[str] | None = None,
+    corpus: str | Sequence[str] | None = None,
+    text_column: str = "text",
+    invalid_files: InvalidFiles = "error",
+) -> DocumentSource:
+    """The source the data options select: :func:`files_source` of ``data_files``,
+    :func:`corpus_source` of ``corpus``, or with neither the default :func:`stdlib_source`.
+
+    Raises:
+        ValueError: both ``data_files`` and ``corpus`` are given; and what the chosen
+            function raises.
+    """
+    if data_files is not None and corpus is not None:
+        raise ValueError(
+            "data_files and corpus are both set; set one: data_files reads local files, corpus "
+            f"the offline corpora ({STDLIB_CORPUS!r}, installed distributions such as "
+            "'sympy==1.14.0')."
+        )
+    if data_files is not None:
+        return files_source(data_files, text_column, invalid_files)
+    return stdlib_source() if corpus is None else corpus_source(corpus)
 
 
 def files_source(

@@ -33,10 +33,15 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_out: str) -> No
 
 
 def add_document_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--data-files``, ``--text-column``, ``--split``, ``--val-fraction``,
+    """``--data-files``, ``--corpus``, ``--text-column``, ``--split``, ``--val-fraction``,
     ``--test-fraction``, ``--max-documents``, ``--min-document-bytes``: which held-out
     documents to score (:func:`documents_from_args`)."""
     parser.add_argument("--data-files", nargs="+", help="text/json/parquet globs (default: stdlib)")
+    parser.add_argument(
+        "--corpus", nargs="+", metavar="ENTRY",
+        help="offline corpus instead of --data-files: stdlib and/or installed distributions, "
+        "e.g. --corpus stdlib sympy==1.14.0 (default: stdlib)",
+    )
     parser.add_argument("--text-column", default="text", help="text column of json/parquet rows")
     parser.add_argument("--split", default="test", choices=list(EVAL_SPLITS),
                         help="held-out = validation + test (default: test)")
@@ -53,6 +58,7 @@ def documents_from_args(args: argparse.Namespace) -> list[EvalDocument]:
     """The documents :func:`add_document_arguments` selects."""
     return load_eval_documents(
         args.data_files,
+        corpus=args.corpus,
         split=args.split,
         val_fraction=args.val_fraction,
         test_fraction=args.test_fraction,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from longnet.data.sources import files_source, load_documents, stdlib_source
+from longnet.data.sources import load_documents, select_source
 from longnet.data.splits import SPLITS, check_fractions, document_hash, split_of
 from longnet.data.tokenizer import ByteTokenizer
 from longnet.validation import is_int
@@ -48,6 +48,7 @@ class EvalDocument:
 def load_eval_documents(
     data_files: str | Sequence[str] | None = None,
     *,
+    corpus: str | Sequence[str] | None = None,
     split: str = "test",
     val_fraction: float = 0.05,
     test_fraction: float = 0.05,
@@ -58,8 +59,10 @@ def load_eval_documents(
     """The documents of one split, in source order.
 
     Args:
-        data_files: glob(s) of local text/json/parquet files; None = the standard-library
-            corpus (``longnet.data.stdlib_source``).
+        data_files: glob(s) of local text/json/parquet files; None = ``corpus``.
+        corpus: when ``data_files`` is None, the offline corpus entries, as the data module's
+            ``corpus`` (``longnet.data.corpus_source``, e.g. ``["stdlib", "sympy==1.14.0"]``);
+            None = the standard-library corpus (``longnet.data.stdlib_source``).
         split: ``"train"``, ``"validation"``, ``"test"``, ``"held-out"`` (validation and
             test: every document training never saw) or ``"all"`` (every document).
         val_fraction, test_fraction: the hash-split fractions (as in the data module).
@@ -70,7 +73,10 @@ def load_eval_documents(
             documents longer than the longest evaluated context).
 
     Raises:
-        ValueError: a bad argument, or no document left (the message says which filter).
+        ValueError: a bad argument (both ``data_files`` and ``corpus`` given included), or no
+            document left (the message says which filter).
+        UsageError: a ``corpus`` distribution not installed, not the pinned version or
+            modified (``longnet.data.package_source``).
     """
     if split not in EVAL_SPLITS:
         raise ValueError(f"split must be one of {list(EVAL_SPLITS)}, got {split!r}.")
@@ -78,7 +84,7 @@ def load_eval_documents(
     if max_documents is not None:
         _check_int("max_documents", max_documents, minimum=1)
     _check_int("min_bytes", min_bytes, minimum=0)
-    source = stdlib_source() if data_files is None else files_source(data_files, text_column)
+    source = select_source(data_files, corpus, text_column)
     tokenizer = ByteTokenizer()
     documents: list[EvalDocument] = []
     kept = 0
