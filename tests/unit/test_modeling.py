@@ -311,7 +311,7 @@ def test_corrupt_weights_file_gives_clear_error(tmp_path):
 # ---------------------------------------------------------------------- the zoo
 ZOO = ["longnet-base", "longnet-small", "longnet-tiny", "longnet-tiny-16k",
        "longnet-tiny-16k-dense", "longnet-tiny-dense"]
-TRAINED = ["longnet-tiny", "longnet-tiny-dense"]
+TRAINED = ["longnet-tiny", "longnet-tiny-16k", "longnet-tiny-dense"]
 
 
 def test_zoo_names_resolve_and_unknown_names_list_them(tmp_path):
