@@ -36,7 +36,7 @@ import sysconfig
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Literal
 
 from datasets import Dataset, Features, Value, load_dataset
@@ -84,12 +84,18 @@ class DocumentSource:
         return [(path, stat.st_size, stat.st_mtime_ns) for path, stat in stats]
 
 
+def _is_document(relative: PurePath) -> bool:
+    """Whether the file at ``relative`` (to the root of a source tree: the standard library,
+    an installed distribution) is a document: a ``*.py`` file outside the folders
+    :data:`STDLIB_SKIPPED_DIRS`."""
+    return relative.suffix == ".py" and STDLIB_SKIPPED_DIRS.isdisjoint(relative.parts[:-1])
+
+
 def stdlib_source() -> DocumentSource:
     """The running interpreter's standard-library ``*.py`` files, test folders excluded."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(
-        (path for path in root.rglob("*.py")
-         if STDLIB_SKIPPED_DIRS.isdisjoint(path.relative_to(root).parts[:-1])),
+        (path for path in root.rglob("*.py") if _is_document(path.relative_to(root))),
         key=lambda path: path.relative_to(root).as_posix(),
     )
     if not files:
@@ -115,8 +121,7 @@ def package_source(distribution: str, version: str | None = None) -> DocumentSou
     dist = _installed_distribution(distribution, version)
     pin = f"{dist.name}=={dist.version}"
     listed = sorted(
-        (path for path in dist.files or ()
-         if path.suffix == ".py" and STDLIB_SKIPPED_DIRS.isdisjoint(path.parts[:-1])),
+        (path for path in dist.files or () if _is_document(path)),
         key=lambda path: path.as_posix(),
     )
     if not listed:
