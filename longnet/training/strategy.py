@@ -34,6 +34,7 @@ that makes either equal one device lives in ``CausalLMModule`` and reads only
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Mapping
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -93,6 +94,30 @@ def check_sequence_parallel_module(module: Any) -> SequenceParallelModule:
     return check_module_protocol(
         module, SequenceParallelModule, ("pattern", "pad_token_id"), "SequenceParallelStrategy"
     )
+
+
+def _destroy_default_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def destroy_process_group_at_exit() -> None:
+    """Destroy the default process group (and its subgroups) when the interpreter exits,
+    whatever the backend; calling it again changes nothing.
+
+    Lightning does this for NCCL only. A gloo group left to the interpreter's own teardown is
+    destroyed while Python is being finalized, and the process can then abort after a run
+    that finished ("terminate called without an active exception", exit status -6, seen
+    intermittently on this project's CI machine); torch asks every process to call
+    ``destroy_process_group`` before it exits. See docs/training.md ("A lost rank")."""
+    atexit.unregister(_destroy_default_process_group)
+    atexit.register(_destroy_default_process_group)
+
+
+def keep_process_group_at_exit() -> None:
+    """Undo :func:`destroy_process_group_at_exit`: after a failure, destroying the group at
+    exit could wait for a collective with a lost peer until its timeout."""
+    atexit.unregister(_destroy_default_process_group)
 
 
 class SequenceParallelLayout:
@@ -192,9 +217,11 @@ class SequenceParallelLayout:
 
     def _start_layout(self) -> DeviceMesh:
         """Once the process group is up (every ``fit``/``validate``/``test``): build the mesh,
+        have the group destroyed when the process exits (:func:`destroy_process_group_at_exit`),
         start watching the ranks (more than one), keep Lightning's SIGTERM handler free of
         collectives (:func:`note_sigterm_without_collectives`)."""
         mesh = self._build_mesh()
+        destroy_process_group_at_exit()
         if self._watch is None and self.world_size > 1:
             self._watch = RankWatch.start()
             # Every rank has written its record now: read them all while the store is sure
@@ -210,8 +237,10 @@ class SequenceParallelLayout:
         """Tell the other ranks this one fails; when ranks stopped (lost, or after an error of
         their own), rewrite ``exception``'s message to name them and say how to resume
         (Lightning then re-raises it). Waits ``SILENCE_SECONDS`` (3 s) to tell a lost rank
-        from a live one."""
+        from a live one. The process group is then left to the interpreter at exit
+        (:func:`keep_process_group_at_exit`): destroying it could wait on a lost peer."""
         super().on_exception(exception)
+        keep_process_group_at_exit()
         if self._watch is None:
             return
         self._watch.mark_failed(exception)

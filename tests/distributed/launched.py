@@ -11,12 +11,15 @@ starts the process group (gloo on loopback).
 (``{"rank": R, "step": S, "signum": N}``: rank ``R`` sends itself signal ``N``, SIGKILL by
 default, in the middle of optimizer step ``S``, after its forward, before its backward, and
 writes the time it did to ``out/signalled``) and ``out`` (a folder: each rank pickles
-its result there as ``rank<R>.pkl``). The tiny model of ``strategy_cases`` trains in float64,
-as in ``sharded_cases``, so the result is comparable with ``sharded_cases.single_device_run``.
+its result there as ``rank<R>.pkl``, and at exit ``rank<R>.exit``: whether the process
+group was destroyed before the interpreter's teardown). The tiny model of ``strategy_cases``
+trains in float64, as in ``sharded_cases``, so the result is comparable with
+``sharded_cases.single_device_run``.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import pickle
@@ -97,13 +100,29 @@ def fit(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def record_process_group_at_exit(folder: Path, finished: dict[str, int]) -> None:
+    """At exit, after the strategy's exit hook (registered later, so run earlier), write
+    ``rank<R>.exit``: whether the default process group was still up (``initialized``) or had
+    been destroyed (``destroyed``); only for a rank whose fit finished (``finished["rank"]``)."""
+
+    def record() -> None:
+        if "rank" in finished:
+            state = "initialized" if torch.distributed.is_initialized() else "destroyed"
+            (folder / f"rank{finished['rank']}.exit").write_text(state)
+
+    atexit.register(record)
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
-    out = fit(spec)
     folder = Path(spec["out"])
+    finished: dict[str, int] = {}
+    record_process_group_at_exit(folder, finished)
+    out = fit(spec)
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / f"rank{out['global_rank']}.pkl", "wb") as handle:
         pickle.dump(out, handle)
+    finished["rank"] = out["global_rank"]
 
 
 if __name__ == "__main__":
