@@ -90,12 +90,13 @@ ZOO: dict[str, ZooEntry] = {
         "place of xPos, a pattern that reaches across 16,384 bytes with dilation rate 2 in "
         "every dilated branch (two heads serve each query position; with rate 4 far retrieval "
         "was not learned), and a causal convolution of width 4 over keys and values "
-        "(docs/architecture.md). These weights are the first two stages of its recipe, from "
-        "longnet-tiny's weights on 2,048- then 4,096-byte windows of long documents "
-        "(configs/longnet_tiny_16k.yaml, configs/longnet_tiny_16k_4k.yaml); the stage on "
-        "16,384-byte windows through the ring (configs/longnet_tiny_16k_ring.yaml) is not in "
-        "them yet. It retrieves passkeys beyond the window it was trained on, but only about "
-        "half of the far ones (below).",
+        "(docs/architecture.md). Trained from longnet-tiny's weights on 2,048- then "
+        "4,096-byte windows of long documents in one process, then on 16,384-byte windows "
+        "through the ring, two processes as one sequence-parallel group "
+        "(configs/longnet_tiny_16k.yaml, configs/longnet_tiny_16k_4k.yaml, "
+        "configs/longnet_tiny_16k_ring.yaml). Its 16K window costs nothing over 1K of context "
+        "but gains nothing either, and it retrieves passkeys up to 16K bytes back at only one "
+        "of the two alignments (below).",
         trained=True,
     ),
     "longnet-tiny-16k-dense": ZooEntry(
