@@ -8,7 +8,10 @@ key at that depth (longnet.data.passkey_examples, seeded by ``--seed``); the mod
 generates ``num_digits + 1`` bytes and an example is correct when they start with the key and
 no further digit follows (longnet.data.passkey_match). Writes ``passkey.csv`` (one row per
 model, length and depth), ``passkey_generations.csv`` (every example), ``passkey.png`` (a
-depth-by-length heatmap per model, cells annotated with accuracy) and ``run.json``.
+depth-by-length heatmap per model, cells annotated with accuracy) and ``run.json``; for every
+dilated model, ``passkey_alignment.csv``: accuracy per length and needle alignment (the needle's
+distance from the end of the prompt modulo the model's largest dilation rate), over the needles
+beyond its first segment (longnet.eval.accuracy_by_alignment).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import sys
 import numpy as np
 
 from longnet.eval import (
+    accuracy_by_alignment,
     check_context_length,
     check_passkey_grid,
     evaluate_passkey,
@@ -70,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     for item in models:  # refuse impossible lengths before any work
         for length in lengths:
             check_context_length(length, item.model)
-    rows, example_rows, grids = [], [], {}
+    rows, example_rows, alignment_rows, grids = [], [], [], {}
     for item in models:
         cells = evaluate_passkey(
             item.model, lengths, depths, num_examples=args.num_examples, seed=args.seed,
@@ -93,6 +97,12 @@ def main(argv: list[str] | None = None) -> int:
                 for index, o in enumerate(cell.outcomes)
             ]
         grids[item.label] = (lengths, depths, accuracy)
+        rate = max(item.model.config.dilation_rates)
+        if rate > 1:
+            alignment_rows += [
+                {"model": item.label, "rate": rate, **row} for row in accuracy_by_alignment(
+                    cells, rate, beyond=item.model.config.segment_lengths[0])
+            ]
     out = args.out
     write_csv(rows, out / "passkey.csv")
     write_csv(example_rows, out / "passkey_generations.csv")
@@ -105,7 +115,11 @@ def main(argv: list[str] | None = None) -> int:
         **{k: v for k, v in vars(args).items() if k not in ("models", "lengths")},
     })
     print(format_table(rows))
-    print(f"wrote {out / 'passkey.csv'}, {out / 'passkey_generations.csv'}, {out / 'passkey.png'}")
+    written = [out / "passkey.csv", out / "passkey_generations.csv", out / "passkey.png"]
+    if alignment_rows:
+        written.append(write_csv(alignment_rows, out / "passkey_alignment.csv"))
+        print(format_table(alignment_rows))
+    print("wrote " + ", ".join(str(path) for path in written))
     return 0
 
 

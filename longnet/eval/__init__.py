@@ -15,6 +15,7 @@ from longnet.eval.loading import LoadedModel, load_model, load_models
 from longnet.eval.passkey import (
     PasskeyCell,
     PasskeyOutcome,
+    accuracy_by_alignment,
     answer_examples,
     check_passkey_grid,
     evaluate_passkey,
@@ -56,6 +57,7 @@ __all__ = [
     "PositionBucket",
     "SlidingWindowResult",
     "Window",
+    "accuracy_by_alignment",
     "answer_examples",
     "bits_by_position",
     "bits_from_position",

@@ -156,3 +156,35 @@ def evaluate_passkey(
         )
         cells.append(PasskeyCell(length=length, depth=depth, outcomes=outcomes))
     return cells
+
+
+def accuracy_by_alignment(
+    cells: Sequence[PasskeyCell], rate: int, beyond: int = 0
+) -> list[dict[str, int | float]]:
+    """Accuracy per context length and needle alignment, ``needle_distance % rate``.
+
+    In a branch of dilation rate ``r`` a query sees only the keys at its own offset modulo ``r``
+    (docs/architecture.md), so a dilated model can retrieve a far needle at some alignments and
+    miss it at all others; a grid's accuracy then looks merely low. Only needles more than
+    ``beyond`` bytes from the end of the prompt count (pass the model's first segment length
+    when that branch has rate 1 and sees every alignment).
+
+    Returns:
+        rows ``{"context_length", "alignment", "examples", "correct", "accuracy"}``, lengths in
+        the cells' order, alignments ascending; a pair with no such needle has no row.
+    """
+    check_positive_int("rate", rate)
+    counts: dict[tuple[int, int], list[int]] = {}
+    for cell in cells:
+        for outcome in cell.outcomes:
+            if outcome.needle_distance > beyond:
+                tally = counts.setdefault((cell.length, outcome.needle_distance % rate), [0, 0])
+                tally[0] += 1
+                tally[1] += outcome.correct
+    lengths = list(dict.fromkeys(cell.length for cell in cells))
+    return [
+        {"context_length": length, "alignment": alignment, "examples": examples,
+         "correct": correct, "accuracy": correct / examples}
+        for (length, alignment), (examples, correct) in sorted(
+            counts.items(), key=lambda item: (lengths.index(item[0][0]), item[0][1]))
+    ]
