@@ -103,8 +103,12 @@ ZOO: dict[str, ZooEntry] = {
         _TINY_16K.replace(segment_lengths=(16384,), dilation_rates=(1,)),
         "The dense-attention twin of longnet-tiny-16k: the same shape with one full-window "
         "branch (segment 16,384, rate 1: dense causal attention up to 16K bytes) in place of "
-        "the dilated pattern, for the equal-compute comparison; its training starts from "
-        "longnet-tiny-dense's weights; no weights published yet.",
+        "the dilated pattern, for the equal-compute comparison: trained from "
+        "longnet-tiny-dense's weights on the same data and stages as longnet-tiny-16k "
+        "(configs/longnet_tiny_16k_dense.yaml, then the dilated model's stage-1b and ring "
+        "configs in one process), each stage given the wall-clock the dilated stage needs "
+        "on the same machine.",
+        trained=True,
     ),
     "longnet-small": ZooEntry(
         LongNetConfig(

@@ -311,7 +311,7 @@ def test_corrupt_weights_file_gives_clear_error(tmp_path):
 # ---------------------------------------------------------------------- the zoo
 ZOO = ["longnet-base", "longnet-small", "longnet-tiny", "longnet-tiny-16k",
        "longnet-tiny-16k-dense", "longnet-tiny-dense"]
-TRAINED = ["longnet-tiny", "longnet-tiny-16k", "longnet-tiny-dense"]
+TRAINED = ["longnet-tiny", "longnet-tiny-16k", "longnet-tiny-16k-dense", "longnet-tiny-dense"]
 
 
 def test_zoo_names_resolve_and_unknown_names_list_them(tmp_path):
@@ -368,17 +368,21 @@ def test_zoo_folders_match_their_definitions(tmp_path):
             assert (tmp_path / name / file).read_text() == (models_dir() / name / file).read_text()
 
 
-def test_long_context_recipe_starts_from_longnet_tiny_in_the_16k_shape():
-    """The recipe loads longnet-tiny's weights with config overrides (stage 1), then stage 1's
-    export with more (stage 1b): together they must give zoo entry longnet-tiny-16k's shape,
-    or the recipe trains another model."""
+@pytest.mark.parametrize(("stage1", "start", "entry"), [
+    ("longnet_tiny_16k.yaml", "longnet-tiny", "longnet-tiny-16k"),
+    ("longnet_tiny_16k_dense.yaml", "longnet-tiny-dense", "longnet-tiny-16k-dense"),
+])
+def test_long_context_recipe_starts_from_a_trained_model_in_the_16k_shape(stage1, start, entry):
+    """The recipe loads a trained model's weights with config overrides (stage 1), then stage
+    1's export with more (stage 1b): together they must give the zoo entry's shape, or the
+    recipe trains another model. The dense twin runs stage 1b's config from its own stage 1."""
     stages = [yaml.safe_load((REPO / "configs" / name).read_text())["model"]["init_args"]
-              for name in ("longnet_tiny_16k.yaml", "longnet_tiny_16k_4k.yaml")]
-    assert stages[0]["pretrained"] == "longnet-tiny"
+              for name in (stage1, "longnet_tiny_16k_4k.yaml")]
+    assert stages[0]["pretrained"] == start
     assert stages[1]["pretrained"] == "runs/longnet-tiny-16k-stage1/model"
     overrides = stages[0]["overrides"] | stages[1]["overrides"]
-    model = LongNetLM.from_pretrained("longnet-tiny", **overrides)
-    assert model.config == ZOO_DEFINITIONS["longnet-tiny-16k"].config
+    model = LongNetLM.from_pretrained(start, **overrides)
+    assert model.config == ZOO_DEFINITIONS[entry].config
 
 
 @pytest.mark.parametrize("name", TRAINED)
