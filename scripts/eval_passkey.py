@@ -11,7 +11,7 @@ model, length and depth), ``passkey_generations.csv`` (every example), ``passkey
 depth-by-length heatmap per model, cells annotated with accuracy) and ``run.json``; for every
 dilated model, ``passkey_alignment.csv``: accuracy per length and needle alignment (the needle's
 distance from the end of the prompt modulo the model's largest dilation rate), over the needles
-beyond its first segment (longnet.eval.accuracy_by_alignment).
+beyond its rate-1 segment (longnet.eval.accuracy_by_alignment).
 """
 
 from __future__ import annotations
@@ -97,11 +97,14 @@ def main(argv: list[str] | None = None) -> int:
                 for index, o in enumerate(cell.outcomes)
             ]
         grids[item.label] = (lengths, depths, accuracy)
-        rate = max(item.model.config.dilation_rates)
-        if rate > 1:
+        config = item.model.config
+        rate = max(config.dilation_rates)
+        if rate > 1:  # needles within a rate-1 segment are seen at every alignment
+            dense_reach = max((w for w, r in zip(config.segment_lengths, config.dilation_rates)
+                               if r == 1), default=0)
             alignment_rows += [
-                {"model": item.label, "rate": rate, **row} for row in accuracy_by_alignment(
-                    cells, rate, beyond=item.model.config.segment_lengths[0])
+                {"model": item.label, "rate": rate, **row}
+                for row in accuracy_by_alignment(cells, rate, beyond=dense_reach)
             ]
     out = args.out
     write_csv(rows, out / "passkey.csv")

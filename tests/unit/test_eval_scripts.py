@@ -152,3 +152,14 @@ def test_eval_passkey_end_to_end(tmp_path: Path, tiny_model: Path):
     ]
     assert is_png(out / "passkey.png")
     assert json.loads((out / "run.json").read_text())["lengths"] == [240, 300]
+    # the tiny model has rates (1, 2, 4) and a rate-1 segment of 8: its far needles by alignment
+    alignment = {(r["context_length"], r["alignment"]): (r["examples"], r["correct"])
+                 for r in read_csv(out / "passkey_alignment.csv") if r["rate"] == "4"}
+    expected: dict[tuple[str, str], list[int]] = {}
+    for g in generations:
+        if int(g["needle_distance"]) > 8:
+            tally = expected.setdefault(
+                (g["context_length"], str(int(g["needle_distance"]) % 4)), [0, 0])
+            tally[0] += 1
+            tally[1] += g["correct"] == "True"
+    assert alignment == {key: (str(n), str(c)) for key, (n, c) in expected.items()}
