@@ -97,11 +97,10 @@ def main(argv: list[str] | None = None) -> int:
                 for index, o in enumerate(cell.outcomes)
             ]
         grids[item.label] = (lengths, depths, accuracy)
-        config = item.model.config
-        rate = max(config.dilation_rates)
+        branches = item.model.config.pattern.branches  # dense (n, 1) when no pattern is set
+        rate = max(r for _, r in branches)
         if rate > 1:  # needles within a rate-1 segment are seen at every alignment
-            dense_reach = max((w for w, r in zip(config.segment_lengths, config.dilation_rates)
-                               if r == 1), default=0)
+            dense_reach = max((w for w, r in branches if r == 1), default=0)
             alignment_rows += [
                 {"model": item.label, "rate": rate, **row}
                 for row in accuracy_by_alignment(cells, rate, beyond=dense_reach)

@@ -166,8 +166,8 @@ def accuracy_by_alignment(
     In a branch of dilation rate ``r`` a query sees only the keys at its own offset modulo ``r``
     (docs/architecture.md), so a dilated model can retrieve a far needle at some alignments and
     miss it at all others; a grid's accuracy then looks merely low. Only needles more than
-    ``beyond`` bytes from the end of the prompt count (pass the model's first segment length
-    when that branch has rate 1 and sees every alignment).
+    ``beyond`` bytes from the end of the prompt count (pass the longest segment of the model's
+    rate-1 branches, which see every alignment).
 
     Returns:
         rows ``{"context_length", "alignment", "examples", "correct", "accuracy"}``, lengths in

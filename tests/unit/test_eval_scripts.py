@@ -163,3 +163,19 @@ def test_eval_passkey_end_to_end(tmp_path: Path, tiny_model: Path):
             tally[0] += 1
             tally[1] += g["correct"] == "True"
     assert alignment == {key: (str(n), str(c)) for key, (n, c) in expected.items()}
+
+
+def test_eval_passkey_of_a_model_without_a_pattern_writes_no_alignment_table(tmp_path: Path):
+    """A config with no dilated pattern (``segment_lengths=None``: dense attention, as an
+    imported model) is evaluated like any other; there is no alignment to split by."""
+    torch.manual_seed(0)
+    dense = LongNetLM(LongNetConfig(hidden_size=32, num_layers=1, num_heads=2, max_positions=256))
+    assert dense.config.segment_lengths is None
+    folder = dense.save_pretrained(tmp_path / "dense")
+    out = tmp_path / "out"
+    code = script("eval_passkey").main([
+        "--models", str(folder), "--lengths", "240", "--depths", "0", "--num-examples", "1",
+        "--out", str(out), "--no-progress",
+    ])
+    assert code == 0
+    assert (out / "passkey.csv").exists() and not (out / "passkey_alignment.csv").exists()
