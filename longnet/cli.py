@@ -31,6 +31,7 @@ resolved config.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import sys
 import traceback
@@ -331,13 +332,25 @@ def main(args: Sequence[str] | None = None) -> int:
         sys.argv[1:] = argv  # LightningCLI reads sys.argv itself (and warns if given args too)
     quiet_lightning()
     try:
-        run_cli(None if args is None else argv)
+        run_in_own_context(None if args is None else argv)
     except EXPECTED_ERRORS as err:
         if verbose:
             traceback.print_exc()
         print(error_message(err), file=sys.stderr)
         return USAGE_EXIT
     return 0
+
+
+def run_in_own_context(args: Sequence[str] | None) -> None:
+    """Run the CLI in a copy of the context, dropped on return.
+
+    jsonargparse leaves its last subcommand parser in a context variable, and the parser
+    reaches the CLI, its trainer, strategy and process groups. Left there, a distributed run's
+    process groups would outlive the exit hook that destroys them
+    (:func:`~longnet.training.strategy.destroy_process_group_at_exit`) and be freed only while
+    the interpreter shuts down, where gloo can abort a process whose run finished
+    ("terminate called without an active exception"; docs/training.md, "A lost rank")."""
+    contextvars.copy_context().run(run_cli, args)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ that makes either equal one device lives in ``CausalLMModule`` and reads only
 from __future__ import annotations
 
 import atexit
+import gc
+import weakref
 from collections.abc import Mapping
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -96,9 +98,18 @@ def check_sequence_parallel_module(module: Any) -> SequenceParallelModule:
     )
 
 
+_MESHES: weakref.WeakSet[DeviceMesh] = weakref.WeakSet()
+"""The device meshes the strategies built (:meth:`SequenceParallelLayout._build_mesh`)."""
+
+
 def _destroy_default_process_group() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    # A mesh keeps its process groups, and DTensor's caches keep the mesh of a sharded run
+    # for the life of the process: let the destroyed groups go, then free the run's cycles.
+    for mesh in list(_MESHES):
+        getattr(mesh, "_pg_registry", {}).clear()
+    gc.collect()
 
 
 def destroy_process_group_at_exit() -> None:
@@ -109,7 +120,12 @@ def destroy_process_group_at_exit() -> None:
     destroyed while Python is being finalized, and the process can then abort after a run
     that finished ("terminate called without an active exception", exit status -6, seen
     intermittently on this project's CI machine); torch asks every process to call
-    ``destroy_process_group`` before it exits. See docs/training.md ("A lost rank")."""
+    ``destroy_process_group`` before it exits. The groups' objects are freed only with their
+    last holder, so the hook then empties the group registries of the meshes the strategies
+    built (DTensor's caches keep a sharded run's mesh alive) and collects the reference
+    cycles of a run that is no longer reachable (DDP's reducer holds its group); a trainer
+    still held by a module global keeps DDP's group to the shutdown. See docs/training.md
+    ("A lost rank")."""
     atexit.unregister(_destroy_default_process_group)
     atexit.register(_destroy_default_process_group)
 
@@ -213,6 +229,7 @@ class SequenceParallelLayout:
                 (self.data_parallel_size, self.sequence_parallel_size),
                 mesh_dim_names=MESH_DIMS,
             )
+            _MESHES.add(self._device_mesh)
         return self._device_mesh
 
     def _start_layout(self) -> DeviceMesh:

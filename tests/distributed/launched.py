@@ -12,9 +12,9 @@ starts the process group (gloo on loopback).
 default, in the middle of optimizer step ``S``, after its forward, before its backward, and
 writes the time it did to ``out/signalled``) and ``out`` (a folder: each rank pickles
 its result there as ``rank<R>.pkl``, and at exit ``rank<R>.exit``: whether the process
-group was destroyed before the interpreter's teardown). The tiny model of ``strategy_cases``
-trains in float64, as in ``sharded_cases``, so the result is comparable with
-``sharded_cases.single_device_run``.
+group was destroyed, and its group objects freed, before the interpreter's teardown). The tiny
+model of ``strategy_cases`` trains in float64, as in ``sharded_cases``, so the result is
+comparable with ``sharded_cases.single_device_run``.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import pickle
 import signal
 import sys
 import time
+import weakref
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,9 @@ class SignalMidStep(L.Callback):
             os.kill(os.getpid(), self.signum)
 
 
-def fit(spec: dict[str, Any]) -> dict[str, Any]:
+def fit(spec: dict[str, Any], groups: list[weakref.ref]) -> dict[str, Any]:
+    """Run the fit of ``spec``; its result, and weak references to its process groups (the
+    default one and the mesh's) appended to ``groups``."""
     torch.set_num_threads(1)
     torch.set_default_dtype(torch.float64)
     sp = spec["sequence_parallel_size"]
@@ -90,6 +93,9 @@ def fit(spec: dict[str, Any]) -> dict[str, Any]:
     trainer.fit(module, datamodule=TinyData(GLOBAL_BATCH // (world // sp)), ckpt_path=spec.get(
         "ckpt_path"))
     out = result(trainer, module, losses)
+    mesh = strategy.device_mesh
+    groups.extend(weakref.ref(group) for group in
+                  [torch.distributed.group.WORLD, *(mesh.get_group(d) for d in range(mesh.ndim))])
     out.update(
         global_rank=trainer.global_rank,
         node_rank=trainer.node_rank,
@@ -100,14 +106,21 @@ def fit(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def record_process_group_at_exit(folder: Path, finished: dict[str, int]) -> None:
+def record_process_group_at_exit(
+    folder: Path, finished: dict[str, int], groups: list[weakref.ref]
+) -> None:
     """At exit, after the strategy's exit hook (registered later, so run earlier), write
     ``rank<R>.exit``: whether the default process group was still up (``initialized``) or had
-    been destroyed (``destroyed``); only for a rank whose fit finished (``finished["rank"]``)."""
+    been destroyed (``destroyed``), and ``, N groups alive`` when process group objects of the
+    run (``groups``) were not freed (they would be in the interpreter's teardown); only for a
+    rank whose fit finished (``finished["rank"]``)."""
 
     def record() -> None:
         if "rank" in finished:
             state = "initialized" if torch.distributed.is_initialized() else "destroyed"
+            alive = sum(group() is not None for group in groups)
+            if alive:
+                state += f", {alive} groups alive"
             (folder / f"rank{finished['rank']}.exit").write_text(state)
 
     atexit.register(record)
@@ -117,8 +130,9 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     folder = Path(spec["out"])
     finished: dict[str, int] = {}
-    record_process_group_at_exit(folder, finished)
-    out = fit(spec)
+    groups: list[weakref.ref] = []
+    record_process_group_at_exit(folder, finished, groups)
+    out = fit(spec, groups)
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / f"rank{out['global_rank']}.pkl", "wb") as handle:
         pickle.dump(out, handle)

@@ -163,8 +163,9 @@ def test_a_lost_rank_is_named_and_the_same_command_resumes(
     runs = results(tmp_path / "resumed", 2)
     for run in runs:
         assert sorted(run["losses"]) == [3]
-    # a finished run destroys its gloo group before the interpreter's teardown, which could
-    # otherwise abort the process after the run (SIGABRT, seen intermittently here)
+    # a finished run destroys its gloo groups, and frees their objects, before the
+    # interpreter's teardown, which could otherwise abort the process after the run (SIGABRT,
+    # seen intermittently here)
     for rank in range(2):
         assert (tmp_path / "resumed" / f"rank{rank}.exit").read_text() == "destroyed"
     assert_reference_parameters(runs, reference, f"{strategy}, resumed after rank {victim}")

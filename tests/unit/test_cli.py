@@ -5,12 +5,14 @@ expected failure (exit status 2, the value named, no traceback) and two fits int
 from __future__ import annotations
 
 import csv
+import gc
 import json
 import os
 import re
 import subprocess
 import sys
 import time
+import weakref
 import zipfile
 from pathlib import Path
 
@@ -19,7 +21,8 @@ import pytest
 import torch
 import yaml
 
-from longnet.cli import main
+import longnet.cli
+from longnet.cli import main, run_cli
 from longnet.modeling import LongNetConfig, LongNetLM
 
 REPO = Path(__file__).resolve().parents[2]
@@ -236,6 +239,24 @@ def test_no_optimizer_step_exports_nothing(tmp_path, data_cache, capsys):
     run = tmp_path / "smoke"
     assert not (run / "model").exists() and not (run / "metrics.json").exists()
 
+
+
+def test_nothing_of_a_run_outlives_main(tmp_path, data_cache, monkeypatch):
+    """The trainer (and with it the strategy and its process groups) is freed when ``main``
+    returns: jsonargparse keeps its last parser in a context variable, and a distributed run's
+    groups held from there would be destroyed only while the interpreter shuts down."""
+    trainers = []
+
+    def run_and_record(args):
+        cli = run_cli(args)
+        trainers.append(weakref.ref(cli.trainer))
+        return cli
+
+    monkeypatch.setattr(longnet.cli, "run_cli", run_and_record)
+    with pytest.warns(UserWarning, match="no optimizer step"):
+        assert main(smoke_args("fit", tmp_path, data_cache, "--trainer.max_steps=0")) == 0
+    gc.collect()
+    assert len(trainers) == 1 and trainers[0]() is None
 
 class WaitForFile(L.Callback):
     """Hold a run before its first step until ``path`` exists (at most two minutes)."""
