@@ -35,6 +35,7 @@ from longnet.bench.training import (
 )
 from longnet.eval.reporting import parse_length
 from longnet.modeling import LongNetConfig
+from longnet.training.denormals import denormals_kept, flushing_denormals
 
 SECTION = "## Training step"
 PREFIX = "bench_training"
@@ -152,4 +153,5 @@ def _plot(timings, args: argparse.Namespace, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with flushing_denormals(not denormals_kept()):  # as `longnet fit` (before any torch work)
+        sys.exit(main())
