@@ -24,7 +24,7 @@ A :class:`~lightning.pytorch.cli.LightningCLI` over :class:`longnet.training.Cau
   prints it); unexpected errors keep their traceback;
 - progress in optimizer steps (``longnet.training.progress``): a tqdm bar on a terminal, plain
   lines when stdout is a file or pipe; Lightning's advertisement tips are not shown;
-- subnormal floats flushed to zero on the CPU (``longnet.training.denormals``: a float32 step
+- subnormal floats flushed to zero on the CPU (``longnet.denormals``: a float32 step
   of a trained model ran 2.6x faster; ``LONGNET_KEEP_DENORMALS=1`` keeps them).
 
 ``longnet --help`` and ``longnet fit --help`` list everything; ``--print_config`` prints the
@@ -49,10 +49,10 @@ from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from longnet.denormals import denormals_kept, flushing_denormals
 from longnet.training import CausalLMModule
 from longnet.training.callbacks import run_dir
 from longnet.training.checkpoint import is_sharded_checkpoint, last_checkpoint, read_checkpoint
-from longnet.training.denormals import denormals_kept, flushing_denormals
 from longnet.training.progress import progress_bar
 from longnet.training.runs import (
     RunId,
@@ -334,7 +334,7 @@ def main(args: Sequence[str] | None = None) -> int:
     if args is None:
         sys.argv[1:] = argv  # LightningCLI reads sys.argv itself (and warns if given args too)
     quiet_lightning()
-    # first thing, before any parallel torch operation (longnet.training.denormals)
+    # first thing, before any parallel torch operation (longnet.denormals)
     with flushing_denormals(not denormals_kept()):
         try:
             run_in_own_context(None if args is None else argv)

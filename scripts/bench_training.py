@@ -33,9 +33,9 @@ from longnet.bench.training import (
     time_length,
     twin_config,
 )
+from longnet.denormals import denormals_kept, flushing_denormals
 from longnet.eval.reporting import parse_length
 from longnet.modeling import LongNetConfig
-from longnet.training.denormals import denormals_kept, flushing_denormals
 
 SECTION = "## Training step"
 PREFIX = "bench_training"

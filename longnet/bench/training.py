@@ -3,7 +3,7 @@
 A step is what ``longnet fit`` runs per batch: forward, loss, backward and an AdamW update, on
 random bytes of ``(batch, length)`` (the weights are freshly initialised; the script flushes
 subnormal floats as the command does, without which a trained model's sharp attention makes
-the CPU attention backward slower: ``longnet.training.denormals``). Each model is timed
+the CPU attention backward slower: ``longnet.denormals``). Each model is timed
 twice at every length: with its own dilated pattern, and as its *dense twin*, the same model
 with one branch ``(length, 1)`` (dense causal attention).
 Timings of one length interleave the two systems (dilated, dense, dense, dilated, ...) and

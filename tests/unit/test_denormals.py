@@ -1,4 +1,4 @@
-"""``longnet.training.denormals``: subnormal floats flushed to zero inside the block and kept
+"""``longnet.denormals``: subnormal floats flushed to zero inside the block and kept
 after it, the opt-out through the environment, and the ``longnet`` command flushing while it
 runs."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import longnet.cli
-from longnet.training.denormals import KEEP_DENORMALS_ENV, denormals_kept, flushing_denormals
+from longnet.denormals import KEEP_DENORMALS_ENV, denormals_kept, flushing_denormals
 
 SUBNORMAL = 1e-39  # below float32's smallest normal number, 1.18e-38
 
