@@ -25,7 +25,7 @@ A :class:`~lightning.pytorch.cli.LightningCLI` over :class:`longnet.training.Cau
 - progress in optimizer steps (``longnet.training.progress``): a tqdm bar on a terminal, plain
   lines when stdout is a file or pipe; Lightning's advertisement tips are not shown;
 - subnormal floats flushed to zero on the CPU (``longnet.denormals``: a float32 step
-  of a trained model ran 2.6x faster; ``LONGNET_KEEP_DENORMALS=1`` keeps them).
+  of a trained model ran 2.5x faster; ``LONGNET_KEEP_DENORMALS=1`` keeps them).
 
 ``longnet --help`` and ``longnet fit --help`` list everything; ``--print_config`` prints the
 resolved config.

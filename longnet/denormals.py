@@ -4,7 +4,7 @@ A trained model's attention is sharp: in the backward of the CPU flash-attention
 ``exp(score - logsumexp)`` falls below float32's smallest normal number (about 1.2e-38) for
 most of a long row, and x86 cores compute with such subnormal numbers many times slower. On
 this project's 2-core CPU, one float32 training step of ``longnet-tiny-16k`` at 16K tokens
-took 18.3 s with subnormals and 7.0 s with them flushed to zero; the kernel alone, on logits
+took 18.5 s with subnormals and 7.3 s with them flushed to zero; the kernel alone, on logits
 with a standard deviation of 36, 12x (docs/training.md, "Subnormal floats"). Flushing changes
 only values below 1.2e-38 (float32) or 2.2e-308 (float64), which a loss or a gradient never
 needs.
