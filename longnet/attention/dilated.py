@@ -1,9 +1,11 @@
 """Exact LongNet dilated attention on one device or across ranks (docs/architecture.md §2-4).
 
-Forward: every branch's selected rows are gathered into dense blocks, a block kernel returns
-``(out, lse)`` and each block is merged into a running result by log-sum-exp: one softmax over
-the multiset union of all branches' keys. Branches whose segments span ranks run in pieces
-of a few heads, exchanging the selected K/V rows by ring (or all-gather) (``ring``).
+Forward: the call's :class:`~longnet.attention.plan.AttentionPlan` is built once; every
+branch's selected rows are gathered into dense blocks, one kernel call per chunk returns
+``(out, lse)``, and each block is merged into a running result by log-sum-exp: one softmax
+over the multiset union of all branches' keys (``local``). Branches whose segments span ranks
+run in pieces of a few heads, exchanging the selected K/V rows by ring or all-gather
+(``ring``).
 
 Backward: each block's kernel backward runs with the GLOBAL merged ``out`` and ``lse`` (the
 flash-attention identity), which is exactly that block's share of the gradient of the mixture.
@@ -20,57 +22,41 @@ import torch.distributed as dist
 from einops import rearrange
 from torch import Tensor
 
-from longnet.attention.blocks import attend_local, attend_local_backward
-from longnet.attention.layout import BlockGroup, branch_groups
+from longnet.attention.kernels import kernel_names
+from longnet.attention.local import attend_local, attend_local_backward
 from longnet.attention.pattern import DilatedPattern
-from longnet.attention.ring import (
-    SpanningPiece,
-    check_same_call_everywhere,
-    plan_sequence_parallel,
-    transports_per_branch,
-)
-
-
-def block_groups(pattern: DilatedPattern, seq_len: int, num_heads: int) -> list[list[BlockGroup]]:
-    """The block groups of each branch of ``pattern`` over ``seq_len`` tokens."""
-    return [branch_groups(seq_len, num_heads, w, r) for w, r in pattern.branches]
+from longnet.attention.plan import AttentionPlan, default_block_elements, plan_attention
+from longnet.attention.ring import agree_on_call
+from longnet.attention.transport import transports_per_branch
+from longnet.validation import is_int
 
 
 class _DilatedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx,
-        q,
-        k,
-        v,
-        local: list[list[BlockGroup]],
-        pieces: list[SpanningPiece],
-        causal,
-        scale,
-        group,
-    ):
-        out, lse = attend_local(q, k, v, local, causal, scale)
-        for piece in pieces:
-            piece.forward_(out, lse, q, k, v, causal, scale, group)
+    def forward(ctx, q, k, v, plan: AttentionPlan):
+        out, lse = attend_local(q, k, v, plan)
+        for piece in plan.pieces:
+            piece.forward_(out, lse, q, k, v, plan)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan = (local, pieces, causal, scale, group)
+        ctx.plan = plan
         ctx.set_materialize_grads(False)
         return out, rearrange(lse, "b n h 1 -> b h n").contiguous()
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        local, pieces, causal, scale, group = ctx.plan
+        saved = ctx.saved_tensors
+        q, _, _, out, lse = saved
+        plan = ctx.plan
         if d_out is None:
             d_out = torch.zeros_like(out)
         if d_lse is not None:
             d_lse = rearrange(d_lse, "b h n -> b n h 1").to(lse.dtype)
-        grads = attend_local_backward(d_out, q, k, v, out, lse, d_lse, local, causal, scale)
-        for piece in pieces:
-            piece.backward_(grads, d_out, q, k, v, out, lse, d_lse, causal, scale, group)
+        grads = attend_local_backward(d_out, *saved, d_lse, plan)
+        for piece in plan.pieces:
+            piece.backward_(grads, d_out, d_lse, saved, plan)
         d_q, d_k, d_v = (grad.to(q.dtype) for grad in grads)
-        return d_q, d_k, d_v, None, None, None, None, None
+        return d_q, d_k, d_v, None
 
 
 def dilated_attention(
@@ -81,10 +67,12 @@ def dilated_attention(
     *,
     causal: bool = False,
     scale: float | None = None,
-    group: dist.ProcessGroup | None = None,
+    process_group: dist.ProcessGroup | None = None,
     return_lse: bool = False,
     transport: str | Sequence[str] = "ring",
     check_finite: bool = False,
+    kernel: str = "auto",
+    block_elements: int | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """LongNet dilated attention, exact in forward and backward.
 
@@ -93,10 +81,10 @@ def dilated_attention(
         pattern: a :class:`DilatedPattern` or ``[(segment_length, dilation_rate), ...]``.
         causal: queries see only keys at positions ``<=`` their own.
         scale: score scale, default ``head_dim ** -0.5``.
-        group: sequence-parallel process group of ``P`` ranks. ``q, k, v`` are then this rank's
-            contiguous shard (group-rank order, equal lengths ``L = N / P``) and the result is this
-            rank's shard of the single-device result. Every segment length (capped at ``N``)
-            must divide ``L`` or be a multiple of it (see ``padded_length``).
+        process_group: sequence-parallel process group of ``P`` ranks. ``q, k, v`` are then
+            this rank's contiguous shard (group-rank order, equal lengths ``L = N / P``) and the
+            result is this rank's shard of the single-device result. Every segment length
+            (capped at ``N``) must divide ``L`` or be a multiple of it (see ``padded_length``).
         return_lse: also return the log-sum-exp of the scores.
         transport: how branches spanning several ranks move K/V: ``"ring"`` or ``"allgather"``,
             one for all branches or one per branch.
@@ -104,6 +92,11 @@ def dilated_attention(
             (one reduction per tensor; on CUDA it waits for the device). Without it such inputs
             give kernel-dependent outputs: the CPU kernels can turn a NaN query of a float32,
             bfloat16 or float16 call into a zero row with ``lse = 0`` instead of NaN.
+        kernel: the block kernel, ``"auto"`` (the first of ``kernels.KERNELS`` that runs the
+            call: FlashAttention on CUDA sm80+ for fp16/bf16, memory-efficient on CUDA
+            otherwise, ATen's flash kernel on the CPU, math for the rest) or one of those names.
+        block_elements: the most elements of one gathered block tensor (bounds the working
+            memory); default from the device (``plan.default_block_elements``).
     Returns:
         ``out`` ``(batch, seq, heads, head_dim)`` in the input dtype, and with ``return_lse``
         ``lse`` ``(batch, heads, seq)`` in float32 (float64 for float64 inputs). Queries that no
@@ -114,26 +107,34 @@ def dilated_attention(
                        ("check_finite", check_finite)):
         if not isinstance(flag, bool):
             raise TypeError(f"dilated_attention: {name} must be True or False, got {flag!r}.")
+    if kernel != "auto" and kernel not in kernel_names():
+        raise ValueError(
+            f"dilated_attention: kernel must be 'auto' or one of {kernel_names()}, got {kernel!r}."
+        )
+    if block_elements is not None and (not is_int(block_elements) or block_elements < 1):
+        raise ValueError(
+            f"dilated_attention: block_elements must be a positive integer or None (the "
+            f"device's default), got {block_elements!r}."
+        )
     if check_finite:
         _check_finite(q, k, v)
     pattern = DilatedPattern.coerce(pattern)
     scale = float(scale) if scale is not None else q.shape[-1] ** -0.5
     transports = transports_per_branch(transport, len(pattern.branches))
-    batch, seq_len, heads, dim = q.shape
-    world = 1 if group is None else dist.get_world_size(group)
-    if world == 1:
-        local, pieces = block_groups(pattern, seq_len, heads), []
-    else:
-        check_same_call_everywhere(
+    budget = default_block_elements(q.device) if block_elements is None else int(block_elements)
+    if process_group is not None and dist.get_world_size(process_group) > 1:
+        budget = agree_on_call(
             f"shape={tuple(q.shape)} dtype={q.dtype} pattern={pattern.branches} causal={causal} "
-            f"scale={scale} transport={transports}",
-            group,
+            f"scale={scale} transport={transports} kernel={kernel}",
+            budget,
+            process_group,
             q.device,
         )
-        local, pieces = plan_sequence_parallel(
-            pattern, seq_len, world, dist.get_rank(group), heads, transports, batch * dim
-        )
-    out, lse = _DilatedAttention.apply(q, k, v, local, pieces, causal, scale, group)
+    plan = plan_attention(
+        pattern, q.shape, q.dtype, q.device, causal=causal, scale=scale,
+        process_group=process_group, transports=transports, kernel=kernel, block_elements=budget,
+    )
+    out, lse = _DilatedAttention.apply(q, k, v, plan)
     return (out, lse) if return_lse else out
 
 

@@ -1,25 +1,41 @@
-"""Block attention kernels that return ``(out, lse)`` and a backward that takes a GIVEN ``lse``.
+"""Block attention kernels: one registry of ``(forward, backward)`` pairs, chosen once per call.
 
-All tensors use the kernel layout ``(batch, heads, length, head_dim)``; ``lse`` is
-``(batch, heads, length)`` in float32 (float64 for float64 inputs). ``causal`` is only used on
-square diagonal blocks (query i sees keys 0..i).
+Every kernel takes the kernel layout ``(batch, heads, length, head_dim)`` and returns ``(out,
+lse)`` with ``lse`` ``(batch, heads, length)`` in the accumulation dtype (float32; float64 for
+float64 inputs). ``causal`` is only used on square diagonal blocks (query ``i`` sees keys
+``0..i``).
 
 The backward receives the *global* ``out`` and ``lse`` of the merged attention (all blocks, all
 branches) instead of the block's own: with those, the flash-attention backward of one block is
-exactly that block's share of the gradient of the whole mixture. ``delta`` (optional,
-``(batch, heads, length)``) replaces ``rowsum(d_out * out)``; this is how a gradient flowing into
-``lse`` enters (``delta - d_lse``). Only the math kernel accepts it.
+exactly that block's share of the gradient of the whole mixture (docs/architecture.md §3). A
+gradient flowing into ``lse`` enters through ``delta = rowsum(d_out * out) - d_lse``, which only
+the math kernel accepts: ``Kernel.block_backward`` routes that case there.
+
+To add a kernel: write its forward and backward with the signatures of ``math_forward`` /
+``math_backward``, describe what it supports in a :class:`Kernel`, and put it in ``KERNELS``
+before the kernels it should win over.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
+
+Forward = Callable[[Tensor, Tensor, Tensor, bool, float], tuple[Tensor, Tensor]]
+Backward = Callable[
+    [Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, bool, float], tuple[Tensor, Tensor, Tensor]
+]
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """Dtype of lse and accumulators: float64 for float64 inputs, float32 otherwise."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# -- math: any device and dtype; the reference the fused kernels are tested against -----------
 
 
 def math_forward(
@@ -47,7 +63,8 @@ def math_backward(
     scale: float,
     delta: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of one block given the global ``out``/``lse`` (see the module docstring)."""
+    """Gradients of one block given the global ``out``/``lse``; ``delta`` ``(batch, heads,
+    length)`` replaces ``rowsum(d_out * out)`` (see the module docstring)."""
     acc = accumulation_dtype(q.dtype)
     q, k, v, d_out = (t.to(acc) for t in (q, k, v, d_out))
     scores = torch.einsum("bhid,bhjd->bhij", q, k) * scale
@@ -70,19 +87,42 @@ def _causal_bias(scores: Tensor) -> Tensor:
     return torch.zeros_like(future, dtype=scores.dtype).masked_fill(future, float("-inf"))
 
 
-def _unit_stride(*tensors: Tensor) -> list[Tensor]:
-    """The fused kernels read each row's ``head_dim`` elements as consecutive memory, without
-    checking (``scaled_dot_product_attention`` checks before it calls them): a tensor whose
-    last dimension has another stride (a transposed or channel-major layout, e.g. a
-    convolution's output) is copied first, or the kernels silently read the wrong elements."""
-    return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
+# -- what the fused kernels assume without checking ---------------------------------------------
+
+
+def _fused_ready(*tensors: Tensor) -> list[Tensor]:
+    """The fused ops are called directly, without the checks ``scaled_dot_product_attention``
+    makes before it calls them: each row's ``head_dim`` elements must be consecutive, and the
+    CUDA kernels load 16 bytes at a time, so the data pointer and every stride must be 16-byte
+    aligned. A tensor that breaks either (a transposed view, a slice at an odd offset) is
+    copied first; otherwise the kernels silently read the wrong elements."""
+    ready = []
+    for t in tensors:
+        size = t.element_size()
+        aligned = t.data_ptr() % 16 == 0 and all(
+            (stride * size) % 16 == 0 for stride in t.stride()[:-1]
+        )
+        ready.append(t if t.stride(-1) == 1 and (aligned or t.device.type == "cpu") else
+                     t.contiguous())
+    return ready
+
+
+def _sequence_major(t: Tensor) -> Tensor:
+    """``t`` ``(batch, heads, length, dim)`` with memory ``(batch, length, heads, dim)``
+    contiguous (a view when it already is). The memory-efficient CUDA backward reads ``out``
+    with the row stride ``heads * dim`` whatever the tensor's strides (its ``o_strideM``), so
+    ``out`` must have exactly that layout."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+# -- CPU: ATen's flash attention ----------------------------------------------------------------
 
 
 def cpu_flash_forward(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor]:
     """``aten._scaled_dot_product_flash_attention_for_cpu`` (any float dtype, needs keys)."""
-    q, k, v = _unit_stride(q, k, v)
+    q, k, v = _fused_ready(q, k, v)
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, causal, scale=scale
     )
@@ -98,17 +138,54 @@ def cpu_flash_backward(
     causal: bool,
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    d_out, q, k, v, out = _unit_stride(d_out, q, k, v, out)
+    d_out, q, k, v, out = _fused_ready(d_out, q, k, v, out)
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         d_out, q, k, v, out, lse, 0.0, causal, scale=scale
     )
+
+
+# -- CUDA: FlashAttention-2 (sm80+, fp16/bf16) --------------------------------------------------
+
+
+def cuda_flash_forward(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float
+) -> tuple[Tensor, Tensor]:
+    """``aten._scaled_dot_product_flash_attention`` (CUDA sm80+, fp16/bf16, head_dim % 8 == 0
+    and <= 256); lse ``(batch, heads, length)`` float32."""
+    q, k, v = _fused_ready(q, k, v)
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, causal, False, scale=scale
+    )
+    return out, lse
+
+
+def cuda_flash_backward(
+    d_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    d_out, q, k, v, out = _fused_ready(d_out, q, k, v, out)
+    no_sequences = torch.empty(0, dtype=torch.int32, device=q.device)  # not a varlen call
+    no_rng = torch.empty(0, dtype=torch.int64, device=q.device)  # no dropout
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        d_out, q, k, v, out, lse.contiguous(), no_sequences, no_sequences,
+        q.shape[-2], k.shape[-2], 0.0, causal, no_rng, no_rng, scale=scale,
+    )
+
+
+# -- CUDA: memory-efficient attention (fp32, and fp16/bf16 below sm80) --------------------------
 
 
 def cuda_efficient_forward(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor]:
     """``aten._scaled_dot_product_efficient_attention`` (CUDA, fp16/bf16/fp32)."""
-    q, k, v = _unit_stride(q, k, v)
+    q, k, v = _fused_ready(q, k, v)
     out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
         q, k, v, None, True, 0.0, causal, scale=scale
     )
@@ -125,32 +202,114 @@ def cuda_efficient_backward(
     causal: bool,
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    d_out, q, k, v, out = _unit_stride(d_out, q, k, v, out)
+    d_out, q, k, v = _fused_ready(d_out, q, k, v)
+    out = _sequence_major(out)
     seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)
-    # Pass lse in the op's own padded layout (length a multiple of 32), as its forward returns it.
-    lse = torch.nn.functional.pad(lse, (0, -lse.shape[-1] % 32))
+    # lse in the op's own padded layout (length a multiple of 32), as its forward returns it
+    lse = torch.nn.functional.pad(lse, (0, -lse.shape[-1] % 32)).contiguous()
     d_q, d_k, d_v, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        d_out,
-        q,
-        k,
-        v,
-        None,
-        out,
-        lse.contiguous(),
-        seed,
-        offset,
-        0.0,
-        [True, True, True, False],
-        causal,
+        d_out, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], causal,
         scale=scale,
     )
     return d_q, d_k, d_v
 
 
-def select_kernels(device: torch.device, dtype: torch.dtype):
-    """The ``(forward, backward)`` block kernels for a device and dtype."""
-    if device.type == "cpu":
-        return cpu_flash_forward, cpu_flash_backward
-    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16, torch.float32):
-        return cuda_efficient_forward, cuda_efficient_backward
-    return math_forward, math_backward
+# -- the registry ------------------------------------------------------------------------------
+
+
+def _sm80_or_newer(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A ``(forward, backward)`` pair and what it runs on.
+
+    ``device``: the device type (``None``: any); ``dtypes``: the input dtypes (``None``: any
+    floating dtype); ``max_head_dim`` and ``head_dim_multiple``: the head sizes it takes;
+    ``needs``: a further hardware condition; ``fused``: it never holds a block's score matrix
+    (the math kernel does, so blocks for it must stay small).
+    """
+
+    name: str
+    forward: Forward
+    backward: Backward
+    device: str | None = None
+    dtypes: tuple[torch.dtype, ...] | None = None
+    max_head_dim: int | None = None
+    head_dim_multiple: int = 1
+    needs: Callable[[torch.device], bool] | None = None
+    fused: bool = True
+
+    def unsupported(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+        """Why this kernel cannot run the call, or None when it can."""
+        if self.device is not None and device.type != self.device:
+            return f"it runs on {self.device}, not {device.type}"
+        if self.dtypes is not None and dtype not in self.dtypes:
+            return f"it takes {', '.join(str(d) for d in self.dtypes)}, not {dtype}"
+        if self.max_head_dim is not None and head_dim > self.max_head_dim:
+            return f"it takes head_dim <= {self.max_head_dim}, not {head_dim}"
+        if head_dim % self.head_dim_multiple:
+            return f"it takes head_dim a multiple of {self.head_dim_multiple}, not {head_dim}"
+        if self.needs is not None and not self.needs(device):
+            return f"{device} lacks what it needs ({self.needs.__name__.strip('_')})"
+        return None
+
+    def block_backward(
+        self,
+        d_out: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        d_lse: Tensor | None,
+        causal: bool,
+        scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """One block's share of the mixture gradient, given the GLOBAL ``out``/``lse`` rows of
+        its queries (kernel layout); a gradient into ``lse`` (``d_lse``, ``(batch, heads,
+        length)``) runs the math kernel with ``delta`` (see the module docstring)."""
+        if d_lse is None:
+            return self.backward(d_out, q, k, v, out, lse, causal, scale)
+        delta = (d_out.to(lse.dtype) * out.to(lse.dtype)).sum(-1) - d_lse
+        return math_backward(d_out, q, k, v, out, lse, causal, scale, delta=delta)
+
+
+HALF = (torch.float16, torch.bfloat16)
+
+KERNELS: tuple[Kernel, ...] = (
+    Kernel("cuda-flash", cuda_flash_forward, cuda_flash_backward, "cuda", HALF, 256, 8,
+           _sm80_or_newer),
+    Kernel("cuda-efficient", cuda_efficient_forward, cuda_efficient_backward, "cuda",
+           (*HALF, torch.float32)),
+    Kernel("cpu-flash", cpu_flash_forward, cpu_flash_backward, "cpu"),
+    Kernel("math", math_forward, math_backward, fused=False),
+)
+"""Every kernel, most preferred first; ``select_kernel`` takes the first that supports a call."""
+
+
+def kernel_names() -> tuple[str, ...]:
+    """The names ``dilated_attention(kernel=...)`` accepts (besides ``"auto"``)."""
+    return tuple(kernel.name for kernel in KERNELS)
+
+
+def select_kernel(
+    device: torch.device, dtype: torch.dtype, head_dim: int, name: str = "auto"
+) -> Kernel:
+    """The kernel for a call: the first of ``KERNELS`` that supports it, or the one named
+    (``ValueError`` naming why when it cannot run the call)."""
+    if name == "auto":
+        return next(k for k in KERNELS if k.unsupported(device, dtype, head_dim) is None)
+    kernel = next((k for k in KERNELS if k.name == name), None)
+    if kernel is None:
+        raise ValueError(
+            f"dilated_attention: kernel must be 'auto' or one of {kernel_names()}, got {name!r}."
+        )
+    reason = kernel.unsupported(device, dtype, head_dim)
+    if reason is not None:
+        raise ValueError(
+            f"dilated_attention: kernel {name!r} cannot run this call: {reason}. Use "
+            "kernel='auto' to let the library choose."
+        )
+    return kernel

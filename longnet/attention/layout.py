@@ -1,18 +1,41 @@
-"""Where each branch's dense blocks live in the sequence, and how to gather/scatter them.
+"""Where each branch's dense blocks live in the sequence, and how to gather and scatter them.
 
 A branch ``(w, r)`` over a sequence of ``n`` tokens cuts it into segments; in every segment
 head ``h`` selects the rows ``h % r, h % r + r, ...``. Heads whose selections have the same
-length form one dense block shape, so a branch becomes a few :class:`BlockGroup` s, each run as
-one batched kernel call on tensors of layout ``(batch * segments, heads, rows, dim)``.
+length form one :class:`BlockGroup`, run as one batched kernel call on tensors of the kernel
+layout ``(batch * segments, heads, rows, dim)`` (docs/architecture.md §3).
+
+Gathers and scatters are strided views, never index kernels: the members of a group (a head
+and its first row) are split into a few :class:`Lattice` s, each of which is one strided view of
+the sequence tensor, so moving a whole group costs one copy per lattice (one or two for the
+usual patterns), whatever the sequence length.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
+from typing import NamedTuple
 
 from einops import rearrange
 from torch import Tensor
+
+
+class Lattice(NamedTuple):
+    """Members ``first .. first + outer * inner - 1`` of a group (in its head order), laid out
+    as an ``outer x inner`` grid: member ``(i, j)`` is head ``head + i * outer_head + j *
+    inner_head`` with first row ``offset + i * outer_offset + j * inner_offset``."""
+
+    first: int
+    outer: int
+    inner: int
+    head: int
+    offset: int
+    outer_head: int
+    outer_offset: int
+    inner_head: int
+    inner_offset: int
 
 
 @dataclass(frozen=True)
@@ -34,6 +57,11 @@ class BlockGroup:
         and the heads form one consecutive range."""
         return self.rate == 1 and self.heads == tuple(range(self.heads[0], self.heads[-1] + 1))
 
+    @cached_property
+    def lattices(self) -> tuple[Lattice, ...]:
+        """The members as a few strided grids (see the module docstring)."""
+        return tuple(_lattices(self.heads, self.offsets))
+
     def chunks(self, max_elements: int, row_elements: int) -> Iterator[BlockGroup]:
         """Split into groups of at most ``max_elements`` elements: whole segments when one
         segment fits, else single segments of a few heads (``row_elements`` = batch *
@@ -48,6 +76,44 @@ class BlockGroup:
                 yield replace(
                     part, start=self.start + first * self.segment_length, num_segments=count
                 )
+
+
+def _step(heads: Sequence[int], offsets: Sequence[int], a: int, b: int) -> tuple[int, int] | None:
+    """The ``(head, offset)`` step from member ``a`` to member ``b``, or None when either part
+    is negative (a view cannot step backwards)."""
+    step = (heads[b] - heads[a], offsets[b] - offsets[a])
+    return step if min(step) >= 0 else None
+
+
+def _lattices(heads: Sequence[int], offsets: Sequence[int]) -> Iterator[Lattice]:
+    """Greedy split of the members ``(heads[i], offsets[i])``, in order, into grids: maximal
+    runs with a constant step, then maximal sequences of equally long runs with equal steps
+    whose first members are equally spaced."""
+    runs, i = [], 0
+    while i < len(heads):
+        end = i + 1
+        step = _step(heads, offsets, i, end) if end < len(heads) else None
+        if step is not None:
+            while end + 1 < len(heads) and _step(heads, offsets, end, end + 1) == step:
+                end += 1
+            end += 1
+        runs.append((i, end, step or (0, 0)))
+        i = end
+    r = 0
+    while r < len(runs):
+        first, end, inner_step = runs[r]
+        outer, outer_step = 1, (0, 0)
+        while r + outer < len(runs):
+            start, stop, step = runs[r + outer]
+            spacing = _step(heads, offsets, runs[r + outer - 1][0], start)
+            if stop - start != end - first or step != inner_step or spacing is None or (
+                outer > 1 and spacing != outer_step
+            ):
+                break
+            outer, outer_step = outer + 1, spacing
+        yield Lattice(first, outer, end - first, heads[first], offsets[first], *outer_step,
+                      *inner_step)
+        r += outer
 
 
 def region_groups(
@@ -97,16 +163,26 @@ def restrict(group: BlockGroup, heads: Sequence[int]) -> BlockGroup:
     )
 
 
-def _segments(x: Tensor, group: BlockGroup) -> Tensor:
-    """``x`` ``(batch, seq, heads, dim)`` -> view ``(batch, segments, length, heads, dim)``."""
-    end = group.start + group.num_segments * group.segment_length
-    return x[:, group.start : end].unflatten(1, (group.num_segments, group.segment_length))
+def _lattice_view(x: Tensor, group: BlockGroup, lattice: Lattice) -> Tensor:
+    """View ``(batch, segments, outer, inner, rows, dim)`` of ``x`` ``(batch, seq, heads, dim)``
+    holding the rows of the members of ``lattice``."""
+    batch, seq, head, dim = x.stride()
 
+    def member_step(head_step: int, offset_step: int) -> int:
+        return offset_step * seq + head_step * head
 
-def _head_rows(segments: Tensor, group: BlockGroup, head: int, offset: int) -> Tensor:
-    """View ``(batch, segments, rows, dim)`` of the rows ``head`` selects (a strided slice)."""
-    last = offset + (group.rows - 1) * group.rate
-    return segments[:, :, offset : last + 1 : group.rate, head]
+    return x.as_strided(
+        (x.shape[0], group.num_segments, lattice.outer, lattice.inner, group.rows, x.shape[3]),
+        (
+            batch,
+            group.segment_length * seq,
+            member_step(lattice.outer_head, lattice.outer_offset),
+            member_step(lattice.inner_head, lattice.inner_offset),
+            group.rate * seq,
+            dim,
+        ),
+        x.storage_offset() + (group.start + lattice.offset) * seq + lattice.head * head,
+    )
 
 
 def gathers_view(group: BlockGroup, batch: int, seq_len: int) -> bool:
@@ -120,29 +196,32 @@ def gathers_view(group: BlockGroup, batch: int, seq_len: int) -> bool:
 def gather(x: Tensor, group: BlockGroup) -> Tensor:
     """Blocks of ``x`` ``(batch, seq, heads, dim)`` -> ``(batch * segments, heads, rows, dim)``.
 
-    A view when ``gathers_view``; otherwise a copy (one strided copy per head for dilated
-    groups, no index kernels).
+    A view when ``gathers_view`` (for a contiguous ``x``); otherwise one strided copy per
+    lattice into sequence-major memory ``(batch, segments, rows, heads, dim)``, the layout the
+    fused kernels read fastest.
     """
-    segments = _segments(x, group)
-    if group.is_contiguous:
-        heads = slice(group.heads[0], group.heads[-1] + 1)
-        return rearrange(segments[:, :, :, heads], "b n w h d -> (b n) h w d")
-    batch, count, _, _, dim = segments.shape
-    blocks = x.new_empty(batch, count, group.rows, len(group.heads), dim)
-    for i, (head, offset) in enumerate(zip(group.heads, group.offsets)):
-        blocks[:, :, :, i].copy_(_head_rows(segments, group, head, offset))
+    if group.is_contiguous and gathers_view(group, x.shape[0], x.shape[1]):
+        (lattice,) = group.lattices
+        return rearrange(_lattice_view(x, group, lattice), "b n i j c d -> (b n) (i j) c d")
+    blocks = x.new_empty(x.shape[0], group.num_segments, group.rows, len(group.heads), x.shape[3])
+    for lattice, target in zip(group.lattices, _member_slices(blocks, group)):
+        target.copy_(_lattice_view(x, group, lattice))
     return rearrange(blocks, "b n c h d -> (b n) h c d")
 
 
 def scatter_(x: Tensor, group: BlockGroup, blocks: Tensor, accumulate: bool = False) -> None:
     """Write (or add, with ``accumulate``) ``blocks`` ``(batch * segments, heads, rows, dim)``
-    into their places in ``x`` ``(batch, seq, heads, dim)``, in place."""
-    segments = _segments(x, group)
+    into their places in ``x`` ``(batch, seq, heads, dim)``, in place: one strided copy (or
+    add) per lattice."""
     blocks = rearrange(blocks, "(b n) h c d -> b n c h d", b=x.shape[0])
-    if group.is_contiguous:
-        target = segments[:, :, :, group.heads[0] : group.heads[-1] + 1]
-        (target.add_ if accumulate else target.copy_)(blocks)
-        return
-    for i, (head, offset) in enumerate(zip(group.heads, group.offsets)):
-        target = _head_rows(segments, group, head, offset)
-        (target.add_ if accumulate else target.copy_)(blocks[:, :, :, i])
+    for lattice, source in zip(group.lattices, _member_slices(blocks, group)):
+        target = _lattice_view(x, group, lattice)
+        (target.add_ if accumulate else target.copy_)(source)
+
+
+def _member_slices(blocks: Tensor, group: BlockGroup) -> Iterator[Tensor]:
+    """Views ``(batch, segments, outer, inner, rows, dim)`` of ``blocks`` ``(batch, segments,
+    rows, heads, dim)``, one per lattice of ``group``."""
+    for lattice in group.lattices:
+        part = blocks[:, :, :, lattice.first : lattice.first + lattice.outer * lattice.inner]
+        yield rearrange(part, "b n c (i j) d -> b n i j c d", i=lattice.outer)

@@ -1,9 +1,19 @@
-"""Numerically safe log-sum-exp merge of partial attention results."""
+"""The accumulators of a call and the log-sum-exp merge that folds block results into them.
+
+Accumulators use the sequence layout: ``out`` and gradients ``(batch, seq, heads, dim)``,
+``lse`` ``(batch, seq, heads, 1)``, all in the accumulation dtype (``kernels.accumulation_dtype``).
+Blocks use the kernel layout ``(batch * segments, heads, rows, dim)`` (docs/architecture.md §3).
+"""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
+
+from longnet.attention.kernels import accumulation_dtype
+from longnet.attention.layout import BlockGroup, gather, gathers_view, scatter_
 
 
 def lse_merge_(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
@@ -20,3 +30,71 @@ def lse_merge_(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> No
     weight = torch.sigmoid(torch.nan_to_num(lse_b - lse_a, nan=float("-inf")))
     out_a.lerp_(out_b.to(out_a.dtype), weight[..., None].to(out_a.dtype))
     torch.logaddexp(lse_a, lse_b, out=lse_a)
+
+
+def accumulators(q: Tensor) -> tuple[Tensor, Tensor]:
+    """Zeroed ``out`` and ``-inf`` ``lse`` accumulators for ``q`` ``(batch, seq, heads, dim)``."""
+    acc = accumulation_dtype(q.dtype)
+    out = q.new_zeros(q.shape, dtype=acc)
+    lse = q.new_full((*q.shape[:3], 1), float("-inf"), dtype=acc)
+    return out, lse
+
+
+class QueryRows(NamedTuple):
+    """The accumulator rows of one block group's queries, gathered into the kernel layout:
+    ``out`` ``(batch * segments, heads, rows, dim)`` and ``lse`` ``(batch * segments, heads,
+    rows)``. Views of the accumulators when ``gathers_view``, else copies: merge into them in
+    place, then ``write_back_``."""
+
+    group: BlockGroup
+    out: Tensor
+    lse: Tensor
+
+    @classmethod
+    def gather(cls, out: Tensor, lse: Tensor, group: BlockGroup) -> QueryRows:
+        return cls(group, gather(out, group), gather(lse, group)[..., 0])
+
+    def write_back_(self, out: Tensor, lse: Tensor) -> None:
+        """Store the merged rows into the accumulators, unless they are views of them."""
+        if not gathers_view(self.group, *out.shape[:2]):
+            scatter_(out, self.group, self.out)
+            scatter_(lse, self.group, self.lse[..., None])
+
+
+def merge_into_(
+    out: Tensor, lse: Tensor, group: BlockGroup, block_out: Tensor, block_lse: Tensor, fresh: bool
+) -> None:
+    """Fold a block result ``(batch', heads, rows, dim)`` / ``(batch', heads, rows)`` into the
+    accumulators at the rows of ``group``; ``fresh``: nothing was written there yet (copy)."""
+    if fresh:
+        scatter_(out, group, block_out)
+        scatter_(lse, group, block_lse[..., None])
+        return
+    rows = QueryRows.gather(out, lse, group)
+    lse_merge_(rows.out, rows.lse, block_out, block_lse)
+    rows.write_back_(out, lse)
+
+
+class BackwardQueries(NamedTuple):
+    """What the backward needs of one block group's queries (kernel layout): the upstream
+    gradient, the queries, and the GLOBAL merged ``out``/``lse`` (and ``d_lse``, the gradient
+    into lse, or None) of their rows."""
+
+    d_out: Tensor
+    q: Tensor
+    out: Tensor
+    lse: Tensor
+    d_lse: Tensor | None
+
+    @classmethod
+    def gather(
+        cls, d_out: Tensor, q: Tensor, out: Tensor, lse: Tensor, d_lse: Tensor | None,
+        group: BlockGroup,
+    ) -> BackwardQueries:
+        return cls(
+            gather(d_out, group),
+            gather(q, group),
+            gather(out, group),
+            gather(lse, group)[..., 0].contiguous(),
+            None if d_lse is None else gather(d_lse, group)[..., 0],
+        )

@@ -1,17 +1,16 @@
 """Sequence parallelism: queries stay local, selected K/V rows travel (docs/architecture.md §4).
 
-See docs/architecture.md (sequence parallelism). A group of ``P`` ranks holds contiguous shards
-of ``L = N / P`` tokens. A branch whose segment length ``w`` divides ``L`` is local (no
-communication). A branch with ``w`` a multiple of ``L`` has segments spanning ``g = w / L``
-consecutive ranks (its segment group); only the dilated rows of K and V travel, only among
-those ranks, as :class:`SpanningPiece` s of a few heads each. Who computes with whose block,
-and when, is one :class:`Schedule` for the forward, the backward and the memory model:
+A process group of ``P`` ranks holds contiguous shards of ``L = N / P`` tokens. A branch whose
+segment length ``w`` divides ``L`` is local (no communication; ``local.py`` runs it). A branch
+with ``w`` a multiple of ``L`` has segments spanning ``g = w / L`` consecutive ranks (its
+segment group); only the dilated rows of K and V travel, only among those ranks, as
+:class:`SpanningPiece` s of a few heads each, moved by either transport (``transport.py``):
 
 - ``ring``: the packed K/V block rotates around the sub-ring with one batched send/recv per
   hop; the next hop is posted before the current block is computed. In the backward, the dK/dV
   accumulator travels with its block and arrives home after the full loop.
-- ``allgather``: LongNet's scheme: every rank receives every block of its segment group at once;
-  the backward sends each block's dK/dV partial sums straight to the block's owner.
+- ``allgather``: every rank receives every block of its segment group at once; the backward
+  sends each block's dK/dV partial sums straight to the block's owner.
 
 Dilation offsets may drift from rank to rank (when ``r`` does not divide ``L``): every rank
 knows every member's selected rows from the global geometry, so this is handled exactly.
@@ -22,15 +21,12 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from longnet.attention import blocks
-from longnet.attention.blocks import block_backward, query_side
-from longnet.attention.kernels import select_kernels
 from longnet.attention.layout import (
     BlockGroup,
     branch_groups,
@@ -39,21 +35,12 @@ from longnet.attention.layout import (
     restrict,
     scatter_,
 )
-from longnet.attention.merge import lse_merge_
+from longnet.attention.merge import BackwardQueries, QueryRows, lse_merge_
 from longnet.attention.pattern import DilatedPattern
+from longnet.attention.transport import Peers, Schedule
 
-TRANSPORTS = ("ring", "allgather")
-
-
-def transports_per_branch(transport: str | Sequence[str], num_branches: int) -> tuple[str, ...]:
-    """One transport name per branch (``transport`` is one name for all or one per branch)."""
-    transports = (transport,) * num_branches if isinstance(transport, str) else tuple(transport)
-    if len(transports) != num_branches or any(t not in TRANSPORTS for t in transports):
-        raise ValueError(
-            f"dilated_attention: transport must be one of {TRANSPORTS} or a list of them, one "
-            f"per branch ({num_branches}), got {transport!r}."
-        )
-    return transports
+if TYPE_CHECKING:
+    from longnet.attention.plan import AttentionPlan
 
 
 def _branch_fits(segment_length: int, shard_len: int) -> bool:
@@ -93,61 +80,29 @@ def padded_length(
     return shard_len * world_size
 
 
-class Hop(NamedTuple):
-    """One hop of the ``ring`` transport, seen from one member of a segment group."""
-
-    number: int
-    source: int  # the member whose K/V block this rank holds during the hop
-    attended: bool  # whether this rank computes with that block
-    last: bool  # no block arrives after this hop (nothing to post)
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """Who computes with whose K/V block in a segment group of ``size`` members, seen from
-    member ``index``: the one schedule of the forward, the backward and ``memory.py``.
-
-    Causal: a later member's keys are all in the future of an earlier member's queries, so
-    member ``i`` computes with the blocks of members ``0..i`` only.
-    """
-
-    size: int
-    index: int
-    causal: bool
-
-    def attends(self, reader: int, source: int) -> bool:
-        """Whether member ``reader`` computes with member ``source``'s block."""
-        return not (self.causal and source > reader)
-
-    @property
-    def sources(self) -> list[int]:
-        """The members whose blocks this rank computes with, in member order."""
-        return [source for source in range(self.size) if self.attends(self.index, source)]
-
-    @property
-    def readers(self) -> list[int]:
-        """The other members that compute with this rank's block (``allgather``: each sends
-        this rank a dK/dV partial in the backward)."""
-        members = range(self.size)
-        return [m for m in members if m != self.index and self.attends(m, self.index)]
-
-    def hops(self) -> Iterator[Hop]:
-        """``ring``: every block moves one member on per hop (member ``m`` sends to ``m + 1``,
-        receives from ``m - 1``), so at hop ``h`` this rank holds member ``index - h``'s block.
-        Every member joins every hop, attended or not."""
-        for number in range(self.size):
-            source = (self.index - number) % self.size
-            yield Hop(number, source, self.attends(self.index, source), number + 1 == self.size)
-
-
 Attend = Callable[[Tensor, int, Tensor | None], None]
 """``attend(kv block, source member, dK/dV partial or None)``: compute with one block."""
+
+
+class ForwardQueries(NamedTuple):
+    """One query group of a piece in the forward: its accumulator rows and its queries."""
+
+    rows: QueryRows
+    q: Tensor
+
+
+class BackwardEntry(NamedTuple):
+    """One query group of a piece in the backward: what its queries need, and their dQ."""
+
+    group: BlockGroup
+    rows: BackwardQueries
+    d_q: Tensor
 
 
 @dataclass(frozen=True)
 class SpanningPiece:
     """A piece of one branch whose segments span several ranks: its heads ``heads`` (a few, so
-    that one message stays small), seen from one rank; either transport.
+    that one message stays within the block budget), seen from one rank; either transport.
 
     ``members`` are the group ranks of this rank's segment group in sequence order, ``index``
     this rank's place among them, ``member_groups[m]`` the rows member ``m`` selects for
@@ -199,19 +154,21 @@ class SpanningPiece:
             scatter_(d_k, group, packed[0][:, index, : group.rows], accumulate=True)
             scatter_(d_v, group, packed[1][:, index, : group.rows], accumulate=True)
 
-    def _blocks(self, kv: Tensor, source: int, queries: list):
-        """``(query entry, head index, k block, v block)`` for every query group that meets
-        ``source``; the head index places the group's heads in ``kv``'s head dimension."""
-        for entry in queries:
-            query_group = entry[0]
+    def _key_blocks(
+        self, kv: Tensor, source: int, query_groups: Sequence[BlockGroup]
+    ) -> Iterator[tuple[int, slice | Tensor, Tensor, Tensor]]:
+        """``(query group number, head index, k block, v block)`` for every query group that
+        meets member ``source``'s block ``kv``; the head index places the group's heads in
+        ``kv``'s head dimension."""
+        for number, query_group in enumerate(query_groups):
             rows = self.key_rows(query_group, source)
             if rows:
                 index = self.positions(query_group.heads, kv.device)
-                yield entry, index, kv[0][:, index, :rows], kv[1][:, index, :rows]
+                yield number, index, kv[0][:, index, :rows], kv[1][:, index, :rows]
 
     def _exchange(
         self,
-        peers: _Peers,
+        peers: Peers,
         kv: Tensor,
         causal: bool,
         attend: Attend,
@@ -248,131 +205,63 @@ class SpanningPiece:
                 kv = incoming()
         return d_kv
 
-    # -- forward ---------------------------------------------------------------------------
+    def _peers(self, plan: AttentionPlan, phase: str) -> Peers:
+        return Peers(plan.process_group, self.members, self.index, f"{self.label}, {phase}")
 
-    def forward_(self, out, lse, q, k, v, causal: bool, scale: float, group) -> None:
+    def forward_(
+        self, out: Tensor, lse: Tensor, q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan
+    ) -> None:
         """Merge the attention of this piece into ``out``/``lse`` (sequence layout, in place)."""
-        forward, _ = select_kernels(q.device, q.dtype)
-        queries = [
-            (g, gather(q, g), gather(out, g), gather(lse, g)[..., 0]) for g in self.query_groups
-        ]
+        forward, scale = plan.kernel.forward, plan.scale
+        queries = [ForwardQueries(QueryRows.gather(out, lse, g), gather(q, g))
+                   for g in self.query_groups]
 
         def attend(kv: Tensor, source: int, _: None) -> None:
-            diagonal = causal and source == self.index
-            for (_, q_b, out_b, lse_b), _, k_b, v_b in self._blocks(kv, source, queries):
+            diagonal = plan.causal and source == self.index
+            for number, _, k_b, v_b in self._key_blocks(kv, source, self.query_groups):
+                rows, q_b = queries[number]
                 block_out, block_lse = forward(q_b, k_b, v_b, diagonal, scale)
-                lse_merge_(out_b, lse_b, block_out, block_lse)
+                lse_merge_(rows.out, rows.lse, block_out, block_lse)
 
-        self._exchange(_Peers(group, self, "forward"), self.pack(k, v), causal, attend)
-        for query_group, _, out_b, lse_b in queries:
-            blocks.write_back_(out, lse, query_group, out_b, lse_b)
-
-    # -- backward --------------------------------------------------------------------------
+        self._exchange(self._peers(plan, "forward"), self.pack(k, v), plan.causal, attend)
+        for rows, _ in queries:
+            rows.write_back_(out, lse)
 
     def backward_(
-        self, grads, d_out, q, k, v, out, lse, d_lse, causal: bool, scale: float, group
+        self,
+        grads: Sequence[Tensor],
+        d_out: Tensor,
+        d_lse: Tensor | None,
+        saved: Sequence[Tensor],
+        plan: AttentionPlan,
     ) -> None:
-        """Add this piece's gradients into ``grads = (dq, dk, dv)`` (sequence layout, in place)."""
-        queries = []
-        for query_group in self.query_groups:
-            side = query_side(d_out, q, out, lse, d_lse, query_group)
-            queries.append((query_group, *side, torch.zeros_like(side[1], dtype=grads[0].dtype)))
+        """Add this piece's gradients into ``grads = (dq, dk, dv)`` (sequence layout, in
+        place); ``saved = (q, k, v, out, lse)``, the forward's inputs and global results."""
+        q, k, v, out, lse = saved
+        entries = []
+        for group in self.query_groups:
+            rows = BackwardQueries.gather(d_out, q, out, lse, d_lse, group)
+            d_q = torch.zeros_like(rows.q, dtype=grads[0].dtype)
+            entries.append(BackwardEntry(group, rows, d_q))
 
         def attend(kv: Tensor, source: int, d_kv: Tensor) -> None:
-            diagonal = causal and source == self.index
-            for entry, index, k_b, v_b in self._blocks(kv, source, queries):
-                _, d_out_b, q_b, out_b, lse_b, d_lse_b, d_q_b = entry
-                d_q, d_k, d_v = block_backward(
-                    d_out_b, q_b, k_b, v_b, out_b, lse_b, d_lse_b, diagonal, scale
+            diagonal = plan.causal and source == self.index
+            for number, index, k_b, v_b in self._key_blocks(kv, source, self.query_groups):
+                rows, d_q_b = entries[number].rows, entries[number].d_q
+                d_q, d_k, d_v = plan.kernel.block_backward(
+                    rows.d_out, rows.q, k_b, v_b, rows.out, rows.lse, rows.d_lse, diagonal,
+                    plan.scale,
                 )
                 d_q_b += d_q
-                rows = k_b.shape[-2]
-                d_kv[0][:, index, :rows] += d_k
-                d_kv[1][:, index, :rows] += d_v
+                key_rows = k_b.shape[-2]
+                d_kv[0][:, index, :key_rows] += d_k
+                d_kv[1][:, index, :key_rows] += d_v
 
-        peers = _Peers(group, self, "backward")
-        own = self._exchange(peers, self.pack(k, v), causal, attend, grads[0].dtype)
+        peers = self._peers(plan, "backward")
+        own = self._exchange(peers, self.pack(k, v), plan.causal, attend, grads[0].dtype)
         self.unpack_add_(grads[1], grads[2], own)
-        for query_group, *_, d_q_b in queries:
-            scatter_(grads[0], query_group, d_q_b, accumulate=True)
-
-
-class _Peers:
-    """Batched point-to-point exchanges among the members of one segment group."""
-
-    def __init__(self, group, piece: SpanningPiece, phase: str) -> None:
-        group_ranks = dist.get_process_group_ranks(group)
-        self.group = group
-        self.index = piece.index
-        self.ranks = [group_ranks[member] for member in piece.members]
-        self.where = f"rank {dist.get_rank()} ({piece.label}, {phase})"
-
-    def _post(self, ops: list[dist.P2POp], step: str) -> Callable[[], None]:
-        """Start ``ops`` as one batch; returns a function that waits for all of them (and keeps
-        their tensors alive until then), raising an error that names the rank and the step."""
-        works = dist.batch_isend_irecv(ops) if ops else []
-
-        def wait() -> None:
-            try:
-                for work in works:
-                    work.wait()
-            except Exception as error:  # a dead or mismatched peer: say who and where
-                raise RuntimeError(
-                    f"dilated_attention: {self.where} failed at {step}: {error}"
-                ) from error
-            ops.clear()
-
-        return wait
-
-    def shift(self, tensor: Tensor, hop: int, tag: int = 0) -> Callable[[], Tensor]:
-        """Post: send ``tensor`` to the next member, receive the previous member's (see
-        ``Schedule.hops``); returns a function that waits and gives the received tensor."""
-        size = len(self.ranks)
-        if size == 1:
-            return lambda: tensor
-        index = self.index
-        received = torch.empty_like(tensor)
-        after, before = self.ranks[(index + 1) % size], self.ranks[(index - 1) % size]
-        ops = [
-            dist.P2POp(dist.isend, tensor.contiguous(), after, self.group, tag),
-            dist.P2POp(dist.irecv, received, before, self.group, tag),
-        ]
-        wait = self._post(ops, f"hop {hop} (sending to rank {after}, receiving from rank {before})")
-        return lambda: (wait(), received)[1]
-
-    def all_gather(self, tensor: Tensor) -> list[Tensor]:
-        """Every member's ``tensor`` (same shape everywhere), in member order."""
-        gathered = [
-            tensor if m == self.index else torch.empty_like(tensor) for m in range(len(self.ranks))
-        ]
-        ops = []
-        for member, rank in enumerate(self.ranks):
-            if member != self.index:
-                ops.append(dist.P2POp(dist.isend, tensor.contiguous(), rank, self.group))
-                ops.append(dist.P2POp(dist.irecv, gathered[member], rank, self.group))
-        if ops:
-            self._post(ops, f"all-gather among ranks {self.ranks}")()
-        return gathered
-
-    def reduce_to_owners(self, partials: list[Tensor | None], schedule: Schedule) -> Tensor:
-        """Send ``partials[m]`` (None: none, this rank did not compute with ``m``'s block) to
-        member ``m``; return the sum of the partials for this rank's block, received from
-        ``schedule.readers``."""
-        total = partials[self.index].clone()
-        readers = schedule.readers
-        received, ops = [], []
-        for member, rank in enumerate(self.ranks):
-            if member != self.index and partials[member] is not None:
-                ops.append(dist.P2POp(dist.isend, partials[member], rank, self.group))
-            if member in readers:
-                buffer = torch.empty_like(total)
-                received.append(buffer)
-                ops.append(dist.P2POp(dist.irecv, buffer, rank, self.group))
-        if ops:
-            self._post(ops, f"reduce among ranks {self.ranks}")()
-        for buffer in received:
-            total += buffer
-        return total
+        for entry in entries:
+            scatter_(grads[0], entry.group, entry.d_q, accumulate=True)
 
 
 def plan_sequence_parallel(
@@ -383,10 +272,11 @@ def plan_sequence_parallel(
     num_heads: int,
     transports: Sequence[str],
     row_elements: int,
+    block_elements: int,
 ) -> tuple[list[list[BlockGroup]], list[SpanningPiece]]:
     """Split ``pattern`` into local branches (their block groups) and the pieces of branches
-    spanning ranks, for group rank ``rank``; ``row_elements`` = batch * head_dim (sizes the
-    pieces, see ``heads_per_piece``)."""
+    spanning ranks, for group rank ``rank``; ``row_elements`` = batch * head_dim and
+    ``block_elements`` size the pieces (see ``heads_per_piece``)."""
     seq_len = shard_len * world_size
     local: list[list[BlockGroup]] = []
     pieces: list[SpanningPiece] = []
@@ -410,7 +300,7 @@ def plan_sequence_parallel(
             for m in members
         )
         index = rank - members[0]
-        for heads, groups in ring_pieces(member_groups, num_heads, row_elements):
+        for heads, groups in ring_pieces(member_groups, num_heads, row_elements, block_elements):
             label = f"branch w={w} r={r} heads {heads[0]}-{heads[-1]}"
             queries = query_groups(groups[index], groups)
             pieces.append(SpanningPiece(members, index, groups, transport, label, heads, queries))
@@ -427,21 +317,22 @@ def segment_group(
     return start, tuple(range(start // shard_len, min(start + segment, seq_len) // shard_len))
 
 
-def heads_per_piece(rows: int, row_elements: int, num_heads: int) -> int:
+def heads_per_piece(rows: int, row_elements: int, num_heads: int, block_elements: int) -> int:
     """Heads per piece of a spanning branch whose members select at most ``rows`` rows per
     head: one message (K and V rows of a piece's heads, ``row_elements`` = batch * head_dim per
-    row) holds at most ``blocks.CHUNK_ELEMENTS`` elements, and at least one head."""
-    return min(num_heads, max(1, blocks.CHUNK_ELEMENTS // (2 * rows * row_elements)))
+    row) holds at most ``block_elements`` elements, and at least one head."""
+    return min(num_heads, max(1, block_elements // (2 * rows * row_elements)))
 
 
 def ring_pieces(
-    member_groups: Sequence[Sequence[BlockGroup]], num_heads: int, row_elements: int
+    member_groups: Sequence[Sequence[BlockGroup]], num_heads: int, row_elements: int,
+    block_elements: int,
 ) -> list[tuple[tuple[int, ...], tuple[tuple[BlockGroup, ...], ...]]]:
     """Split a branch spanning ranks (either transport) by heads (``heads_per_piece``):
     ``(heads, member groups)`` per piece. Every member of a segment group computes the same
     pieces (same global geometry)."""
     rows = max(group.rows for groups in member_groups for group in groups)
-    per_piece = heads_per_piece(rows, row_elements, num_heads)
+    per_piece = heads_per_piece(rows, row_elements, num_heads, block_elements)
     pieces = []
     for first in range(0, num_heads, per_piece):
         heads = tuple(range(first, min(first + per_piece, num_heads)))
@@ -472,14 +363,20 @@ def query_groups(
     return tuple(parts)
 
 
-def check_same_call_everywhere(signature: str, group, device: torch.device) -> None:
-    """Raise on every rank if any rank of ``group`` called with a different ``signature``."""
+def agree_on_call(
+    signature: str, block_elements: int, process_group: dist.ProcessGroup, device: torch.device
+) -> int:
+    """Raise on every rank if any rank of ``process_group`` called with a different
+    ``signature``; return the smallest ``block_elements`` of the group (every member of a
+    segment group must cut a branch into the same pieces, whatever its free memory)."""
     code = zlib.crc32(signature.encode())
-    both = torch.tensor([code, -code], dtype=torch.int64, device=device)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    if both[0].item() != code or -both[1].item() != code:
+    values = torch.tensor([code, -code, -block_elements], dtype=torch.int64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=process_group)
+    if values[0].item() != code or -values[1].item() != code:
         raise ValueError(
-            f"dilated_attention: rank {dist.get_rank(group)} of the sequence-parallel group was "
-            f"called with ({signature}) but another rank passed different shapes, dtype, pattern "
-            "or options; every rank must pass equal-length shards and the same arguments."
+            f"dilated_attention: rank {dist.get_rank(process_group)} of the sequence-parallel "
+            f"group was called with ({signature}) but another rank passed different shapes, "
+            "dtype, pattern or options; every rank must pass equal-length shards and the same "
+            "arguments."
         )
+    return int(-values[2].item())

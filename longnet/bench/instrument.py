@@ -4,13 +4,15 @@
 * ``KernelClock``: thread CPU seconds inside ``longnet.attention.kernels``' block kernels, and
   each call's shapes, which ``replay_seconds`` re-runs alone.
 
-Both rely on the wrapped functions being looked up at call time (``dist.batch_isend_irecv`` by
-the ring, ``kernels.<name>`` by ``kernels.select_kernels``).
+Both rely on the wrapped objects being looked up at call time (``dist.batch_isend_irecv`` by
+the ring, ``kernels.KERNELS`` by ``kernels.select_kernel``, ``kernels.math_backward`` by
+``Kernel.block_backward``).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -55,23 +57,28 @@ class KernelClock:
     """Thread CPU seconds spent inside ``longnet``'s block kernels, and what each call was,
     while entered."""
 
-    NAMES = ("cpu_flash_forward", "cpu_flash_backward", "math_forward", "math_backward")
-
     def __init__(self) -> None:
         self.seconds = 0.0
         self.calls: list[tuple] = []
-        self._originals = {name: getattr(kernels, name) for name in self.NAMES}
+        self._registry = kernels.KERNELS
+        self._math_backward = kernels.math_backward
 
     def __enter__(self) -> KernelClock:
-        for name, function in self._originals.items():
-            setattr(kernels, name, self._timed(name, function))
+        kernels.KERNELS = tuple(
+            replace(kernel, forward=self._timed(kernel.forward),
+                    backward=self._timed(kernel.backward))
+            for kernel in self._registry
+        )
+        kernels.math_backward = self._timed(self._math_backward)
         return self
 
     def __exit__(self, *exc) -> None:
-        for name, function in self._originals.items():
-            setattr(kernels, name, function)
+        kernels.KERNELS = self._registry
+        kernels.math_backward = self._math_backward
 
-    def _timed(self, name: str, function):
+    def _timed(self, function):
+        name = function.__name__
+
         def timed(*args, **kwargs):
             self.calls.append(kernel_call(name, args))
             start = time.thread_time()

@@ -24,7 +24,7 @@ starting with a warm-up call of the same system at ``256 * P`` tokens:
   ranks, median of ``--replay-rounds`` interleaved rounds: the kernels' cost for the ring's
   block shapes without P ranks competing for the machine's cores.
 
-The formula columns come from ``longnet.attention.memory`` for the same setup.
+The formula columns come from ``longnet.planning`` for the same setup.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ import torch
 import torch.distributed as dist
 
 from longnet.attention import DilatedPattern, dilated_attention
-from longnet.attention.memory import AttentionSetup, plan_memory
 from longnet.bench.common import (
     DTYPES,
     MIB,
@@ -55,6 +54,7 @@ from longnet.bench.common import (
 from longnet.bench.instrument import KernelClock, SendCounter, replay_seconds
 from longnet.bench.peers import ring_flash_attention
 from longnet.distributed import run_workers
+from longnet.planning import AttentionSetup, plan_memory
 from longnet.training.rank_memory import reset_peak_rss, status_bytes
 
 SECTION = "## Sequence-parallel ring"

@@ -263,7 +263,7 @@ class MultiheadDilatedAttention(nn.Module):
                 self.pattern,
                 causal=self.causal,
                 scale=self.scale,
-                group=group,
+                process_group=group,
             )
         else:
             out = self._cached_attention(q, k, v, position_ids, group, cache, conv_tail)

@@ -10,7 +10,8 @@ import random
 import torch
 import torch.distributed as dist
 
-from longnet.attention import blocks, dilated_attention
+from longnet.attention import dilated_attention
+from longnet.attention.plan import CPU_BLOCK_ELEMENTS
 from longnet.nn import MultiheadDilatedAttention, RotaryEmbedding
 from tests.reference import dense_dilated_attention
 
@@ -22,7 +23,7 @@ def ring_cases(world_size: int) -> list[dict]:
     spanning the whole ring, rates not dividing ``L`` (offsets drifting across ranks), a last
     segment spanning fewer ranks, no r = 1 branch, an r = 1 branch spanning ranks, batch > 1,
     both transports, both directions, then ``random_ring_cases``.
-    Fixed causal cases run with a tiny ``blocks.CHUNK_ELEMENTS``: ring branches then travel as
+    Fixed causal cases run with a tiny ``block_elements``: ring branches then travel as
     pieces of one head each and local branches run in many chunks. Half of the cases also send
     a random upstream gradient into ``lse`` (the math-kernel backward); the other half do not
     (the fused-kernel backward)."""
@@ -42,7 +43,7 @@ def ring_cases(world_size: int) -> list[dict]:
             branches=b,
             causal=causal,
             transport=transport,
-            chunk_elements=64 if causal else blocks.CHUNK_ELEMENTS,
+            block_elements=64 if causal else CPU_BLOCK_ELEMENTS,
             lse_grad=(index + by_ring + causal) % 2 == 0,
         )
         for index, (name, b) in enumerate(patterns.items())
@@ -55,7 +56,7 @@ def ring_cases(world_size: int) -> list[dict]:
 def random_ring_cases(world_size: int, count: int) -> list[dict]:
     """Seeded random cases: shard length 3..16, one to four branches whose segments divide the
     shard or are multiples of it (up to beyond the sequence), rates 1..9, random direction,
-    transport, chunk budget and lse gradient (the same list on every rank)."""
+    transport, block budget and lse gradient (the same list on every rank)."""
     rng = random.Random(world_size)
     cases = []
     for index in range(count):
@@ -73,7 +74,7 @@ def random_ring_cases(world_size: int, count: int) -> list[dict]:
                 branches=branches,
                 causal=rng.random() < 0.5,
                 transport=rng.choice(("ring", "allgather")),
-                chunk_elements=rng.choice((1, 40, blocks.CHUNK_ELEMENTS)),
+                block_elements=rng.choice((1, 40, CPU_BLOCK_ELEMENTS)),
                 lse_grad=rng.random() < 0.5,
             )
         )
@@ -152,11 +153,7 @@ def _check_case(rank: int, world_size: int, device: torch.device, case: dict, se
     d_lse = torch.randn(2, 5, n, generator=gen, dtype=torch.float64).masked_fill(ref_lse.isinf(), 0)
     d_lse = d_lse if case["lse_grad"] else None
     shard = slice(rank * n // world_size, (rank + 1) * n // world_size)
-    default_chunk, blocks.CHUNK_ELEMENTS = blocks.CHUNK_ELEMENTS, case["chunk_elements"]
-    try:
-        ring, single = _run_library(q, k, v, d_out, d_lse, shard, case, device)
-    finally:
-        blocks.CHUNK_ELEMENTS = default_chunk
+    ring, single = _run_library(q, k, v, d_out, d_lse, shard, case, device)
     reference = _run(
         (q, k, v), d_out, d_lse, lambda a, b, c: dense_dilated_attention(a, b, c, branches, causal)
     )
@@ -184,16 +181,20 @@ def _run_library(q, k, v, d_out, d_lse, shard, case, device):
             c,
             branches,
             causal=causal,
-            group=dist.group.WORLD,
+            process_group=dist.group.WORLD,
             return_lse=True,
             transport=case["transport"],
+            block_elements=case["block_elements"],
         ),
     )
     single = _run(
         (q, k, v),
         d_out,
         d_lse,
-        lambda a, b, c: dilated_attention(a, b, c, branches, causal=causal, return_lse=True),
+        lambda a, b, c: dilated_attention(
+            a, b, c, branches, causal=causal, return_lse=True,
+            block_elements=case["block_elements"],
+        ),
     )
     return ring, single
 
@@ -206,7 +207,7 @@ def check_ring_errors(rank: int, world_size: int, device: torch.device) -> list[
         shard_len = kwargs.pop("shard_len", 12)
         q = torch.randn(1, shard_len, 2, 4, dtype=torch.float64, device=device)
         try:
-            dilated_attention(q, q, q, group=dist.group.WORLD, **kwargs)
+            dilated_attention(q, q, q, process_group=dist.group.WORLD, **kwargs)
         except ValueError as error:
             if message not in str(error):
                 failures.append(f"expected {message!r}, got {error}")

@@ -81,11 +81,15 @@ def test_inputs_in_any_memory_layout_match_dense_reference(layout, causal):
     _assert_matches_reference(q, k, v, [(8, 1), (16, 2), (64, 1)], causal, grad_seed=2)
 
 
-def _assert_matches_reference(q, k, v, branches, causal: bool, grad_seed: int):
+def _assert_matches_reference(
+    q, k, v, branches, causal: bool, grad_seed: int, block_elements: int | None = None
+):
     """out and lse of ``dilated_attention`` equal the dense reference to ``TOL`` (same ``-inf``
     rows), and so do dq, dk, dv (finite) for a random upstream gradient into out, and into out
     and lse together (the fused and the math-kernel backward). Returns ``(out, lse)``."""
-    out, lse = dilated_attention(q, k, v, branches, causal=causal, return_lse=True)
+    out, lse = dilated_attention(
+        q, k, v, branches, causal=causal, return_lse=True, block_elements=block_elements
+    )
     ref_out, ref_lse = dense_dilated_attention(q, k, v, branches, causal)
     torch.testing.assert_close(out, ref_out, atol=TOL, rtol=0)
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
@@ -357,25 +361,28 @@ def _random_case(seed: int) -> dict:
         branches=branches,
         shape=(rng.randint(1, 3), rng.randint(1, 90), rng.randint(1, 7), rng.choice((4, 8))),
         causal=rng.random() < 0.5,
-        chunk_elements=rng.choice((1, 17, 500, 2**18)),
+        block_elements=rng.choice((1, 17, 500, 2**18)),
     )
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_random_calls_match_dense_reference(monkeypatch, seed):
+def test_random_calls_match_dense_reference(seed):
     case = _random_case(seed)
-    monkeypatch.setattr("longnet.attention.blocks.CHUNK_ELEMENTS", case["chunk_elements"])
     q, k, v = _inputs(*case["shape"], seed=seed)
-    _assert_matches_reference(q, k, v, case["branches"], case["causal"], grad_seed=seed)
+    _assert_matches_reference(
+        q, k, v, case["branches"], case["causal"], grad_seed=seed,
+        block_elements=case["block_elements"],
+    )
 
 
-@pytest.mark.parametrize("chunk_elements", [1, 40, 200])
-def test_chunked_execution_is_exact(monkeypatch, chunk_elements):
-    """Tiny chunk budgets force per-head and per-segment pieces (as on long sequences)."""
-    monkeypatch.setattr("longnet.attention.blocks.CHUNK_ELEMENTS", chunk_elements)
+@pytest.mark.parametrize("block_elements", [1, 40, 200])
+def test_chunked_execution_is_exact(block_elements):
+    """Tiny block budgets force per-head and per-segment pieces (as on long sequences)."""
     branches = [(4, 1), (8, 2), (30, 3)]
     q, k, v = _inputs(2, 30, 4, 4)
-    out, lse = dilated_attention(q, k, v, branches, causal=True, return_lse=True)
+    out, lse = dilated_attention(
+        q, k, v, branches, causal=True, return_lse=True, block_elements=block_elements
+    )
     ref_out, ref_lse = dense_dilated_attention(q, k, v, branches, causal=True)
     torch.testing.assert_close(out, ref_out, atol=TOL, rtol=0)
     torch.testing.assert_close(lse, ref_lse, atol=TOL, rtol=0)

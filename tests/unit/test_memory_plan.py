@@ -1,4 +1,4 @@
-"""Unit tests of the per-rank memory and communication formulas (``longnet.attention.memory``)
+"""Unit tests of the per-rank memory and communication formulas (``longnet.planning``)
 and of ``scripts/plan_context.py``. Fast, single process; no timing."""
 
 from __future__ import annotations
@@ -10,16 +10,12 @@ import pytest
 import torch
 
 from longnet.attention import DilatedPattern
-from longnet.attention.blocks import CHUNK_ELEMENTS
 from longnet.attention.layout import branch_groups, gather, gathers_view
-from longnet.attention.memory import (
-    AttentionSetup,
-    gathers_copy,
-    local_chunks,
-    message_rows,
-    plan_memory,
-)
+from longnet.attention.plan import CPU_BLOCK_ELEMENTS
 from longnet.attention.ring import plan_sequence_parallel
+from longnet.planning import AttentionSetup, plan_memory
+from longnet.planning.local import gathers_copy, local_chunks
+from longnet.planning.ring import message_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -96,7 +92,9 @@ def test_message_rows_match_the_library_plan():
     pattern = DilatedPattern((12, 24, 48), (5, 7, 9))
     setup = _setup(seq_len=48, world_size=4, num_heads=3, pattern=pattern)
     for rank in range(4):
-        _, rings = plan_sequence_parallel(pattern, 12, 4, rank, 3, ("ring",) * 3, 4)
+        _, rings = plan_sequence_parallel(
+            pattern, 12, 4, rank, 3, ("ring",) * 3, 4, CPU_BLOCK_ELEMENTS
+        )
         for ring, (w, r) in zip(rings, pattern.branches[1:]):
             assert message_rows(setup, w, r, rank) == ring.rows_max
             packed = ring.pack(torch.zeros(1, 12, 3, 4), torch.zeros(1, 12, 3, 4))
@@ -111,7 +109,7 @@ def test_gather_copies_as_modelled(batch):
     x = torch.zeros(batch, 4096, 4, 16)
     for w, r in ((256, 1), (512, 2), (4096, 1)):
         for group in branch_groups(4096, 4, w, r):
-            for chunk in group.chunks(CHUNK_ELEMENTS, batch * 16):
+            for chunk in group.chunks(CPU_BLOCK_ELEMENTS, batch * 16):
                 shares = gather(x, chunk).untyped_storage().data_ptr() == x.data_ptr()
                 assert shares == (not gathers_copy(setup, chunk)), (w, r, chunk)
                 assert shares == gathers_view(chunk, batch, 4096), (w, r, chunk)
@@ -122,7 +120,7 @@ def test_local_chunks_follow_the_chunk_bound():
     sizes = [
         chunk.num_segments * len(chunk.heads) * chunk.rows * 64 for _, chunk in local_chunks(setup)
     ]
-    assert sizes and max(sizes) <= CHUNK_ELEMENTS
+    assert sizes and max(sizes) <= CPU_BLOCK_ELEMENTS
 
 
 def test_peak_and_saved_bytes_fall_with_world_size():

@@ -1,4 +1,4 @@
-"""Unit tests of the training-state memory model (``longnet.training.memory``) and of the
+"""Unit tests of the training-state memory model (``longnet.planning.state``) and of the
 training-state table of ``scripts/plan_context.py``: exact parameter counts against real
 models, per-rank bytes of the DDP and FSDP layouts by hand (FSDP2's padding included), errors.
 Single process, no process group; the 4-process comparison with measured shards is in
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from longnet.modeling import LongNetLM
-from longnet.training.memory import (
+from longnet.planning.state import (
     PRECISIONS,
     ParameterShapes,
     StateDtypes,

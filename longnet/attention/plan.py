@@ -1,0 +1,140 @@
+"""The plan of one call: every decision made before a tensor is touched, made once.
+
+``plan_attention`` turns the arguments of ``dilated_attention`` into an :class:`AttentionPlan`:
+the kernel (``kernels.select_kernel``), the block budget (``default_block_elements``), the local
+branches' block groups cut into chunks that fit the budget, the branch adopted as the
+accumulators, and the pieces of branches whose segments span ranks (``ring``). The forward and
+the backward read the same plan from the autograd context (docs/architecture.md §3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from longnet.attention.kernels import Kernel, accumulation_dtype, select_kernel
+from longnet.attention.layout import BlockGroup, branch_groups
+from longnet.attention.pattern import DilatedPattern
+from longnet.attention.ring import SpanningPiece, plan_sequence_parallel
+
+CPU_BLOCK_ELEMENTS = 2**18
+"""Block budget on the CPU, in elements of one gathered tensor. It bounds the working memory
+(a few such tensors are alive at once) and is large enough that a chunk holds several heads:
+the CPU flash backward parallelises over batch x heads only, so chunks of one head leave a
+core idle."""
+
+CUDA_WORKING_TENSORS = 16
+"""How many block-sized float32 tensors the budget on CUDA leaves room for in the free device
+memory (the backward's gathered inputs, gradients and the kernel's float32 accumulators)."""
+
+
+def default_block_elements(device: torch.device) -> int:
+    """The block budget for ``device``: ``CPU_BLOCK_ELEMENTS`` on the CPU; on CUDA the free
+    device memory (counting memory the caching allocator holds unused) over
+    ``CUDA_WORKING_TENSORS`` float32 tensors, so that a branch usually runs as one call."""
+    if device.type != "cuda":
+        return CPU_BLOCK_ELEMENTS
+    free, _ = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return max(CPU_BLOCK_ELEMENTS, free // (CUDA_WORKING_TENSORS * 4))
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """How one call runs, on this rank.
+
+    ``local``: the block groups of every branch whose segments lie on this device;
+    ``adopted``: the first local branch when its kernel outputs become the accumulators (see
+    ``adopted_branch``); ``chunks``: ``(branch index, chunk)`` of the remaining local work in
+    the order it runs, each chunk at most ``block_elements`` elements; ``pieces``: the pieces of
+    branches spanning ranks, run after the local work (``ring.SpanningPiece``).
+    """
+
+    kernel: Kernel
+    causal: bool
+    scale: float
+    block_elements: int
+    local: tuple[tuple[BlockGroup, ...], ...]
+    adopted: BlockGroup | None
+    chunks: tuple[tuple[int, BlockGroup], ...]
+    pieces: tuple[SpanningPiece, ...]
+    process_group: dist.ProcessGroup | None
+
+
+def plan_attention(
+    pattern: DilatedPattern,
+    shape: torch.Size,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    causal: bool,
+    scale: float,
+    process_group: dist.ProcessGroup | None = None,
+    transports: Sequence[str] = (),
+    kernel: str = "auto",
+    block_elements: int | None = None,
+) -> AttentionPlan:
+    """The plan of a call on ``q`` of ``shape`` ``(batch, seq, heads, head_dim)`` (this rank's
+    shard with ``process_group``); ``transports``: one per branch (needed with a group)."""
+    batch, seq_len, heads, head_dim = shape
+    chosen = select_kernel(device, dtype, head_dim, kernel)
+    budget = default_block_elements(device) if block_elements is None else block_elements
+    world = 1 if process_group is None else dist.get_world_size(process_group)
+    if world == 1:
+        local = [branch_groups(seq_len, heads, w, r) for w, r in pattern.branches]
+        pieces: list[SpanningPiece] = []
+    else:
+        local, pieces = plan_sequence_parallel(
+            pattern, seq_len, world, dist.get_rank(process_group), heads, transports,
+            batch * head_dim, budget,
+        )
+    adopted = adopted_branch(local, seq_len, heads, dtype, chosen)
+    return AttentionPlan(
+        kernel=chosen,
+        causal=causal,
+        scale=scale,
+        block_elements=budget,
+        local=tuple(tuple(groups) for groups in local),
+        adopted=adopted,
+        chunks=tuple(branch_chunks(local, batch * head_dim, budget, adopted is not None)),
+        pieces=tuple(pieces),
+        process_group=process_group,
+    )
+
+
+def adopted_branch(
+    branches: Sequence[Sequence[BlockGroup]],
+    seq_len: int,
+    num_heads: int,
+    dtype: torch.dtype,
+    kernel: Kernel,
+) -> BlockGroup | None:
+    """The first branch when its kernel outputs become the accumulators: it is one group of
+    plain views with rate 1 that covers every row of every head, the inputs are in the
+    accumulation dtype, and the kernel is fused (the math kernel would hold a whole branch's
+    scores at once)."""
+    if not (kernel.fused and dtype == accumulation_dtype(dtype)) or not branches:
+        return None
+    if len(branches[0]) != 1:
+        return None
+    (group,) = branches[0]
+    covers = group.num_segments * group.segment_length == seq_len and len(group.heads) == num_heads
+    return group if group.is_contiguous and covers else None
+
+
+def branch_chunks(
+    branches: Sequence[Sequence[BlockGroup]], row_elements: int, block_elements: int,
+    skip_first: bool,
+) -> list[tuple[int, BlockGroup]]:
+    """``(branch index, chunk)`` in the order they run: every group of every branch (but the
+    first with ``skip_first``) split into chunks of at most ``block_elements`` elements
+    (``row_elements`` = batch * head_dim)."""
+    return [
+        (index, chunk)
+        for index in range(int(skip_first), len(branches))
+        for group in branches[index]
+        for chunk in group.chunks(block_elements, row_elements)
+    ]

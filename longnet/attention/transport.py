@@ -1,0 +1,166 @@
+"""Who computes with whose K/V block in a segment group, and how the blocks get there.
+
+A branch whose segments span ranks runs on each segment group (the ranks holding one segment)
+as pieces (``ring.SpanningPiece``). :class:`Schedule` says which member computes with which
+member's block, hop by hop; it is the one schedule of the forward, the backward and the memory
+planner. :class:`Peers` moves the blocks among the members with batched point-to-point calls
+(``batch_isend_irecv``, peers mapped to global ranks so that subgroups work), and names the
+rank and the step when a peer fails (docs/architecture.md §4).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+TRANSPORTS = ("ring", "allgather")
+"""``ring``: blocks rotate one member on per hop; ``allgather``: every member receives every
+block at once (LongNet's own scheme)."""
+
+
+def transports_per_branch(transport: str | Sequence[str], num_branches: int) -> tuple[str, ...]:
+    """One transport name per branch (``transport`` is one name for all or one per branch)."""
+    transports = (transport,) * num_branches if isinstance(transport, str) else tuple(transport)
+    if len(transports) != num_branches or any(t not in TRANSPORTS for t in transports):
+        raise ValueError(
+            f"dilated_attention: transport must be one of {TRANSPORTS} or a list of them, one "
+            f"per branch ({num_branches}), got {transport!r}."
+        )
+    return transports
+
+
+class Hop(NamedTuple):
+    """One hop of the ``ring`` transport, seen from one member of a segment group."""
+
+    number: int
+    source: int  # the member whose K/V block this rank holds during the hop
+    attended: bool  # whether this rank computes with that block
+    last: bool  # no block arrives after this hop (nothing to post)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Who computes with whose K/V block in a segment group of ``size`` members, seen from
+    member ``index``.
+
+    Causal: a later member's keys are all in the future of an earlier member's queries, so
+    member ``i`` computes with the blocks of members ``0..i`` only.
+    """
+
+    size: int
+    index: int
+    causal: bool
+
+    def attends(self, reader: int, source: int) -> bool:
+        """Whether member ``reader`` computes with member ``source``'s block."""
+        return not (self.causal and source > reader)
+
+    @property
+    def sources(self) -> list[int]:
+        """The members whose blocks this rank computes with, in member order."""
+        return [source for source in range(self.size) if self.attends(self.index, source)]
+
+    @property
+    def readers(self) -> list[int]:
+        """The other members that compute with this rank's block (``allgather``: each sends
+        this rank a dK/dV partial in the backward)."""
+        members = range(self.size)
+        return [m for m in members if m != self.index and self.attends(m, self.index)]
+
+    def hops(self) -> Iterator[Hop]:
+        """``ring``: every block moves one member on per hop (member ``m`` sends to ``m + 1``,
+        receives from ``m - 1``), so at hop ``h`` this rank holds member ``index - h``'s block.
+        Every member joins every hop, attended or not (a member that skipped one would leave
+        its peers waiting)."""
+        for number in range(self.size):
+            source = (self.index - number) % self.size
+            yield Hop(number, source, self.attends(self.index, source), number + 1 == self.size)
+
+
+class Peers:
+    """Batched point-to-point exchanges among the members of one segment group.
+
+    ``members``: the group ranks of the segment group in sequence order; ``index``: this rank's
+    place among them; ``where``: how errors name this rank's step.
+    """
+
+    def __init__(
+        self, process_group: dist.ProcessGroup, members: Sequence[int], index: int, where: str
+    ) -> None:
+        group_ranks = dist.get_process_group_ranks(process_group)
+        self.process_group = process_group
+        self.index = index
+        self.ranks = [group_ranks[member] for member in members]
+        self.where = f"rank {dist.get_rank()} ({where})"
+
+    def _post(self, ops: list[dist.P2POp], step: str) -> Callable[[], None]:
+        """Start ``ops`` as one batch; returns a function that waits for all of them (and keeps
+        their tensors alive until then), raising an error that names the rank and the step."""
+        works = dist.batch_isend_irecv(ops) if ops else []
+
+        def wait() -> None:
+            try:
+                for work in works:
+                    work.wait()
+            except Exception as error:  # a dead or mismatched peer: say who and where
+                raise RuntimeError(
+                    f"dilated_attention: {self.where} failed at {step}: {error}"
+                ) from error
+            ops.clear()
+
+        return wait
+
+    def shift(self, tensor: Tensor, hop: int, tag: int = 0) -> Callable[[], Tensor]:
+        """Post: send ``tensor`` to the next member, receive the previous member's (see
+        ``Schedule.hops``); returns a function that waits and gives the received tensor."""
+        size = len(self.ranks)
+        if size == 1:
+            return lambda: tensor
+        index = self.index
+        received = torch.empty_like(tensor)
+        after, before = self.ranks[(index + 1) % size], self.ranks[(index - 1) % size]
+        ops = [
+            dist.P2POp(dist.isend, tensor.contiguous(), after, self.process_group, tag),
+            dist.P2POp(dist.irecv, received, before, self.process_group, tag),
+        ]
+        wait = self._post(ops, f"hop {hop} (sending to rank {after}, receiving from rank {before})")
+        return lambda: (wait(), received)[1]
+
+    def all_gather(self, tensor: Tensor) -> list[Tensor]:
+        """Every member's ``tensor`` (same shape everywhere), in member order."""
+        gathered = [
+            tensor if m == self.index else torch.empty_like(tensor) for m in range(len(self.ranks))
+        ]
+        ops = []
+        for member, rank in enumerate(self.ranks):
+            if member != self.index:
+                ops.append(dist.P2POp(dist.isend, tensor.contiguous(), rank, self.process_group))
+                ops.append(dist.P2POp(dist.irecv, gathered[member], rank, self.process_group))
+        if ops:
+            self._post(ops, f"all-gather among ranks {self.ranks}")()
+        return gathered
+
+    def reduce_to_owners(self, partials: list[Tensor | None], schedule: Schedule) -> Tensor:
+        """Send ``partials[m]`` (None: none, this rank did not compute with ``m``'s block) to
+        member ``m``; return the sum of the partials for this rank's block, received from
+        ``schedule.readers``."""
+        total = partials[self.index].clone()
+        readers = schedule.readers
+        received, ops = [], []
+        for member, rank in enumerate(self.ranks):
+            if member != self.index and partials[member] is not None:
+                ops.append(dist.P2POp(dist.isend, partials[member], rank, self.process_group))
+            if member in readers:
+                buffer = torch.empty_like(total)
+                received.append(buffer)
+                ops.append(dist.P2POp(dist.irecv, buffer, rank, self.process_group))
+        if ops:
+            self._post(ops, f"reduce among ranks {self.ranks}")()
+        for buffer in received:
+            total += buffer
+        return total

@@ -1,0 +1,102 @@
+"""Memory of the branches whose segments lie on one rank (``attention/local.py``): the chunks
+of the plan, one at a time, above the accumulators."""
+
+from __future__ import annotations
+
+from longnet.attention.kernels import select_kernel
+from longnet.attention.layout import BlockGroup, gathers_view
+from longnet.attention.plan import adopted_branch as plan_adopted_branch
+from longnet.attention.plan import branch_chunks
+from longnet.planning.setup import MODELLED_DEVICE, AttentionSetup
+from longnet.planning.workspace import (
+    MERGE_TEMPORARIES,
+    kernel_workspace_backward,
+    kernel_workspace_forward,
+)
+
+
+def adopted_branch(setup: AttentionSetup) -> BlockGroup | None:
+    """``plan.adopted_branch`` of the local branches: the first one when ``attend_local`` runs
+    it as one kernel call whose outputs become the accumulators."""
+    kernel = select_kernel(MODELLED_DEVICE, setup.dtype, setup.head_dim)
+    local, heads = setup.local_branches, setup.num_heads
+    return plan_adopted_branch(local, setup.shard_len, heads, setup.dtype, kernel)
+
+
+def local_chunks(setup: AttentionSetup) -> list[tuple[int, BlockGroup]]:
+    """``(branch index, chunk)`` of the chunked local branches, in the order
+    ``local.attend_local`` runs them (``plan.branch_chunks``)."""
+    skip = adopted_branch(setup) is not None
+    return branch_chunks(setup.local_branches, setup.row_elements, setup.block_elements, skip)
+
+
+def chunk_elements(setup: AttentionSetup, chunk: BlockGroup) -> int:
+    """Elements of one gathered chunk tensor ``(batch * segments, heads, rows, head_dim)``."""
+    return setup.batch * chunk.num_segments * len(chunk.heads) * chunk.rows * setup.head_dim
+
+
+def gathers_copy(setup: AttentionSetup, chunk: BlockGroup) -> bool:
+    """Whether ``layout.gather`` of ``chunk`` copies (see ``layout.gathers_view``)."""
+    return not gathers_view(chunk, setup.batch, setup.shard_len)
+
+
+def _lse_part(setup: AttentionSetup, elements: int) -> int:
+    """Bytes of an lse-shaped tensor that goes with a block of ``elements`` elements."""
+    return elements // setup.head_dim * setup.acc_size
+
+
+def local_forward_workspace(setup: AttentionSetup) -> int:
+    """Peak bytes of the local branches' forward above the accumulators.
+
+    An ``adopted_branch`` writes the accumulators itself: only the kernel workspace. Per
+    chunk of ``C`` elements (``[copy]``: ``gathers_copy``): kernel phase = gathered q, k, v
+    ``3 C s [copy]`` + output ``C s + lse`` + kernel workspace; merge phase = output ``C s + lse``
+    + (unless the first branch, which is copied) gathered accumulator rows ``(C a + lse) [copy]``
+    + ``MERGE_TEMPORARIES`` lse temporaries. A chunk's output is freed before the next call.
+    """
+    s, peak = setup.input_size, 0
+    adopted = adopted_branch(setup)
+    if adopted is not None:
+        peak = kernel_workspace_forward(setup, adopted.rows, adopted.rows)
+    for index, chunk in local_chunks(setup):
+        c = chunk_elements(setup, chunk)
+        copies = gathers_copy(setup, chunk)
+        block = c * s + _lse_part(setup, c)
+        kernel = 3 * c * s * copies + block
+        kernel += kernel_workspace_forward(setup, chunk.rows, chunk.rows)
+        merge = block
+        if index > 0:
+            merge += (c * setup.acc_size + _lse_part(setup, c)) * copies
+            merge += MERGE_TEMPORARIES * _lse_part(setup, c)
+        peak = max(peak, kernel, merge)
+    return peak
+
+
+def local_backward_workspace(setup: AttentionSetup) -> int:
+    """Peak bytes of the local branches' backward above saved tensors and gradient buffers.
+
+    An ``adopted_branch`` writes the gradient buffers itself: a contiguous lse copy + the
+    kernel workspace. Per chunk of ``C`` elements: query side ``qs = 3 C s [copy] + lse``
+    (d_out, q, out rows and a contiguous lse copy); query phase = ``qs`` + the gathered lse
+    ``[copy]``; kernel phase = ``qs`` + gathered k, v ``2 C s [copy]`` + gradients ``3 C s`` +
+    kernel workspace (+ ``C s`` when a contiguous chunk was copied by ``reshape``: the CPU
+    kernel makes one of those head-major blocks sequence-major again). Scatter-adds are in
+    place; a chunk's blocks are freed before the next chunk's gathers.
+    """
+    s, peak = setup.input_size, 0
+    adopted = adopted_branch(setup)
+    if adopted is not None:
+        lse = setup.lse_elements * setup.acc_size
+        peak = lse + kernel_workspace_backward(setup, adopted.rows, adopted.rows)
+    for _, chunk in local_chunks(setup):
+        c = chunk_elements(setup, chunk)
+        copies = gathers_copy(setup, chunk)
+        query = 3 * c * s * copies + _lse_part(setup, c)
+        query_phase = query + _lse_part(setup, c) * copies
+        kernel = query + 2 * c * s * copies + 3 * c * s
+        kernel += kernel_workspace_backward(setup, chunk.rows, chunk.rows)
+        kernel += c * s * (copies and chunk.is_contiguous)  # kernel re-lays a head-major copy
+        peak = max(peak, query_phase, kernel)
+    return peak
+
+
