@@ -1,13 +1,12 @@
 """Subnormal floats on the CPU: flushed to zero while a training command runs.
 
-A trained model's attention is sharp: in the backward of the CPU flash-attention kernel,
-``exp(score - logsumexp)`` falls below float32's smallest normal number (about 1.2e-38) for
-most of a long row, and x86 cores compute with such subnormal numbers many times slower. On
-this project's 2-core CPU, one float32 training step of ``longnet-tiny-16k`` at 16K tokens
-took 18.5 s with subnormals and 7.3 s with them flushed to zero; the kernel alone, on logits
-with a standard deviation of 36, 12x (docs/training.md, "Subnormal floats"). Flushing changes
-only values below 1.2e-38 (float32) or 2.2e-308 (float64), which a loss or a gradient never
-needs.
+Why: a trained model's attention is sharp. The backward of the CPU flash-attention kernel
+recomputes ``exp(score - logsumexp)``, and for most keys of a long row that value falls below
+float32's smallest normal number (about 1.2e-38), into the subnormal range, where x86 cores
+compute many times slower than on normal numbers. Flushing subnormals to zero removes that
+cost and changes only values below 1.2e-38 (float32) or 2.2e-308 (float64), which a loss or a
+gradient never needs. The measured effect on a training step is in docs/training.md
+("Subnormal floats").
 
 The setting belongs to a thread: ``torch.set_flush_denormal`` sets it on the calling thread,
 and torch's intra-op threads copy it from the thread that starts them, once. So it takes
