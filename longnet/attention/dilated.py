@@ -37,6 +37,11 @@ class _DilatedAttention(torch.autograd.Function):
         out, lse = attend_local(q, k, v, plan)
         for piece in plan.pieces:
             piece.forward_(out, lse, q, k, v, plan)
+        # a NaN query gives a NaN row, as in dense attention (ATen's CPU flash kernel returns
+        # such a row as empty: out 0, lse 0)
+        nan_queries = q.isnan().any(-1, keepdim=True)
+        out.masked_fill_(nan_queries, float("nan"))
+        lse.masked_fill_(nan_queries, float("nan"))
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan = plan
@@ -89,9 +94,10 @@ def dilated_attention(
         transport: how branches spanning several ranks move K/V: ``"ring"`` or ``"allgather"``,
             one for all branches or one per branch.
         check_finite: raise ``ValueError`` if ``q``, ``k`` or ``v`` holds a NaN or an infinity
-            (one reduction per tensor; on CUDA it waits for the device). Without it such inputs
-            give kernel-dependent outputs: the CPU kernels can turn a NaN query of a float32,
-            bfloat16 or float16 call into a zero row with ``lse = 0`` instead of NaN.
+            (one reduction per tensor; on CUDA it waits for the device). Without it a NaN gives
+            NaN in the rows it reaches, as in dense attention: a NaN query its own row, a NaN
+            key the rows that attend to it; a NaN value may reach every row of its block, as
+            the fused kernels multiply it by zero weights too.
         kernel: the block kernel, ``"auto"`` (the first of ``kernels.KERNELS`` that runs the
             call: FlashAttention on CUDA sm80+ for fp16/bf16, memory-efficient on CUDA
             otherwise, ATen's flash kernel on the CPU, math for the rest) or one of those names.

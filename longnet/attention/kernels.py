@@ -45,7 +45,7 @@ def math_forward(
     acc = accumulation_dtype(q.dtype)
     scores = torch.einsum("bhid,bhjd->bhij", q.to(acc), k.to(acc)) * scale
     if causal:
-        scores = scores + _causal_bias(scores)
+        scores = scores.masked_fill(_future(scores), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse[..., None])
     out = torch.einsum("bhij,bhjd->bhid", probs, v.to(acc))
@@ -69,7 +69,7 @@ def math_backward(
     q, k, v, d_out = (t.to(acc) for t in (q, k, v, d_out))
     scores = torch.einsum("bhid,bhjd->bhij", q, k) * scale
     if causal:
-        scores = scores + _causal_bias(scores)
+        scores = scores.masked_fill(_future(scores), float("-inf"))
     probs = torch.exp(scores - lse.to(acc)[..., None])
     if delta is None:
         delta = (d_out * out.to(acc)).sum(-1)
@@ -81,10 +81,11 @@ def math_backward(
     return d_q, d_k, d_v
 
 
-def _causal_bias(scores: Tensor) -> Tensor:
+def _future(scores: Tensor) -> Tensor:
+    """``(queries, keys)`` True where a key lies after its query (masked, so that even a NaN
+    score there cannot reach the row)."""
     length_q, length_k = scores.shape[-2:]
-    future = torch.ones(length_q, length_k, dtype=torch.bool, device=scores.device).triu(1)
-    return torch.zeros_like(future, dtype=scores.dtype).masked_fill(future, float("-inf"))
+    return torch.ones(length_q, length_k, dtype=torch.bool, device=scores.device).triu(1)
 
 
 # -- what the fused kernels assume without checking ---------------------------------------------

@@ -24,10 +24,11 @@ def lse_merge_(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> No
         lse_a, lse_b: ``(..., length)`` log-sum-exp of each part's scores (``-inf``: no keys;
             ``out_a`` must then be 0 there, as fresh accumulators are).
     The union's output is ``out_a + w (out_b - out_a)`` with ``w = exp(lse_b - lse_union)
-    = sigmoid(lse_b - lse_a)`` (the two weights sum to 1): one pass over the outputs. Rows with
-    no keys on either side (``-inf - -inf``) get ``w = 0``: ``out = 0``, ``lse = -inf``, no NaN.
+    = sigmoid(lse_b - lse_a)`` (the two weights sum to 1): one pass over the outputs. A side
+    with no keys (``lse_b = -inf``) gets ``w = 0``, also when the other side has none either
+    (``-inf - -inf``): ``out = 0``, ``lse = -inf``, no NaN. A NaN on either side stays NaN.
     """
-    weight = torch.sigmoid(torch.nan_to_num(lse_b - lse_a, nan=float("-inf")))
+    weight = torch.sigmoid((lse_b - lse_a).masked_fill(torch.isneginf(lse_b), float("-inf")))
     out_a.lerp_(out_b.to(out_a.dtype), weight[..., None].to(out_a.dtype))
     torch.logaddexp(lse_a, lse_b, out=lse_a)
 

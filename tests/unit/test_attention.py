@@ -237,6 +237,16 @@ def test_lse_merge_handles_empty_sides():
     assert torch.equal(out_a, expected)
 
 
+def test_lse_merge_keeps_a_nan_side_nan():
+    nan, inf = float("nan"), float("-inf")
+    for lse_a, lse_b in ((0.5, nan), (nan, 0.5), (nan, inf), (inf, nan)):
+        out_a, out_b = torch.ones(1, 2), 2 * torch.ones(1, 2)
+        lse = torch.tensor([lse_a])
+        lse_merge_(out_a, lse, out_b, torch.tensor([lse_b]))
+        assert out_a.isnan().all() or lse_b == inf, (lse_a, lse_b)
+        assert lse.isnan().all(), (lse_a, lse_b)
+
+
 def _qkv(*shape, dtype=torch.float32):
     return [torch.randn(*shape, dtype=dtype) for _ in range(3)]
 
@@ -391,3 +401,23 @@ def test_chunked_execution_is_exact(block_elements):
         _grads([out], [d_out], (q, k, v)), _grads([ref_out], [d_out], (q, k, v))
     ):
         torch.testing.assert_close(grad, ref_grad, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("kernel", ["auto", "math"])
+@pytest.mark.parametrize("where", ["q", "k"])
+def test_a_nan_reaches_exactly_the_rows_that_see_it(kernel, where):
+    """As in dense attention: a NaN query gives a NaN row, a NaN key NaN in the rows that
+    attend to it (per the reference's multiplicity), never a silent zero, and nowhere else."""
+    branches, heads, seq_len, position, head = [(8, 1), (16, 2)], 2, 16, 3, 0
+    q, k, v = _qkv(1, seq_len, heads, 8)
+    {"q": q, "k": k}[where].detach()[0, position, head, 0] = float("nan")
+    out, lse = dilated_attention(
+        q, k, v, branches, causal=True, return_lse=True, kernel=kernel
+    )
+    if where == "q":
+        expected = torch.arange(seq_len) == position
+    else:
+        expected = branch_counts(seq_len, heads, branches, causal=True)[head, :, position] > 0
+    assert torch.equal(out[0, :, head].isnan().any(-1), expected)
+    assert torch.equal(lse[0, head].isnan(), expected)
+    assert not out[0, :, 1 - head].isnan().any()
