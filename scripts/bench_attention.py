@@ -26,6 +26,13 @@ Pattern: ``geometric`` (LongNet: ``w = 2048 * 2**i, r = 2**i`` for every ``w <= 
 Every length is timed in its own child process and every memory point is measured in another
 one, so an out-of-memory kill is recorded as a failed point, not a lost run.
 
+``--device cuda`` runs the GPU benchmark instead (``longnet/bench/device.py``): one process,
+CUDA-event medians, the allocator's peak memory, dense SDPA per backend as rows; its block
+goes to the "GPU" section of ``<out>/benchmarks.md``::
+
+    python scripts/bench_attention.py --device cuda --dtype bfloat16 --heads 16 --causal \
+        --pattern geometric --lengths 8192 32768 131072 524288 1048576
+
 Outputs: a table on stdout (a progress line per point), ``<out>/bench_attention_<tag>.png``
 and the block ``<tag>`` of the attention section of ``<out>/benchmarks.md`` (replaced if it
 exists). ``--json PATH`` also writes every sample.
@@ -41,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from longnet.bench import common
+from longnet.bench import common, device
 from longnet.bench.attention import (
     ENV_VARS,
     HEADER,
@@ -59,6 +66,7 @@ from longnet.bench.attention import (
     parse_pattern,
     pattern_tag,
     plot,
+    resolve_pattern,
     sdpa_backend,
     table_rows,
     timing_child,
@@ -90,6 +98,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     parser.add_argument("--check-rows", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: the GPU benchmark (one process, CUDA events)")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory children")
     parser.add_argument("--out", type=Path, default=ROOT / "docs")
     parser.add_argument("--tag", default=None, help="name of the plot and the doc block")
@@ -116,6 +126,9 @@ def main(argv: list[str] | None = None) -> None:
         print("RESULT " + json.dumps(timing_child(args.timing_child, args)), flush=True)
         return
     argv = sys.argv[1:] if argv is None else argv
+    if args.device == "cuda":
+        run_on_gpu(args, argv)
+        return
     clock = common.Run(common.command_line("scripts/bench_attention.py", argv, ENV_VARS))
     digest = common.attention_digest()
     version = common.source_version(digest, ROOT)  # before the run: HEAD may move while it runs
@@ -145,6 +158,45 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         samples = [asdict(p) for p in points]
         args.json.write_text(json.dumps({"run": run, "points": samples}, indent=1))
+
+
+def run_on_gpu(args: argparse.Namespace, argv: list[str]) -> None:
+    """``--device cuda``: every length in this process (``longnet/bench/device.py``)."""
+    if not torch.cuda.is_available():
+        sys.exit("bench_attention.py: --device cuda needs a CUDA device; none is visible.")
+    gpu = torch.device("cuda")
+    clock = common.Run(common.command_line("scripts/bench_attention.py", argv, ENV_VARS))
+    version = common.source_version(common.attention_digest(), ROOT)
+    names = [s for s in device.SYSTEMS if s == "ours" or s.startswith("sdpa")]
+    points = []
+    for n in args.lengths:
+        found = device.measure_length(
+            n, resolve_pattern(args.pattern, n), names, batch=args.batch, heads=args.heads,
+            head_dim=args.head_dim, dtype=common.DTYPES[args.dtype], device=gpu,
+            causal=args.causal, repeats=args.repeats, check_rows=args.check_rows, seed=args.seed,
+        )
+        points += found
+        print(common.text_table(device.HEADER, device.table_rows(found)), flush=True)
+    tag = f"gpu-{args.tag}"
+    name = torch.cuda.get_device_name(gpu)
+    title = f"{tag}: {describe_pattern(args.pattern)}, {args.shape}, {name}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    plot_path = args.out / f"bench_attention_{tag}.png"
+    device.plot(points, plot_path, title)
+    run = clock.finish()
+    lines = [
+        f"### {tag}", "",
+        f"- pattern: {describe_pattern(args.pattern)}; causal={args.causal}; {args.shape}",
+        f"- command: `{run['command']}`",
+        f"- machine: {name}, torch {torch.__version__}, CUDA {torch.version.cuda}; {version}",
+        f"- date: {run['date']}; wall time of the run {run['wall_s']:.0f} s",
+        f"- method: {device.METHOD}",
+        "", common.markdown_table(device.HEADER, device.table_rows(points)), "",
+        f"![time vs length]({plot_path.name})",
+    ]
+    print("\n".join(lines))
+    if not args.no_doc:
+        common.write_blocks(args.out / "benchmarks.md", "## GPU", PREFIX, {tag: "\n".join(lines)})
 
 
 if __name__ == "__main__":

@@ -58,9 +58,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     parser.add_argument("--profile", type=parse_length, help="profile a dilated step at LEN")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the steps run (cuda: device-synchronised step times)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench_training"))
     parser.add_argument("--json", type=Path, help="also write every sample here")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a CUDA device; none is visible.")
+    if args.device == "cuda" and args.profile is not None:
+        parser.error("--profile splits CPU operator time; run it with --device cpu.")
     for name in ("batch", "steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}.")
@@ -77,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     timings = []
     for length in sorted(args.lengths):
         found = time_length(config, length, batch=args.batch, precision=args.precision,
-                            steps=args.steps, warmup=args.warmup, systems=args.systems)
+                            steps=args.steps, warmup=args.warmup, systems=args.systems,
+                            device=args.device)
         timings += found
         print(" ".join(f"{t.system} @ {length}: {t.tokens_per_s:,.0f} tokens/s" for t in found),
               flush=True)
@@ -118,9 +125,14 @@ def main(argv: list[str] | None = None) -> int:
                       [f"({w}, {r})", f"{seconds:.3f}"] for (w, r), seconds in branches])]
     finished = run.finish()
     threads = torch.get_num_threads()
-    head = common.run_lines(finished, common.machine(threads=True),
+    machine = common.machine(threads=True)
+    if args.device == "cuda":
+        machine = f"{torch.cuda.get_device_name()}, torch {torch.__version__}; host {machine}"
+    head = common.run_lines(finished, machine,
                             common.commit_version(Path(__file__).resolve().parents[1]))
     tag = f"{Path(str(args.model)).name}-{args.precision}"
+    if args.device == "cuda":
+        tag = f"gpu-{tag}"
     block = "\n".join([f"### {tag}", "", *head,
                        f"- model: `{args.model}`, batch {args.batch}, precision {args.precision}, "
                        f"{args.steps} timed steps per point after {args.warmup} warm-up, "

@@ -78,33 +78,43 @@ def twin_config(config: LongNetConfig, system: str, length: int) -> LongNetConfi
 
 
 class TrainingStep:
-    """A model, its AdamW optimizer and random inputs: ``run()`` is one timed training step."""
+    """A model, its AdamW optimizer and random inputs on ``device``: ``run()`` is one timed
+    training step (on CUDA, timed to the end of the device's work)."""
 
     def __init__(self, config: LongNetConfig, length: int, batch: int, precision: str,
-                 seed: int = 0) -> None:
+                 seed: int = 0, device: torch.device | str = "cpu") -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}.")
         torch.manual_seed(seed)
-        self.model = LongNetLM(config)
+        self.device = torch.device(device)
+        self.model = LongNetLM(config).to(self.device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-        self.tokens = torch.randint(0, config.vocab_size, (batch, length))
+        self.tokens = torch.randint(0, config.vocab_size, (batch, length), device=self.device)
         self.precision = precision
 
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def run(self) -> float:
+        self._synchronize()
         started = time.perf_counter()
-        with torch.autocast("cpu", torch.bfloat16, enabled=self.precision == "bf16"):
+        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.precision == "bf16"):
             loss = self.model(self.tokens, labels=self.tokens).loss
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self._synchronize()
         return time.perf_counter() - started
 
 
 def time_length(config: LongNetConfig, length: int, *, batch: int, precision: str,
-                steps: int, warmup: int, systems: Sequence[str] = SYSTEMS) -> list[StepTiming]:
+                steps: int, warmup: int, systems: Sequence[str] = SYSTEMS,
+                device: torch.device | str = "cpu") -> list[StepTiming]:
     """Median step times of every system at one length, interleaved (the order flips every
     round)."""
-    runners = {s: TrainingStep(twin_config(config, s, length), length, batch, precision)
+    runners = {s: TrainingStep(twin_config(config, s, length), length, batch, precision,
+                               device=device)
                for s in systems}
     for runner in runners.values():
         for _ in range(warmup):
