@@ -123,7 +123,7 @@ def attention_call(case: Case, q, k, v, group, branches) -> torch.Tensor:
     """One forward call of ``case.system`` on local shards."""
     if case.system == "ours":
         return dilated_attention(
-            q, k, v, branches, causal=case.causal, group=group, transport=case.transport
+            q, k, v, branches, causal=case.causal, process_group=group, transport=case.transport
         )
     return ring_flash_attention(q, k, v, case.causal, case.bucket_size, ring=group is not None)
 
