@@ -32,28 +32,29 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from longnet.bench import common, peers  # noqa: E402
-from longnet.bench.ring import (  # noqa: E402
+from longnet.bench import common, peers
+from longnet.bench.ring import (
     PREFIX,
     SECTION,
     Case,
     check_rows,
-    dense_rows,
-    dense_table,
-    generated_blocks,
     geometric_branches,
-    grad_table,
     gradient_check,
-    main_rows,
-    main_table,
-    plot,
     replay_kernels,
     run_cases,
 )
+from longnet.bench.ring_report import (
+    dense_rows,
+    dense_table,
+    generated_blocks,
+    grad_table,
+    main_rows,
+    main_table,
+    plot,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+"""The repository: default ``--out`` (``docs/``) and the commit the report names."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
