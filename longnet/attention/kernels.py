@@ -171,11 +171,13 @@ def cuda_flash_backward(
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     d_out, q, k, v, out = _fused_ready(d_out, q, k, v, out)
-    no_sequences = torch.empty(0, dtype=torch.int32, device=q.device)  # not a varlen call
-    no_rng = torch.empty(0, dtype=torch.int64, device=q.device)  # no dropout
+    # as the forward returns them for a dense batch without dropout: no cumulative sequence
+    # lengths (None: not a varlen call) and an unused random state
+    seed = torch.zeros(2, dtype=torch.uint64, device=q.device)
+    offset = torch.zeros((), dtype=torch.uint64, device=q.device)
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        d_out, q, k, v, out, lse.contiguous(), no_sequences, no_sequences,
-        q.shape[-2], k.shape[-2], 0.0, causal, no_rng, no_rng, scale=scale,
+        d_out, q, k, v, out, lse.contiguous(), None, None,
+        q.shape[-2], k.shape[-2], 0.0, causal, seed, offset, scale=scale,
     )
 
 

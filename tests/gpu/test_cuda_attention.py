@@ -32,6 +32,7 @@ CASES = {  # name: (batch, seq_len, heads, head_dim, branches, causal)
     "rates-not-dividing-97": (2, 97, 12, 64, [(16, 1), (32, 2), (64, 4), (97, 6)], False),
     "rates-not-dividing-97-causal": (2, 97, 12, 64, [(16, 1), (32, 2), (64, 4), (97, 6)], True),
     "head-dim-128-3000": (1, 3000, 4, 128, [(1024, 1), (3000, 3)], True),
+    "head-dim-36": (2, 77, 4, 36, [(10, 1), (30, 3)], False),
     "geometric-4096": (1, 4096, 8, 64, [(512, 1), (1024, 2), (2048, 4), (4096, 8)], True),
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
