@@ -6,6 +6,7 @@ Import-free (like :mod:`longnet.constants`), so every layer from ``longnet.atten
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 
@@ -20,22 +21,23 @@ class UsageError(ValueError):
 
 
 def is_int(value: Any) -> bool:
-    """Whether ``value`` is an ``int`` and not a ``bool`` (``True`` is an ``int`` in Python,
-    but never a valid count, length or index here)."""
-    return isinstance(value, int) and not isinstance(value, bool)
+    """Whether ``value`` is an integer (an ``int``, a NumPy integer such as ``np.int64(8)``:
+    any ``numbers.Integral``) and not a ``bool`` (``True`` is an ``int`` in Python, but never
+    a valid count, length or index here)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def check_positive_int(name: str, value: Any) -> int:
-    """``value`` if it is an integer >= 1 (not a bool), else ``ValueError``:
+    """``value`` as an ``int`` if it is an integer >= 1 (:func:`is_int`), else ``ValueError``:
     ``"<name> must be a positive integer, got <value!r>."``"""
     if not is_int(value) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-    return value
+    return int(value)
 
 
 def check_non_negative_int(name: str, value: Any) -> int:
-    """``value`` if it is an integer >= 0 (not a bool), else ``ValueError``:
+    """``value`` as an ``int`` if it is an integer >= 0 (:func:`is_int`), else ``ValueError``:
     ``"<name> must be a non-negative integer, got <value!r>."``"""
     if not is_int(value) or value < 0:
         raise ValueError(f"{name} must be a non-negative integer, got {value!r}.")
-    return value
+    return int(value)

@@ -34,9 +34,11 @@ from longnet.eval.cli import (  # noqa: E402
     documents_from_args,
     length_argument,
     models_from_args,
+    positive_int_argument,
     run_cli,
 )
 from longnet.eval.reporting import write_run_info  # noqa: E402
+from longnet.files import check_output_folder  # noqa: E402
 from longnet.hf.harness import BPB_TASK, NIAH_TASKS, evaluate_model  # noqa: E402
 
 TASKS = ("bpb", *NIAH_TASKS)
@@ -54,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--niah-lengths", nargs="+", type=length_argument, metavar="LEN",
         help="NIAH example lengths in bytes, generated answer included (default: the context)",
     )
-    parser.add_argument("--niah-examples", type=int, default=20,
+    parser.add_argument("--niah-examples", type=positive_int_argument, default=20,
                         help="NIAH examples per task and length (RULER generates 500)")
     parser.add_argument("--compare", action="store_true",
                         help="also score the bpb documents as eval_perplexity.py does")
@@ -64,6 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    check_output_folder(args.out, ["harness.csv", "run.json"])
     models = models_from_args(args)
     documents = documents_from_args(args) if "bpb" in args.tasks else None
     niah = [task for task in args.tasks if task in NIAH_TASKS]
@@ -76,13 +79,13 @@ def main(argv: list[str] | None = None) -> int:
                 niah_examples=args.niah_examples, batch_size=args.batch_size,
                 compare=args.compare, seed=args.seed,
             )
+    print(format_table(rows))
     write_csv(rows, args.out / "harness.csv")
     write_run_info(args.out / "run.json", {
         "models": {m.label: m.source for m in models},
         **{k: v for k, v in vars(args).items() if k != "models"},
         "documents": None if documents is None else [d.doc_id for d in documents],
     })
-    print(format_table(rows))
     for loaded in models if args.compare and documents is not None else ():
         value = {r["task"]: r["value"] for r in rows if r["model"] == loaded.label
                  and r["metric"] in ("bits_per_byte", "scored_bits_per_byte")}

@@ -28,48 +28,42 @@ from longnet.eval import (
     evaluate_passkey,
     format_table,
     plot_passkey_heatmaps,
-    powers_of_two,
     write_csv,
 )
 from longnet.eval.cli import (
+    add_length_arguments,
     add_model_arguments,
-    length_argument,
+    lengths_from_args,
     models_from_args,
+    positive_int_argument,
     run_cli,
 )
-from longnet.eval.perplexity import EXTRAPOLATION_FACTOR, MIN_CONTEXT
 from longnet.eval.reporting import write_run_info
+from longnet.files import check_output_folder
+
+OUTPUTS = ["passkey.csv", "passkey_generations.csv", "passkey.png", "run.json",
+           "passkey_alignment.csv"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_arguments(parser, default_out="runs/eval/passkey")
-    parser.add_argument(
-        "--lengths", nargs="+", type=length_argument, metavar="LEN",
-        help="example lengths in bytes, e.g. 1K 4K 16K (default: powers of two from 1K to 16x "
-        "the longest training length, capped by --max-length)",
-    )
-    parser.add_argument("--max-length", type=length_argument, help="cap of the default lengths")
+    add_length_arguments(parser, "lengths", "max-length", "example lengths in bytes")
     parser.add_argument(
         "--depths", nargs="+", type=float, default=[0.0, 0.25, 0.5, 0.75, 1.0],
         help="needle depths in [0, 1] (0 = start of the filler, 1 = just before the question)",
     )
-    parser.add_argument("--num-examples", type=int, default=10, help="examples per cell")
+    parser.add_argument("--num-examples", type=positive_int_argument, default=10,
+                        help="examples per cell")
     parser.add_argument("--num-digits", type=int, default=5, help="digits of the pass key")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    check_output_folder(args.out, OUTPUTS)
     models = models_from_args(args)
-    longest = max(m.training_length for m in models)
-    lengths = args.lengths or [
-        length
-        for length in powers_of_two(MIN_CONTEXT, max(MIN_CONTEXT, EXTRAPOLATION_FACTOR * longest))
-        if args.max_length is None or length <= args.max_length
-    ]
-    if not lengths:
-        raise SystemExit(f"--max-length {args.max_length} leaves no default length.")
+    lengths = lengths_from_args(args, "lengths", "max-length", models)
     lengths, depths = check_passkey_grid(lengths, args.depths, args.num_digits)
     for item in models:  # refuse impossible lengths before any work
         for length in lengths:
@@ -105,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
                 {"model": item.label, "rate": rate, **row}
                 for row in accuracy_by_alignment(cells, rate, beyond=dense_reach)
             ]
+    print(format_table(rows))
+    if alignment_rows:
+        print(format_table(alignment_rows))
     out = args.out
     write_csv(rows, out / "passkey.csv")
     write_csv(example_rows, out / "passkey_generations.csv")
@@ -116,11 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         "models": {m.label: m.source for m in models}, "lengths": lengths,
         **{k: v for k, v in vars(args).items() if k not in ("models", "lengths")},
     })
-    print(format_table(rows))
     written = [out / "passkey.csv", out / "passkey_generations.csv", out / "passkey.png"]
     if alignment_rows:
         written.append(write_csv(alignment_rows, out / "passkey_alignment.csv"))
-        print(format_table(alignment_rows))
     print("wrote " + ", ".join(str(path) for path in written))
     return 0
 

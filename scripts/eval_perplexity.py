@@ -24,7 +24,6 @@ import sys
 from longnet.eval import (
     bits_per_byte_rows,
     compressor_baselines,
-    default_context_lengths,
     format_table,
     plot_bits_by_position,
     plot_bits_per_byte,
@@ -35,9 +34,10 @@ from longnet.eval import (
 )
 from longnet.eval.cli import (
     add_document_arguments,
+    add_length_arguments,
     add_model_arguments,
     documents_from_args,
-    length_argument,
+    lengths_from_args,
     models_from_args,
     position_argument,
     run_cli,
@@ -45,17 +45,17 @@ from longnet.eval.cli import (
 )
 from longnet.eval.compressors import MODES
 from longnet.eval.reporting import write_run_info
+from longnet.files import check_output_folder
+from longnet.validation import UsageError
+
+OUTPUTS = ["perplexity.csv", "compressors.csv", "perplexity.png", "run.json"]
+BY_POSITION_OUTPUTS = ["positions.csv", "positions.png"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_arguments(parser, default_out="runs/eval/perplexity")
-    parser.add_argument(
-        "--context-lengths", nargs="+", type=length_argument, metavar="LEN",
-        help="window lengths in tokens, e.g. 1K 4K 16K (default: powers of two from 1K to 16x "
-        "the longest training length, capped by --max-context)",
-    )
-    parser.add_argument("--max-context", type=length_argument, help="cap of the default lengths")
+    add_length_arguments(parser, "context-lengths", "max-context", "window lengths in tokens")
     parser.add_argument(
         "--stride", type=stride_argument, default=0.5,
         help="window step: tokens (512, 1K) or a fraction of the context (default 0.5); "
@@ -80,13 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    check_output_folder(args.out, OUTPUTS + (BY_POSITION_OUTPUTS if args.by_position else []))
     models = models_from_args(args)
-    lengths = args.context_lengths or [
-        length for length in default_context_lengths(models)
-        if args.max_context is None or length <= args.max_context
-    ]
-    if not lengths:
-        raise SystemExit(f"--max-context {args.max_context} leaves no default context length.")
+    lengths = lengths_from_args(args, "context-lengths", "max-context", models)
     documents = documents_from_args(args)
     longest = max(doc.num_bytes for doc in documents) + 1
     print(f"{len(documents)} documents, {sum(d.num_bytes for d in documents):,} bytes, longest "
@@ -95,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: context lengths above {longest} (the longest document + 1) see no more "
               "context than that; see the longest_window column.")
     if args.score_from is not None and args.score_from >= longest - 1:
-        raise SystemExit(
+        raise UsageError(
             f"--score-from {args.score_from} leaves no byte to score: the longest document has "
             f"{longest - 1} bytes; lower it or raise --min-document-bytes above it."
         )
@@ -110,6 +106,15 @@ def main(argv: list[str] | None = None) -> int:
          "compressed_bytes": b.compressed_bytes, "bits_per_byte": b.bits_per_byte}
         for b in baselines
     ]
+    by_position = position_rows(scores, position_buckets(longest - 1)) if args.by_position else []
+    columns = ["model", "context_length", "stride", "windows", "longest_window",
+               "bits_per_byte", "perplexity", "seconds"]
+    if args.score_from is not None:
+        columns[-1:-1] = ["scored_bytes", "scored_bits_per_byte"]
+    if by_position:
+        print(format_table(by_position))
+    print(format_table(rows, columns))
+    print(format_table(base_rows))
     out = args.out
     write_csv(rows, out / "perplexity.csv")
     write_csv(base_rows, out / "compressors.csv")
@@ -134,9 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         "documents": [d.doc_id for d in documents],
     })
     written = [out / "perplexity.csv", out / "compressors.csv", out / "perplexity.png"]
-    if args.by_position:
-        buckets = position_buckets(longest - 1)
-        by_position = position_rows(scores, buckets)
+    if by_position:
         written += [write_csv(by_position, out / "positions.csv"), plot_bits_by_position(
             {f"{s.model.label} @ {s.result.context_length}": [
                 (r["start"], r["end"], r["bits_per_byte"]) for r in by_position
@@ -145,13 +148,6 @@ def main(argv: list[str] | None = None) -> int:
             out / "positions.png",
             title=f"Bits per byte by position ({len(documents)} {args.split} documents)",
         )]
-        print(format_table(by_position))
-    columns = ["model", "context_length", "stride", "windows", "longest_window",
-               "bits_per_byte", "perplexity", "seconds"]
-    if args.score_from is not None:
-        columns[-1:-1] = ["scored_bytes", "scored_bits_per_byte"]
-    print(format_table(rows, columns))
-    print(format_table(base_rows))
     print("wrote " + ", ".join(str(path) for path in written))
     return 0
 

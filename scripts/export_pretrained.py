@@ -5,23 +5,31 @@
 ``CHECKPOINT``: a ``.ckpt`` file (one process, ``SequenceParallelStrategy``) or a folder of
 shards (``ShardedSequenceParallelStrategy``, written by every rank; read here on one process,
 whatever the world size that wrote it). ``OUTPUT`` gets ``config.json``, ``model.safetensors``
-and a card, loadable with ``LongNetLM.from_pretrained(OUTPUT)``.
+and a card, loadable with ``LongNetLM.from_pretrained(OUTPUT)``; an existing ``OUTPUT`` folder
+is replaced in one step (``save_pretrained`` is atomic). ``OUTPUT`` is checked before the
+checkpoint is read; errors end with a message and exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
+from longnet.eval.cli import run_cli
+from longnet.files import check_replaceable_folder
 from longnet.training.checkpoint import export_pretrained
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a .ckpt file or a folder of shards")
-    parser.add_argument("output", help="destination folder")
+    parser.add_argument("output", type=Path, help="destination folder")
     args = parser.parse_args(argv)
+    check_replaceable_folder(args.output, what="OUTPUT")
     print(export_pretrained(args.checkpoint, args.output))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(main))

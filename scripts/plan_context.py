@@ -35,24 +35,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from longnet.attention import DilatedPattern, padded_length  # noqa: E402
-from longnet.modeling import LongNetConfig  # noqa: E402
-from longnet.planning import (  # noqa: E402
+from longnet.attention import DilatedPattern, padded_length
+from longnet.modeling import LongNetConfig
+from longnet.planning import (
     AttentionSetup,
     MemoryPlan,
     RankMemory,
     format_bytes,
     plan_memory,
 )
-from longnet.planning.state import (  # noqa: E402
+from longnet.planning.state import (
     LAYOUTS,
     PRECISIONS,
     ParameterShapes,
@@ -61,7 +56,7 @@ from longnet.planning.state import (  # noqa: E402
     model_config,
     state_memory,
 )
-from longnet.validation import UsageError  # noqa: E402
+from longnet.validation import UsageError
 
 DTYPES = {
     "float32": torch.float32,

@@ -11,7 +11,9 @@ import torch
 
 from longnet.eval.documents import EVAL_SPLITS, EvalDocument, load_eval_documents
 from longnet.eval.loading import LoadedModel, load_models
+from longnet.eval.perplexity import MIN_CONTEXT, default_context_lengths
 from longnet.eval.reporting import parse_length
+from longnet.validation import UsageError, check_positive_int
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -26,10 +28,46 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_out: str) -> No
     parser.add_argument("--labels", nargs="+", help="names in tables/plots, one per model")
     parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    parser.add_argument("--batch-size", type=int, default=1, help="sequences per forward pass")
+    parser.add_argument("--batch-size", type=positive_int_argument, default=1,
+                        help="sequences per forward pass")
     parser.add_argument("--seed", type=int, default=0, help="seed of torch and of the examples")
     parser.add_argument("--out", type=Path, default=Path(default_out), help="output folder")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+
+
+def add_length_arguments(
+    parser: argparse.ArgumentParser, option: str, cap: str, what: str
+) -> None:
+    """``--<option>``: lengths like ``1K 4K 16K`` (``what`` they are, for the help), and
+    ``--<cap>``: the cap of the default lengths (:func:`lengths_from_args`)."""
+    parser.add_argument(
+        f"--{option}", nargs="+", type=length_argument, metavar="LEN",
+        help=f"{what}, e.g. 1K 4K 16K (default: powers of two from 1K to 16x the longest "
+        f"training length, capped by --{cap})",
+    )
+    parser.add_argument(f"--{cap}", type=length_argument, help="cap of the default lengths")
+
+
+def lengths_from_args(
+    args: argparse.Namespace, option: str, cap: str, models: list[LoadedModel]
+) -> list[int]:
+    """The lengths of ``--<option>`` (:func:`add_length_arguments`), else those of
+    :func:`longnet.eval.default_context_lengths` up to ``--<cap>``.
+
+    Raises:
+        UsageError: ``--<cap>`` leaves no default length.
+    """
+    given = getattr(args, option.replace("-", "_"))
+    if given:
+        return given
+    limit = getattr(args, cap.replace("-", "_"))
+    lengths = [n for n in default_context_lengths(models) if limit is None or n <= limit]
+    if not lengths:
+        raise UsageError(
+            f"--{cap} {limit} leaves no default length (the shortest is {MIN_CONTEXT}); raise "
+            f"it or give the lengths with --{option}."
+        )
+    return lengths
 
 
 def add_document_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,6 +106,14 @@ def documents_from_args(args: argparse.Namespace) -> list[EvalDocument]:
     )
 
 
+def positive_int_argument(text: str) -> int:
+    """argparse type for counts: an integer >= 1."""
+    try:
+        return check_positive_int("count", int(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}.") from None
+
+
 def length_argument(text: str) -> int:
     """argparse type for lengths like ``2048``, ``16K``, ``1M``."""
     try:
@@ -99,8 +145,6 @@ def stride_argument(text: str) -> int | float:
 
 def models_from_args(args: argparse.Namespace) -> list[LoadedModel]:
     """Seed torch and load ``--models`` on ``--device`` in ``--dtype``."""
-    if args.batch_size < 1:
-        raise SystemExit(f"--batch-size must be >= 1, got {args.batch_size}.")
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -19,7 +19,7 @@ import numpy as np
 from longnet.data.sources import load_documents, select_source
 from longnet.data.splits import SPLITS, check_fractions, document_hash, split_of
 from longnet.data.tokenizer import ByteTokenizer
-from longnet.validation import is_int
+from longnet.validation import check_non_negative_int, check_positive_int
 
 EVAL_SPLITS: dict[str, tuple[str, ...]] = {
     **{name: (name,) for name in SPLITS},
@@ -82,8 +82,8 @@ def load_eval_documents(
         raise ValueError(f"split must be one of {list(EVAL_SPLITS)}, got {split!r}.")
     check_fractions(val_fraction, test_fraction)
     if max_documents is not None:
-        _check_int("max_documents", max_documents, minimum=1)
-    _check_int("min_bytes", min_bytes, minimum=0)
+        check_positive_int("max_documents", max_documents)
+    check_non_negative_int("min_bytes", min_bytes)
     source = select_source(data_files, corpus, text_column)
     tokenizer = ByteTokenizer()
     documents: list[EvalDocument] = []
@@ -109,8 +109,3 @@ def load_eval_documents(
             f"min_bytes={min_bytes}); lower min_bytes or give more data_files."
         )
     return documents
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if not is_int(value) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")

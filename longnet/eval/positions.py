@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from longnet.validation import check_non_negative_int, check_positive_int
+
 LN2 = math.log(2.0)
 FIRST_BUCKET = 512
 
@@ -45,9 +47,7 @@ def position_buckets(limit: int, first: int = FIRST_BUCKET) -> list[tuple[int, i
     Raises:
         ValueError: ``first`` or ``limit`` is not a positive integer.
     """
-    for name, value in (("first", first), ("limit", limit)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    first, limit = check_positive_int("first", first), check_positive_int("limit", limit)
     edges = [0]
     end = first
     while end < limit:
@@ -98,8 +98,7 @@ def bits_from_position(token_nll: Sequence[np.ndarray], start: int) -> PositionB
     Raises:
         ValueError: no document is longer than ``start`` bytes.
     """
-    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-        raise ValueError(f"start must be a non-negative integer, got {start!r}.")
+    start = check_non_negative_int("start", start)
     documents = _byte_nll(token_nll)
     longest = max(len(values) for values in documents)
     if longest <= start:

@@ -34,7 +34,7 @@ from longnet.data.tokenizer import PAD_ID
 from longnet.data.windows import frame_document
 from longnet.eval.documents import EvalDocument
 from longnet.modeling import LongNetLM
-from longnet.validation import check_positive_int, is_int
+from longnet.validation import check_positive_int
 
 
 @dataclass(frozen=True)
@@ -100,10 +100,7 @@ class SlidingWindowResult:
 
 def check_context_length(context_length: int, model: LongNetLM | None = None) -> int:
     """``context_length`` if it is a positive int the model can take, else ``ValueError``."""
-    if not is_int(context_length):
-        raise ValueError(f"context length must be an integer, got {context_length!r}.")
-    if context_length < 1:
-        raise ValueError(f"context length must be at least 1 token, got {context_length}.")
+    context_length = check_positive_int("context length", context_length)
     if model is not None and model.config.position_encoding == "learned":
         limit = model.config.max_positions
         if context_length > limit:
@@ -144,8 +141,7 @@ def plan_windows(
     positions before their end (at 0 for the first); their ``[score_from, end)`` ranges
     partition ``[0, num_targets)`` in order.
     """
-    if num_targets < 1:
-        raise ValueError(f"num_targets must be >= 1, got {num_targets}.")
+    check_positive_int("num_targets", num_targets)
     check_context_length(context_length)
     if not 1 <= stride <= context_length:
         raise ValueError(f"stride must be in [1, {context_length}], got {stride}.")

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from torch import Tensor, nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -34,6 +35,12 @@ from longnet.hf.cache import LongNetCache
 from longnet.hf.configuration import LongNetHFConfig
 from longnet.hf.padding import left_padding, row_groups
 from longnet.modeling import LongNetLM, WeightsMismatchError, list_models, resolve_model_dir
+from longnet.modeling.serialization import (
+    WEIGHTS_NAME,
+    check_finite,
+    unique_state_dict,
+    unreadable_weights,
+)
 
 PREFIX = "longnet"
 CACHE_FIELD = (
@@ -84,17 +91,27 @@ class LongNetForCausalLM(PreTrainedModel, GenerationMixin):
     def from_pretrained(
         cls, pretrained_model_name_or_path: str | Path, *model_args: Any, **kwargs: Any
     ) -> LongNetForCausalLM | tuple[LongNetForCausalLM, dict[str, Any]]:
-        """``transformers``' ``from_pretrained``, with two differences: a zoo name
-        (``"longnet-tiny"``) resolves to its folder, and a checkpoint whose tensors do not
-        match the model exactly (missing, unexpected or mis-shaped) raises
+        """``transformers``' ``from_pretrained``, with these differences: a zoo name
+        (``"longnet-tiny"``) resolves to its folder; a checkpoint whose tensors do not match
+        the model exactly (missing, unexpected or mis-shaped) raises
         :class:`longnet.modeling.WeightsMismatchError` where ``transformers`` would warn and
-        initialize the missing ones at random."""
+        initialize the missing ones at random; one holding NaN or infinite values raises
+        :class:`longnet.modeling.NonFiniteWeightsError`, and a damaged ``model.safetensors``
+        a ``ValueError``, both naming the file.
+
+        ``transformers`` reads ``config.json`` and ``model.safetensors`` one after the other
+        by path: unlike ``LongNetLM.from_pretrained``, this does not load a folder while
+        ``save_pretrained`` replaces it."""
         source = pretrained_model_name_or_path
         if str(source) in list_models() and not Path(source).is_dir():
             source = resolve_model_dir(source)
+        weights = Path(source) / WEIGHTS_NAME if Path(source).is_dir() else f"{source} weights"
         wants_info = kwargs.pop("output_loading_info", False)
-        model, info = super().from_pretrained(source, *model_args, output_loading_info=True,
-                                              **kwargs)
+        try:
+            model, info = super().from_pretrained(source, *model_args, output_loading_info=True,
+                                                  **kwargs)
+        except SafetensorError as err:
+            raise unreadable_weights(weights, err) from None
         problems = [f"{kind.replace('_', ' ')}: {', '.join(sorted(map(str, info[kind])))}"
                     for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")
                     if info.get(kind)]
@@ -103,6 +120,7 @@ class LongNetForCausalLM(PreTrainedModel, GenerationMixin):
                 f"{source} does not match the model ({'; '.join(problems)}). Check that its "
                 "config.json belongs to these weights."
             )
+        check_finite(unique_state_dict(model.longnet), str(weights))
         return (model, info) if wants_info else model
 
     def save_pretrained(

@@ -19,7 +19,7 @@ from longnet.modeling.model import (
 )
 from longnet.modeling.outputs import EncoderOutput, LMOutput
 from longnet.modeling.pretrained import count_parameters, model_card
-from longnet.modeling.serialization import WeightsMismatchError
+from longnet.modeling.serialization import NonFiniteWeightsError, WeightsMismatchError
 from longnet.modeling.tokenizer_files import write_tokenizer_files
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "LongNetLM",
     "LongNetModel",
     "LongNetPreTrained",
+    "NonFiniteWeightsError",
     "WeightsMismatchError",
     "build_block",
     "count_parameters",

@@ -117,6 +117,9 @@ class LongNetConfig:
         if self.dilation_rates is not None:
             self.dilation_rates = _int_tuple("dilation_rates", self.dilation_rates)
         self.validate()
+        for f in dataclasses.fields(self):  # NumPy integers as int: config.json holds them
+            if is_int(getattr(self, f.name)):
+                setattr(self, f.name, int(getattr(self, f.name)))
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -329,7 +332,7 @@ def _int_tuple(name: str, value: Any) -> tuple[int, ...]:
     for item in items:
         if not is_int(item):
             raise ValueError(f"{name} must be a list of positive integers, got {value!r}.")
-    return items
+    return tuple(int(item) for item in items)
 
 
 def _positive_float(name: str, value: Any) -> None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from longnet.validation import is_int
+from longnet.validation import check_positive_int, is_int
 
 if TYPE_CHECKING:
     from longnet.modeling.model import LongNetLM
@@ -35,10 +37,17 @@ def _check(model: LongNetLM, input_ids: Tensor, max_new_tokens, temperature, top
         raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}.")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}.")
-    if not isinstance(temperature, (int, float)) or temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}.")
-    if top_k is not None and (not is_int(top_k) or top_k < 1):
-        raise ValueError(f"top_k must be None or a positive int, got {top_k!r}.")
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, numbers.Real)
+        or not math.isfinite(temperature)
+        or temperature < 0
+    ):
+        raise ValueError(
+            f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}."
+        )
+    if top_k is not None:
+        check_positive_int("top_k", top_k)
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(
             "input_ids must be a (batch, seq) tensor with seq >= 1, got "

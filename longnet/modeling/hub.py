@@ -35,11 +35,13 @@ def models_dir() -> Path:
 
 
 def list_models() -> list[str]:
-    """Names of the zoo models: sub-folders of :func:`models_dir` that hold a ``config.json``."""
+    """Names of the zoo models: sub-folders of :func:`models_dir` that hold a ``config.json``
+    (hidden ones left out: ``.<name>.tmp-*`` is a save that did not finish)."""
     root = models_dir()
     if not root.is_dir():
         return []
-    return sorted(p.name for p in root.iterdir() if (p / "config.json").is_file())
+    return sorted(p.name for p in root.iterdir()
+                  if not p.name.startswith(".") and (p / "config.json").is_file())
 
 
 def resolve_model_dir(name_or_dir: str | os.PathLike) -> Path:

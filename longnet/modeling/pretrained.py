@@ -10,26 +10,33 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import torch
 from torch import nn
 
+from longnet.files import open_files, replace_folder, write_atomic
 from longnet.modeling.config import CONFIG_NAME, MODEL_TYPE, LongNetConfig, check_saved_fields
 from longnet.modeling.hub import resolve_model_dir
 from longnet.modeling.importers import import_hf_checkpoint, is_hf_config
 from longnet.modeling.serialization import (
     WEIGHTS_NAME,
     load_state_checked,
-    read_safetensors,
+    parse_safetensors,
     save_weights,
 )
-from longnet.modeling.tokenizer_files import write_tokenizer_files
+from longnet.modeling.tokenizer_files import (
+    TOKENIZER_CONFIG_NAME,
+    TOKENIZER_NAME,
+    write_tokenizer_files,
+)
 
 if TYPE_CHECKING:
     from longnet.modeling.model import LongNetPreTrained
 
 CARD_NAME = "README.md"
+SAVED_FILES = (CONFIG_NAME, WEIGHTS_NAME, CARD_NAME, TOKENIZER_NAME, TOKENIZER_CONFIG_NAME)
+"""The files :func:`save_pretrained` writes (the tokenizer files for byte-level models only)."""
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {}
 """Model classes by name (``"LongNetLM"``, ``"LongNetEncoder"``): every subclass of
@@ -58,10 +65,12 @@ def model_card(
     has_weights: bool,
     description: str = "",
     details: str = "",
+    num_parameters: int | None = None,
 ) -> str:
-    """A Markdown card: size (computed), shape, pattern, context, and whether weights exist,
-    followed by ``details`` (e.g. a hand-written training and results section)."""
-    params = count_parameters(config, architecture)
+    """A Markdown card: size (``num_parameters``, else computed), shape, pattern, context, and
+    whether weights exist, followed by ``details`` (e.g. a hand-written training and results
+    section)."""
+    params = count_parameters(config, architecture) if num_parameters is None else num_parameters
     pattern = config.pattern
     branches = ", ".join(f"({w}, {r})" for w, r in pattern.branches)
     dense = config.segment_lengths is None
@@ -119,29 +128,42 @@ def model_card(
     return f"{card}\n{details.strip()}\n" if details.strip() else card
 
 
-def save_pretrained(model: LongNetPreTrained, directory: str | Path, name: str | None = None):
+def save_pretrained(
+    model: LongNetPreTrained, directory: str | Path, name: str | None = None
+) -> Path:
     """Write ``config.json`` (with the architecture), ``model.safetensors``, ``README.md`` and,
-    for a byte-level model, the tokenizer files (:mod:`longnet.modeling.tokenizer_files`)."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    for a byte-level model, the tokenizer files (:mod:`longnet.modeling.tokenizer_files`);
+    returns ``directory``.
+
+    Atomic (:func:`longnet.files.replace_folder`): the files are written into a temporary
+    folder next to ``directory``, which then takes its place in one step, so a concurrent
+    :func:`from_pretrained` loads the old model or the new one, never a mix, and a save that
+    fails or is killed leaves the old folder as it was. Other files of an existing folder are
+    kept; the old version's :data:`SAVED_FILES` are not.
+    """
     architecture = type(model).__name__
     data = {"architecture": architecture, **model.config.to_dict()}
-    (directory / CONFIG_NAME).write_text(json.dumps(data, indent=2) + "\n")
-    save_weights(model, directory / WEIGHTS_NAME)
     card = model_card(
-        model.config, name or directory.name, architecture=architecture, has_weights=True
+        model.config, name or Path(directory).name, architecture=architecture, has_weights=True,
+        num_parameters=model.num_parameters(),
     )
-    (directory / CARD_NAME).write_text(card)
-    write_tokenizer_files(directory, model.config)
-    return directory
+    with replace_folder(directory, owned=SAVED_FILES) as folder:
+        (folder / CONFIG_NAME).write_text(json.dumps(data, indent=2) + "\n")
+        save_weights(model, folder / WEIGHTS_NAME)
+        (folder / CARD_NAME).write_text(card)
+        write_tokenizer_files(folder, model.config)
+    return Path(directory)
 
 
-def _read_config_json(folder: Path) -> dict[str, Any]:
-    """The parsed ``config.json`` of a model folder (LongNet or Hugging Face)."""
+def _config_json(files: dict[str, BinaryIO], folder: Path) -> dict[str, Any]:
+    """The parsed ``config.json`` (LongNet or Hugging Face) among the open ``files`` of a
+    model folder."""
     config_path = folder / CONFIG_NAME
+    if CONFIG_NAME not in files:
+        raise FileNotFoundError(f"{folder} has no {CONFIG_NAME}.")
     try:
-        data = json.loads(config_path.read_text())
-    except json.JSONDecodeError as err:
+        data = json.loads(files[CONFIG_NAME].read())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{config_path} is not valid JSON: {err}.") from None
     if not isinstance(data, dict):
         raise ValueError(f"{config_path} must hold a JSON object.")
@@ -153,7 +175,8 @@ def pretrained_config(name_or_dir: str | Path, **overrides: Any) -> LongNetConfi
     a zoo model, a ``save_pretrained`` folder or (read with its weights, which decide whether
     the head is tied) a local Hugging Face checkpoint."""
     folder = resolve_model_dir(name_or_dir)
-    data = _read_config_json(folder)
+    with open_files(folder, (CONFIG_NAME,)) as files:
+        data = _config_json(files, folder)
     if is_hf_config(data):
         return import_hf_checkpoint(folder, data, **overrides)[0]
     check_saved_fields(data, folder / CONFIG_NAME)
@@ -163,30 +186,27 @@ def pretrained_config(name_or_dir: str | Path, **overrides: Any) -> LongNetConfi
 def from_pretrained(
     cls: type, name_or_dir: str | Path, *, dtype: torch.dtype | None = None, **overrides: Any
 ):
-    """See :meth:`longnet.modeling.LongNetLM.from_pretrained`.  Returns the model in eval mode."""
+    """See :meth:`longnet.modeling.LongNetLM.from_pretrained`.  Returns the model in eval mode.
+
+    The config and the weights of a LongNet folder come from one version of it
+    (:func:`longnet.files.open_files`), even while :func:`save_pretrained` replaces it.
+    """
     folder = resolve_model_dir(name_or_dir)
-    data = _read_config_json(folder)
-    if is_hf_config(data):
-        config, tensors = import_hf_checkpoint(folder, data, **overrides)
-        source = f"Hugging Face checkpoint {folder}"
-    else:
-        architecture = data.get("architecture", cls.__name__)
-        if data.get("model_type", MODEL_TYPE) == MODEL_TYPE and architecture != cls.__name__:
-            raise ValueError(
-                f"{folder} holds a {architecture}; load it with {architecture}.from_pretrained "
-                f"(or build a fresh {cls.__name__} from LongNetConfig.from_pretrained)."
-            )
-        check_saved_fields(data, folder / CONFIG_NAME)
-        config = LongNetConfig.from_dict(data, **overrides)
-        weights = folder / WEIGHTS_NAME
-        if not weights.is_file():
-            raise FileNotFoundError(
-                f"{folder} has a config but no {WEIGHTS_NAME} (no trained weights yet). Build an "
-                f"untrained model with {cls.__name__}(LongNetConfig.from_pretrained("
-                f"{str(name_or_dir)!r}))."
-            )
-        tensors = read_safetensors(weights)
-        source = str(weights)
+    with open_files(folder, (CONFIG_NAME, WEIGHTS_NAME)) as files:
+        data = _config_json(files, folder)
+        if is_hf_config(data):
+            config, tensors = import_hf_checkpoint(folder, data, **overrides)
+            source = f"Hugging Face checkpoint {folder}"
+        else:
+            config = _longnet_config(cls, data, folder, overrides)
+            if WEIGHTS_NAME not in files:
+                raise FileNotFoundError(
+                    f"{folder} has a config but no {WEIGHTS_NAME} (no trained weights yet). "
+                    f"Build an untrained model with {cls.__name__}(LongNetConfig."
+                    f"from_pretrained({str(name_or_dir)!r}))."
+                )
+            source = str(folder / WEIGHTS_NAME)
+            tensors = parse_safetensors(files[WEIGHTS_NAME].read(), source)
     model = cls(config)
     if dtype is not None:
         model = model.to(dtype)
@@ -199,6 +219,21 @@ def from_pretrained(
         }
     load_state_checked(model, tensors, source=source)
     return model.eval()
+
+
+def _longnet_config(
+    cls: type, data: dict[str, Any], folder: Path, overrides: dict[str, Any]
+) -> LongNetConfig:
+    """The config of a LongNet folder's ``config.json`` ``data``, refusing one saved by
+    another architecture than ``cls``."""
+    architecture = data.get("architecture", cls.__name__)
+    if data.get("model_type", MODEL_TYPE) == MODEL_TYPE and architecture != cls.__name__:
+        raise ValueError(
+            f"{folder} holds a {architecture}; load it with {architecture}.from_pretrained "
+            f"(or build a fresh {cls.__name__} from LongNetConfig.from_pretrained)."
+        )
+    check_saved_fields(data, folder / CONFIG_NAME)
+    return LongNetConfig.from_dict(data, **overrides)
 
 
 def write_model_folder(
@@ -214,9 +249,8 @@ def write_model_folder(
     model, the tokenizer files (``has_weights``: the card says ``model.safetensors`` is in the
     folder; the weights themselves are not written)."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     data = {"architecture": architecture, **config.to_dict()}
-    (directory / CONFIG_NAME).write_text(json.dumps(data, indent=2) + "\n")
+    write_atomic(directory / CONFIG_NAME, json.dumps(data, indent=2) + "\n")
     card = model_card(
         config,
         directory.name,
@@ -225,6 +259,6 @@ def write_model_folder(
         description=description,
         details=details,
     )
-    (directory / CARD_NAME).write_text(card)
+    write_atomic(directory / CARD_NAME, card)
     write_tokenizer_files(directory, config)
     return directory

@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, load_file, save_file
 from torch import Tensor, nn
 
 WEIGHTS_NAME = "model.safetensors"
+_SAFETENSORS_ERRORS = (SafetensorError, OSError, RuntimeError, ValueError)
+"""What the ``safetensors`` readers raise on a damaged file."""
 
 
 class WeightsMismatchError(ValueError):
     """A checkpoint's tensors do not match the model: missing, unexpected or mis-shaped."""
+
+
+class NonFiniteWeightsError(ValueError):
+    """A checkpoint holds NaN or infinite values (the training that wrote it diverged, or the
+    file is damaged)."""
 
 
 def unique_state_dict(model: nn.Module) -> dict[str, Tensor]:
@@ -32,9 +41,17 @@ def unique_state_dict(model: nn.Module) -> dict[str, Tensor]:
 
 
 def save_weights(model: nn.Module, path: str | Path) -> None:
-    """Write the model's tensors (tied ones once) to a safetensors file."""
+    """Write the model's tensors (tied ones once) to a safetensors file.
+
+    A new file gets the permission bits of any new file (``0o666`` less the umask; the
+    ``safetensors`` writer alone makes it ``0o600``); a replaced file keeps its bits.
+    """
+    path = Path(path)
     state = {k: v.detach().contiguous() for k, v in unique_state_dict(model).items()}
+    path.touch()
+    mode = stat.S_IMODE(path.stat().st_mode)
     save_file(state, str(path), metadata={"format": "pt", "library": "longnet"})
+    os.chmod(path, mode)
 
 
 def read_safetensors(path: str | Path) -> dict[str, Tensor]:
@@ -44,20 +61,53 @@ def read_safetensors(path: str | Path) -> dict[str, Tensor]:
         raise FileNotFoundError(f"no weights file at {path}.")
     try:
         return load_file(str(path), device="cpu")
-    except (SafetensorError, OSError, RuntimeError, ValueError) as err:
-        raise ValueError(
-            f"{path} is not a readable safetensors file ({err}); it is corrupt or truncated. "
-            "Re-save or re-copy it."
-        ) from None
+    except _SAFETENSORS_ERRORS as err:
+        raise unreadable_weights(path, err) from None
+
+
+def parse_safetensors(data: bytes, path: str | Path) -> dict[str, Tensor]:
+    """All tensors of the safetensors file ``path`` whose bytes are ``data``, on CPU; a damaged
+    file raises a clear ``ValueError`` naming ``path``."""
+    try:
+        return load(data)
+    except _SAFETENSORS_ERRORS as err:
+        raise unreadable_weights(path, err) from None
+
+
+def unreadable_weights(path: str | Path, error: Exception) -> ValueError:
+    """The error for a weights file ``path`` that ``safetensors`` could not read."""
+    return ValueError(
+        f"{path} is not a readable safetensors file ({error}); it is corrupt or truncated. "
+        "Re-save or re-copy it."
+    )
+
+
+def check_finite(tensors: Mapping[str, Tensor], source: str) -> None:
+    """Raise :class:`NonFiniteWeightsError` naming ``source`` and every tensor of ``tensors``
+    that holds a NaN or an infinity (tensors on the meta device are skipped)."""
+    bad = []
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and tensor.device.type != "meta":
+            count = int((~torch.isfinite(tensor)).sum())
+            if count:
+                bad.append(f"{name} ({count} of {tensor.numel()} values)")
+    if bad:
+        shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        raise NonFiniteWeightsError(
+            f"{source} holds NaN or infinite weights: {shown}. The training that wrote it "
+            "diverged or the file is damaged; load an earlier checkpoint or re-copy the file."
+        )
 
 
 def load_state_checked(
     model: nn.Module, tensors: Mapping[str, Tensor], source: str = "checkpoint"
 ) -> None:
-    """Copy ``tensors`` into ``model``, requiring exactly its (unaliased) tensors and shapes.
+    """Copy ``tensors`` into ``model``, requiring exactly its (unaliased) tensors and shapes
+    and finite values.
 
     Raises :class:`WeightsMismatchError` naming every missing, unexpected and mis-shaped
-    tensor.  Values are cast to the model's dtypes.
+    tensor, and :class:`NonFiniteWeightsError` naming every tensor holding a NaN or an
+    infinity.  Values are cast to the model's dtypes.
     """
     expected = unique_state_dict(model)
     missing = sorted(set(expected) - set(tensors))
@@ -79,6 +129,7 @@ def load_state_checked(
             f"{source} does not match the model ({'; '.join(problems)}). Check that the "
             "config belongs to these weights (and that no override changes a shape)."
         )
+    check_finite(tensors, source)
     with torch.no_grad():
         for name, target in expected.items():
             target.copy_(tensors[name])

@@ -37,6 +37,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from longnet.files import write_atomic
 from longnet.modeling.config import LongNetConfig
 
 TOKENIZER_NAME = "tokenizer.json"
@@ -127,14 +128,13 @@ def tokenizer_config(config: LongNetConfig) -> dict[str, Any]:
 
 def write_tokenizer_files(directory: str | Path, config: LongNetConfig) -> list[Path]:
     """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``directory`` when
-    ``config`` is byte-level; returns the files written (none for other vocabularies)."""
+    ``config`` is byte-level, each whole or not at all (:func:`longnet.files.write_atomic`);
+    returns the files written (none for other vocabularies)."""
     if not is_byte_level(config):
         return []
     directory = Path(directory)
-    written = []
-    for name, data in ((TOKENIZER_NAME, tokenizer_json()),
-                       (TOKENIZER_CONFIG_NAME, tokenizer_config(config))):
-        path = directory / name
-        path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-        written.append(path)
-    return written
+    return [
+        write_atomic(directory / name, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+        for name, data in ((TOKENIZER_NAME, tokenizer_json()),
+                           (TOKENIZER_CONFIG_NAME, tokenizer_config(config)))
+    ]

@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from longnet.eval import checkpoint_config, load_model, load_models
-from longnet.modeling import LongNetConfig, LongNetLM, WeightsMismatchError
+from longnet.modeling import (
+    LongNetConfig,
+    LongNetLM,
+    NonFiniteWeightsError,
+    WeightsMismatchError,
+)
 
 CONFIG = dict(hidden_size=32, num_layers=2, num_heads=2, max_positions=64,
               segment_lengths=(16, 32, 64), dilation_rates=(1, 2, 4), eos_token_id=255)
@@ -116,6 +121,12 @@ def test_bad_checkpoints_are_explained(tmp_path: Path):
         archive.writestr("notes.txt", "hello")
     with pytest.raises(ValueError, match="cannot read .*e.ckpt .*weights_only=True"):
         load_model(tmp_path / "e.ckpt")
+    with torch.no_grad():
+        model.model.layers[1].ffn.up_proj.weight[2, 5] = float("inf")
+    path = lightning_like_checkpoint(model, tmp_path / "f.ckpt", {"config": CONFIG})
+    with pytest.raises(NonFiniteWeightsError,
+                       match=r"f\.ckpt holds NaN or infinite weights: model\.layers\.1\.ffn"):
+        load_model(path)
 
 
 def test_checkpoint_errors_name_the_file(tmp_path: Path):

@@ -123,7 +123,7 @@ def test_bad_grids_are_refused():
         check_passkey_grid([600], [1.5])
     with pytest.raises(ValueError, match="repeat"):
         check_passkey_grid([600, 600], [0.5])
-    with pytest.raises(ValueError, match="at least 1"):
+    with pytest.raises(ValueError, match="context length must be a positive integer, got 0"):
         check_passkey_grid([0], [0.5])
     with pytest.raises(ValueError, match="at least one"):
         check_passkey_grid([], [0.5])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import functools
 import importlib.util
 import json
 from pathlib import Path
@@ -127,6 +128,36 @@ def test_eval_perplexity_refuses_impossible_lengths(tmp_path: Path, tiny_model: 
         module.parse_args(["--models", "x", "--stride", "1.5"])
     assert module.run_cli(lambda: module.main(["--models", "longnet-nope"])) == 2
     assert "Known models" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["eval_perplexity", "eval_passkey"])
+def test_an_unwritable_out_is_refused_before_any_work(tmp_path: Path, name: str, capsys):
+    """Checked before the models load (``longnet-nope`` would fail to load): nothing
+    computed is lost to an --out that cannot be written."""
+    module = script(name)
+    existing = tmp_path / "results.csv"
+    existing.write_text("earlier results")
+    blocked = tmp_path / "out"
+    table = blocked / ("perplexity.csv" if name == "eval_perplexity" else "passkey.csv")
+    table.mkdir(parents=True)
+    for out, message in [
+        (existing, f"--out {existing}: {existing} is a file, not a folder; give another --out"),
+        (existing / "sub", f"--out {existing / 'sub'}: {existing} is a file, not a folder"),
+        (blocked, f"--out {blocked}: {table} is a folder where a file is to be written"),
+    ]:
+        argv = ["--models", "longnet-nope", "--out", str(out)]
+        assert module.run_cli(functools.partial(module.main, argv)) == 2
+        assert message in capsys.readouterr().err
+    assert existing.read_text() == "earlier results"
+
+
+def test_export_refuses_an_output_file_before_reading_the_checkpoint(tmp_path: Path, capsys):
+    existing = tmp_path / "model"
+    existing.write_text("not a folder")
+    module = script("export_pretrained")
+    argv = [str(tmp_path / "missing.ckpt"), str(existing)]
+    assert module.run_cli(functools.partial(module.main, argv)) == 2
+    assert f"OUTPUT {existing} is a file, not a folder" in capsys.readouterr().err
 
 
 def test_eval_passkey_end_to_end(tmp_path: Path, tiny_model: Path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -108,8 +110,10 @@ def test_stops_at_eos_and_restores_training_mode():
 def test_generation_argument_errors():
     model = make_lm()
     prompt = torch.randint(0, 48, (1, 4))
-    with pytest.raises(ValueError, match="temperature"):
-        model.generate(prompt, 3, temperature=-1.0)
+    for temperature in (-1.0, math.nan, math.inf, True, "1"):
+        with pytest.raises(ValueError, match=f"temperature must be a finite number >= 0 .*, "
+                                             f"got {temperature!r}"):
+            model.generate(prompt, 3, temperature=temperature)
     with pytest.raises(ValueError, match="top_k"):
         model.generate(prompt, 3, top_k=0)
     with pytest.raises(ValueError, match="max_new_tokens"):

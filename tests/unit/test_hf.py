@@ -7,6 +7,7 @@ import csv
 import importlib.util
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from longnet.data import ByteTokenizer
 from longnet.modeling import (
     LongNetConfig,
     LongNetLM,
+    NonFiniteWeightsError,
     WeightsMismatchError,
     list_models,
     resolve_model_dir,
@@ -319,6 +321,26 @@ def test_missing_weights_are_an_error_not_a_random_init(tmp_path):
     tensors.pop("model.final_norm.weight")
     save_file(tensors, tmp_path / "model.safetensors")
     with pytest.raises(WeightsMismatchError, match="missing keys: longnet.model.final_norm"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "random", "nan"])
+def test_damaged_or_non_finite_weights_are_refused_naming_the_file(tmp_path, damage):
+    from safetensors.torch import load_file, save_file
+
+    make_lm().save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    if damage == "nan":
+        tensors = load_file(path)
+        tensors["model.final_norm.weight"][3] = float("nan")
+        save_file(tensors, path)
+        error, message = NonFiniteWeightsError, "NaN or infinite weights: model.final_norm.weight"
+    else:
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2] if damage == "truncate"
+                         else random.Random(0).randbytes(len(data)))
+        error, message = ValueError, "not a readable safetensors file.*corrupt or truncated"
+    with pytest.raises(error, match=f"{re.escape(str(path))} .*{message}"):
         AutoModelForCausalLM.from_pretrained(tmp_path)
 
 

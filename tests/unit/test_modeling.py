@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
+import stat
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,6 +24,7 @@ from longnet.modeling import (
     LongNetConfig,
     LongNetEncoder,
     LongNetLM,
+    NonFiniteWeightsError,
     WeightsMismatchError,
     count_parameters,
     list_models,
@@ -85,6 +93,19 @@ def test_config_validation_names_the_field(overrides, field):
         small_config(**overrides)
 
 
+def test_numpy_integers_are_accepted_and_stored_as_int(tmp_path):
+    """A pattern or a config built from NumPy integers works and saves as plain JSON."""
+    pattern = DilatedPattern((np.int64(4), np.int64(8)), (np.int32(1), np.int64(2)))
+    config = small_config(hidden_size=np.int64(32), eos_token_id=np.int64(3)).replace(
+        pattern=pattern)
+    assert (config.hidden_size, config.segment_lengths, config.eos_token_id) == (32, (4, 8), 3)
+    assert type(config.hidden_size) is int and type(config.segment_lengths[0]) is int
+    config.save(tmp_path)
+    assert LongNetConfig.load(tmp_path) == config
+    with pytest.raises(ValueError, match="hidden_size"):
+        small_config(hidden_size=np.float64(32.0))
+
+
 def test_config_json_round_trip_and_overrides(tmp_path):
     config = small_config(num_kv_heads=2, ffn_kind="glu", activation="silu", extra={"note": 1})
     assert LongNetConfig.from_dict(json.loads(config.to_json_string())) == config
@@ -149,6 +170,16 @@ def test_input_errors():
     model = make_lm()
     with pytest.raises(ValueError, match="vocab_size"):
         model(torch.tensor([[1, 40]]))
+    x = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match=r"the first: 40\); ids must be in 0\.\.39 \(vocab_size"):
+        model(x, labels=torch.tensor([[2, 40, -100]]))
+    with pytest.raises(ValueError, match="the first: -5"):
+        model(x, labels=torch.tensor([[2, -5, -100]]))
+    with pytest.raises(TypeError, match="integer dtype"):
+        model(x, labels=torch.tensor([[2.0, 1.0, 0.0]]))
+    encoder = LongNetEncoder(small_config(num_labels=3))
+    with pytest.raises(ValueError, match=r"the first: 3\); ids must be in 0\.\.2 \(num_labels"):
+        encoder(x, labels=torch.tensor([3]))
     with pytest.raises(ValueError, match="batch"):
         model(torch.tensor([1, 2, 3]))
     with pytest.raises(TypeError, match="integer"):
@@ -291,6 +322,105 @@ def test_mismatched_weights_name_the_tensor(tmp_path, edit, message):
     _edit_weights(tmp_path / "model.safetensors", edit)
     with pytest.raises(WeightsMismatchError, match=message):
         LongNetLM.from_pretrained(tmp_path)
+
+
+def test_non_finite_weights_are_refused_naming_the_tensor_and_file(tmp_path):
+    make_lm().save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(path)
+    tensors["model.layers.1.attn.q_proj.weight"][0, :3] = torch.tensor([math.nan, math.inf, 1])
+    save_file(tensors, path)
+    with pytest.raises(NonFiniteWeightsError, match=(
+        rf"{re.escape(str(path))} holds NaN or infinite weights: "
+        r"model\.layers\.1\.attn\.q_proj\.weight \(2 of 1024 values\)")):
+        LongNetLM.from_pretrained(tmp_path)
+
+
+def test_save_pretrained_files_get_the_umask_and_a_folder_keeps_its_mode(tmp_path):
+    old = os.umask(0o022)
+    try:
+        make_lm(vocab_size=256).save_pretrained(tmp_path / "m")
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "m").iterdir()}
+    assert set(modes.values()) == {0o644} and len(modes) == 5
+    assert stat.S_IMODE((tmp_path / "m").stat().st_mode) == 0o755
+    (tmp_path / "m").chmod(0o700)
+    make_lm().save_pretrained(tmp_path / "m")
+    assert stat.S_IMODE((tmp_path / "m").stat().st_mode) == 0o700
+
+
+def test_save_pretrained_replaces_its_own_files_and_keeps_others(tmp_path):
+    """Re-saving a model of another vocabulary drops the old byte tokenizer (it would not fit)
+    but keeps files that save_pretrained does not write."""
+    make_lm(vocab_size=256).save_pretrained(tmp_path / "m")
+    (tmp_path / "m" / "notes.txt").write_text("mine")
+    (tmp_path / "m" / "plots").mkdir()
+    (tmp_path / "m" / "plots" / "a.png").write_bytes(b"png")
+    make_lm().save_pretrained(tmp_path / "m")
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == [
+        "README.md", "config.json", "model.safetensors", "notes.txt", "plots"]
+    assert (tmp_path / "m" / "plots" / "a.png").read_bytes() == b"png"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # no temporary folder left
+
+
+def test_an_interrupted_save_leaves_the_previous_model(tmp_path, monkeypatch):
+    """A save that fails while writing the weights (as a kill would stop it) changes nothing."""
+    old = make_lm(seed=1)
+    old.save_pretrained(tmp_path / "m")
+
+    def fail(model, path):
+        Path(path).write_bytes(b"half a file")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("longnet.modeling.pretrained.save_weights", fail)
+    with pytest.raises(KeyboardInterrupt):
+        make_lm(seed=2, hidden_size=64).save_pretrained(tmp_path / "m")
+    loaded = LongNetLM.from_pretrained(tmp_path / "m")
+    assert loaded.config == old.config
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(),
+                                                 old.state_dict().values()))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
+SAVER = """
+import os, sys, torch
+from longnet.modeling import LongNetConfig, LongNetLM
+os.fsync = lambda fd: None  # durability is not checked here, and fsync is slow on a busy disk
+folder, first, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+model = LongNetLM(LongNetConfig(hidden_size=8, num_layers=1, num_heads=1, max_positions=8))
+for version in range(first, first + rounds):
+    model.config.extra["version"] = version
+    torch.nn.init.constant_(model.model.final_norm.weight, version)
+    model.save_pretrained(folder)
+"""
+
+
+def test_concurrent_saves_and_loads_never_give_a_torn_or_mixed_model(tmp_path):
+    """Two processes re-save a folder while this one loads it: every load is one whole
+    version (config.json's ``extra["version"]`` is the value of every final-norm weight)."""
+    folder, rounds = tmp_path / "m", 100
+    savers = [subprocess.Popen([sys.executable, "-c", SAVER, str(folder), str(first),
+                                str(rounds)]) for first in (0, rounds)]
+    loads, problems = 0, []
+    while any(saver.poll() is None for saver in savers):
+        if not folder.exists():
+            time.sleep(0.01)  # the first save has not finished yet
+            continue
+        try:
+            model = LongNetLM.from_pretrained(folder)
+        except Exception as err:  # a torn file or a mismatch
+            problems.append(f"{type(err).__name__}: {err}")
+            continue
+        loads += 1
+        version = model.config.extra["version"]
+        if not torch.all(model.model.final_norm.weight == version):
+            problems.append(f"config of version {version}, weights of another")
+    assert [saver.returncode for saver in savers] == [0, 0]
+    assert problems == [] and loads > 20
+    final = LongNetLM.from_pretrained(folder).config.extra["version"]
+    assert final in (rounds - 1, 2 * rounds - 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
 
 
 def test_corrupt_weights_file_gives_clear_error(tmp_path):

@@ -16,12 +16,13 @@ from longnet.modeling import hub
 REPO = Path(__file__).resolve().parents[2]
 
 
-LAYERS = ["constants", "validation", "denormals", "distributed", "attention", "nn", "modeling",
-          "data", "training", "eval", "hf", "bench", "cli", "__main__"]
-"""``longnet``'s layers from the bottom up: shared constants and validators, the CPU's
-subnormal-float switch, the process-group launcher, then the library's layers, the Hugging
-Face adapters (``hf``, on top of evaluation: its lm-eval harness loads models with
-``longnet.eval``), the benchmark harness, and ``cli``/``__main__`` (the command) on top."""
+LAYERS = ["constants", "validation", "files", "denormals", "distributed", "attention", "nn",
+          "modeling", "planning", "data", "training", "eval", "hf", "bench", "cli", "__main__"]
+"""``longnet``'s layers from the bottom up: shared constants and validators, atomic file
+writes, the CPU's subnormal-float switch, the process-group launcher, then the library's layers
+(``planning``: the memory models, over attention and modeling), the Hugging Face adapters
+(``hf``, on top of evaluation: its lm-eval harness loads models with ``longnet.eval``), the
+benchmark harness, and ``cli``/``__main__`` (the command) on top."""
 
 
 def _layer(module: str) -> int:
