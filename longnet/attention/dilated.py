@@ -22,11 +22,12 @@ import torch.distributed as dist
 from einops import rearrange
 from torch import Tensor
 
+from longnet.attention.documents import document_lengths
 from longnet.attention.kernels import kernel_names
 from longnet.attention.local import attend_local, attend_local_backward
 from longnet.attention.pattern import DilatedPattern
 from longnet.attention.plan import AttentionPlan, default_block_elements, plan_attention
-from longnet.attention.ring import agree_on_call
+from longnet.attention.ring import LAYOUTS, agree_on_call, run_backward_, run_forward_
 from longnet.attention.transport import transports_per_branch
 from longnet.validation import is_int
 
@@ -35,8 +36,8 @@ class _DilatedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan: AttentionPlan):
         out, lse = attend_local(q, k, v, plan)
-        for piece in plan.pieces:
-            piece.forward_(out, lse, q, k, v, plan)
+        for pieces in plan.pieces:
+            run_forward_(pieces, out, lse, q, k, v, plan)
         # a NaN query gives a NaN row, as in dense attention (ATen's CPU flash kernel returns
         # such a row as empty: out 0, lse 0)
         nan_queries = q.isnan().any(-1, keepdim=True)
@@ -58,8 +59,8 @@ class _DilatedAttention(torch.autograd.Function):
         if d_lse is not None:
             d_lse = rearrange(d_lse, "b h n -> b n h 1").to(lse.dtype)
         grads = attend_local_backward(d_out, *saved, d_lse, plan)
-        for piece in plan.pieces:
-            piece.backward_(grads, d_out, d_lse, saved, plan)
+        for pieces in plan.pieces:
+            run_backward_(pieces, grads, d_out, d_lse, saved, plan)
         d_q, d_k, d_v = (grad.to(q.dtype) for grad in grads)
         return d_q, d_k, d_v, None
 
@@ -78,6 +79,8 @@ def dilated_attention(
     check_finite: bool = False,
     kernel: str = "auto",
     block_elements: int | None = None,
+    document_ids: Tensor | None = None,
+    layout: str = "contiguous",
 ) -> Tensor | tuple[Tensor, Tensor]:
     """LongNet dilated attention, exact in forward and backward.
 
@@ -90,6 +93,12 @@ def dilated_attention(
             this rank's contiguous shard (group-rank order, equal lengths ``L = N / P``) and the
             result is this rank's shard of the single-device result. Every segment length
             (capped at ``N``) must divide ``L`` or be a multiple of it (see ``padded_length``).
+        layout: how the sequence is sharded over the ranks of ``process_group``:
+            ``"contiguous"`` (rank ``r`` holds tokens ``r L .. (r + 1) L - 1``) or ``"zigzag"``
+            (``2P`` chunks of ``C = N / 2P`` tokens; rank ``r`` holds chunks ``r`` and
+            ``2P - 1 - r``, concatenated, so that causal work is balanced across ranks; every
+            segment length must divide ``C`` or be a multiple of it, and branches spanning
+            chunks use the ``ring`` transport).
         return_lse: also return the log-sum-exp of the scores.
         transport: how branches spanning several ranks move K/V: ``"ring"`` or ``"allgather"``,
             one for all branches or one per branch.
@@ -103,6 +112,12 @@ def dilated_attention(
             otherwise, ATen's flash kernel on the CPU, math for the rest) or one of those names.
         block_elements: the most elements of one gathered block tensor (bounds the working
             memory); default from the device (``plan.default_block_elements``).
+        document_ids: ``(batch, seq)`` integer ids, non-decreasing along the sequence, for
+            packed documents: each run of equal ids is a document, attended exactly as if it
+            were called alone (its segments start at its first token, no key from another
+            document; docs/architecture.md §2, "Packed documents"). Batch elements may hold
+            different documents. Costs one transfer of the ids to the host. Not supported
+            with a ``process_group`` yet.
     Returns:
         ``out`` ``(batch, seq, heads, head_dim)`` in the input dtype, and with ``return_lse``
         ``lse`` ``(batch, heads, seq)`` in float32 (float64 for float64 inputs). Queries that no
@@ -122,8 +137,21 @@ def dilated_attention(
             f"dilated_attention: block_elements must be a positive integer or None (the "
             f"device's default), got {block_elements!r}."
         )
+    if layout not in LAYOUTS:
+        raise ValueError(
+            f"dilated_attention: layout must be one of {LAYOUTS}, got {layout!r}."
+        )
     if check_finite:
         _check_finite(q, k, v)
+    documents = None
+    if document_ids is not None:
+        if process_group is not None:
+            raise ValueError(
+                "dilated_attention: document_ids with a process_group (sequence parallelism) "
+                "is not supported yet; run packed documents on one device, or pass whole "
+                "sequences without document_ids."
+            )
+        documents = document_lengths(document_ids, q.shape, q.device)
     pattern = DilatedPattern.coerce(pattern)
     scale = float(scale) if scale is not None else q.shape[-1] ** -0.5
     transports = transports_per_branch(transport, len(pattern.branches))
@@ -131,7 +159,7 @@ def dilated_attention(
     if process_group is not None and dist.get_world_size(process_group) > 1:
         budget = agree_on_call(
             f"shape={tuple(q.shape)} dtype={q.dtype} pattern={pattern.branches} causal={causal} "
-            f"scale={scale} transport={transports} kernel={kernel}",
+            f"scale={scale} transport={transports} kernel={kernel} layout={layout}",
             budget,
             process_group,
             q.device,
@@ -139,6 +167,7 @@ def dilated_attention(
     plan = plan_attention(
         pattern, q.shape, q.dtype, q.device, causal=causal, scale=scale,
         process_group=process_group, transports=transports, kernel=kernel, block_elements=budget,
+        documents=documents, layout=layout,
     )
     out, lse = _DilatedAttention.apply(q, k, v, plan)
     return (out, lse) if return_lse else out

@@ -9,6 +9,10 @@ Gathers and scatters are strided views, never index kernels: the members of a gr
 and its first row) are split into a few :class:`Lattice` s, each of which is one strided view of
 the sequence tensor, so moving a whole group costs one copy per lattice (one or two for the
 usual patterns), whatever the sequence length.
+
+Packed documents (``dilated_attention(document_ids=...)``) give groups of one batch element
+(``BlockGroup.batch``) and :class:`BlockStack` s: groups of one block shape from several
+documents, gathered into one tensor and run as one kernel call.
 """
 
 from __future__ import annotations
@@ -41,7 +45,9 @@ class Lattice(NamedTuple):
 @dataclass(frozen=True)
 class BlockGroup:
     """``num_segments`` segments of ``segment_length`` tokens starting at ``start``; head
-    ``heads[i]`` selects rows ``offsets[i] + j * rate`` (``j < rows``) of every segment."""
+    ``heads[i]`` selects rows ``offsets[i] + j * rate`` (``j < rows``) of every segment, in
+    every batch element, or only in batch element ``batch`` when it is set (packed documents
+    differ between batch elements)."""
 
     start: int
     segment_length: int
@@ -50,6 +56,7 @@ class BlockGroup:
     heads: tuple[int, ...]
     offsets: tuple[int, ...]
     rows: int
+    batch: int | None = None
 
     @property
     def is_contiguous(self) -> bool:
@@ -76,6 +83,19 @@ class BlockGroup:
                 yield replace(
                     part, start=self.start + first * self.segment_length, num_segments=count
                 )
+
+
+@dataclass(frozen=True)
+class BlockStack:
+    """Two or more block groups whose blocks have one shape (as many heads, as many rows), run
+    as one kernel call: their blocks stacked, in order, along the kernel layout's first
+    dimension (the segments of the documents of a packed batch)."""
+
+    groups: tuple[BlockGroup, ...]
+
+
+Blocks = BlockGroup | BlockStack
+"""What one kernel call attends: one group, or a stack of groups of one block shape."""
 
 
 def _step(heads: Sequence[int], offsets: Sequence[int], a: int, b: int) -> tuple[int, int] | None:
@@ -163,9 +183,17 @@ def restrict(group: BlockGroup, heads: Sequence[int]) -> BlockGroup:
     )
 
 
+def group_batch(group: BlockGroup, batch: int) -> int:
+    """How many batch elements of a ``batch``-element input ``group`` covers."""
+    return batch if group.batch is None else 1
+
+
 def _lattice_view(x: Tensor, group: BlockGroup, lattice: Lattice) -> Tensor:
     """View ``(batch, segments, outer, inner, rows, dim)`` of ``x`` ``(batch, seq, heads, dim)``
-    holding the rows of the members of ``lattice``."""
+    holding the rows of the members of ``lattice`` (``batch`` = 1 when ``group.batch`` is
+    set)."""
+    if group.batch is not None:
+        x = x[group.batch : group.batch + 1]
     batch, seq, head, dim = x.stride()
 
     def member_step(head_step: int, offset_step: int) -> int:
@@ -185,37 +213,65 @@ def _lattice_view(x: Tensor, group: BlockGroup, lattice: Lattice) -> Tensor:
     )
 
 
-def gathers_view(group: BlockGroup, batch: int, seq_len: int) -> bool:
-    """Whether ``gather(x, group)`` of a contiguous ``x`` ``(batch, seq_len, heads, dim)`` is a
-    view (writes to it reach ``x``): the group is contiguous and batch and segments merge into
-    one dimension (batch 1, one segment, or the segments cover the whole sequence)."""
-    whole = group.num_segments * group.segment_length == seq_len
-    return group.is_contiguous and (batch == 1 or group.num_segments == 1 or whole)
+def gathers_view(blocks: Blocks, batch: int, seq_len: int) -> bool:
+    """Whether ``gather(x, blocks)`` of a contiguous ``x`` ``(batch, seq_len, heads, dim)`` is
+    a view (writes to it reach ``x``): one contiguous group whose batch and segments merge
+    into one dimension (one batch element, one segment, or the segments cover the whole
+    sequence). A stack is always gathered into a copy."""
+    if isinstance(blocks, BlockStack):
+        return False
+    whole = blocks.num_segments * blocks.segment_length == seq_len
+    one_batch = group_batch(blocks, batch) == 1
+    return blocks.is_contiguous and (one_batch or blocks.num_segments == 1 or whole)
 
 
-def gather(x: Tensor, group: BlockGroup) -> Tensor:
-    """Blocks of ``x`` ``(batch, seq, heads, dim)`` -> ``(batch * segments, heads, rows, dim)``.
+def gather(x: Tensor, blocks: Blocks) -> Tensor:
+    """Blocks of ``x`` ``(batch, seq, heads, dim)`` -> ``(batch * segments, heads, rows, dim)``
+    (a stack: its groups' blocks one after the other).
 
     A view when ``gathers_view`` (for a contiguous ``x``); otherwise one strided copy per
-    lattice into sequence-major memory ``(batch, segments, rows, heads, dim)``, the layout the
-    fused kernels read fastest.
+    lattice (and group) into sequence-major memory ``(batch * segments, rows, heads, dim)``,
+    the layout the fused kernels read fastest.
     """
-    if group.is_contiguous and gathers_view(group, x.shape[0], x.shape[1]):
-        (lattice,) = group.lattices
-        return rearrange(_lattice_view(x, group, lattice), "b n i j c d -> (b n) (i j) c d")
-    blocks = x.new_empty(x.shape[0], group.num_segments, group.rows, len(group.heads), x.shape[3])
-    for lattice, target in zip(group.lattices, _member_slices(blocks, group)):
-        target.copy_(_lattice_view(x, group, lattice))
-    return rearrange(blocks, "b n c h d -> (b n) h c d")
+    if isinstance(blocks, BlockStack):
+        first = blocks.groups[0]
+        sizes = _stack_sizes(blocks, x.shape[0])
+        gathered = x.new_empty(sum(sizes), first.rows, len(first.heads), x.shape[3])
+        for group, part in zip(blocks.groups, gathered.split(sizes)):
+            _copy_group(x, group, part)
+        return rearrange(gathered, "m c h d -> m h c d")
+    if gathers_view(blocks, x.shape[0], x.shape[1]):
+        (lattice,) = blocks.lattices
+        return rearrange(_lattice_view(x, blocks, lattice), "b n i j c d -> (b n) (i j) c d")
+    gathered = x.new_empty(group_batch(blocks, x.shape[0]) * blocks.num_segments, blocks.rows,
+                           len(blocks.heads), x.shape[3])
+    _copy_group(x, blocks, gathered)
+    return rearrange(gathered, "m c h d -> m h c d")
 
 
-def scatter_(x: Tensor, group: BlockGroup, blocks: Tensor, accumulate: bool = False) -> None:
-    """Write (or add, with ``accumulate``) ``blocks`` ``(batch * segments, heads, rows, dim)``
-    into their places in ``x`` ``(batch, seq, heads, dim)``, in place: one strided copy (or
-    add) per lattice."""
-    blocks = rearrange(blocks, "(b n) h c d -> b n c h d", b=x.shape[0])
-    for lattice, source in zip(group.lattices, _member_slices(blocks, group)):
-        target = _lattice_view(x, group, lattice)
+def _copy_group(x: Tensor, group: BlockGroup, target: Tensor) -> None:
+    """Copy the blocks of ``group`` into ``target`` ``(batch * segments, rows, heads, dim)``."""
+    target = rearrange(target, "(b n) c h d -> b n c h d", n=group.num_segments)
+    for lattice, member_rows in zip(group.lattices, _member_slices(target, group)):
+        member_rows.copy_(_lattice_view(x, group, lattice))
+
+
+def _stack_sizes(stack: BlockStack, batch: int) -> list[int]:
+    """How many blocks each group of ``stack`` has in the kernel layout."""
+    return [group_batch(group, batch) * group.num_segments for group in stack.groups]
+
+
+def scatter_(x: Tensor, blocks: Blocks, gathered: Tensor, accumulate: bool = False) -> None:
+    """Write (or add, with ``accumulate``) ``gathered`` ``(batch * segments, heads, rows,
+    dim)``, the layout of ``gather(x, blocks)``, into its places in ``x`` ``(batch, seq, heads,
+    dim)``, in place: one strided copy (or add) per lattice (and group)."""
+    if isinstance(blocks, BlockStack):
+        for group, part in zip(blocks.groups, gathered.split(_stack_sizes(blocks, x.shape[0]))):
+            scatter_(x, group, part, accumulate)
+        return
+    gathered = rearrange(gathered, "(b n) h c d -> b n c h d", n=blocks.num_segments)
+    for lattice, source in zip(blocks.lattices, _member_slices(gathered, blocks)):
+        target = _lattice_view(x, blocks, lattice)
         (target.add_ if accumulate else target.copy_)(source)
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from longnet.attention.kernels import accumulation_dtype
-from longnet.attention.layout import BlockGroup, gather, gathers_view, scatter_
+from longnet.attention.layout import Blocks, gather, scatter_
 
 
 def lse_merge_(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
@@ -42,28 +42,29 @@ def accumulators(q: Tensor) -> tuple[Tensor, Tensor]:
 
 
 class QueryRows(NamedTuple):
-    """The accumulator rows of one block group's queries, gathered into the kernel layout:
-    ``out`` ``(batch * segments, heads, rows, dim)`` and ``lse`` ``(batch * segments, heads,
-    rows)``. Views of the accumulators when ``gathers_view``, else copies: merge into them in
-    place, then ``write_back_``."""
+    """The accumulator rows of one block group's (or stack's) queries, gathered into the
+    kernel layout: ``out`` ``(batch * segments, heads, rows, dim)`` and ``lse`` ``(batch *
+    segments, heads, rows)``. Views of the accumulators when ``gathers_view``, else copies:
+    merge into them in place, then ``write_back_``."""
 
-    group: BlockGroup
+    group: Blocks
     out: Tensor
     lse: Tensor
 
     @classmethod
-    def gather(cls, out: Tensor, lse: Tensor, group: BlockGroup) -> QueryRows:
+    def gather(cls, out: Tensor, lse: Tensor, group: Blocks) -> QueryRows:
         return cls(group, gather(out, group), gather(lse, group)[..., 0])
 
     def write_back_(self, out: Tensor, lse: Tensor) -> None:
-        """Store the merged rows into the accumulators, unless they are views of them."""
-        if not gathers_view(self.group, *out.shape[:2]):
+        """Store the merged rows into the accumulators, unless they are views of them (the
+        gather returned memory of ``out`` itself)."""
+        if self.out.untyped_storage().data_ptr() != out.untyped_storage().data_ptr():
             scatter_(out, self.group, self.out)
             scatter_(lse, self.group, self.lse[..., None])
 
 
 def merge_into_(
-    out: Tensor, lse: Tensor, group: BlockGroup, block_out: Tensor, block_lse: Tensor, fresh: bool
+    out: Tensor, lse: Tensor, group: Blocks, block_out: Tensor, block_lse: Tensor, fresh: bool
 ) -> None:
     """Fold a block result ``(batch', heads, rows, dim)`` / ``(batch', heads, rows)`` into the
     accumulators at the rows of ``group``; ``fresh``: nothing was written there yet (copy)."""
@@ -77,9 +78,9 @@ def merge_into_(
 
 
 class BackwardQueries(NamedTuple):
-    """What the backward needs of one block group's queries (kernel layout): the upstream
-    gradient, the queries, and the GLOBAL merged ``out``/``lse`` (and ``d_lse``, the gradient
-    into lse, or None) of their rows."""
+    """What the backward needs of one block group's (or stack's) queries (kernel layout): the
+    upstream gradient, the queries, and the GLOBAL merged ``out``/``lse`` (and ``d_lse``, the
+    gradient into lse, or None) of their rows."""
 
     d_out: Tensor
     q: Tensor
@@ -90,7 +91,7 @@ class BackwardQueries(NamedTuple):
     @classmethod
     def gather(
         cls, d_out: Tensor, q: Tensor, out: Tensor, lse: Tensor, d_lse: Tensor | None,
-        group: BlockGroup,
+        group: Blocks,
     ) -> BackwardQueries:
         return cls(
             gather(d_out, group),

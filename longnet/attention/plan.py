@@ -3,8 +3,9 @@
 ``plan_attention`` turns the arguments of ``dilated_attention`` into an :class:`AttentionPlan`:
 the kernel (``kernels.select_kernel``), the block budget (``default_block_elements``), the local
 branches' block groups cut into chunks that fit the budget, the branch adopted as the
-accumulators, and the pieces of branches whose segments span ranks (``ring``). The forward and
-the backward read the same plan from the autograd context (docs/architecture.md §3).
+accumulators, and the pieces of branches whose segments span ranks (``ring``); with packed
+documents, the documents' block groups, stacked into few kernel calls (``documents``). The
+forward and the backward read the same plan from the autograd context (docs/architecture.md §3).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from longnet.attention.documents import Documents, document_branches, stacked_chunks
 from longnet.attention.kernels import Kernel, accumulation_dtype, select_kernel
-from longnet.attention.layout import BlockGroup, branch_groups
+from longnet.attention.layout import BlockGroup, Blocks, branch_groups
 from longnet.attention.pattern import DilatedPattern
 from longnet.attention.ring import SpanningPiece, plan_sequence_parallel
 
@@ -49,8 +51,10 @@ class AttentionPlan:
     ``local``: the block groups of every branch whose segments lie on this device;
     ``adopted``: the first local branch when its kernel outputs become the accumulators (see
     ``adopted_branch``); ``chunks``: ``(branch index, chunk)`` of the remaining local work in
-    the order it runs, each chunk at most ``block_elements`` elements; ``pieces``: the pieces of
-    branches spanning ranks, run after the local work (``ring.SpanningPiece``).
+    the order it runs, each chunk (a group or, with packed documents, a stack of groups) one
+    kernel call of at most ``block_elements`` elements; ``pieces``: the pieces of branches
+    spanning ranks, run after the local work, in sets exchanged together
+    (``ring.run_forward_``: one member each, or this rank's two chunks with ``zigzag``).
     """
 
     kernel: Kernel
@@ -59,8 +63,8 @@ class AttentionPlan:
     block_elements: int
     local: tuple[tuple[BlockGroup, ...], ...]
     adopted: BlockGroup | None
-    chunks: tuple[tuple[int, BlockGroup], ...]
-    pieces: tuple[SpanningPiece, ...]
+    chunks: tuple[tuple[int, Blocks], ...]
+    pieces: tuple[tuple[SpanningPiece, ...], ...]
     process_group: dist.ProcessGroup | None
 
 
@@ -76,20 +80,36 @@ def plan_attention(
     transports: Sequence[str] = (),
     kernel: str = "auto",
     block_elements: int | None = None,
+    documents: Documents | None = None,
+    layout: str = "contiguous",
 ) -> AttentionPlan:
     """The plan of a call on ``q`` of ``shape`` ``(batch, seq, heads, head_dim)`` (this rank's
-    shard with ``process_group``); ``transports``: one per branch (needed with a group)."""
+    shard with ``process_group``, sharded by ``layout``: ``ring.LAYOUTS``); ``transports``: one
+    per branch (needed with a group);
+    ``documents``: the document lengths of each batch element (``documents.document_lengths``;
+    not with a group), or None for one document per batch element."""
     batch, seq_len, heads, head_dim = shape
     chosen = select_kernel(device, dtype, head_dim, kernel)
     budget = default_block_elements(device) if block_elements is None else block_elements
+    if documents is not None and any(len(lengths) > 1 for lengths in documents):
+        local = document_branches(pattern, documents, heads)
+        return AttentionPlan(
+            kernel=chosen, causal=causal, scale=scale, block_elements=budget,
+            local=tuple(tuple(groups) for groups in local), adopted=None,
+            chunks=tuple(
+                (index, chunk) for index, groups in enumerate(local)
+                for chunk in stacked_chunks(groups, batch, head_dim, budget)
+            ),
+            pieces=(), process_group=None,
+        )
     world = 1 if process_group is None else dist.get_world_size(process_group)
     if world == 1:
         local = [branch_groups(seq_len, heads, w, r) for w, r in pattern.branches]
-        pieces: list[SpanningPiece] = []
+        pieces: list[tuple[SpanningPiece, ...]] = []
     else:
         local, pieces = plan_sequence_parallel(
             pattern, seq_len, world, dist.get_rank(process_group), heads, transports,
-            batch * head_dim, budget,
+            batch * head_dim, budget, layout,
         )
     adopted = adopted_branch(local, seq_len, heads, dtype, chosen)
     return AttentionPlan(

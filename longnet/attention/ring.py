@@ -109,6 +109,9 @@ class SpanningPiece:
     ``heads`` (shard coordinates; a few head groups when dilation offsets drift).
     ``query_groups``: this rank's groups split so that each one's heads lie in one group of
     every member; its query-side rows are gathered once and meet every arriving block.
+    ``hosts[m]``: the group rank holding member ``m``, and ``chunk`` the ``(start, stop)`` rows
+    of this rank's shard that this member is (None: the whole shard; contiguous layout: the
+    members are group ranks holding whole shards; zigzag: the ``2P`` chunks, two per rank).
     Tensors use the sequence layout ``(batch, shard, heads, dim)`` (``lse``: ``dim`` = 1).
     """
 
@@ -119,6 +122,12 @@ class SpanningPiece:
     label: str
     heads: tuple[int, ...]
     query_groups: tuple[BlockGroup, ...]
+    hosts: tuple[int, ...]
+    chunk: tuple[int, int] | None = None
+
+    def rows(self, x: Tensor) -> Tensor:
+        """This member's rows of a shard tensor ``(batch, shard, ...)`` (a view)."""
+        return x if self.chunk is None else x[:, self.chunk[0] : self.chunk[1]]
 
     @property
     def rows_max(self) -> int:
@@ -166,52 +175,26 @@ class SpanningPiece:
                 index = self.positions(query_group.heads, kv.device)
                 yield number, index, kv[0][:, index, :rows], kv[1][:, index, :rows]
 
-    def _exchange(
-        self,
-        peers: Peers,
-        kv: Tensor,
-        causal: bool,
-        attend: Attend,
-        grad_dtype: torch.dtype | None = None,
-    ) -> Tensor | None:
-        """Run the :class:`Schedule`: ``attend(block, source, d_block)`` for every block this
-        rank computes with, as the transport delivers them; ``kv`` is this rank's ``pack``.
-
-        Forward (``grad_dtype`` None): ``d_block`` is None, and so is the result. Backward:
-        ``d_block`` is a zeroed ``pack``-shaped dK/dV partial in ``grad_dtype`` that ``attend``
-        adds into; every partial reaches its block's owner, and the sum of those for this
-        rank's block is returned.
-        """
+    def _allgather(self, peers: Peers, kv: Tensor, causal: bool, attend: Attend,
+                   grad_dtype: torch.dtype | None) -> Tensor | None:
+        """The ``allgather`` transport: every block of the segment group at once; in the
+        backward (``grad_dtype`` set) each dK/dV partial goes straight to its block's owner and
+        the sum for this rank's block is returned."""
         schedule = Schedule(len(self.members), self.index, causal)
+        gathered = peers.all_gather(kv)
+        partials: list[Tensor | None] = [None] * schedule.size
+        for source in schedule.sources:
+            if grad_dtype is not None:
+                partials[source] = torch.zeros_like(kv, dtype=grad_dtype)
+            attend(gathered[source], source, partials[source])
+        return None if grad_dtype is None else peers.reduce_to_owners(partials, schedule)
 
-        def zeros() -> Tensor | None:
-            return None if grad_dtype is None else torch.zeros_like(kv, dtype=grad_dtype)
-
-        if self.transport == "allgather":
-            gathered = peers.all_gather(kv)
-            partials: list[Tensor | None] = [None] * schedule.size
-            for source in schedule.sources:
-                partials[source] = zeros()
-                attend(gathered[source], source, partials[source])
-            return None if grad_dtype is None else peers.reduce_to_owners(partials, schedule)
-        d_kv = zeros()
-        for hop in schedule.hops():
-            incoming = None if hop.last else peers.shift(kv, hop.number)
-            if hop.attended:
-                attend(kv, hop.source, d_kv)
-            if d_kv is not None:  # the dK/dV accumulator travels with its block
-                d_kv = peers.shift(d_kv, hop.number, tag=1)()
-            if incoming is not None:
-                kv = incoming()
-        return d_kv
-
-    def _peers(self, plan: AttentionPlan, phase: str) -> Peers:
-        return Peers(plan.process_group, self.members, self.index, f"{self.label}, {phase}")
-
-    def forward_(
+    def prepare_forward(
         self, out: Tensor, lse: Tensor, q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan
-    ) -> None:
-        """Merge the attention of this piece into ``out``/``lse`` (sequence layout, in place)."""
+    ) -> Prepared:
+        """This member's message and how it merges arriving blocks into ``out``/``lse``
+        (sequence layout, in place, ``finish()`` at the end)."""
+        out, lse, q, k, v = (self.rows(t) for t in (out, lse, q, k, v))
         forward, scale = plan.kernel.forward, plan.scale
         queries = [ForwardQueries(QueryRows.gather(out, lse, g), gather(q, g))
                    for g in self.query_groups]
@@ -223,21 +206,27 @@ class SpanningPiece:
                 block_out, block_lse = forward(q_b, k_b, v_b, diagonal, scale)
                 lse_merge_(rows.out, rows.lse, block_out, block_lse)
 
-        self._exchange(self._peers(plan, "forward"), self.pack(k, v), plan.causal, attend)
-        for rows, _ in queries:
-            rows.write_back_(out, lse)
+        def finish(_: None) -> None:
+            for rows, _ in queries:
+                rows.write_back_(out, lse)
 
-    def backward_(
+        return Prepared(self, self.pack(k, v), attend, finish)
+
+    def prepare_backward(
         self,
         grads: Sequence[Tensor],
         d_out: Tensor,
         d_lse: Tensor | None,
         saved: Sequence[Tensor],
         plan: AttentionPlan,
-    ) -> None:
-        """Add this piece's gradients into ``grads = (dq, dk, dv)`` (sequence layout, in
-        place); ``saved = (q, k, v, out, lse)``, the forward's inputs and global results."""
-        q, k, v, out, lse = saved
+    ) -> Prepared:
+        """This member's message and how arriving blocks add into ``grads = (dq, dk, dv)``
+        (sequence layout, in place; ``finish(own dK/dV)`` at the end); ``saved = (q, k, v, out,
+        lse)``, the forward's inputs and global results."""
+        q, k, v, out, lse = (self.rows(t) for t in saved)
+        d_out = self.rows(d_out)
+        d_lse = None if d_lse is None else self.rows(d_lse)
+        grads = [self.rows(grad) for grad in grads]
         entries = []
         for group in self.query_groups:
             rows = BackwardQueries.gather(d_out, q, out, lse, d_lse, group)
@@ -257,11 +246,132 @@ class SpanningPiece:
                 d_kv[0][:, index, :key_rows] += d_k
                 d_kv[1][:, index, :key_rows] += d_v
 
-        peers = self._peers(plan, "backward")
-        own = self._exchange(peers, self.pack(k, v), plan.causal, attend, grads[0].dtype)
-        self.unpack_add_(grads[1], grads[2], own)
-        for entry in entries:
-            scatter_(grads[0], entry.group, entry.d_q, accumulate=True)
+        def finish(own: Tensor) -> None:
+            self.unpack_add_(grads[1], grads[2], own)
+            for entry in entries:
+                scatter_(grads[0], entry.group, entry.d_q, accumulate=True)
+
+        return Prepared(self, self.pack(k, v), attend, finish)
+
+
+class Prepared(NamedTuple):
+    """One member's part of an exchange: its packed K/V message, ``attend(block, source,
+    d_block)`` for each block it computes with, and ``finish(own dK/dV or None)``."""
+
+    piece: SpanningPiece
+    kv: Tensor
+    attend: Attend
+    finish: Callable[[Tensor | None], None]
+
+
+def run_forward_(pieces: Sequence[SpanningPiece], out: Tensor, lse: Tensor, q: Tensor,
+                 k: Tensor, v: Tensor, plan: AttentionPlan) -> None:
+    """Merge the attention of ``pieces`` (the members this rank holds of one piece of a
+    branch, exchanged together) into ``out``/``lse``."""
+    prepared = [piece.prepare_forward(out, lse, q, k, v, plan) for piece in pieces]
+    _exchange(prepared, plan, None, "forward")
+
+
+def run_backward_(pieces: Sequence[SpanningPiece], grads: Sequence[Tensor], d_out: Tensor,
+                  d_lse: Tensor | None, saved: Sequence[Tensor], plan: AttentionPlan) -> None:
+    """Add the gradients of ``pieces`` into ``grads = (dq, dk, dv)``."""
+    prepared = [piece.prepare_backward(grads, d_out, d_lse, saved, plan) for piece in pieces]
+    _exchange(prepared, plan, grads[0].dtype, "backward")
+
+
+def _exchange(prepared: Sequence[Prepared], plan: AttentionPlan, grad_dtype: torch.dtype | None,
+              phase: str) -> None:
+    """Run the :class:`Schedule` of every member in ``prepared`` at once: ``attend`` for each
+    block a member computes with, as the transport delivers it; then ``finish``.
+
+    ``ring``: hop by hop, all members' messages of a hop in one batched exchange, so that two
+    members on one rank (zigzag) never wait for each other. Forward (``grad_dtype`` None): no
+    dK/dV. Backward: a zeroed dK/dV partial in ``grad_dtype`` travels with each block, every
+    member adds into it, and it is home after the last hop.
+    """
+    label = ", ".join(p.piece.label for p in prepared[:1]) + f", {phase}"
+    if prepared[0].piece.transport == "allgather":
+        (one,) = prepared  # the zigzag layout refuses this transport (plan_sequence_parallel)
+        peers = Peers(plan.process_group, one.piece.members, one.piece.index, label)
+        one.finish(one.piece._allgather(peers, one.kv, plan.causal, one.attend, grad_dtype))
+        return
+    hops = [list(Schedule(len(p.piece.members), p.piece.index, plan.causal).hops())
+            for p in prepared]
+    pieces = [p.piece for p in prepared]
+    kvs = [p.kv for p in prepared]
+    d_kvs = [None if grad_dtype is None else torch.zeros_like(kv, dtype=grad_dtype)
+             for kv in kvs]
+    for number in range(max(len(member_hops) for member_hops in hops)):
+        live = [i for i, member_hops in enumerate(hops) if number < len(member_hops)]
+        posted = [i for i in live if not hops[i][number].last]
+        incoming = shift(plan.process_group, [(pieces[i], kvs[i]) for i in posted], number, 0,
+                         label)
+        for i in live:
+            hop = hops[i][number]
+            if hop.attended:
+                prepared[i].attend(kvs[i], hop.source, d_kvs[i])
+        if grad_dtype is not None:  # the dK/dV accumulators travel with their blocks
+            moved = shift(plan.process_group, [(pieces[i], d_kvs[i]) for i in live], number, 1,
+                          label)()
+            for i, d_kv in zip(live, moved):
+                d_kvs[i] = d_kv
+        for i, kv in zip(posted, incoming()):
+            kvs[i] = kv
+    for p, d_kv in zip(prepared, d_kvs):
+        p.finish(d_kv)
+
+
+def shift(process_group: dist.ProcessGroup, moves: Sequence[tuple[SpanningPiece, Tensor]],
+          hop: int, kind: int, label: str) -> Callable[[], list[Tensor]]:
+    """Post one hop for every ``(member, tensor)`` of ``moves``: send the tensor to the next
+    member of its segment group, receive the previous member's; returns a function that waits
+    and gives the received tensors, in order. A message between two members on this rank is
+    handed over without a send. Messages are posted in one order on both sides of every pair
+    of ranks (by sender and receiver member) and tagged by receiver, so that two on one link
+    cannot be confused."""
+    me = dist.get_rank(process_group)
+    global_ranks = dist.get_process_group_ranks(process_group)
+    handed: dict[tuple[tuple[int, ...], int], Tensor] = {}
+    received: list[Tensor | None] = [None] * len(moves)
+    ops: list[tuple[tuple[int, int], dist.P2POp]] = []
+    for i, (piece, tensor) in enumerate(moves):
+        size, index = len(piece.members), piece.index
+        if size == 1:
+            received[i] = tensor
+            continue
+        after, before = (index + 1) % size, (index - 1) % size
+        if piece.hosts[after] == me:
+            handed[piece.members, after] = tensor
+        else:
+            tag = kind + 2 * piece.members[after]
+            peer = global_ranks[piece.hosts[after]]
+            op = dist.P2POp(dist.isend, tensor.contiguous(), peer, process_group, tag)
+            ops.append(((piece.members[index], piece.members[after]), op))
+        if piece.hosts[before] != me:
+            received[i] = torch.empty_like(tensor)
+            tag = kind + 2 * piece.members[index]
+            peer = global_ranks[piece.hosts[before]]
+            op = dist.P2POp(dist.irecv, received[i], peer, process_group, tag)
+            ops.append(((piece.members[before], piece.members[index]), op))
+    for i, (piece, _) in enumerate(moves):
+        if received[i] is None:
+            received[i] = handed[piece.members, piece.index]
+    ops.sort(key=lambda entry: entry[0])
+    where = f"rank {dist.get_rank()} ({label}) at hop {hop}"
+    wait = Peers.post([op for _, op in ops], where)
+    return lambda: (wait(), received)[1]
+
+
+LAYOUTS = ("contiguous", "zigzag")
+"""How a sequence is sharded over ``P`` ranks: ``contiguous`` (rank ``r`` holds the ``r``-th of
+``P`` equal shards) or ``zigzag`` (``2P`` equal chunks; rank ``r`` holds chunks ``r`` and
+``2P - 1 - r``, concatenated: every rank gets an early and a late chunk, which balances causal
+attention)."""
+
+
+def chunk_host(chunk: int, world_size: int) -> int:
+    """The rank holding ``chunk`` of ``2 * world_size`` in the zigzag layout."""
+    return chunk if chunk < world_size else 2 * world_size - 1 - chunk
 
 
 def plan_sequence_parallel(
@@ -273,38 +383,68 @@ def plan_sequence_parallel(
     transports: Sequence[str],
     row_elements: int,
     block_elements: int,
-) -> tuple[list[list[BlockGroup]], list[SpanningPiece]]:
-    """Split ``pattern`` into local branches (their block groups) and the pieces of branches
-    spanning ranks, for group rank ``rank``; ``row_elements`` = batch * head_dim and
-    ``block_elements`` size the pieces (see ``heads_per_piece``)."""
-    seq_len = shard_len * world_size
+    layout: str = "contiguous",
+) -> tuple[list[list[BlockGroup]], list[tuple[SpanningPiece, ...]]]:
+    """Split ``pattern`` into local branches (their block groups over this rank's shard) and
+    the pieces of branches spanning ranks, for group rank ``rank``; ``row_elements`` = batch *
+    head_dim and ``block_elements`` size the pieces (see ``heads_per_piece``).
+
+    Pieces come in sets run together (``run_forward_``): one member per set in the
+    ``contiguous`` layout; with ``zigzag`` the members are the ``2 P`` chunks (half a shard
+    each) and a set holds this rank's two members of one piece, which may share a segment
+    group."""
+    zigzag = layout == "zigzag"
+    if zigzag and shard_len % 2:
+        raise ValueError(
+            f"dilated_attention: the zigzag layout cuts each shard into two equal chunks, but "
+            f"the shard has {shard_len} tokens (odd). Pad the sequence to "
+            f"longnet.attention.padded_length(N, pattern, {2 * world_size}) tokens."
+        )
+    chunk_len = shard_len // 2 if zigzag else shard_len
+    chunks = 2 * world_size if zigzag else world_size
+    seq_len = chunk_len * chunks
+    members_here = ((0, rank), (1, chunks - 1 - rank)) if zigzag else ((None, rank),)
     local: list[list[BlockGroup]] = []
-    pieces: list[SpanningPiece] = []
+    sets: list[tuple[SpanningPiece, ...]] = []
     for (w, r), transport in zip(pattern.branches, transports):
         segment = min(w, seq_len)
-        if not _branch_fits(segment, shard_len):
+        if not _branch_fits(segment, chunk_len):
+            unit = f"zigzag chunk length {chunk_len}" if zigzag else f"shard length {chunk_len}"
             raise ValueError(
                 f"dilated_attention: branch (w={w}, r={r}) cannot be split over {world_size} "
-                "ranks: "
-                f"its segment length {segment} neither divides nor is a multiple of the shard "
-                f"length {shard_len}. Pad the sequence to "
-                f"longnet.attention.padded_length({seq_len}, pattern, {world_size}) = "
-                f"{padded_length(seq_len, pattern, world_size)} tokens, or change the pattern."
+                f"ranks: its segment length {segment} neither divides nor is a multiple of the "
+                f"{unit}. Pad the sequence to longnet.attention.padded_length({seq_len}, "
+                f"pattern, {chunks}) = {padded_length(seq_len, pattern, chunks)} tokens, or "
+                "change the pattern."
             )
-        if segment <= shard_len:
+        if segment <= chunk_len:  # a chunk holds whole segments: so does a zigzag shard
             local.append(branch_groups(shard_len, num_heads, segment, r))
             continue
-        start, members = segment_group(rank, shard_len, segment, seq_len)
-        member_groups = tuple(
-            tuple(region_groups(0, shard_len, 1, num_heads, r, shift=m * shard_len - start))
-            for m in members
-        )
-        index = rank - members[0]
-        for heads, groups in ring_pieces(member_groups, num_heads, row_elements, block_elements):
-            label = f"branch w={w} r={r} heads {heads[0]}-{heads[-1]}"
-            queries = query_groups(groups[index], groups)
-            pieces.append(SpanningPiece(members, index, groups, transport, label, heads, queries))
-    return local, pieces
+        if zigzag and transport != "ring":
+            raise ValueError(
+                f"dilated_attention: the zigzag layout runs the ring transport only; branch "
+                f"(w={w}, r={r}) asks for {transport!r}. Use transport='ring'."
+            )
+        per_member = []
+        for half, member in members_here:
+            start, members = segment_group(member, chunk_len, segment, seq_len)
+            hosts = tuple(chunk_host(m, world_size) for m in members) if zigzag else members
+            rows = None if half is None else (half * chunk_len, (half + 1) * chunk_len)
+            member_groups = tuple(
+                tuple(region_groups(0, chunk_len, 1, num_heads, r, shift=m * chunk_len - start))
+                for m in members
+            )
+            index = member - members[0]
+            pieces = []
+            for heads, groups in ring_pieces(member_groups, num_heads, row_elements,
+                                             block_elements):
+                label = f"branch w={w} r={r} heads {heads[0]}-{heads[-1]}"
+                queries = query_groups(groups[index], groups)
+                pieces.append(SpanningPiece(members, index, groups, transport, label, heads,
+                                            queries, hosts, rows))
+            per_member.append(pieces)
+        sets += list(zip(*per_member))
+    return local, sets
 
 
 def segment_group(

@@ -83,7 +83,8 @@ class Schedule:
 
 
 class Peers:
-    """Batched point-to-point exchanges among the members of one segment group.
+    """Batched all-gather and reduce among the members of one segment group (the
+    ``allgather`` transport; ``ring.shift`` runs the ``ring`` transport's hops).
 
     ``members``: the group ranks of the segment group in sequence order; ``index``: this rank's
     place among them; ``where``: how errors name this rank's step.
@@ -98,9 +99,11 @@ class Peers:
         self.ranks = [group_ranks[member] for member in members]
         self.where = f"rank {dist.get_rank()} ({where})"
 
-    def _post(self, ops: list[dist.P2POp], step: str) -> Callable[[], None]:
+    @staticmethod
+    def post(ops: list[dist.P2POp], where: str) -> Callable[[], None]:
         """Start ``ops`` as one batch; returns a function that waits for all of them (and keeps
-        their tensors alive until then), raising an error that names the rank and the step."""
+        their tensors alive until then), raising an error that names ``where`` (the rank and
+        the step)."""
         works = dist.batch_isend_irecv(ops) if ops else []
 
         def wait() -> None:
@@ -108,28 +111,10 @@ class Peers:
                 for work in works:
                     work.wait()
             except Exception as error:  # a dead or mismatched peer: say who and where
-                raise RuntimeError(
-                    f"dilated_attention: {self.where} failed at {step}: {error}"
-                ) from error
+                raise RuntimeError(f"dilated_attention: {where} failed: {error}") from error
             ops.clear()
 
         return wait
-
-    def shift(self, tensor: Tensor, hop: int, tag: int = 0) -> Callable[[], Tensor]:
-        """Post: send ``tensor`` to the next member, receive the previous member's (see
-        ``Schedule.hops``); returns a function that waits and gives the received tensor."""
-        size = len(self.ranks)
-        if size == 1:
-            return lambda: tensor
-        index = self.index
-        received = torch.empty_like(tensor)
-        after, before = self.ranks[(index + 1) % size], self.ranks[(index - 1) % size]
-        ops = [
-            dist.P2POp(dist.isend, tensor.contiguous(), after, self.process_group, tag),
-            dist.P2POp(dist.irecv, received, before, self.process_group, tag),
-        ]
-        wait = self._post(ops, f"hop {hop} (sending to rank {after}, receiving from rank {before})")
-        return lambda: (wait(), received)[1]
 
     def all_gather(self, tensor: Tensor) -> list[Tensor]:
         """Every member's ``tensor`` (same shape everywhere), in member order."""
@@ -142,7 +127,7 @@ class Peers:
                 ops.append(dist.P2POp(dist.isend, tensor.contiguous(), rank, self.process_group))
                 ops.append(dist.P2POp(dist.irecv, gathered[member], rank, self.process_group))
         if ops:
-            self._post(ops, f"all-gather among ranks {self.ranks}")()
+            self.post(ops, f"{self.where} at all-gather among ranks {self.ranks}")()
         return gathered
 
     def reduce_to_owners(self, partials: list[Tensor | None], schedule: Schedule) -> Tensor:
@@ -160,7 +145,7 @@ class Peers:
                 received.append(buffer)
                 ops.append(dist.P2POp(dist.irecv, buffer, rank, self.process_group))
         if ops:
-            self._post(ops, f"reduce among ranks {self.ranks}")()
+            self.post(ops, f"{self.where} at reduce among ranks {self.ranks}")()
         for buffer in received:
             total += buffer
         return total

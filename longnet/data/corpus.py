@@ -8,7 +8,8 @@ Pipeline (``build_long_document_splits``), every step a ``datasets`` operation:
 3. keep the first documents (source order) up to ``max_documents`` and until their bytes
    reach ``max_bytes`` (the last kept document may cross it);
 4. per split, batched ``map`` into windows (``windows.py``): training windows packed across
-   documents, evaluation windows inside one document each, tagged with ``doc_id``/``offset``;
+   documents (with ``pack_documents``: whole framed documents and their ``document_ids``),
+   evaluation windows inside one document each, tagged with ``doc_id``/``offset``;
 5. ``save_to_disk`` under a cache entry keyed by the file list (sizes, mtimes) and settings.
 
 A later call with the same files and settings loads the entry (memory-mapped) and runs no map.
@@ -32,11 +33,12 @@ from longnet.data.cache import build_once, fingerprint
 from longnet.data.sources import DocumentSource, load_documents
 from longnet.data.splits import SPLITS, check_fractions, document_hash, split_of
 from longnet.data.tokenizer import ByteTokenizer
-from longnet.data.windows import document_windows, packed_windows
+from longnet.data.windows import document_windows, packed_document_windows, packed_windows
 from longnet.validation import UsageError, check_positive_int
 
 CORPUS_FORMAT_VERSION = 1
 SAMPLE_COLUMNS = ["input_ids", "labels"]
+DOCUMENT_COLUMN = "document_ids"
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,8 @@ class CorpusSettings:
         max_bytes: stop keeping documents once their bytes reach this many.
         min_document_bytes: drop documents shorter than this many bytes (before the split and
             the limits), e.g. to train and validate a long-context model on long documents only.
+        pack_documents: training windows hold framed documents back to back with their
+            ``document_ids`` (``windows.packed_document_windows``) instead of the plain stream.
     """
 
     seq_len: int
@@ -58,9 +62,12 @@ class CorpusSettings:
     max_documents: int | None = None
     max_bytes: int | None = None
     min_document_bytes: int = 1
+    pack_documents: bool = False
 
     def __post_init__(self) -> None:
         check_positive_int("seq_len", self.seq_len)
+        if not isinstance(self.pack_documents, bool):
+            raise ValueError(f"pack_documents must be True or False, got {self.pack_documents!r}.")
         check_positive_int("min_document_bytes", self.min_document_bytes)
         check_fractions(self.val_fraction, self.test_fraction)
         for name in ("max_documents", "max_bytes"):
@@ -73,7 +80,8 @@ class LongDocumentSplits:
     """The processed corpus.
 
     Attributes:
-        train: packed windows, torch format ``{"input_ids", "labels"}`` each ``(seq_len,)``.
+        train: packed windows, torch format ``{"input_ids", "labels"}`` each ``(seq_len,)``
+            (and ``"document_ids"`` with ``pack_documents``).
         validation, test: windows inside one document each, same torch format; the hidden
             columns ``doc_id`` (the document's hash) and ``offset`` (of the window's first input
             in ``[EOS] + document + [EOS]``) are readable through ``.with_format(None)``.
@@ -93,12 +101,15 @@ class LongDocumentSplits:
 
 def corpus_cache_key(source: DocumentSource, settings: CorpusSettings) -> str:
     """The cache key of ``source`` processed with ``settings``."""
+    fields = asdict(settings)
+    if not settings.pack_documents:  # the key of the entries built before the option existed
+        del fields["pack_documents"]
     return fingerprint({
         "version": CORPUS_FORMAT_VERSION,
         "format": source.format,
         "text_column": source.text_column,
         "files": source.file_stats(),
-        "settings": asdict(settings),
+        "settings": fields,
     })
 
 
@@ -118,7 +129,12 @@ def _encode_batch(
     return out
 
 
-def _pack_batch(batch: dict[str, list], seq_len: int) -> dict[str, np.ndarray]:
+def _pack_batch(
+    batch: dict[str, list], seq_len: int, pack_documents: bool
+) -> dict[str, np.ndarray]:
+    if pack_documents:
+        inputs, labels, document_ids = packed_document_windows(list(batch["tokens"]), seq_len)
+        return {"input_ids": inputs, "labels": labels, DOCUMENT_COLUMN: document_ids}
     inputs, labels = packed_windows(list(batch["tokens"]), seq_len)
     return {"input_ids": inputs, "labels": labels}
 
@@ -146,13 +162,15 @@ def _documents_kept(num_bytes: np.ndarray, settings: CorpusSettings) -> int:
     return count
 
 
-def _window_features(seq_len: int, with_document: bool) -> Features:
+def _window_features(seq_len: int, with_document: bool, pack_documents: bool) -> Features:
     columns = {
         "input_ids": Sequence(Value("uint8"), length=seq_len),
         "labels": Sequence(Value("int16"), length=seq_len),
     }
     if with_document:
         columns |= {"doc_id": Value("string"), "offset": Value("int64")}
+    if pack_documents:
+        columns[DOCUMENT_COLUMN] = Sequence(Value("int32"), length=seq_len)
     return Features(columns)
 
 
@@ -217,13 +235,14 @@ def _build(source: DocumentSource, settings: CorpusSettings, staging: Path) -> N
         part = documents.select(np.flatnonzero(split_column == split)).with_format("numpy")
         counts[split] = len(part)
         train = split == "train"
+        packs = train and settings.pack_documents
         windows = part.map(
             _pack_batch if train else _document_batch,
             batched=True,
             batch_size=None if train else 256,
             remove_columns=part.column_names,
-            fn_kwargs={"seq_len": settings.seq_len},
-            features=_window_features(settings.seq_len, with_document=not train),
+            fn_kwargs={"seq_len": settings.seq_len} | ({"pack_documents": packs} if train else {}),
+            features=_window_features(settings.seq_len, not train, packs),
             desc=f"{split} windows",
         )
         if len(windows) == 0:
@@ -276,7 +295,8 @@ def build_long_document_splits(
     splits = {}
     for split in SPLITS:
         splits[split] = load_from_disk(str(entry / split))
-        splits[split].set_format("torch", columns=SAMPLE_COLUMNS)
+        packed = [DOCUMENT_COLUMN] if DOCUMENT_COLUMN in splits[split].column_names else []
+        splits[split].set_format("torch", columns=SAMPLE_COLUMNS + packed)
     return LongDocumentSplits(
         documents=load_from_disk(str(entry / "documents")), path=entry, built=built, **splits
     )

@@ -23,7 +23,8 @@ class LongDocumentDataModule(L.LightningDataModule):
     Samples are ``{"input_ids": (seq_len,), "labels": (seq_len,)}`` int64 with shifted labels;
     batches stack them to ``(batch_size, seq_len)``. Training windows are packed across
     documents and shuffled; validation/test windows lie inside one document each, the last
-    window of a document padded (labels ``-100``), in document order.
+    window of a document padded (labels ``-100``), in document order. With
+    ``pack_documents`` training samples also hold ``"document_ids"`` ``(seq_len,)``.
 
     Args:
         seq_len: tokens per sample.
@@ -51,6 +52,12 @@ class LongDocumentDataModule(L.LightningDataModule):
         cache_dir: where processed corpora are cached; None is the repository's ``data/cache``.
         num_workers: DataLoader worker processes.
         eval_batch_size: samples per validation/test batch; None uses ``batch_size``.
+        pack_documents: training windows hold whole framed documents (``[EOS] + bytes +
+            [EOS]``, as evaluation frames them) back to back, long ones cut into pieces by the
+            window, with ``document_ids`` numbering each window's documents: the model attends
+            within each document only, positions restart at each, and no label crosses into
+            the next (docs/training.md, "Packed documents"). False (default): the plain packed
+            stream, unchanged. Not with ``passkey_fraction``.
 
     Raises:
         FileNotFoundError: a ``data_files`` pattern matches nothing (raised here, before work).
@@ -82,6 +89,7 @@ class LongDocumentDataModule(L.LightningDataModule):
         cache_dir: str | None = None,
         num_workers: int = 0,
         eval_batch_size: int | None = None,
+        pack_documents: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -92,6 +100,7 @@ class LongDocumentDataModule(L.LightningDataModule):
             max_documents=max_documents,
             max_bytes=max_bytes,
             min_document_bytes=min_document_bytes,
+            pack_documents=pack_documents,
         )
         self.batch_size = batch_size
         self.eval_batch_size = batch_size if eval_batch_size is None else eval_batch_size
@@ -100,6 +109,11 @@ class LongDocumentDataModule(L.LightningDataModule):
         check_loader_args(self.eval_batch_size, num_workers)
         if not 0.0 <= passkey_fraction < 1.0:
             raise ValueError(f"passkey_fraction must be in [0, 1), got {passkey_fraction!r}.")
+        if passkey_fraction > 0 and pack_documents:
+            raise ValueError(
+                "pack_documents cannot be combined with passkey_fraction > 0 yet (passkey "
+                "samples have no document_ids); set one of them off."
+            )
         if passkey_fraction > 0:  # validates seq_len, seed and label mode for passkeys now
             PasskeyDataset(seq_len, 0, seed=seed, label_mode=passkey_label_mode)
         self.passkey_fraction, self.passkey_label_mode, self.seed = (
@@ -127,7 +141,8 @@ class LongDocumentDataModule(L.LightningDataModule):
         if self.splits is not None:
             return
         self.splits = build_long_document_splits(self.source, self.settings, self.cache_dir)
-        _check_window_fits_a_document(self.splits, self.settings.seq_len)
+        if not self.settings.pack_documents:  # packing several documents is then the point
+            _check_window_fits_a_document(self.splits, self.settings.seq_len)
         self.train_dataset = self.splits.train
         self.val_dataset, self.test_dataset = self.splits.validation, self.splits.test
         if self.passkey_fraction > 0:

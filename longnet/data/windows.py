@@ -8,6 +8,10 @@ end of a document.
   and cut every ``seq_len`` tokens into windows of ``seq_len + 1`` tokens (consecutive windows
   share one token, so every token after the first is a label exactly once). A trailing partial
   window is dropped; training windows are never padded and may span documents.
+- With ``pack_documents``, the training stream is the framed documents ``[EOS] + bytes +
+  [EOS]`` back to back, each window comes with ``document_ids`` (the window's documents and
+  pieces of documents numbered from 0), and a label whose target begins the next document is
+  ``IGNORE_INDEX``: every document is trained as if it were alone, as evaluation frames it.
 - Evaluation windows never cross a document boundary: each framed document
   ``[EOS] + bytes + [EOS]`` is cut the same way on its own, and its last window is padded with
   ``PAD_ID`` inputs whose labels are ``IGNORE_INDEX``. Documents shorter than a window are thus
@@ -58,6 +62,34 @@ def packed_windows(documents: Sequence[np.ndarray], seq_len: int) -> tuple[np.nd
     eos = np.array([EOS_ID], dtype=np.uint8)
     stream = np.concatenate([part for doc in documents for part in (eos, doc)] + [eos])
     return _cut(stream, seq_len, (len(stream) - 1) // seq_len)
+
+
+def packed_document_windows(
+    documents: Sequence[np.ndarray], seq_len: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Training windows of whole framed documents packed back to back, with document ids.
+
+    Args:
+        documents: uint8 token arrays, one per document, in stream order.
+        seq_len: tokens per sample.
+
+    Returns:
+        ``(inputs, labels, document_ids)``, each ``(n, seq_len)`` with ``n = (stream_len - 1)
+        // seq_len`` for the stream of ``frame_document`` s. ``document_ids`` (int32) number
+        the documents (or pieces of documents cut by the window) of each window from 0 in
+        sequence order; a label whose target lies in the next document is ``IGNORE_INDEX``.
+    """
+    framed = [frame_document(doc) for doc in documents]
+    stream = np.concatenate(framed) if framed else np.empty(0, dtype=np.uint8)
+    count = max(len(stream) - 1, 0) // seq_len
+    inputs, labels = _cut(stream, seq_len, count)
+    if count == 0:
+        return inputs, labels, np.empty((0, seq_len), dtype=np.int32)
+    owner = np.repeat(np.arange(len(framed)), [len(part) for part in framed])
+    owners = np.lib.stride_tricks.sliding_window_view(owner, seq_len + 1)[::seq_len][:count]
+    labels[owners[:, 1:] != owners[:, :-1]] = IGNORE_INDEX
+    document_ids = (owners[:, :-1] - owners[:, :1]).astype(np.int32)
+    return inputs, labels, document_ids
 
 
 def document_windows(

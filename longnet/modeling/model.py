@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from longnet.attention.documents import check_document_ids
 from longnet.constants import IGNORE_INDEX
 from longnet.modeling import generation, pretrained
 from longnet.modeling.config import LongNetConfig
@@ -25,6 +26,7 @@ from longnet.nn import (
     build_feed_forward,
     build_norm,
     default_position_ids,
+    document_position_ids,
 )
 
 
@@ -96,8 +98,46 @@ def check_input_ids(input_ids: Tensor, vocab_size: int) -> None:
         )
 
 
+def check_label_ids(labels: Tensor, num_classes: int, name: str, ignore: bool) -> None:
+    """``labels`` (any shape) must hold integer ids in ``0..num_classes - 1`` (``name``: what
+    ``num_classes`` is, for the message), and ``IGNORE_INDEX`` (-100) where ``ignore``.
+
+    Raises:
+        TypeError: ``labels`` is not an integer tensor.
+        ValueError: an id is out of range (the message gives the first and the range).
+    """
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise TypeError(f"labels must have an integer dtype, got {labels.dtype}.")
+    valid = (labels >= 0) & (labels < num_classes)
+    if ignore:
+        valid |= labels == IGNORE_INDEX
+    if not bool(valid.all()):
+        bad = labels[~valid]
+        allowed = f"0..{num_classes - 1} ({name} {num_classes})"
+        raise ValueError(
+            f"labels hold {bad.numel()} out-of-range id(s) (the first: {int(bad[0])}); ids must "
+            f"be in {allowed}{f' or {IGNORE_INDEX} where no loss is taken' if ignore else ''}."
+        )
+
+
+def document_labels(labels: Tensor, document_ids: Tensor | None) -> Tensor:
+    """``labels`` ``(batch, seq)`` (aligned: ``labels[:, t]`` is the target of position ``t``)
+    with ``IGNORE_INDEX`` where the target is the first token of the next packed document
+    (``document_ids[:, t + 1] != document_ids[:, t]``): no document is scored as predicted
+    from the one before it. Unchanged when ``document_ids`` is None."""
+    if document_ids is None:
+        return labels
+    boundary = torch.zeros(labels.shape, dtype=torch.bool, device=labels.device)
+    boundary[:, :-1] = document_ids[:, 1:] != document_ids[:, :-1]
+    return labels.masked_fill(boundary, IGNORE_INDEX)
+
+
 class LongNetModel(nn.Module):
     """Token (+ learned position) embeddings, ``num_layers`` blocks, final norm.
+
+    ``document_ids`` ``(batch, seq)``: non-decreasing ids of packed documents; each document
+    is computed as if it were alone (positions restart at 0, no attention or K/V convolution
+    across a boundary). Not with ``cache`` or a ``group``.
 
     Shapes: ``input_ids`` ``(batch, seq)`` -> hidden states ``(batch, seq, hidden_size)``.
     """
@@ -122,8 +162,19 @@ class LongNetModel(nn.Module):
         position_ids: Tensor | None = None,
         group: torch.distributed.ProcessGroup | None = None,
         cache: KVCache | None = None,
+        document_ids: Tensor | None = None,
     ) -> Tensor:
         check_input_ids(input_ids, self.config.vocab_size)
+        if document_ids is not None:
+            if group is not None:
+                raise ValueError(
+                    "LongNetModel: document_ids with a sequence-parallel group is not supported "
+                    "yet; train packed documents without sequence parallelism."
+                )
+            check_document_ids(document_ids, *input_ids.shape, input_ids.device,
+                               caller="LongNetModel", of="input_ids")
+            if position_ids is None:
+                position_ids = document_position_ids(document_ids)
         if cache is not None and len(cache) != len(self.layers):
             raise ValueError(
                 f"the KV cache has {len(cache)} layers, the model {len(self.layers)}; create it "
@@ -139,7 +190,8 @@ class LongNetModel(nn.Module):
             h = h + self.embed_positions(position_ids)
         h = self.embed_dropout(h)
         for index, layer in enumerate(self.layers):
-            h = layer(h, position_ids, group, cache[index] if cache is not None else None)
+            layer_cache = cache[index] if cache is not None else None
+            h = layer(h, position_ids, group, layer_cache, document_ids)
         return self.final_norm(h)
 
 
@@ -200,7 +252,10 @@ class LongNetPreTrained(nn.Module):
 
     # ------------------------------------------------------------------ pretrained I/O
     def save_pretrained(self, directory: str | Path, *, name: str | None = None) -> Path:
-        """Write ``config.json``, ``model.safetensors`` and a ``README.md`` card."""
+        """Write ``config.json``, ``model.safetensors`` and a ``README.md`` card (and, for a
+        byte-level model, the tokenizer files) into ``directory``, atomically: a concurrent
+        :meth:`from_pretrained` sees the old model or the new one, and a failed or killed save
+        leaves the old folder (:func:`longnet.modeling.pretrained.save_pretrained`)."""
         return pretrained.save_pretrained(self, directory, name=name)
 
     @classmethod
@@ -216,6 +271,12 @@ class LongNetPreTrained(nn.Module):
         ``gradient_checkpointing=True`` or ``dropout=0.1``.  ``dtype``: parameter dtype of
         the returned model (default float32); weights are cast from the file's dtype.
         Returns the model in eval mode.
+
+        Raises:
+            FileNotFoundError: no such folder or zoo name, or a folder without weights.
+            ValueError: an unreadable ``config.json`` or ``model.safetensors`` (named).
+            WeightsMismatchError: missing, unexpected or mis-shaped tensors (all named).
+            NonFiniteWeightsError: tensors holding NaN or infinite values (all named).
         """
         return pretrained.from_pretrained(cls, name_or_dir, dtype=dtype, **overrides)
 
@@ -248,6 +309,7 @@ class LongNetLM(LongNetPreTrained):
         position_ids: Tensor | None = None,
         group: torch.distributed.ProcessGroup | None = None,
         cache: KVCache | None = None,
+        document_ids: Tensor | None = None,
     ) -> LMOutput:
         """Logits ``(batch, seq, vocab)`` and, with ``labels`` ``(batch, seq)``, the loss.
 
@@ -257,8 +319,12 @@ class LongNetLM(LongNetPreTrained):
         ``labels`` are then this rank's shard and ``loss`` is the mean over this rank's
         tokens (aggregate ``loss_sum`` / ``num_tokens`` across the group for the global mean).
         ``cache``: from :meth:`new_cache`, for inference.
+        ``document_ids``: ``(batch, seq)`` ids of packed documents (``LongNetModel``); positions
+        then default to each token's place in its document, and the loss leaves out the
+        labels whose target begins the next document (``document_labels``).
         """
-        hidden = self.model(input_ids, position_ids=position_ids, group=group, cache=cache)
+        hidden = self.model(input_ids, position_ids=position_ids, group=group, cache=cache,
+                            document_ids=document_ids)
         logits = self.lm_head(hidden)
         if labels is None:
             return LMOutput(logits=logits)
@@ -267,6 +333,8 @@ class LongNetLM(LongNetPreTrained):
                 f"labels has shape {tuple(labels.shape)}, expected {tuple(input_ids.shape)} "
                 "(aligned with input_ids: labels[:, t] is the target of position t)."
             )
+        check_label_ids(labels, self.config.vocab_size, "vocab_size", ignore=True)
+        labels = document_labels(labels, document_ids)
         compute = torch.promote_types(logits.dtype, torch.float32)
         loss_sum = F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]).to(compute),
@@ -382,6 +450,7 @@ class LongNetEncoder(LongNetPreTrained):
                     f"labels must have shape ({input_ids.shape[0]},) (one class per row), got "
                     f"{tuple(labels.shape)}."
                 )
+            check_label_ids(labels, self.config.num_labels, "num_labels", ignore=False)
             compute = torch.promote_types(logits.dtype, torch.float32)
             loss = F.cross_entropy(logits.to(compute), labels.long())
         return EncoderOutput(logits=logits, pooled=pooled, hidden_states=hidden, loss=loss)

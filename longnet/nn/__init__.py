@@ -20,6 +20,7 @@ from longnet.nn.positional import (
     XPos,
     apply_rotary,
     default_position_ids,
+    document_position_ids,
     rotate_half,
 )
 from longnet.nn.short_conv import CausalShortConv
@@ -44,6 +45,7 @@ __all__ = [
     "build_feed_forward",
     "build_norm",
     "default_position_ids",
+    "document_position_ids",
     "multiplicity_attention",
     "rotate_half",
 ]

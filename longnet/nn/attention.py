@@ -9,7 +9,12 @@ from torch import Tensor, nn
 from longnet.attention import DilatedPattern, dilated_attention
 from longnet.distributed.halo import previous_rows
 from longnet.nn.norm import build_norm
-from longnet.nn.positional import XPos, check_position_ids, default_position_ids
+from longnet.nn.positional import (
+    XPos,
+    check_position_ids,
+    default_position_ids,
+    document_position_ids,
+)
 from longnet.nn.short_conv import CausalShortConv
 
 
@@ -232,16 +237,27 @@ class MultiheadDilatedAttention(nn.Module):
         position_ids: Tensor | None = None,
         group: torch.distributed.ProcessGroup | None = None,
         cache: LayerKVCache | None = None,
+        document_ids: Tensor | None = None,
     ) -> Tensor:
         """Self-attention over ``x`` ``(batch, seq, embed_dim)``.
 
         ``position_ids``: global positions ``(seq,)`` or ``(batch, seq)``; default: the
-        positions following the cache, or this rank's equal contiguous shard with ``group``.
+        positions following the cache, or this rank's equal contiguous shard with ``group``
+        (with ``document_ids``: the positions in each document).
         ``group``: sequence-parallel process group, passed to the attention core.
         ``cache``: a :class:`LayerKVCache` for incremental causal decoding (inference): the
         new tokens attend to the cached keys and are appended to them.
+        ``document_ids``: ``(batch, seq)`` non-decreasing ids of packed documents: each
+        document is attended (and its keys and values convolved) as if it were alone
+        (``dilated_attention``); not with ``cache``.
         """
         batch, seq, _ = x.shape
+        if document_ids is not None and cache is not None:
+            raise ValueError(
+                "document_ids cannot be combined with a KV cache; decode one document at a time."
+            )
+        if position_ids is None and document_ids is not None:
+            position_ids = document_position_ids(document_ids)
         if position_ids is None:
             offset = cache.end if cache is not None else 0
             position_ids = default_position_ids(seq, x.device, offset=offset, group=group)
@@ -250,7 +266,7 @@ class MultiheadDilatedAttention(nn.Module):
         k, v = self.k_proj(x), self.v_proj(x)
         conv_tail = None
         if self.kv_conv is not None:
-            k, v, conv_tail = self._convolve_kv(k, v, group, cache)
+            k, v, conv_tail = self._convolve_kv(k, v, group, cache, document_ids)
         k = rearrange(k, "b n (h d) -> b n h d", h=self.num_kv_heads)
         v = rearrange(v, "b n (h d) -> b n h d", h=self.num_kv_heads)
         if self.positional is not None:
@@ -264,6 +280,7 @@ class MultiheadDilatedAttention(nn.Module):
                 causal=self.causal,
                 scale=self.scale,
                 process_group=group,
+                document_ids=document_ids,
             )
         else:
             out = self._cached_attention(q, k, v, position_ids, group, cache, conv_tail)
@@ -278,11 +295,13 @@ class MultiheadDilatedAttention(nn.Module):
         v: Tensor,
         group: torch.distributed.ProcessGroup | None,
         cache: LayerKVCache | None,
+        document_ids: Tensor | None,
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         """The short convolution of the projections ``k, v`` ``(batch, seq, kv_heads *
         head_dim)``; the rows before them come from the previous rank's shard (``group``) or
-        the cache's tail (``cache``). Returns the convolved ``k, v`` and, with a cache, its
-        next tail (stored by ``LayerKVCache.append`` once the call has passed its checks)."""
+        the cache's tail (``cache``); with ``document_ids`` no row mixes with another
+        document's. Returns the convolved ``k, v`` and, with a cache, its next tail (stored
+        by ``LayerKVCache.append`` once the call has passed its checks)."""
         assert self.kv_conv is not None
         kv = torch.cat((k, v), dim=-1)
         width = self.kv_conv.kernel_size - 1
@@ -294,7 +313,8 @@ class MultiheadDilatedAttention(nn.Module):
             tail = torch.cat((history, kv.detach()), dim=1)[:, -width:]
         elif group is not None:
             history = previous_rows(kv, width, group)
-        k, v = self.kv_conv(kv, history).split(k.shape[-1], dim=-1)
+        positions = None if document_ids is None else document_position_ids(document_ids)
+        k, v = self.kv_conv(kv, history, positions).split(k.shape[-1], dim=-1)
         return k, v, tail
 
     def _cached_attention(

@@ -20,6 +20,8 @@ class TransformerBlock(nn.Module):
     is used.  The sequence-parallel ``group`` is passed to the attention, so the recomputation
     communicates again: every rank of the group must run the same backward.
 
+    ``document_ids`` ``(batch, seq)`` (packed documents) go to the attention.
+
     Shapes: ``x`` ``(batch, seq, embed_dim)`` -> ``(batch, seq, embed_dim)``.
     """
 
@@ -45,10 +47,12 @@ class TransformerBlock(nn.Module):
         position_ids: Tensor | None = None,
         group: torch.distributed.ProcessGroup | None = None,
         cache: LayerKVCache | None = None,
+        document_ids: Tensor | None = None,
     ) -> Tensor:
         if self.gradient_checkpointing and cache is None and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, position_ids, group, None, use_reentrant=False)
-        return self._forward(x, position_ids, group, cache)
+            return checkpoint(self._forward, x, position_ids, group, None, document_ids,
+                              use_reentrant=False)
+        return self._forward(x, position_ids, group, cache, document_ids)
 
     def _forward(
         self,
@@ -56,6 +60,7 @@ class TransformerBlock(nn.Module):
         position_ids: Tensor | None,
         group: torch.distributed.ProcessGroup | None,
         cache: LayerKVCache | None,
+        document_ids: Tensor | None,
     ) -> Tensor:
-        h = x + self.attn(self.attn_norm(x), position_ids, group, cache)
+        h = x + self.attn(self.attn_norm(x), position_ids, group, cache, document_ids)
         return h + self.ffn(self.ffn_norm(h))

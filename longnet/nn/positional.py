@@ -204,6 +204,18 @@ class LearnedPositionalEmbedding(nn.Embedding):
         return super().forward(position_ids)
 
 
+def document_position_ids(document_ids: Tensor) -> Tensor:
+    """The position of every token in its document (packed documents, ``document_ids``
+    ``(batch, seq)`` non-decreasing along the sequence): 0 at each run of equal ids' first
+    token. Returns ``(batch, seq)`` int64 on the ids' device."""
+    index = torch.arange(document_ids.shape[1], device=document_ids.device).expand(
+        document_ids.shape
+    )
+    starts = torch.ones(document_ids.shape, dtype=torch.bool, device=document_ids.device)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    return index - torch.where(starts, index, 0).cummax(dim=1).values
+
+
 def default_position_ids(
     seq_len: int,
     device: torch.device,

@@ -23,9 +23,12 @@ class CausalShortConv(nn.Module):
 
     Rows before the first are ``history`` (the last ``kernel_size - 1`` rows of the sequence
     before this chunk: the previous rank's shard, or a decoding cache's tail) or zeros.
+    With packed documents, ``positions`` (each row's position in its document,
+    ``nn.document_position_ids``) limits the sum to ``j <= positions[t]``: no row is mixed
+    with a row of another document.
 
     Shapes: ``x`` ``(batch, seq, channels)``, ``history`` ``(batch, kernel_size - 1,
-    channels)``; returns ``(batch, seq, channels)``.
+    channels)``, ``positions`` ``(batch, seq)``; returns ``(batch, seq, channels)``.
     """
 
     def __init__(self, channels: int, kernel_size: int) -> None:
@@ -49,7 +52,9 @@ class CausalShortConv(nn.Module):
     def extra_repr(self) -> str:
         return f"channels={self.channels}, kernel_size={self.kernel_size}"
 
-    def forward(self, x: Tensor, history: Tensor | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, history: Tensor | None = None, positions: Tensor | None = None
+    ) -> Tensor:
         batch, _, channels = x.shape
         width = self.kernel_size - 1
         if history is None:
@@ -59,7 +64,22 @@ class CausalShortConv(nn.Module):
                 f"CausalShortConv: history has shape {tuple(history.shape)}, expected "
                 f"{(batch, width, channels)} (the {width} rows before x)."
             )
-        padded = rearrange(torch.cat((history.to(x.dtype), x), dim=1), "b n c -> b c n")
+        rows = torch.cat((history.to(x.dtype), x), dim=1)
+        if positions is not None:
+            return self._within_documents(rows, positions)
+        padded = rearrange(rows, "b n c -> b c n")
         # conv1d correlates: output t reads input t + i, i.e. x[t - (width - i)].
         kernel = rearrange(self.weight.flip(-1), "c k -> c 1 k").to(x.dtype)
         return rearrange(F.conv1d(padded, kernel, groups=channels), "b c n -> b n c")
+
+    def _within_documents(self, rows: Tensor, positions: Tensor) -> Tensor:
+        """The sum over taps ``j <= positions[t]`` of ``rows`` ``(batch, width + seq,
+        channels)`` (history, then ``x``), one masked tap at a time (a masked row may hold
+        anything, even a NaN: it is replaced, not multiplied by 0)."""
+        width, seq = self.kernel_size - 1, positions.shape[1]
+        weight = self.weight.to(rows.dtype)
+        out = rows[:, width:] * weight[:, 0]
+        for j in range(1, self.kernel_size):
+            tap = rows[:, width - j : width - j + seq].masked_fill((positions < j)[..., None], 0)
+            out = out + tap * weight[:, j]
+        return out

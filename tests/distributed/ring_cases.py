@@ -50,7 +50,28 @@ def ring_cases(world_size: int) -> list[dict]:
         for by_ring, transport in enumerate(("ring", "allgather"))
         for causal in (True, False)
     ]
-    return fixed + random_ring_cases(world_size, count=12)
+    return fixed + zigzag_cases(world_size) + random_ring_cases(world_size, count=12)
+
+
+def zigzag_cases(world_size: int) -> list[dict]:
+    """The zigzag layout: ``2P`` chunks of ``C`` tokens, rank ``r`` holding chunks ``r`` and
+    ``2P - 1 - r``; branches local to a chunk, spanning two chunks (members of one segment
+    group on one rank: the middle pair), spanning the whole sequence, drifting offsets and a
+    last segment cut short, both directions, tiny budgets, an lse gradient."""
+    C = 6
+    n = 2 * world_size * C
+    patterns = {
+        "zigzag-pairs": [(3, 1), (2 * C, 2)],
+        "zigzag-whole": [(C, 1), (n, 3)],
+        "zigzag-drift": [(C, 5), (2 * C, 4), (4 * C, 7)],
+    }
+    return [
+        dict(name=f"{name}-{'causal' if causal else 'bidir'}", seq_len=n, branches=b,
+             causal=causal, transport="ring", block_elements=budget, lse_grad=causal,
+             layout="zigzag")
+        for name, b in patterns.items()
+        for causal, budget in ((True, 20), (False, CPU_BLOCK_ELEMENTS))
+    ]
 
 
 def random_ring_cases(world_size: int, count: int) -> list[dict]:
@@ -152,7 +173,7 @@ def _check_case(rank: int, world_size: int, device: torch.device, case: dict, se
     _, ref_lse = dense_dilated_attention(q, k, v, branches, causal)
     d_lse = torch.randn(2, 5, n, generator=gen, dtype=torch.float64).masked_fill(ref_lse.isinf(), 0)
     d_lse = d_lse if case["lse_grad"] else None
-    shard = slice(rank * n // world_size, (rank + 1) * n // world_size)
+    shard = shard_positions(n, world_size, rank, case.get("layout", "contiguous"))
     ring, single = _run_library(q, k, v, d_out, d_lse, shard, case, device)
     reference = _run(
         (q, k, v), d_out, d_lse, lambda a, b, c: dense_dilated_attention(a, b, c, branches, causal)
@@ -166,6 +187,17 @@ def _check_case(rank: int, world_size: int, device: torch.device, case: dict, se
             assert same_inf and error <= TOL, (
                 f"rank {rank}: {name} vs {label}: max error {error:.2e}"
             )
+
+
+def shard_positions(seq_len: int, world_size: int, rank: int, layout: str) -> torch.Tensor:
+    """The global positions of ``rank``'s shard, in its order (``layout`` as the library's)."""
+    if layout == "contiguous":
+        size = seq_len // world_size
+        return torch.arange(rank * size, (rank + 1) * size)
+    chunk = seq_len // (2 * world_size)
+    late = 2 * world_size - 1 - rank
+    return torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
+                      torch.arange(late * chunk, (late + 1) * chunk)])
 
 
 def _run_library(q, k, v, d_out, d_lse, shard, case, device):
@@ -185,6 +217,7 @@ def _run_library(q, k, v, d_out, d_lse, shard, case, device):
             return_lse=True,
             transport=case["transport"],
             block_elements=case["block_elements"],
+            layout=case.get("layout", "contiguous"),
         ),
     )
     single = _run(
@@ -218,4 +251,10 @@ def check_ring_errors(rank: int, world_size: int, device: torch.device) -> list[
     expect("another rank passed different", pattern=[(12, 1 + (rank == 1))])
     expect("padded_length", pattern=[(5, 1)], shard_len=6)
     expect("transport must be one of", pattern=[(12, 1)], transport="broadcast")
+    expect("layout must be one of", pattern=[(12, 1)], layout="striped")
+    if world_size > 1:
+        expect("cuts each shard into two equal chunks", pattern=[(3, 1)], shard_len=9,
+               layout="zigzag")
+        expect("runs the ring transport only", pattern=[(6, 1), (24, 2)], layout="zigzag",
+               transport="allgather")
     return failures

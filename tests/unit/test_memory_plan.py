@@ -95,7 +95,7 @@ def test_message_rows_match_the_library_plan():
         _, rings = plan_sequence_parallel(
             pattern, 12, 4, rank, 3, ("ring",) * 3, 4, CPU_BLOCK_ELEMENTS
         )
-        for ring, (w, r) in zip(rings, pattern.branches[1:]):
+        for (ring,), (w, r) in zip(rings, pattern.branches[1:]):
             assert message_rows(setup, w, r, rank) == ring.rows_max
             packed = ring.pack(torch.zeros(1, 12, 3, 4), torch.zeros(1, 12, 3, 4))
             memory = plan_memory(setup, ranks=[rank]).ranks[0]
