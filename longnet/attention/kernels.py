@@ -20,14 +20,26 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+
+class BlockBackward(NamedTuple):
+    """One block's backward inputs, kernel layout: the upstream gradient ``d_out``, the block's
+    ``q, k, v``, and the GLOBAL merged ``out`` and ``lse`` of its query rows."""
+
+    d_out: Tensor
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    out: Tensor
+    lse: Tensor
+
+
 Forward = Callable[[Tensor, Tensor, Tensor, bool, float], tuple[Tensor, Tensor]]
-Backward = Callable[
-    [Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, bool, float], tuple[Tensor, Tensor, Tensor]
-]
+Backward = Callable[[BlockBackward, bool, float], tuple[Tensor, Tensor, Tensor]]
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -53,18 +65,11 @@ def math_forward(
 
 
 def math_backward(
-    d_out: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    causal: bool,
-    scale: float,
-    delta: Tensor | None = None,
+    block: BlockBackward, causal: bool, scale: float, delta: Tensor | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of one block given the global ``out``/``lse``; ``delta`` ``(batch, heads,
     length)`` replaces ``rowsum(d_out * out)`` (see the module docstring)."""
+    d_out, q, k, v, out, lse = block
     acc = accumulation_dtype(q.dtype)
     q, k, v, d_out = (t.to(acc) for t in (q, k, v, d_out))
     scores = torch.einsum("bhid,bhjd->bhij", q, k) * scale
@@ -130,18 +135,11 @@ def cpu_flash_forward(
 
 
 def cpu_flash_backward(
-    d_out: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    causal: bool,
-    scale: float,
+    block: BlockBackward, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    d_out, q, k, v, out = _fused_ready(d_out, q, k, v, out)
+    d_out, q, k, v, out = _fused_ready(*block[:5])
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        d_out, q, k, v, out, lse, 0.0, causal, scale=scale
+        d_out, q, k, v, out, block.lse, 0.0, causal, scale=scale
     )
 
 
@@ -161,22 +159,15 @@ def cuda_flash_forward(
 
 
 def cuda_flash_backward(
-    d_out: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    causal: bool,
-    scale: float,
+    block: BlockBackward, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    d_out, q, k, v, out = _fused_ready(d_out, q, k, v, out)
+    d_out, q, k, v, out = _fused_ready(*block[:5])
     # as the forward returns them for a dense batch without dropout: no cumulative sequence
     # lengths (None: not a varlen call) and an unused random state
     seed = torch.zeros(2, dtype=torch.uint64, device=q.device)
     offset = torch.zeros((), dtype=torch.uint64, device=q.device)
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        d_out, q, k, v, out, lse.contiguous(), None, None,
+        d_out, q, k, v, out, block.lse.contiguous(), None, None,
         q.shape[-2], k.shape[-2], 0.0, causal, seed, offset, scale=scale,
     )
 
@@ -196,20 +187,13 @@ def cuda_efficient_forward(
 
 
 def cuda_efficient_backward(
-    d_out: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    causal: bool,
-    scale: float,
+    block: BlockBackward, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    d_out, q, k, v = _fused_ready(d_out, q, k, v)
-    out = _sequence_major(out)
+    d_out, q, k, v = _fused_ready(*block[:4])
+    out = _sequence_major(block.out)
     seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)
     # lse in the op's own padded layout (length a multiple of 32), as its forward returns it
-    lse = torch.nn.functional.pad(lse, (0, -lse.shape[-1] % 32)).contiguous()
+    lse = torch.nn.functional.pad(block.lse, (0, -block.lse.shape[-1] % 32)).contiguous()
     d_q, d_k, d_v, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
         d_out, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], causal,
         scale=scale,
@@ -259,24 +243,16 @@ class Kernel:
         return None
 
     def block_backward(
-        self,
-        d_out: Tensor,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        out: Tensor,
-        lse: Tensor,
-        d_lse: Tensor | None,
-        causal: bool,
-        scale: float,
+        self, block: BlockBackward, d_lse: Tensor | None, causal: bool, scale: float
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """One block's share of the mixture gradient, given the GLOBAL ``out``/``lse`` rows of
-        its queries (kernel layout); a gradient into ``lse`` (``d_lse``, ``(batch, heads,
-        length)``) runs the math kernel with ``delta`` (see the module docstring)."""
+        """One block's share of the mixture gradient; a gradient into ``lse`` (``d_lse``,
+        ``(batch, heads, length)``) runs the math kernel with ``delta`` (see the module
+        docstring)."""
         if d_lse is None:
-            return self.backward(d_out, q, k, v, out, lse, causal, scale)
-        delta = (d_out.to(lse.dtype) * out.to(lse.dtype)).sum(-1) - d_lse
-        return math_backward(d_out, q, k, v, out, lse, causal, scale, delta=delta)
+            return self.backward(block, causal, scale)
+        lse = block.lse
+        delta = (block.d_out.to(lse.dtype) * block.out.to(lse.dtype)).sum(-1) - d_lse
+        return math_backward(block, causal, scale, delta=delta)
 
 
 HALF = (torch.float16, torch.bfloat16)

@@ -63,10 +63,8 @@ def attend_local_backward(
     if plan.adopted is not None and d_lse is None:
         group = plan.adopted
         rows = BackwardQueries.gather(d_out, q, out, lse, None, group)
-        block_grads = kernel.backward(
-            rows.d_out, rows.q, gather(k, group), gather(v, group), rows.out, rows.lse,
-            causal, scale,
-        )
+        block_grads = kernel.backward(rows.block(gather(k, group), gather(v, group)), causal,
+                                      scale)
         grads = [_sequence_layout(grad, q.shape[0]) for grad in block_grads]
         del rows, block_grads
     else:
@@ -77,8 +75,7 @@ def attend_local_backward(
     for _, chunk in chunks:
         rows = BackwardQueries.gather(d_out, q, out, lse, d_lse, chunk)
         block_grads = kernel.block_backward(
-            rows.d_out, rows.q, gather(k, chunk), gather(v, chunk), rows.out, rows.lse,
-            rows.d_lse, causal, scale,
+            rows.block(gather(k, chunk), gather(v, chunk)), rows.d_lse, causal, scale
         )
         del rows
         for grad, block_grad in zip(grads, block_grads):

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from longnet.attention.kernels import accumulation_dtype
+from longnet.attention.kernels import BlockBackward, accumulation_dtype
 from longnet.attention.layout import Blocks, gather, scatter_
 
 
@@ -100,3 +100,7 @@ class BackwardQueries(NamedTuple):
             gather(lse, group)[..., 0].contiguous(),
             None if d_lse is None else gather(d_lse, group)[..., 0],
         )
+
+    def block(self, k: Tensor, v: Tensor) -> BlockBackward:
+        """The kernel backward's inputs for these queries against the keys ``k``, ``v``."""
+        return BlockBackward(self.d_out, self.q, k, v, self.out, self.lse)

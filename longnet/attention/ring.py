@@ -238,8 +238,7 @@ class SpanningPiece:
             for number, index, k_b, v_b in self._key_blocks(kv, source, self.query_groups):
                 rows, d_q_b = entries[number].rows, entries[number].d_q
                 d_q, d_k, d_v = plan.kernel.block_backward(
-                    rows.d_out, rows.q, k_b, v_b, rows.out, rows.lse, rows.d_lse, diagonal,
-                    plan.scale,
+                    rows.block(k_b, v_b), rows.d_lse, diagonal, plan.scale
                 )
                 d_q_b += d_q
                 key_rows = k_b.shape[-2]

@@ -98,8 +98,12 @@ class KernelClock:
 
 def kernel_call(name: str, args: tuple) -> tuple:
     """``(kernel name, dtype, q shape, k shape, causal, scale)`` of one block-kernel call
-    (forward: ``q, k, v, causal, scale``; backward: ``d_out, q, k, v, out, lse, causal, scale``)."""
-    q, k, _, causal, scale = args[:5] if name.endswith("forward") else args[1:4] + args[6:8]
+    (forward: ``q, k, v, causal, scale``; backward: ``BlockBackward, causal, scale``)."""
+    if name.endswith("forward"):
+        q, k, _, causal, scale = args[:5]
+    else:
+        block, causal, scale = args[:3]
+        q, k = block.q, block.k
     dtype = str(q.dtype).removeprefix("torch.")
     return name, dtype, tuple(q.shape), tuple(k.shape), causal, scale
 
@@ -120,7 +124,8 @@ def replay_seconds(calls: list[tuple]) -> float:
                 args = (q, k, v, causal, scale)
             else:
                 out, lse = forward(q, k, v, causal, scale)
-                args = (torch.randn_like(q), q, k, v, out, lse, causal, scale)
+                args = (kernels.BlockBackward(torch.randn_like(q), q, k, v, out, lse), causal,
+                        scale)
             start = time.thread_time()
             getattr(kernels, name)(*args)
             seconds += time.thread_time() - start

@@ -11,6 +11,7 @@ from einops import rearrange
 
 from longnet.attention import DilatedPattern, dilated_attention, padded_length
 from longnet.attention.kernels import (
+    BlockBackward,
     cpu_flash_backward,
     cpu_flash_forward,
     math_backward,
@@ -218,8 +219,9 @@ def test_math_kernel_matches_cpu_flash_kernel(causal):
     torch.testing.assert_close(math_lse, lse, atol=TOL, rtol=0)
     # A backward run with a foreign (global) lse and out, as the mixture backward does.
     global_out, global_lse = torch.randn_like(out), lse + torch.rand_like(lse)
-    flash = cpu_flash_backward(d_out, q, k, v, global_out, global_lse, causal, 0.3)
-    math = math_backward(d_out, q, k, v, global_out, global_lse, causal, 0.3)
+    block = BlockBackward(d_out, q, k, v, global_out, global_lse)
+    flash = cpu_flash_backward(block, causal, 0.3)
+    math = math_backward(block, causal, 0.3)
     for a, b in zip(math, flash):
         torch.testing.assert_close(a, b, atol=TOL, rtol=0)
 

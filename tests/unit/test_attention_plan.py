@@ -163,5 +163,5 @@ def test_efficient_backward_gets_out_with_the_row_stride_it_assumes(monkeypatch)
     q = torch.randn(batch, heads, length, dim)  # head-major: row stride dim, not heads * dim
     out = torch.randn(batch, heads, length, dim)
     lse = torch.randn(batch, heads, length)
-    kernels.cuda_efficient_backward(q, q, q, q, out, lse, False, 0.3)
+    kernels.cuda_efficient_backward(kernels.BlockBackward(q, q, q, q, out, lse), False, 0.3)
     assert seen == {"row_stride": heads * dim, "lse_length": 64}
