@@ -12,16 +12,27 @@ A :class:`~lightning.pytorch.cli.LightningCLI` over :class:`longnet.training.Cau
 - ``predict`` on a datamodule without a predict split scores its test split (per-sample
   summed cross-entropy, tokens and bits per byte; add ``longnet.training.PredictionsWriter``
   to the callbacks to write them);
-- one run per run folder (``longnet.training.runs``): every subcommand holds
-  ``<run folder>/run.lock`` while it works (a second command into the folder is refused,
-  naming the live one), a new ``fit`` refuses a folder holding another run's checkpoints or
-  export, every metrics row and checkpoint carries the run id, and ``--ckpt_path last`` is
-  this folder's ``checkpoints/last.ckpt`` (the command says which checkpoint and step it
-  resumes);
+- one run per run folder (``longnet.training.runs``): every subcommand checks that the run
+  folder (and every other output folder) can be written and holds ``<run folder>/run.lock``
+  while it works (a second command into the folder is refused, naming the live one), a new
+  ``fit`` refuses a folder holding another run's checkpoints or export, every metrics row and
+  checkpoint carries the run id, and ``--ckpt_path last`` is this folder's
+  ``checkpoints/last.ckpt`` (the command says which checkpoint and step it resumes; a
+  checkpoint of another folder starts a new run from it);
+- the model is the configured one: Lightning's CLI would replace it by the hyper-parameters
+  stored in a ``--ckpt_path`` file; here a checkpoint whose tensors have other shapes than the
+  configured model's is refused, naming both;
 - every expected failure (configuration errors, unusable data or checkpoint files, settings
-  Lightning or the strategy refuse) reported in a few lines on stderr, naming the value and
-  the fix, with exit status 2 and no traceback (``--verbose``, anywhere on the command line,
-  prints it); unexpected errors keep their traceback;
+  Lightning or the strategy refuse, a run folder that cannot be written, a checkpoint of
+  another model shape, a diverged training) reported in a few lines on stderr, naming the
+  value and the fix, with exit status 2 and no traceback (``--verbose``, anywhere on the
+  command line, prints it; for a parser error, its whole message); unexpected errors keep
+  their traceback;
+- ``trainer.precision: auto``: bf16-mixed where the hardware multiplies bfloat16 natively,
+  else 32-true (``longnet.training.precision``; one log line says which and why);
+- SIGTERM / SIGINT: the run stops at the end of its step with ``last.ckpt``, one line says how
+  to resume, exit status 143 / 130 (``longnet.training.signals``); a run stopped by
+  ``max_time`` before ``max_steps`` says so, and what to do, after its summary;
 - progress in optimizer steps (``longnet.training.progress``): a tqdm bar on a terminal, plain
   lines when stdout is a file or pipe; Lightning's advertisement tips are not shown;
 - subnormal floats flushed to zero on the CPU (``longnet.denormals``: a float32 step
@@ -34,7 +45,12 @@ resolved config.
 from __future__ import annotations
 
 import contextvars
+import difflib
+import importlib
+import inspect
 import logging
+import re
+import signal
 import sys
 import traceback
 import warnings
@@ -44,17 +60,30 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+from jsonargparse import ArgumentError
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.callbacks import ProgressBar, Timer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from longnet.denormals import denormals_kept, flushing_denormals
+from longnet.files import check_output_folder, write_atomic
 from longnet.training import CausalLMModule
-from longnet.training.callbacks import run_dir
-from longnet.training.checkpoint import is_sharded_checkpoint, last_checkpoint, read_checkpoint
+from longnet.training.callbacks import ValidateLastStep, run_dir
+from longnet.training.checkpoint import (
+    checkpoint_config,
+    checkpoint_shapes,
+    is_sharded_checkpoint,
+    last_checkpoint,
+    read_checkpoint,
+)
+from longnet.training.module import TrainingDiverged
+from longnet.training.precision import AutoPrecisionTrainer
 from longnet.training.progress import progress_bar
 from longnet.training.runs import (
+    LOCK_NAME,
     RunId,
     RunLock,
     checkpoint_dirs,
@@ -63,10 +92,21 @@ from longnet.training.runs import (
     new_run_id,
     run_folder,
 )
+from longnet.training.signals import (
+    RERUN_HINT,
+    Interrupted,
+    StopOnSignal,
+    exit_status,
+    raising_on_signals,
+    signal_name,
+)
 from longnet.validation import UsageError
 
 VERBOSE_FLAG = "--verbose"
 USAGE_EXIT = 2
+SUBCOMMANDS = ("fit", "validate", "test", "predict")
+RUN_FILES = (LOCK_NAME, "config.yaml", "metrics.json", "metrics.csv", "curves.png")
+"""Files the command writes directly in the run folder (checked writable before any work)."""
 
 
 class ConfigError(Exception):
@@ -79,12 +119,18 @@ its traceback."""
 
 
 class RunConfigSaver(SaveConfigCallback):
-    """Save the resolved config as ``config.yaml`` (fit) or ``config-<stage>.yaml``."""
+    """Save the resolved config as ``config.yaml`` (fit) or ``config-<stage>.yaml``, written
+    whole or not at all (:func:`longnet.files.write_atomic`)."""
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.already_saved:
+            return
         stage = getattr(stage, "value", stage)  # a TrainerFn or its string value
-        self.config_filename = "config.yaml" if stage == "fit" else f"config-{stage}.yaml"
-        super().setup(trainer, pl_module, stage)
+        name = "config.yaml" if stage == "fit" else f"config-{stage}.yaml"
+        folder = run_dir(trainer)  # on every rank: log_dir is a collective
+        if trainer.is_global_zero:
+            write_atomic(folder / name, self.parser.dump(self.config, skip_none=False))
+        self.already_saved = True
 
 
 class LongNetCLI(LightningCLI):
@@ -94,13 +140,15 @@ class LongNetCLI(LightningCLI):
         super().__init__(
             CausalLMModule,
             L.LightningDataModule,
+            trainer_class=AutoPrecisionTrainer,
             subclass_mode_model=True,
             subclass_mode_data=True,
             save_config_callback=RunConfigSaver,
             save_config_kwargs={"overwrite": True},
             auto_configure_optimizers=False,
             parser_kwargs={"description": "LongNet dilated-attention LMs: train, evaluate. "
-                           f"{VERBOSE_FLAG} (anywhere): show the traceback of an error."},
+                           f"{VERBOSE_FLAG} (anywhere): show the traceback of an error.",
+                           "exit_on_error": False},  # main() reports the error in a few lines
             args=list(args) if args is not None else None,
             run=run,
         )
@@ -115,13 +163,24 @@ class LongNetCLI(LightningCLI):
         )
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
-        """Lightning's; then a ``--ckpt_path`` file is checked (a clear error for random bytes,
-        a truncated or a foreign file) before Lightning reads its hyper-parameters."""
-        super().parse_arguments(parser, args)
+        """Lightning's, with a clear error for a config file that is not text; then a
+        ``--ckpt_path`` file is checked (a clear error for random bytes, a truncated or a
+        foreign file)."""
+        try:
+            super().parse_arguments(parser, args)
+        except UnicodeDecodeError as err:
+            raise UsageError(undecodable_config(sys.argv[1:] if args is None else args, err)) \
+                from err
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
         if ckpt_path and Path(ckpt_path).is_file():
             read_checkpoint(ckpt_path)
+
+    def _parse_ckpt_path(self) -> None:
+        """Keep the configured model. (Lightning's CLI replaces the model's arguments by the
+        hyper-parameters stored in a ``--ckpt_path`` file, command line included, so that a
+        checkpoint of another shape silently became the model; ``_run_folder`` refuses such a
+        checkpoint instead.)"""
 
     def instantiate_classes(self) -> None:
         try:
@@ -130,13 +189,16 @@ class LongNetCLI(LightningCLI):
             raise ConfigError(f"{type(err).__name__}: {err}") from err
 
     def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:
-        """Lightning's, plus :class:`RunId` first among the callbacks and, unless the config
-        disables the bar or brings its own, :func:`~longnet.training.progress.progress_bar`."""
+        """Lightning's, plus :class:`RunId` first among the callbacks,
+        :class:`~longnet.training.callbacks.ValidateLastStep`, :class:`StopOnSignal` and,
+        unless the config disables the bar or brings its own,
+        :func:`~longnet.training.progress.progress_bar`."""
         config = self._get(self.config_init, "trainer", default={})
         given = config.get("callbacks")
         callbacks = [] if given is None else list(given) if isinstance(given, list) else [given]
         self.run_tag = RunId(new_run_id())
         callbacks.insert(0, self.run_tag)
+        callbacks += [ValidateLastStep(), StopOnSignal()]
         if config.get("enable_progress_bar") is not False and not any(
             isinstance(callback, ProgressBar) for callback in callbacks
         ):
@@ -146,62 +208,85 @@ class LongNetCLI(LightningCLI):
     def _run_subcommand(self, subcommand: str) -> None:
         # Lightning's, inside the run folder's lock and with the checkpoint path resolved
         with self._run_folder(subcommand):
-            super()._run_subcommand(subcommand)
+            try:
+                super()._run_subcommand(subcommand)
+            except TrainingDiverged as err:
+                raise TrainingDiverged(f"{err} {last_good_checkpoint(self.trainer)}",
+                                       err.step) from err
 
     @contextmanager
     def _run_folder(self, subcommand: str) -> Iterator[None]:
-        """Resolve ``ckpt_path``, take the run folder's lock (rank 0), refuse a new ``fit`` in
-        a folder with another run's outputs; release the lock when the subcommand ends."""
+        """Check that the outputs can be written, resolve ``ckpt_path``, take the run folder's
+        lock (rank 0), refuse a new ``fit`` in a folder with another run's outputs; release the
+        lock when the subcommand ends."""
         trainer, arguments = self.trainer, self.config_init[subcommand]
         folder = run_folder(trainer)
+        check_outputs(trainer, subcommand)
         ckpt_path = arguments.get("ckpt_path")
+        continues_run = False
         if ckpt_path is not None:
-            ckpt_path = arguments["ckpt_path"] = self._checked_ckpt_path(str(ckpt_path), subcommand)
+            ckpt_path, continues_run = self._checked_ckpt_path(str(ckpt_path), subcommand)
+            arguments["ckpt_path"] = ckpt_path
         lock = RunLock(folder, self.run_tag.run_id) if trainer.is_global_zero else None
         if lock is not None:
             lock.acquire()
         try:
-            if trainer.is_global_zero and subcommand == "fit" and ckpt_path is None:
+            if trainer.is_global_zero and subcommand == "fit" and not continues_run:
                 refuse_earlier_run(folder, checkpoint_dirs(trainer))
             yield
         finally:
             if lock is not None:
                 lock.release()
 
-    def _checked_ckpt_path(self, ckpt_path: str, subcommand: str) -> str | None:
-        """``ckpt_path`` checked: ``last`` is this run folder's ``last.ckpt`` (none yet: a new
-        run for ``fit``, an error otherwise), ``best`` needs a ``fit`` in this command, a path
-        must be a readable Lightning checkpoint. A resumed ``fit`` keeps the run id of its
-        checkpoint and says which file and step it resumes."""
+    def _checked_ckpt_path(self, ckpt_path: str, subcommand: str) -> tuple[str | None, bool]:
+        """``ckpt_path`` checked, and whether it continues this folder's run: ``last`` is this
+        run folder's ``last.ckpt`` (none yet: a new run for ``fit``, an error otherwise),
+        ``best`` needs a ``fit`` in this command, a path must be a readable Lightning
+        checkpoint of the configured model's shape. A ``fit`` from a checkpoint of this
+        folder keeps its run id and says which file and step it resumes; from another
+        folder's, it is a new run (a new id) that starts from it."""
         trainer = self.trainer
         if ckpt_path in ("best", "hpc") or "://" in ckpt_path:
-            return check_keyword(trainer, ckpt_path, subcommand)
+            return check_keyword(trainer, ckpt_path, subcommand), False
         if ckpt_path == "last":
             found = run_last_checkpoint(trainer, subcommand)
             if found is None:
-                return None
+                return None, False
             ckpt_path = str(found)
         if not (Path(ckpt_path).is_file() or is_sharded_checkpoint(ckpt_path)):
             raise UsageError(f"--ckpt_path {ckpt_path}: no checkpoint file (or folder of "
                              f"shards) there. {checkpoints_hint(trainer)}")
         checkpoint = read_checkpoint(ckpt_path, tensors=False)
+        check_checkpoint_shape(ckpt_path, checkpoint, self.model)
+        own = Path(ckpt_path).resolve().parent in {
+            folder.resolve() for folder in checkpoint_dirs(trainer)}
         if subcommand == "fit":
-            self.run_tag.run_id = checkpoint_run_id(checkpoint) or self.run_tag.run_id
+            previous, step = checkpoint_run_id(checkpoint), checkpoint.get("global_step")
+            if own and previous:
+                self.run_tag.run_id = previous
             if trainer.is_global_zero:
-                print(f"Resuming run {self.run_tag.run_id} from {ckpt_path} "
-                      f"(step {checkpoint.get('global_step')}).")
-        return ckpt_path
+                if own:
+                    print(f"Resuming run {self.run_tag.run_id} from {ckpt_path} (step {step}).")
+                else:
+                    of = f" of run {previous}" if previous else ""
+                    print(f"Starting run {self.run_tag.run_id} from {ckpt_path} (step {step}"
+                          f"{of}, another folder's checkpoint).")
+        return ckpt_path, own
 
     def after_fit(self) -> None:
-        if self.trainer.global_step == 0:
-            if self.trainer.is_global_zero:
+        trainer = self.trainer
+        cut = max_time_cut(trainer, self.config[self.subcommand]["trainer"].get("max_time"))
+        if trainer.global_step == 0:
+            if trainer.is_global_zero:
                 print("fit took no optimizer step: no trained weights, so no test_after_fit.")
-        elif self.config[self.subcommand].get("test_after_fit") and not self.trainer.interrupted:
-            best = getattr(self.trainer.checkpoint_callback, "best_model_path", "") or None
-            self.trainer.test(self.model, datamodule=self.datamodule, ckpt_path=best)
-        folder = run_dir(self.trainer)  # on every rank: log_dir is a collective
-        if self.trainer.is_global_zero:
-            print(describe_run(folder))
+        elif self.config[self.subcommand].get("test_after_fit") and not trainer.interrupted:
+            best = getattr(trainer.checkpoint_callback, "best_model_path", "") or None
+            trainer.test(self.model, datamodule=self.datamodule, ckpt_path=best)
+        folder = run_dir(trainer)  # on every rank: log_dir is a collective
+        if trainer.is_global_zero:
+            print(describe_run(folder, cut is not None))
+            if cut is not None:
+                print(cut, file=sys.stderr)
 
     def predict(self, model: L.LightningModule, datamodule: L.LightningDataModule | None = None,
                 **kwargs) -> object:
@@ -213,6 +298,92 @@ class LongNetCLI(LightningCLI):
             datamodule.setup("predict")
             return self.trainer.predict(model, dataloaders=datamodule.test_dataloader(), **kwargs)
         return self.trainer.predict(model, datamodule=datamodule, **kwargs)
+
+
+def check_outputs(trainer: L.Trainer, subcommand: str) -> None:
+    """Refuse, before any work, a run folder (or another output folder of the callbacks:
+    checkpoints, exports, predictions) that cannot be written (:class:`UsageError`)."""
+    folder = run_folder(trainer)
+    what = "run folder (--trainer.logger.init_args.save_dir and name)"
+    check_output_folder(folder, (*RUN_FILES, f"config-{subcommand}.yaml"), what=what)
+    others = set(checkpoint_dirs(trainer)) | {
+        Path(callback.dirpath) for callback in trainer.callbacks
+        if isinstance(getattr(callback, "dirpath", None), (str, Path))}
+    for path in sorted(others - {folder}):
+        check_output_folder(path, what="output folder")
+
+
+def check_checkpoint_shape(ckpt_path: str, checkpoint: dict[str, Any],
+                           module: L.LightningModule) -> None:
+    """Refuse a checkpoint whose tensors differ from ``module``'s (missing, unexpected, other
+    shapes), naming both models' differing config fields and the fix."""
+    expected = {name: tuple(value.shape) for name, value in module.state_dict().items()}
+    found = checkpoint_shapes(ckpt_path, checkpoint)
+    shaped = sorted(name for name in expected.keys() & found.keys()
+                    if expected[name] != found[name])
+    missing, unexpected = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected)
+    if not (shaped or missing or unexpected):
+        return
+    examples = [f"{name}: {found[name]} in the checkpoint, {expected[name]} configured"
+                for name in shaped[:2]]
+    examples += [f"{len(missing)} configured tensors absent (e.g. {missing[0]})"] if missing else []
+    examples += [f"{len(unexpected)} unknown tensors (e.g. {unexpected[0]})"] if unexpected else []
+    config = Path(ckpt_path).resolve().parent.parent / "config.yaml"
+    matching = f" ({config})" if config.is_file() else ""
+    raise UsageError(
+        f"--ckpt_path {ckpt_path} holds a model of another shape than the configured one: "
+        f"{config_difference(checkpoint, module)}({'; '.join(examples)}). Use the config it "
+        f"was trained with{matching}, or drop the --model.init_args.overrides that change the "
+        "model's shape."
+    )
+
+
+def config_difference(checkpoint: dict[str, Any], module: L.LightningModule) -> str:
+    """``checkpoint {a: 1, b: 2}, configured {a: 3, b: 4} `` for the config fields in which the
+    checkpoint's model and ``module``'s differ (empty when either is unknown)."""
+    configured = getattr(getattr(module, "model", None), "config", None)
+    try:
+        stored = checkpoint_config(checkpoint)
+    except (ValueError, OSError):
+        return ""
+    if configured is None:
+        return ""
+    ours, theirs = configured.to_dict(), stored.to_dict()
+    fields = [key for key in ours if ours.get(key) != theirs.get(key)]
+
+    def shown(values: dict[str, Any]) -> str:
+        return "{" + ", ".join(f"{key}: {values.get(key)}" for key in fields) + "}"
+
+    return f"checkpoint {shown(theirs)}, configured {shown(ours)} " if fields else ""
+
+
+def last_good_checkpoint(trainer: L.Trainer) -> str:
+    """``Last good checkpoint: <path> (step N).`` of this run folder (or that there is none)."""
+    for folder in checkpoint_dirs(trainer, save_last=True):
+        found = last_checkpoint(folder)
+        if found is not None:
+            step = read_checkpoint(found, tensors=False).get("global_step")
+            return f"Last good checkpoint: {found} (step {step})."
+    return "No checkpoint was written before it."
+
+
+def max_time_cut(trainer: L.Trainer, max_time: Any) -> str | None:
+    """The warning for a ``fit`` that ``max_time`` stopped before ``max_steps`` (None when it
+    was not stopped by it)."""
+    timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
+    if timer is None or trainer.max_steps < 0 or trainer.global_step >= trainer.max_steps:
+        return None
+    remaining = timer.time_remaining(RunningStage.TRAINING)
+    if remaining is None or remaining > 0:
+        return None
+    return (
+        f"longnet: WARNING: max_time ({max_time}) stopped the training at step "
+        f"{trainer.global_step} of {trainer.max_steps}, before its learning-rate schedule "
+        "ended: the model is under-trained.\n"
+        "  To finish it, run the same command with --ckpt_path last --trainer.max_time null;\n"
+        "  to fit the time, train fewer steps (--trainer.max_steps) or check the precision "
+        "and the machine's load (other processes on its cores)."
+    )
 
 
 def refuse_earlier_run(folder: Path, checkpoint_folders: list[Path]) -> None:
@@ -269,10 +440,12 @@ def checkpoints_hint(trainer: L.Trainer) -> str:
     return "Checkpoints of this run folder: " + ", ".join(found[:6]) + "."
 
 
-def describe_run(folder: Path) -> str:
-    """Lines naming what a run left in its folder (only the files that exist)."""
+def describe_run(folder: Path, cut: bool = False) -> str:
+    """Lines naming what a run left in its folder (only the files that exist); ``cut``: the
+    training was stopped by ``max_time`` (the model is not called trained)."""
+    model = ("model stopped by max_time, under-trained" if cut else "trained model")
     outputs = (
-        ("model/", "trained model: LongNetLM.from_pretrained({path!r})"),
+        ("model/", model + ": LongNetLM.from_pretrained({path!r})"),
         ("curves.png", "training curves (bits per byte vs step)"),
         ("metrics.json", "final validation and test metrics"),
         ("metrics.csv", "every logged value"),
@@ -286,6 +459,130 @@ def describe_run(folder: Path) -> str:
             lines.append(f"  {str(path) + ('/' if path.is_dir() else ''):<40} "
                          f"{what.format(path=str(path))}")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- error messages
+def undecodable_config(args: Sequence[str], err: UnicodeDecodeError) -> str:
+    """The message for a file given on the command line that is not UTF-8 text (a config)."""
+    for arg in args:
+        for candidate in (arg, arg.partition("=")[2]):
+            path = Path(candidate)
+            if candidate and path.is_file():
+                try:
+                    path.read_text(encoding="utf-8")
+                except UnicodeDecodeError as bad:
+                    return (f"{path} is not a text config file ({bad.reason} at byte "
+                            f"{bad.start}): give a YAML or JSON config, e.g. "
+                            "configs/smoke.yaml.")
+    return f"a file given on the command line is not UTF-8 text ({err}); configs are YAML."
+
+
+def parse_error_message(message: str) -> str:
+    """jsonargparse's error shortened to what matters: ``--key: reason`` (the innermost
+    failing key, the reason for the value given, without the alternatives that do not
+    apply)."""
+    lines = [(len(line) - len(line.lstrip()), line.strip()) for line in message.splitlines()
+             if line.strip()]
+    if not lines:
+        return message
+    keys, reason = _explain(lines)
+    return f"--{'.'.join(keys)}: {reason}" if keys else reason
+
+
+def _items(lines: list[tuple[int, str]]) -> list[list[tuple[int, str]]]:
+    """Split a ``- first line`` list (with indented continuations) into items, the dash
+    removed."""
+    items: list[list[tuple[int, str]]] = []
+    indent = lines[0][0] if lines else 0
+    for level, text in lines:
+        if level == indent and text.startswith("- "):
+            items.append([(level + 2, text[2:])])
+        elif items:  # a continuation at the dash's indent belongs to the item's own block
+            items[-1].append((level + 2 if level == indent else level, text))
+    return items
+
+
+def _explain(lines: list[tuple[int, str]]) -> tuple[list[str], str]:
+    """(keys, reason) of one error block."""
+    text = lines[0][1]
+    if match := re.fullmatch(r'Parser key "([^"]+)":\s*(.*)', text):
+        rest = [(lines[0][0] + 2, match.group(2))] if match.group(2) else []
+        inner = rest + lines[1:]
+        keys, reason = _explain(inner) if inner else ([], "invalid value")
+        return [match.group(1), *keys], reason
+    if text.startswith("- "):  # alternatives at this level (e.g. a path or a class)
+        return _best(_items(lines), given=None)
+    if text.startswith("Does not validate against any of the Union subtypes"):
+        level = lines[0][0]  # of this block's own lines ("Errors:", "Given value: ...")
+        own = [i for i, (at, _) in enumerate(lines) if at == level]
+        errors = next((i for i in own if lines[i][1] == "Errors:"), len(lines))
+        end = next((i for i in own if i > errors and lines[i][1].startswith("Given value")),
+                   len(lines))
+        given = next((lines[i][1].removeprefix("Given value: ") for i in own
+                      if lines[i][1].startswith("Given value: ")), None)
+        return _best(_items(lines[errors + 1:end]), given)
+    if match := re.fullmatch(r"Problem with given class_path '([^']+)':", text):
+        keys, reason = _explain(lines[1:]) if len(lines) > 1 else ([], text)
+        if keys:
+            return ["init_args", *keys], reason
+        return [], _with_suggestion(reason, match.group(1))
+    return [], " ".join(t for _, t in lines)
+
+
+def _best(items: list[list[tuple[int, str]]], given: str | None) -> tuple[list[str], str]:
+    """The reason among a union's alternatives: a class's own error first, else what the
+    value should have been."""
+    items = [item for item in items if item[0][1] != "Expected a <class 'NoneType'>"]
+    for prefix in ("Problem with given class_path", "Does not validate against any"):
+        for item in items:
+            if item[0][1].startswith(prefix):
+                return _explain(item)
+    expected = [item[0][1].removeprefix("Expected a ") for item in items
+                if item[0][1].startswith("Expected a ")]
+    if expected and given is not None and len(expected) == len(items):
+        return [], f"{given!r} is not {_one_of(expected)}"
+    if items:
+        return _explain(items[0])
+    return [], f"invalid value {given!r}"
+
+
+def _one_of(types: list[str]) -> str:
+    """``one of 64, 32, 'bf16-mixed'`` / ``an int`` from jsonargparse's type names."""
+    literals, others = [], []
+    for name in types:
+        if name.startswith("typing.Literal[") and name.endswith("]"):
+            literals.append(name[len("typing.Literal["):-1])
+        else:
+            others.append(re.sub(r"<class '([\w.]+)'>", r"\1", name))
+    parts = ([f"one of {', '.join(literals)}"] if literals else []) + [f"a {o}" for o in others]
+    return " or ".join(parts)
+
+
+def _with_suggestion(reason: str, class_path: str) -> str:
+    """``Option 'x' is not accepted`` of ``class_path``, with the closest accepted names."""
+    match = re.fullmatch(r"Option '([^']+)' is not accepted", reason)
+    if match is None:
+        return f"{reason} ({class_path})"
+    module, _, name = class_path.rpartition(".")
+    try:
+        accepted = list(inspect.signature(getattr(importlib.import_module(module), name))
+                        .parameters)
+    except (ImportError, AttributeError, TypeError, ValueError):
+        accepted = []
+    close = difflib.get_close_matches(match.group(1), accepted, n=3)
+    hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+    return f"{class_path} has no option {match.group(1)!r}{hint}"
+
+
+def error_message(err: BaseException) -> str:
+    """The lines ``main`` prints for an expected error."""
+    if isinstance(err, ConfigError):
+        what = f"configuration error: {err}"
+    elif isinstance(err, MisconfigurationException):
+        what = f"Lightning refused the settings: {err}"
+    else:
+        what = f"error: {err}"
+    return f"longnet: {what}\n(run again with {VERBOSE_FLAG} to see the traceback)"
 
 
 def run_cli(args: Sequence[str] | None = None) -> LongNetCLI:
@@ -314,20 +611,11 @@ def quiet_lightning() -> None:
     warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
 
 
-def error_message(err: BaseException) -> str:
-    """The lines ``main`` prints for an expected error."""
-    if isinstance(err, ConfigError):
-        what = f"configuration error: {err}"
-    elif isinstance(err, MisconfigurationException):
-        what = f"Lightning refused the settings: {err}"
-    else:
-        what = f"error: {err}"
-    return f"longnet: {what}\n(run again with {VERBOSE_FLAG} to see the traceback)"
-
-
 def main(args: Sequence[str] | None = None) -> int:
-    """Console entry point; returns the exit status: 0, or 2 for an expected error
-    (:data:`EXPECTED_ERRORS`, reported without a traceback unless ``--verbose`` is given)."""
+    """Console entry point; returns the exit status: 0; 2 for an expected error
+    (:data:`EXPECTED_ERRORS` and parser errors, reported in a few lines without a traceback
+    unless ``--verbose`` is given); ``128 + signal`` for a run stopped by SIGTERM (143) or
+    SIGINT (130)."""
     argv = sys.argv[1:] if args is None else list(args)
     verbose = VERBOSE_FLAG in argv
     argv = [arg for arg in argv if arg != VERBOSE_FLAG]
@@ -335,14 +623,29 @@ def main(args: Sequence[str] | None = None) -> int:
         sys.argv[1:] = argv  # LightningCLI reads sys.argv itself (and warns if given args too)
     quiet_lightning()
     # first thing, before any parallel torch operation (longnet.denormals)
-    with flushing_denormals(not denormals_kept()):
+    with flushing_denormals(not denormals_kept()), raising_on_signals():
         try:
             run_in_own_context(None if args is None else argv)
+        except ArgumentError as err:
+            subcommand = next((arg for arg in argv if arg in SUBCOMMANDS), None)
+            help_command = " ".join(filter(None, ["longnet", subcommand, "--help"]))
+            shown = str(err) if verbose else parse_error_message(str(err))
+            print(f"longnet: error: {shown}\n(run {help_command} for the options"
+                  + ("" if verbose else f"; add {VERBOSE_FLAG} for the parser's whole message")
+                  + ")", file=sys.stderr)
+            return USAGE_EXIT
         except EXPECTED_ERRORS as err:
             if verbose:
                 traceback.print_exc()
             print(error_message(err), file=sys.stderr)
             return USAGE_EXIT
+        except SIGTERMException as stop:  # StopOnSignal said where it stopped
+            code = stop.code
+            return code if isinstance(code, int) and code else exit_status(signal.SIGTERM)
+        except Interrupted as err:
+            print(f"longnet: interrupted by {signal_name(err.signum)}. {RERUN_HINT}",
+                  file=sys.stderr)
+            return exit_status(err.signum)
     return 0
 
 

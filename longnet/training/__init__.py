@@ -10,6 +10,7 @@ from longnet.training.callbacks import (
     LastCheckpoint,
     MetricsSummary,
     PredictionsWriter,
+    ValidateLastStep,
 )
 from longnet.training.checkpoint import (
     checkpoint_config,
@@ -20,13 +21,15 @@ from longnet.training.curves import TrainingCurves, plot_training_curves, read_c
 from longnet.training.loaders import EpochIndexSampler, EpochLoader, ResumableDataOrder
 from longnet.training.logger import RunLogger
 from longnet.training.metrics import TokenAccuracy, TokenCrossEntropy, lm_summary
-from longnet.training.module import CausalLMModule
+from longnet.training.module import CausalLMModule, TrainingDiverged
 from longnet.training.optim import parameter_groups, warmup_cosine
+from longnet.training.precision import AutoPrecisionTrainer
 from longnet.training.progress import LineProgressBar, StepProgressBar
 from longnet.training.rank_memory import RankMemory
 from longnet.training.runs import RunId, RunLock
 from longnet.training.sharded import ShardedModule, ShardedSequenceParallelStrategy
 from longnet.training.sharding import pad_sequences, shard_batch
+from longnet.training.signals import StopOnSignal
 from longnet.training.strategy import (
     SequenceParallelLayout,
     SequenceParallelModule,
@@ -34,6 +37,7 @@ from longnet.training.strategy import (
 )
 
 __all__ = [
+    "AutoPrecisionTrainer",
     "CausalLMModule",
     "EpochIndexSampler",
     "EpochLoader",
@@ -53,9 +57,12 @@ __all__ = [
     "ShardedModule",
     "ShardedSequenceParallelStrategy",
     "StepProgressBar",
+    "StopOnSignal",
     "TokenAccuracy",
     "TokenCrossEntropy",
     "TrainingCurves",
+    "TrainingDiverged",
+    "ValidateLastStep",
     "build_lm",
     "checkpoint_config",
     "lm_summary",

@@ -4,18 +4,30 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from longnet.files import write_atomic
 from longnet.modeling import LongNetLM
-from longnet.training.checkpoint import load_lightning_checkpoint
+from longnet.training.checkpoint import (
+    SHARDED_META,
+    load_lightning_checkpoint,
+    read_checkpoint,
+)
+from longnet.training.runs import RUN_ID_KEY
 from longnet.training.strategy import SequenceParallelLayout
 from longnet.validation import check_positive_int
 
@@ -31,12 +43,51 @@ def run_dir(trainer: L.Trainer) -> Path:
     return Path(trainer.log_dir or trainer.default_root_dir)
 
 
+def validation_follows(trainer: L.Trainer) -> bool:
+    """Whether the fit loop validates after the training batch whose ``on_train_batch_end``
+    runs now: Lightning's own decision (``_should_check_val_fx``), which the loop takes right
+    after that hook."""
+    fit_loop = trainer.fit_loop
+    return fit_loop.epoch_loop._should_check_val_fx(fit_loop._data_fetcher)
+
+
+class ValidateLastStep(L.Callback):
+    """Validate after the last optimizer step of ``fit`` (``max_steps``) too: Lightning
+    validates every ``val_check_interval`` steps only, so a run whose length is not a multiple
+    of it (e.g. one extended with ``--trainer.max_steps``) would end with its best checkpoint,
+    export and ``metrics.json`` behind its last step.
+
+    Through Lightning's own stop request: ``trainer.should_stop``, set before the last
+    optimizer step, after which its loop validates (as for early stopping) and ends. The
+    ``longnet`` command adds it to every trainer.
+    """
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                                 optimizer: Any) -> None:
+        if 0 < trainer.max_steps <= trainer.global_step + 1:
+            trainer.should_stop = True
+
+
 class LastCheckpoint(ModelCheckpoint):
-    """``last.ckpt``: the whole training state every ``every_n_train_steps`` optimizer steps
-    and when ``fit`` ends, for ``fit --ckpt_path last`` after an interruption.
+    """``last.ckpt``: the whole training state every ``every_n_train_steps`` optimizer steps,
+    after every validation of ``fit`` and when ``fit`` ends, for ``fit --ckpt_path last``.
 
     A ``ModelCheckpoint`` (so ``ckpt_path="last"`` finds it) that keeps no top-k files; pair it
     with a ``ModelCheckpoint(monitor="val/loss")`` for the best weights.
+
+    ``last.ckpt`` is written only where the run is complete up to its step, and it never names
+    a file that is deleted afterwards:
+
+    - at a step followed by a validation, it is written after that validation (not before, where
+      Lightning would skip the validation on resume), and after the other checkpoint callbacks
+      (it moves itself behind them in ``setup``): the best checkpoint it names is the one the
+      validation kept, not one the top-k callback deletes;
+    - a checkpoint resumed from (``on_load_checkpoint``) that names files deleted after it was
+      written (a run killed between a top-k update and the next ``last.ckpt``, or a checkpoint
+      written before this ordering) forgets them, and the checkpoints its run wrote after it
+      that it does not know (the interrupted part, which the resumed run does again) are
+      deleted, so that no stale or duplicate best checkpoint is exported or tested. A
+      checkpoint of another folder restores no top-k state (this folder's best starts afresh).
 
     Args:
         dirpath: folder of ``last.ckpt``; None is ``<run folder>/checkpoints``.
@@ -50,9 +101,112 @@ class LastCheckpoint(ModelCheckpoint):
             every_n_train_steps=every_n_train_steps,
         )
 
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        # after every other checkpoint callback: a new list, the one being iterated is kept
+        trainer.callbacks = [c for c in trainer.callbacks if c is not self] + [self]
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                           outputs: Any, batch: Any, batch_idx: int) -> None:
+        if not validation_follows(trainer):  # else saved after the validation
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking \
+                and not trainer.fast_dev_run:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def save_now(self, trainer: L.Trainer) -> Path | None:
+        """Write ``last.ckpt`` now, unless it holds this step already (a collective: call it on
+        every rank); returns its path. None outside the training of ``fit`` (nothing to
+        save: the sanity check, ``validate``, ``test``, ``predict``)."""
+        if trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
+            return None
+        if self._last_global_step_saved != trainer.global_step:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        return Path(self.last_model_path)
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        """Before Lightning restores the callbacks' states from ``checkpoint`` (see the class
+        docstring): states of other folders dropped, missing files forgotten, this run's
+        newer checkpoints deleted (rank 0). Only when ``fit`` resumes: Lightning restores the
+        callbacks of ``validate`` and ``test`` from their checkpoint too."""
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        states = checkpoint.get("callbacks") or {}
+        here = {c.state_key: c for c in trainer.checkpoint_callbacks
+                if isinstance(c, ModelCheckpoint)}
+        known: set[str] = set()
+        for key in list(states):
+            callback, state = here.get(key), states[key]
+            if callback is None or not isinstance(state, Mapping) or "best_k_models" not in state:
+                continue
+            if state.get("dirpath") != callback.dirpath:
+                del states[key]
+                continue
+            states[key] = state = forget_missing_files(dict(state), callback.mode)
+            known.update(state["best_k_models"])
+            if state.get("last_model_path"):
+                known.add(state["last_model_path"])
+        if trainer.is_global_zero and trainer.ckpt_path:
+            folders = {Path(c.dirpath) for c in here.values() if c.dirpath}
+            remove_newer_checkpoints(folders, known, trainer.ckpt_path, checkpoint)
+
+
+def forget_missing_files(state: dict[str, Any], mode: str) -> dict[str, Any]:
+    """A ``ModelCheckpoint`` state without the checkpoints that no longer exist: its
+    ``best_k_models``, best and k-th best recomputed from the remaining ones (``mode``: the
+    callback's ``"min"`` or ``"max"``)."""
+    kept = {path: score for path, score in state["best_k_models"].items() if Path(path).exists()}
+    gone = sorted(set(state["best_k_models"]) - set(kept))
+    if not gone:
+        return state
+    rank_zero_info(f"The resumed checkpoint names {', '.join(gone)}, deleted after it was "
+                   "written (the top-k checkpoints moved on): forgotten.")
+    best, worst = (min, max) if mode == "min" else (max, min)
+    best_path = best(kept, key=kept.get) if kept else ""
+    kth_path = worst(kept, key=kept.get) if kept else ""
+    return {
+        **state,
+        "best_k_models": kept,
+        "best_model_path": best_path,
+        "best_model_score": kept[best_path] if kept else None,
+        "kth_best_model_path": kth_path,
+        "kth_value": kept[kth_path] if kept else torch.tensor(
+            float("inf") if mode == "min" else float("-inf")),
+    }
+
+
+def remove_newer_checkpoints(folders: set[Path], known: set[str], resumed: str | Path,
+                             checkpoint: Mapping[str, Any]) -> None:
+    """Delete the ``*.ckpt`` files of ``folders`` (``last*`` aside) that the checkpoint being
+    resumed (``checkpoint``, read from ``resumed``) does not know (``known``) and that its run
+    wrote after it (a later modification time, the same run id): what the run did after
+    ``checkpoint`` before it was interrupted, which the resumed run does again."""
+    run_id = checkpoint.get(RUN_ID_KEY)
+    if run_id is None:
+        return
+    resumed = Path(resumed)
+    written = (resumed / SHARDED_META if resumed.is_dir() else resumed).stat().st_mtime_ns
+    known = {os.path.realpath(path) for path in known} | {os.path.realpath(resumed)}
+    for folder in folders:
+        for path in sorted(folder.glob("*.ckpt")):
+            if os.path.realpath(path) in known or path.stat().st_mtime_ns <= written \
+                    or path.name.startswith(ModelCheckpoint.CHECKPOINT_NAME_LAST):
+                continue
+            try:
+                other = read_checkpoint(path, tensors=False)
+            except (OSError, ValueError):
+                continue  # not a checkpoint this run can read: not one of its own
+            if other.get(RUN_ID_KEY) == run_id:
+                rank_zero_info(f"Removing {path} (step {other.get('global_step')}): written "
+                               f"after {resumed} by the interrupted run, it is redone.")
+                path.unlink() if path.is_file() else shutil.rmtree(path)
 
 
 def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
@@ -148,8 +302,7 @@ class MetricsSummary(L.Callback):
                 values[key] = number if math.isfinite(number) else str(number)
         data = json.loads(path.read_text()) if path.is_file() else {}
         data[section] = values
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data, indent=2) + "\n")
+        write_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
 class PredictionsWriter(BasePredictionWriter):

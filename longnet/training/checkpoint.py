@@ -83,6 +83,18 @@ def sharded_tensor_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     }
 
 
+def checkpoint_shapes(
+    path: str | Path, checkpoint: Mapping[str, Any]
+) -> dict[str, tuple[int, ...]]:
+    """The shapes of the module's tensors in the checkpoint at ``path`` (``checkpoint``: what
+    :func:`read_checkpoint` returned for it), by ``state_dict`` name: a file's (memory-mapped:
+    nothing is read) or, for a folder of shards, its index's."""
+    if is_sharded_checkpoint(path):
+        return sharded_tensor_shapes(path)
+    return {name: tuple(value.shape) for name, value in checkpoint[STATE_DICT].items()
+            if isinstance(value, Tensor)}
+
+
 def read_checkpoint(path: str | Path, *, tensors: bool = True) -> dict[str, Any]:
     """The contents of the Lightning checkpoint at ``path``, on the CPU: a file read with
     ``torch.load(weights_only=True, mmap=True)`` (tensors stay on disk until used), or a folder

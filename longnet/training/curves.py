@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -11,8 +12,10 @@ import lightning as L
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from longnet.files import write_atomic
 from longnet.training.callbacks import run_dir
 from longnet.training.logger import RUN_ID_COLUMN
+from longnet.validation import check_positive_int
 
 CURVE_KEYS = ("train/bpb", "val/bpb")
 SMOOTHING_FRACTION = 0.05
@@ -44,8 +47,7 @@ def read_curves(
 def trailing_mean(values: Sequence[float], window: int) -> list[float]:
     """At every position, the mean of the last ``window`` values up to it (fewer at the
     start). ``window`` must be positive."""
-    if window < 1:
-        raise ValueError(f"window must be a positive integer, got {window!r}.")
+    check_positive_int("window", window)
     means, total = [], 0.0
     for i, value in enumerate(values):
         total += value - (values[i - window] if i >= window else 0.0)
@@ -58,7 +60,8 @@ def plot_training_curves(
 ) -> Path:
     """Line plot of each curve (bits per byte) against the optimizer step; empty curves are
     left out. A training curve (one batch per point, noisy) is drawn faint with its trailing
-    mean over ``SMOOTHING_FRACTION`` of its points on top. Returns ``path``."""
+    mean over ``SMOOTHING_FRACTION`` of its points on top. The PNG replaces ``path`` whole
+    (:func:`longnet.files.write_atomic`). Returns ``path``."""
     fig = Figure(figsize=(7.0, 4.2), dpi=120, layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
@@ -80,10 +83,9 @@ def plot_training_curves(
     ax.set_title(title or "Training curves")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    return path
+    image = io.BytesIO()
+    fig.savefig(image, format="png")
+    return write_atomic(path, image.getvalue())
 
 
 class TrainingCurves(L.Callback):

@@ -10,27 +10,49 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from longnet.attention import DilatedPattern
 from longnet.constants import IGNORE_INDEX
 from longnet.modeling import LMOutput
+from longnet.modeling.model import document_labels
 from longnet.training.builder import build_lm
 from longnet.training.loaders import ResumableDataOrder
 from longnet.training.metrics import TokenAccuracy, TokenCrossEntropy, lm_summary
 from longnet.training.optim import build_optimizer, parameter_groups
 from longnet.training.sharding import check_window_shards
 from longnet.training.strategy import SequenceParallelLayout
-from longnet.validation import UsageError, check_non_negative_int
+from longnet.validation import UsageError, check_non_negative_int, check_positive_int
 
 Batch = dict[str, Tensor]
 RNG_KEY = "longnet_rng_state"
+
+
+class TrainingDiverged(UsageError):
+    """The loss or the gradients of a training step are not finite (NaN or infinite): the run
+    stops before the optimizer applies them, so the weights and checkpoints stay finite.
+
+    Attributes:
+        step: the optimizer step that diverged (1-based: the ``global_step`` it would have
+            reached).
+        every_rank: every rank raises it at the same step (the loss is the global batch's and
+            the gradient norm the whole gradient's), so the strategies name no lost rank.
+    """
+
+    every_rank = True
+
+    def __init__(self, message: str, step: int) -> None:
+        super().__init__(message)
+        self.step = step
 
 
 class CausalLMModule(L.LightningModule):
     """Next-token training of a :class:`~longnet.modeling.LongNetLM`.
 
     Batches are ``{"input_ids": (batch, seq), "labels": (batch, seq)}`` with shifted labels
-    (-100 ignored), as every ``longnet.data`` datamodule yields; under
+    (-100 ignored), as every ``longnet.data`` datamodule yields (with packed documents also
+    ``"document_ids": (batch, seq)``, passed to the model; labels whose target begins the next
+    document are not scored); under
     :class:`~longnet.training.SequenceParallelStrategy` they arrive as this rank's shard with
     global ``position_ids`` ``(shard,)``, and the strategy's ``sequence_parallel_group`` is
     handed to the attention.
@@ -108,6 +130,7 @@ class CausalLMModule(L.LightningModule):
         self.test_acc = TokenAccuracy()
         self._step_started: float | None = None
         self._step_tokens: Tensor | None = None
+        self._step_loss: Tensor | None = None
 
     # ------------------------------------------------------------------ model facts
     # ``pattern`` and ``pad_token_id`` make this a ``SequenceParallelModule``: what both
@@ -198,6 +221,7 @@ class CausalLMModule(L.LightningModule):
             labels=batch.get("labels"),
             position_ids=batch.get("position_ids"),
             group=self.sequence_parallel_group(),
+            document_ids=batch.get("document_ids"),
         )
 
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
@@ -208,14 +232,44 @@ class CausalLMModule(L.LightningModule):
         if world > 1 and dist.is_available() and dist.is_initialized():
             dist.all_reduce(stats)
         if self.hparams.loss_reduction == "sample":
-            loss = self._sample_mean_loss(out.logits, batch["labels"], world)
+            loss = self._sample_mean_loss(out.logits, _labels(batch), world)
         else:
             loss = out.loss_sum * (world / stats[1].clamp(min=1)).to(out.loss_sum.dtype)
         summary = lm_summary(stats[0], stats[1], self.bytes_per_token)
         self.log("train/loss", summary["loss"].float(), prog_bar=True)
         self.log("train/bpb", summary["bpb"].float())
         self._step_tokens = stats[1]
+        self._step_loss = summary["loss"]  # of the global batch: the same on every rank
         return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse to apply a step whose loss or gradients are not finite
+        (:class:`TrainingDiverged`, on every rank at once). Under a gradient scaler
+        (``16-mixed``), whose steps skip infinite gradients by design, only the loss is
+        checked."""
+        checks = {"loss": self._step_loss}
+        if getattr(self.trainer.precision_plugin, "scaler", None) is None:
+            grads = [p.grad for p in self.parameters() if p.grad is not None]
+            if grads:
+                norm = torch.nn.utils.get_total_norm(grads)
+                # FSDP's gradients are shards: the norm of the whole gradient (a collective)
+                checks["gradient norm"] = norm.full_tensor() if isinstance(norm, DTensor) \
+                    else norm
+        bad = {name: float(value) for name, value in checks.items()
+               if value is not None and not torch.isfinite(value)}
+        if bad:
+            raise self._diverged(bad)
+
+    def _diverged(self, bad: dict[str, float]) -> TrainingDiverged:
+        step = self.trainer.global_step + 1
+        what = " and ".join(f"the {name} is {value}" for name, value in bad.items())
+        return TrainingDiverged(
+            f"training diverged at step {step}: {what}. The step was not applied, the run "
+            "stops and nothing is exported. Lower model.init_args.learning_rate (now "
+            f"{self.hparams.learning_rate:g}) or lengthen warmup_steps (now "
+            f"{self.hparams.warmup_steps}), and train again.",
+            step,
+        )
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._step_started = time.perf_counter()
@@ -243,9 +297,9 @@ class CausalLMModule(L.LightningModule):
         sequence parallelism): ``{"loss_sum", "num_tokens", "bpb"}`` each ``(batch,)``."""
         out = self.model(
             batch["input_ids"], position_ids=batch.get("position_ids"),
-            group=self.sequence_parallel_group(),
+            group=self.sequence_parallel_group(), document_ids=batch.get("document_ids"),
         )
-        ce_sums, counts = _per_sample_ce(out.logits, batch["labels"])
+        ce_sums, counts = _per_sample_ce(out.logits, _labels(batch))
         stats = torch.stack((ce_sums.double(), counts.double()))
         group = self.sequence_parallel_group()
         if group is not None and dist.get_world_size(group) > 1:
@@ -298,7 +352,7 @@ class CausalLMModule(L.LightningModule):
 
     def _eval_update(self, batch: Batch, ce: TokenCrossEntropy, acc: TokenAccuracy) -> None:
         out = self(batch)
-        labels = batch["labels"]
+        labels = _labels(batch)
         correct = ((out.logits.argmax(-1) == labels) & (labels != IGNORE_INDEX)).sum()
         ce.update(out.loss_sum, out.num_tokens)
         acc.update(correct, out.num_tokens)
@@ -317,6 +371,12 @@ class CausalLMModule(L.LightningModule):
         }
         # identical on every rank already; "max" keeps them bit-exact (a mean could round)
         self.log_dict({k: v.float() for k, v in values.items()}, sync_dist=True, reduce_fx="max")
+
+
+def _labels(batch: Batch) -> Tensor:
+    """The batch's labels, less those whose target begins the next packed document
+    (``document_labels``; unchanged without ``document_ids``)."""
+    return document_labels(batch["labels"], batch.get("document_ids"))
 
 
 def _per_sample_ce(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
@@ -347,8 +407,8 @@ def _check_hparams(lr, weight_decay, betas, eps, warmup_steps, total_steps, min_
     if not eps > 0:
         raise ValueError(f"eps must be positive, got {eps!r}.")
     check_non_negative_int("warmup_steps", warmup_steps)
-    if total_steps is not None and (not isinstance(total_steps, int) or total_steps < 1):
-        raise ValueError(f"total_steps must be None or a positive integer, got {total_steps!r}.")
+    if total_steps is not None:
+        check_positive_int("total_steps", total_steps)
     if not 0 <= min_lr_ratio <= 1:
         raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio!r}.")
     if not bytes_per_token > 0:

@@ -39,8 +39,15 @@ class StepProgressBar(TQDMProgressBar):
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
         return _without_version(super().get_metrics(trainer, pl_module))
 
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._count_steps(trainer)  # a resume inside an epoch gets no on_train_epoch_start
+
     def on_train_epoch_start(self, trainer: L.Trainer, *_: Any) -> None:
         super().on_train_epoch_start(trainer)
+        self._count_steps(trainer)
+
+    def _count_steps(self, trainer: L.Trainer) -> None:
         bar = self.train_progress_bar
         total = total_steps(trainer)
         bar.reset(None if math.isinf(total) else int(total))

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from longnet.validation import UsageError
 
@@ -187,7 +188,7 @@ def checkpoint_dirs(trainer: L.Trainer, *, save_last: bool = False) -> list[Path
     ``<default_root_dir>/checkpoints``."""
     folders = []
     for callback in trainer.checkpoint_callbacks:
-        if save_last and not getattr(callback, "save_last", False):
+        if not isinstance(callback, ModelCheckpoint) or (save_last and not callback.save_last):
             continue
         if callback.dirpath:
             folders.append(Path(callback.dirpath))

@@ -116,16 +116,15 @@ def destroy_process_group_at_exit() -> None:
     """Destroy the default process group (and its subgroups) when the interpreter exits,
     whatever the backend; calling it again changes nothing.
 
-    Lightning does this for NCCL only. A gloo group left to the interpreter's own teardown is
-    destroyed while Python is being finalized, and the process can then abort after a run
-    that finished ("terminate called without an active exception", exit status -6, seen
-    intermittently on this project's CI machine); torch asks every process to call
-    ``destroy_process_group`` before it exits. The groups' objects are freed only with their
-    last holder, so the hook then empties the group registries of the meshes the strategies
-    built (DTensor's caches keep a sharded run's mesh alive) and collects the reference
-    cycles of a run that is no longer reachable (DDP's reducer holds its group); a trainer
-    still held by a module global keeps DDP's group to the shutdown. See docs/training.md
-    ("A lost rank")."""
+    Lightning does this for NCCL only, and torch asks every process to call
+    ``destroy_process_group`` before it exits: a gloo group left to the interpreter's own
+    teardown is destroyed while Python is being finalized, in no set order with its threads,
+    which can abort a process whose run finished. The groups' objects are freed only with
+    their last holder, so the hook also empties the group registries of the meshes the
+    strategies built (DTensor's caches keep a sharded run's mesh alive) and collects the
+    reference cycles of a run that is no longer reachable (DDP's reducer holds its group); a
+    trainer still held by a module global keeps DDP's group to the shutdown. See
+    docs/training.md ("A lost rank")."""
     atexit.unregister(_destroy_default_process_group)
     atexit.register(_destroy_default_process_group)
 
@@ -253,15 +252,21 @@ class SequenceParallelLayout:
     def on_exception(self, exception: BaseException) -> None:
         """Tell the other ranks this one fails; when ranks stopped (lost, or after an error of
         their own), rewrite ``exception``'s message to name them and say how to resume
-        (Lightning then re-raises it). Waits ``SILENCE_SECONDS`` (3 s) to tell a lost rank
-        from a live one. The process group is then left to the interpreter at exit
-        (:func:`keep_process_group_at_exit`): destroying it could wait on a lost peer."""
+        (Lightning then re-raises it). Waits ``SILENCE_SECONDS`` (3 s) to tell a lost rank from
+        a live one. The process group is then left to the interpreter at exit
+        (:func:`keep_process_group_at_exit`): destroying it could wait on a lost peer.
+
+        An exception that every rank raises at the same point (``every_rank`` true: a
+        ``TrainingDiverged``, a stop by a signal that all ranks agreed on) names no rank and
+        keeps the group's destruction at exit: no peer is lost."""
         super().on_exception(exception)
-        keep_process_group_at_exit()
+        every_rank = getattr(exception, "every_rank", False)
+        if not every_rank:
+            keep_process_group_at_exit()
         if self._watch is None:
             return
         self._watch.mark_failed(exception)
-        if isinstance(exception, Exception):
+        if isinstance(exception, Exception) and not every_rank:
             message = self._watch.explain(exception)
             if message is not None:
                 exception.args = (message,)

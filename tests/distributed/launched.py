@@ -10,7 +10,9 @@ starts the process group (gloo on loopback).
 ``LastCheckpoint`` after every step), ``ckpt_path`` (``"last"`` to resume), ``signal``
 (``{"rank": R, "step": S, "signum": N}``: rank ``R`` sends itself signal ``N``, SIGKILL by
 default, in the middle of optimizer step ``S``, after its forward, before its backward, and
-writes the time it did to ``out/signalled``) and ``out`` (a folder: each rank pickles
+writes the time it did to ``out/signalled``), ``stop_on_signal`` (add
+``longnet.training.signals.StopOnSignal``, as the ``longnet`` command does: a stop by SIGTERM
+exits with status 143) and ``out`` (a folder: each rank pickles
 its result there as ``rank<R>.pkl``, and at exit ``rank<R>.exit``: whether the process
 group was destroyed, and its group objects freed, before the interpreter's teardown). The tiny
 model of ``strategy_cases`` trains in float64, as in ``sharded_cases``, so the result is
@@ -39,6 +41,7 @@ from longnet.training import (
     SequenceParallelStrategy,
     ShardedSequenceParallelStrategy,
 )
+from longnet.training.signals import StopOnSignal
 from tests.distributed.sharded_cases import StepLosses, result, trainer_kwargs
 from tests.distributed.strategy_cases import GLOBAL_BATCH, STEPS, TinyData, make_module
 
@@ -81,6 +84,8 @@ def fit(spec: dict[str, Any], groups: list[weakref.ref]) -> dict[str, Any]:
         callbacks.append(LastCheckpoint(dirpath=spec["checkpoint_dir"], every_n_train_steps=1))
     if spec.get("signal"):
         callbacks.append(SignalMidStep(**spec["signal"], out=spec["out"]))
+    if spec.get("stop_on_signal"):
+        callbacks.append(StopOnSignal())
     trainer = L.Trainer(
         devices=spec["devices"],
         num_nodes=spec.get("num_nodes", 1),

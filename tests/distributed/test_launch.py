@@ -6,6 +6,8 @@ a torchrun-style environment, gloo on loopback):
   when the lost rank is rank 0, whose process hosts the rendezvous store; re-running the same
   command with ``ckpt_path="last"`` continues to the parameters of an uninterrupted run;
 - SIGTERM in the middle of a ring step stops every rank without waiting for the timeout;
+  with ``StopOnSignal`` (the ``longnet`` command's), SIGTERM to one rank stops every rank at
+  the end of the step with a checkpoint and exit status 143;
 - 2 nodes x 2 processes (two ``torchrun`` agents, ``num_nodes=2``) train like one device,
   hence like 1 node x 4 processes (``test_sharded.py``), with the ring spanning both nodes.
 
@@ -27,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from tests.distributed.sharded_cases import single_device_run
 from tests.distributed.strategy_cases import STEPS
@@ -193,6 +196,39 @@ def test_sigterm_in_the_middle_of_a_ring_step_stops_every_rank(tmp_path):
     assert max(ended) - signalled < COLLECTIVE_TIMEOUT / 2, log
     assert processes[1].returncode != 0, log
     assert f"rank 0 (pid {processes[0].pid} on {socket.gethostname()}) was lost" in log, log
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "sharded"])
+def test_sigterm_to_one_rank_stops_every_rank_with_a_checkpoint(tmp_path, strategy):
+    """SIGTERM to rank 1 alone, in the middle of a ring step (Lightning broadcasts rank 0's
+    flag only: rank 1 would stop alone and rank 0 wait for it): with ``StopOnSignal`` both
+    ranks agree at the end of the step, both stop there with ``last.ckpt`` of that step and
+    exit with status 143, well before the collective timeout."""
+    spec = dict(
+        strategy=strategy,
+        sequence_parallel_size=2,
+        devices=2,
+        timeout=COLLECTIVE_TIMEOUT,
+        checkpoint_dir=str(tmp_path / "checkpoints"),
+        stop_on_signal=True,
+        signal={"rank": 1, "step": 2, "signum": int(signal.SIGTERM)},
+        out=str(tmp_path / "out"),
+    )
+    processes = launch_ranks(spec, 2, tmp_path / "logs")
+    ended = wait_all(processes)
+    signalled = float((tmp_path / "out" / "signalled").read_text())
+    logs = [(tmp_path / "logs" / f"rank{rank}.log").read_text() for rank in range(2)]
+    assert [process.returncode for process in processes] == [143, 143], logs
+    assert max(ended) - signalled < COLLECTIVE_TIMEOUT / 2, logs
+    for rank, log in enumerate(logs):
+        by = " (received by another rank)" if rank == 0 else ""
+        assert f"longnet: [rank {rank}] stopped by SIGTERM{by} after step 2 of {STEPS}; " \
+               "saved" in log, log
+        assert "was lost" not in log, log
+    assert "longnet: received SIGTERM: stopping at the end of this step" in logs[1]
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    meta = last / "meta.pt" if last.is_dir() else last
+    assert torch.load(meta, map_location="cpu", weights_only=True)["global_step"] == 2
 
 
 def test_two_nodes_of_two_processes_train_like_one_device(tmp_path, reference):

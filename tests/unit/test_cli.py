@@ -9,11 +9,15 @@ import gc
 import json
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
 import time
 import weakref
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import lightning as L
@@ -117,10 +121,57 @@ def test_every_config_prints(config, capsys):
 
 
 def test_unknown_key_is_refused(tmp_path, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", str(SMOKE), "--model.init_args.learning_rat=0.1"])
-    assert exit_info.value.code == 2
-    assert "learning_rat" in capsys.readouterr().err
+    assert main(["fit", "--config", str(SMOKE), "--model.init_args.learning_rat=0.1"]) == 2
+    err = capsys.readouterr().err
+    assert "longnet.training.CausalLMModule has no option 'learning_rat'; did you mean " \
+        "'learning_rate'?" in err
+    assert len(err.splitlines()) == 2 and "fit --help" in err, err
+
+
+@pytest.fixture(scope="module")
+def bad_configs(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("bad-configs")
+    config = yaml.safe_load(SMOKE.read_text())
+    config["trainer"]["max_stepz"] = 3
+    (root / "typo.yaml").write_text(yaml.safe_dump(config))
+    (root / "broken.yaml").write_text("trainer: [1, 2\n")
+    (root / "binary.yaml").write_bytes(b"\x7fELF\x02\x01\x01\x00\xd0\xff" + bytes(300))
+    return root
+
+
+PARSE_ERRORS = [  # (arguments ({bad} = the bad_configs folder), what the one line says)
+    (["--trainer.max_steps=abc"], "--trainer.max_steps: Expected a <class 'int'>. Got value: abc"),
+    (["--trainer.precision=17"], "--trainer.precision: '17' is not one of 64, 32, 16, "),
+    (["--model.init_args.overrides={hidden_size: [}"],
+     "--model.init_args.overrides: '{hidden_size: [}' is not a dict"),
+    (["--data.init_args.seq_len=1.5"],
+     "--data.init_args.seq_len: Expected a <class 'int'>. Got value: 1.5"),
+    (["--trainer.max_stepz=3"], "unrecognized arguments: --trainer.max_stepz"),
+    (["--trainer.callbacks+=longnet.training.Nope"],
+     "--trainer.callbacks: module 'longnet.training' has no attribute 'Nope'"),
+    (["--config={bad}/typo.yaml"], "Subcommand 'fit' does not accept option 'trainer.max_stepz'"),
+    (["--config={bad}/broken.yaml"], "Problems parsing config"),
+    (["--config={bad}/missing.yaml"], "--config: File does not exist: '{bad}/missing.yaml'"),
+]
+
+
+@pytest.mark.parametrize(("extra", "line"), PARSE_ERRORS)
+def test_parse_errors_are_one_line_naming_the_key(bad_configs, capsys, extra, line):
+    """jsonargparse's errors without its usage dump (51-60 lines) and without the union
+    alternatives that do not apply: the key, the value, a pointer to --help."""
+    extra = [arg.replace("{bad}", str(bad_configs)) for arg in extra]
+    assert main(["fit", "--config", str(SMOKE), *extra]) == 2
+    err = capsys.readouterr().err
+    assert f"longnet: error: {line.replace('{bad}', str(bad_configs))}" in err, err
+    assert err.endswith("(run longnet fit --help for the options; add --verbose for the "
+                        "parser's whole message)\n"), err
+    assert "usage:" not in err and len(err.splitlines()) <= 3, err
+
+
+def test_a_binary_config_file_is_named(bad_configs, capsys):
+    err = fails(["fit", "--config", str(bad_configs / "binary.yaml")], capsys)
+    assert f"{bad_configs / 'binary.yaml'} is not a text config file (invalid" in err, err
+    assert len(err.splitlines()) == 2, err
 
 
 @pytest.mark.parametrize(
@@ -324,3 +375,233 @@ def test_two_fits_into_one_folder_never_mix(tmp_path, data_cache, capsys):
     assert "6/6" in out and "/-" not in out
     assert run_ids(run) == {holder["run_id"]}
     assert torch.load(last, weights_only=True)["longnet_run_id"] == holder["run_id"]
+
+
+# ---------------------------------------------------------------------- a run that ends badly
+@contextmanager
+def unwritable(folder: Path) -> Iterator[None]:
+    """``folder`` cannot be written in while the block runs: immutable (``chattr +i``) for
+    root, who ignores permission bits, read-only for anyone else."""
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        try:
+            yield
+        finally:
+            folder.chmod(0o755)
+        return
+    if shutil.which("chattr") is None or subprocess.run(
+            ["chattr", "+i", str(folder)], capture_output=True).returncode != 0:
+        pytest.skip("root without chattr +i: cannot make a folder unwritable")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(folder)], check=True)
+
+
+@pytest.mark.parametrize("where", ["parent", "run folder", "a file"])
+def test_an_unwritable_run_folder_is_refused_before_any_work(tmp_path, capsys, where):
+    root = tmp_path / "runs"
+    root.mkdir()
+    cache = tmp_path / "cache"
+    if where == "a file":
+        (root / "smoke").write_text("not a folder")
+        err = fails(smoke_args("fit", root, cache), capsys)
+        assert f"{root / 'smoke'} is a file, not a folder" in err, err
+    else:
+        folder = root if where == "parent" else root / "smoke"
+        folder.mkdir(exist_ok=True)
+        with unwritable(folder):
+            err = fails(smoke_args("fit", root, cache), capsys)
+        assert f"run folder (--trainer.logger.init_args.save_dir and name) {root / 'smoke'}: " \
+               f"cannot write in {folder}" in err, err
+    assert len(err.splitlines()) == 2 and not cache.exists(), err
+
+
+@pytest.fixture(scope="module")
+def wide_checkpoint(tmp_path_factory) -> Path:
+    """A checkpoint of the smoke model 48 wide (the smoke config's is 32)."""
+    from longnet.training import CausalLMModule
+
+    config = yaml.safe_load(SMOKE.read_text())["model"]["init_args"]
+    module = CausalLMModule(model=config["model"],
+                            overrides={**config["overrides"], "hidden_size": 48})
+    path = tmp_path_factory.mktemp("wide") / "checkpoints" / "last.ckpt"
+    path.parent.mkdir()
+    torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams),
+                "global_step": 3}, path)
+    return path
+
+
+@pytest.mark.parametrize("subcommand", ["validate", "fit"])
+def test_a_checkpoint_of_another_shape_is_refused(tmp_path, data_cache, wide_checkpoint, capsys,
+                                                  subcommand):
+    """Lightning's CLI would build the model from the checkpoint's hyper-parameters (the
+    command line's overrides ignored) and write them into the saved config."""
+    err = fails(smoke_args(subcommand, tmp_path, data_cache, f"--ckpt_path={wide_checkpoint}"),
+                capsys)
+    assert f"--ckpt_path {wide_checkpoint} holds a model of another shape than the configured " \
+           "one: checkpoint {hidden_size: 48}, configured {hidden_size: 32} " \
+           "(model.lm_head.weight: (256, 48) in the checkpoint, (256, 32) configured;" in err, err
+    assert "drop the --model.init_args.overrides" in err, err
+    assert not (tmp_path / "smoke" / f"config-{subcommand}.yaml").exists()
+
+
+def test_a_checkpoint_of_another_folder_starts_a_new_run(tmp_path, data_cache, capsys):
+    """Resuming another folder's checkpoint is a new run of this folder: its own id (not the
+    other run's), and this folder's earlier outputs are refused as for any new run."""
+    first = smoke_args("fit", tmp_path / "a", data_cache, "--trainer.max_steps=2",
+                       "--trainer.val_check_interval=2", "--test_after_fit=false")
+    assert main(first) == 0
+    other = run_ids(tmp_path / "a" / "smoke")
+    checkpoint = tmp_path / "a" / "smoke" / "checkpoints" / "last.ckpt"
+    capsys.readouterr()
+    second = smoke_args("fit", tmp_path / "b", data_cache, "--trainer.max_steps=3",
+                        "--trainer.val_check_interval=3", "--test_after_fit=false",
+                        f"--ckpt_path={checkpoint}")
+    assert main(second) == 0
+    out = capsys.readouterr().out
+    ids = run_ids(tmp_path / "b" / "smoke")
+    assert len(ids) == 1 and ids != other, (ids, other)
+    assert f"Starting run {next(iter(ids))} from {checkpoint} (step 2 of run " \
+           f"{next(iter(other))}, another folder's checkpoint)." in out, out
+    err = fails(second, capsys)  # the folder now holds a run: a new one is refused
+    assert "holds an earlier run" in err
+
+
+def smoke_config(path: Path, last_every: int) -> Path:
+    """The smoke config with ``LastCheckpoint(every_n_train_steps=last_every)``, at ``path``."""
+    config = yaml.safe_load(SMOKE.read_text())
+    for callback in config["trainer"]["callbacks"]:
+        if isinstance(callback, dict) and callback["class_path"].endswith("LastCheckpoint"):
+            callback["init_args"]["every_n_train_steps"] = last_every
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_a_diverged_run_stops_naming_the_step_and_exports_nothing(tmp_path, data_cache, capsys):
+    args = smoke_args("fit", tmp_path, data_cache, "--model.init_args.learning_rate=1e6")
+    args[2] = str(smoke_config(tmp_path / "every-step.yaml", last_every=1))
+    err = fails(args, capsys)
+    match = re.search(r"training diverged at step (\d+): the (loss|gradient norm) is (nan|inf)",
+                      err)
+    assert match, err
+    step = int(match.group(1))
+    last = tmp_path / "smoke" / "checkpoints" / "last.ckpt"
+    assert f"Last good checkpoint: {last} (step {step - 1})." in err, err
+    assert "learning_rate (now 1e+06)" in err and len(err.splitlines()) == 2, err
+    run = tmp_path / "smoke"
+    assert not (run / "model").exists() and not (run / "metrics.json").exists()
+    state = torch.load(last, map_location="cpu", weights_only=True)["state_dict"]
+    assert all(torch.isfinite(value).all() for value in state.values())
+    assert "Run folder" not in capsys.readouterr().out
+
+
+class SlowSteps(L.Callback):
+    """Sleep ``seconds`` after every training step."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_end(self, *args) -> None:
+        time.sleep(self.seconds)
+
+
+def test_a_run_cut_by_max_time_says_so(tmp_path, data_cache, capsys):
+    args = smoke_args("fit", tmp_path, data_cache, "--trainer.max_time=00:00:00:01",
+                      "--trainer.callbacks+=tests.unit.test_cli.SlowSteps",
+                      "--trainer.callbacks.seconds=0.4")
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    step = json.loads((tmp_path / "smoke" / "metrics.json").read_text())["validate"]["step"]
+    assert 0 < step < 30
+    assert f"longnet: WARNING: max_time (00:00:00:01) stopped the training at step {step} of " \
+           "30, before its learning-rate schedule ended: the model is under-trained." \
+           in captured.err, captured.err
+    assert "--ckpt_path last --trainer.max_time null" in captured.err
+    assert "model stopped by max_time, under-trained" in captured.out
+
+
+def test_precision_auto_follows_the_hardware(monkeypatch, caplog):
+    from longnet.training import precision
+
+    assert precision.auto_precision("cpu", {"avx2", "amx_bf16"})[0] == "bf16-mixed"
+    assert precision.auto_precision("cpu", {"avx512f", "avx512_bf16"}) == (
+        "bf16-mixed", "this CPU has bfloat16 matrix units (AVX512-BF16)")
+    assert precision.auto_precision("cpu", {"avx2", "avx512f"})[0] == "32-true"
+    for flags, chosen in (({"avx2"}, "32-true"), ({"avx2", "amx_bf16"}, "bf16-mixed")):
+        monkeypatch.setattr(precision, "cpu_flags", lambda flags=flags: flags)
+        with caplog.at_level("INFO"):
+            trainer = precision.AutoPrecisionTrainer(accelerator="cpu", precision="auto",
+                                                     logger=False)
+        assert trainer.precision == chosen
+        assert f"Precision: {chosen} (auto: this CPU has" in caplog.text
+        caplog.clear()
+    with pytest.raises(ValueError, match="precision 'auto' chooses for CPU and CUDA"):
+        precision.resolve_precision("auto", "mps")
+    assert yaml.safe_load((REPO / "configs" / "quickstart.yaml").read_text())["trainer"][
+        "precision"] == "auto"
+
+
+def test_metrics_config_and_curves_are_replaced_whole(tmp_path, monkeypatch):
+    """A write interrupted before its rename leaves the old file (and no temporary)."""
+    from types import SimpleNamespace
+
+    from jsonargparse import ArgumentParser
+
+    from longnet.cli import RunConfigSaver
+    from longnet.training import MetricsSummary, plot_training_curves
+
+    trainer = SimpleNamespace(log_dir=str(tmp_path), default_root_dir=str(tmp_path),
+                              is_global_zero=True, global_step=7, logger=None,
+                              sanity_checking=False,
+                              callback_metrics={"val/loss": torch.tensor(2.0)})
+    MetricsSummary().on_validation_end(trainer, None)
+    parser = ArgumentParser()
+    parser.add_argument("--steps", type=int, default=1)
+    RunConfigSaver(parser, parser.parse_args([]), overwrite=True).setup(trainer, None, "fit")
+    plot_training_curves({"train/bpb": [(1, 3.0), (2, 2.0)]}, tmp_path / "curves.png")
+    names = ("metrics.json", "config.yaml", "curves.png")
+    before = {name: (tmp_path / name).read_bytes() for name in names}
+
+    def killed(*args):
+        raise OSError("killed before the rename")
+
+    monkeypatch.setattr("longnet.files.os.replace", killed)
+    trainer.callback_metrics = {"val/loss": torch.tensor(1.0)}
+    with pytest.raises(OSError, match="killed"):
+        MetricsSummary().on_validation_end(trainer, None)
+    with pytest.raises(OSError, match="killed"):
+        RunConfigSaver(parser, parser.parse_args(["--steps=2"]), overwrite=True).setup(
+            trainer, None, "fit")
+    with pytest.raises(OSError, match="killed"):
+        plot_training_curves({"train/bpb": [(1, 3.0), (2, 1.0)]}, tmp_path / "curves.png")
+    assert {name: (tmp_path / name).read_bytes() for name in before} == before
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(names)
+
+
+class SignalInSetup(L.Callback):
+    """Send this process SIGTERM while the trainer sets up (before any step)."""
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_signal_before_training_exits_143_in_one_line(tmp_path, data_cache, capsys):
+    """Outside a trainer's training (here its setup) a signal stops the command at once:
+    status 143, one line (Python's default: killed by the signal; SIGINT: a traceback)."""
+    def unhandled(signum, frame):  # what the command must not leave the signal to
+        raise RuntimeError("SIGTERM reached the test's handler")
+
+    before = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        args = smoke_args("fit", tmp_path, data_cache,
+                          "--trainer.callbacks+=tests.unit.test_cli.SignalInSetup")
+        assert main(args) == 143
+        assert signal.getsignal(signal.SIGTERM) is unhandled
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == (
+        "longnet: interrupted by SIGTERM. Nothing was saved since the last checkpoint: run the "
+        "command again (a fit with --ckpt_path last continues from its last checkpoint)."), err
+    assert not (tmp_path / "smoke" / "run.lock").exists()

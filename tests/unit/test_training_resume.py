@@ -1,10 +1,15 @@
-"""A killed ``longnet fit`` re-run with ``--ckpt_path last`` continues exactly: the same batches,
-the same updates, the same parameters as a run that was never interrupted."""
+"""A ``longnet fit`` stopped anywhere ends, after ``--ckpt_path last``, as if it had never
+stopped: killed (no cleanup) mid-step, during the final validation or before the export,
+stopped by SIGTERM or SIGINT (exit status 143 / 130 with a checkpoint), or finished and then
+extended. The same batches, the same updates, the same parameters as an uninterrupted run, and
+a complete run folder whose checkpoints name only files that exist."""
 
 from __future__ import annotations
 
 import csv
+import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,11 +18,14 @@ import lightning as L
 import pytest
 import torch
 import yaml
+from lightning.pytorch.callbacks import Checkpoint
 
 from longnet.cli import main
+from longnet.modeling import LongNetLM
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS, SAVE_EVERY, KILL_AT = 8, 3, 7  # checkpoint at steps 3 and 6; killed during step 7
+HERE = "tests.unit.test_training_resume"
 
 
 class KillAtStep(L.Callback):
@@ -31,29 +39,71 @@ class KillAtStep(L.Callback):
             os._exit(17)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
+class KillAtFitEnd(L.Callback):
+    """Kill the process when ``fit`` ends, before the export (listed before it)."""
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        os._exit(17)
+
+
+class KillAfterBest(Checkpoint):
+    """Kill the process in the final validation, after the best checkpoint is written and
+    before ``last.ckpt`` is (a ``Checkpoint``: Lightning runs it among those)."""
+
+    dirpath = None  # writes nothing
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.global_step == trainer.max_steps and not trainer.sanity_checking:
+            os._exit(17)
+
+
+class SignalAt(L.Callback):
+    """Send this process ``signum`` when ``step`` optimizer steps are done: at the start of
+    the next step, or (``during_validation``) in the validation of that step."""
+
+    def __init__(self, step: int, signum: int, during_validation: bool = False) -> None:
+        self.step, self.signum, self.during_validation = step, signum, during_validation
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step and not self.during_validation:
+            os.kill(os.getpid(), self.signum)
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx,
+                                  dataloader_idx=0) -> None:
+        if trainer.global_step == self.step and self.during_validation and batch_idx == 0 \
+                and not trainer.sanity_checking:
+            os.kill(os.getpid(), self.signum)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():  # module-wide: the uninterrupted run (a module fixture) too
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
 
 
-def write_config(path: Path, cache: Path, kill: bool) -> Path:
+def write_config(path: Path, cache: Path, *callbacks: dict, first: dict | None = None,
+                 steps: int = STEPS, val_every: int = 4, save_every: int = SAVE_EVERY,
+                 test: bool = False) -> Path:
+    """The smoke config, ``steps`` long, validating every ``val_every`` steps, ``last.ckpt``
+    every ``save_every`` steps, with extra ``callbacks`` (``first``: before the others)."""
     config = yaml.safe_load((REPO / "configs" / "smoke.yaml").read_text())
     trainer = config["trainer"]
-    trainer.update(max_steps=STEPS, val_check_interval=4, log_every_n_steps=1,
+    trainer.update(max_steps=steps, val_check_interval=val_every, log_every_n_steps=1,
                    enable_progress_bar=False)
     for callback in trainer["callbacks"]:
         if isinstance(callback, dict) and callback["class_path"].endswith("LastCheckpoint"):
-            callback["init_args"]["every_n_train_steps"] = SAVE_EVERY
-    if kill:
-        trainer["callbacks"].append({"class_path": "tests.unit.test_training_resume.KillAtStep",
-                                     "init_args": {"step": KILL_AT}})
-    config["test_after_fit"] = False
+            callback["init_args"]["every_n_train_steps"] = save_every
+    trainer["callbacks"] = ([first] if first else []) + trainer["callbacks"] + list(callbacks)
+    config["test_after_fit"] = test
     config["data"]["init_args"]["cache_dir"] = str(cache)
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+def callback(name: str, **init_args) -> dict:
+    return {"class_path": f"{HERE}.{name}", "init_args": init_args}
 
 
 def run_args(config: Path, root: Path, name: str, *extra: str) -> list[str]:
@@ -62,39 +112,191 @@ def run_args(config: Path, root: Path, name: str, *extra: str) -> list[str]:
             *extra]
 
 
+def run_in_process(args: list[str]) -> subprocess.CompletedProcess:
+    """``python -m longnet ARGS`` in a process of its own."""
+    python_path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": python_path, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "longnet", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
 def train_losses(run: Path) -> dict[int, float]:
     with open(run / "metrics.csv") as handle:
         return {int(row["step"]): float(row["train/loss"])
                 for row in csv.DictReader(handle) if row.get("train/loss")}
 
 
-def test_killed_run_resumes_exactly(tmp_path):
-    cache = tmp_path / "cache"
-    plain = write_config(tmp_path / "plain.yaml", cache, kill=False)
-    killing = write_config(tmp_path / "killing.yaml", cache, kill=True)
+def load(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=False)
 
-    assert main(run_args(plain, tmp_path, "full")) == 0
 
-    python_path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "PYTHONPATH": python_path, "OMP_NUM_THREADS": "1"}
-    killed = subprocess.run(
-        [sys.executable, "-m", "longnet", *run_args(killing, tmp_path, "resumed")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert killed.returncode == 17, killed.stderr[-3000:]
-    last = tmp_path / "resumed" / "checkpoints" / "last.ckpt"
-    assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 6
+@pytest.fixture(scope="module")
+def full(tmp_path_factory) -> Path:
+    """The uninterrupted run (``STEPS`` steps): its run folder."""
+    root = tmp_path_factory.mktemp("full")
+    config = write_config(root / "plain.yaml", root / "cache")
+    assert main(run_args(config, root, "full")) == 0
+    return root / "full"
 
-    assert main(run_args(plain, tmp_path, "resumed", "--ckpt_path=last")) == 0
 
-    full = torch.load(tmp_path / "full" / "checkpoints" / "last.ckpt", weights_only=False)
-    resumed = torch.load(last, weights_only=False)
-    assert full["global_step"] == resumed["global_step"] == STEPS
-    for key, value in full["state_dict"].items():
+def assert_same_as_full(run: Path, full: Path, first_resumed_step: int) -> None:
+    expected = load(full / "checkpoints" / "last.ckpt")
+    resumed = load(run / "checkpoints" / "last.ckpt")
+    assert expected["global_step"] == resumed["global_step"] == STEPS
+    for key, value in expected["state_dict"].items():
         torch.testing.assert_close(resumed["state_dict"][key], value, rtol=0, atol=1e-7)
     # the resumed steps saw the same batches (same losses), none lost or repeated
-    full_losses, resumed_losses = train_losses(tmp_path / "full"), train_losses(
-        tmp_path / "resumed")
-    assert sorted(full_losses) == list(range(STEPS))
-    for step in range(6, STEPS):
-        assert resumed_losses[step] == pytest.approx(full_losses[step], abs=1e-6)
+    expected_losses, resumed_losses = train_losses(full), train_losses(run)
+    assert sorted(expected_losses) == list(range(STEPS))
+    for step in range(first_resumed_step, STEPS):
+        assert resumed_losses[step] == pytest.approx(expected_losses[step], abs=1e-6)
+
+
+def test_killed_run_resumes_exactly(tmp_path, full):
+    cache = tmp_path / "cache"
+    plain = write_config(tmp_path / "plain.yaml", cache)
+    killing = write_config(tmp_path / "killing.yaml", cache, callback("KillAtStep", step=KILL_AT))
+    killed = run_in_process(run_args(killing, tmp_path, "resumed"))
+    assert killed.returncode == 17, killed.stderr[-3000:]
+    last = tmp_path / "resumed" / "checkpoints" / "last.ckpt"
+    assert load(last)["global_step"] == 6
+
+    assert main(run_args(plain, tmp_path, "resumed", "--ckpt_path=last")) == 0
+    assert_same_as_full(tmp_path / "resumed", full, 6)
+
+
+def test_sigterm_stops_after_the_step_with_a_checkpoint_and_resumes(tmp_path, full):
+    """SIGTERM during step 5: the step ends, ``last.ckpt`` of step 5 is written, exit status
+    143 (Lightning alone: no checkpoint, exit status 0, so a scheduler sees success)."""
+    cache = tmp_path / "cache"
+    plain = write_config(tmp_path / "plain.yaml", cache)
+    signalling = write_config(tmp_path / "sigterm.yaml", cache,
+                              callback("SignalAt", step=4, signum=int(signal.SIGTERM)))
+    stopped = run_in_process(run_args(signalling, tmp_path, "resumed"))
+    last = tmp_path / "resumed" / "checkpoints" / "last.ckpt"
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    assert "longnet: received SIGTERM: stopping at the end of this step with a checkpoint." \
+           in stopped.stderr
+    assert f"longnet: stopped by SIGTERM after step 5 of {STEPS}; saved {last}. Run the same " \
+           "command with --ckpt_path last to continue from the last checkpoint." \
+           in stopped.stderr, stopped.stderr[-3000:]
+    assert load(last)["global_step"] == 5  # not a multiple of SAVE_EVERY: saved by the stop
+
+    assert main(run_args(plain, tmp_path, "resumed", "--ckpt_path=last")) == 0
+    assert_same_as_full(tmp_path / "resumed", full, 5)
+
+
+def test_a_signal_during_validation_stops_after_it(tmp_path, capsys):
+    """SIGINT (Ctrl-C) in the validation of step 4: the validation ends, then the run stops
+    with the checkpoint of step 4 and its validation, exit status 130 (Lightning alone: a
+    KeyboardInterrupt wherever it lands, exit status 1, no checkpoint)."""
+    config = write_config(tmp_path / "sigint.yaml", tmp_path / "cache",
+                          callback("SignalAt", step=4, signum=int(signal.SIGINT),
+                                   during_validation=True))
+    assert main(run_args(config, tmp_path, "run")) == 130
+    run = tmp_path / "run"
+    last = run / "checkpoints" / "last.ckpt"
+    assert f"stopped by SIGINT after step 4 of {STEPS}; saved {last}." in capsys.readouterr().err
+    assert load(last)["global_step"] == 4
+    assert json.loads((run / "metrics.json").read_text())["validate"]["step"] == 4
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+
+
+def best_path(checkpoint: dict) -> str:
+    """The best checkpoint a checkpoint's ``ModelCheckpoint(monitor=...)`` state names."""
+    states = [state for key, state in checkpoint["callbacks"].items()
+              if key.startswith("ModelCheckpoint")]
+    assert len(states) == 1
+    return states[0]["best_model_path"]
+
+
+def assert_complete(run: Path, steps: int) -> None:
+    """The run folder of a finished run: ``last.ckpt`` at ``steps`` naming an existing best
+    checkpoint (the only other one), ``model/`` its weights, ``metrics.json`` of that step."""
+    last = load(run / "checkpoints" / "last.ckpt")
+    best = Path(best_path(last))
+    assert last["global_step"] == steps and best.is_file(), best
+    assert sorted(path.name for path in (run / "checkpoints").iterdir()) == sorted(
+        ["last.ckpt", best.name])
+    state = load(best)["state_dict"]
+    for key, value in LongNetLM.from_pretrained(run / "model").state_dict().items():
+        assert torch.equal(value, state[f"model.{key}"]), key
+    summary = json.loads((run / "metrics.json").read_text())
+    assert summary["validate"]["step"] == summary["test"]["step"] == steps
+
+
+def test_a_finished_run_is_extended(tmp_path):
+    """``last.ckpt`` at a validation step is written after the validation, so it names the
+    best checkpoint that validation kept (Lightning's would name the one it deleted: the
+    extended run then failed with FileNotFoundError, every retry the same)."""
+    config = write_config(tmp_path / "plain.yaml", tmp_path / "cache", steps=4, val_every=2,
+                          save_every=2, test=True)
+    assert main(run_args(config, tmp_path, "run")) == 0
+    assert_complete(tmp_path / "run", 4)
+    assert main(run_args(config, tmp_path, "run", "--ckpt_path=last",
+                         "--trainer.max_steps=7")) == 0
+    assert_complete(tmp_path / "run", 7)  # validated at its last step, not only every 2
+
+
+def test_a_checkpoint_naming_deleted_files_is_resumed(tmp_path):
+    """A ``last.ckpt`` written before this ordering (or by a run killed between a top-k update
+    and the next ``last.ckpt``) names a best checkpoint deleted since: it is forgotten, and a
+    checkpoint the interrupted run wrote after it is deleted (the resumed run writes it
+    again), instead of a FileNotFoundError or a stale export."""
+    config = write_config(tmp_path / "plain.yaml", tmp_path / "cache", steps=4, val_every=2,
+                          save_every=2, test=True)
+    assert main(run_args(config, tmp_path, "run")) == 0
+    folder = tmp_path / "run" / "checkpoints"
+    last = load(folder / "last.ckpt")
+    best = Path(best_path(last))
+    # as if the run had stopped at step 4 before its validation: the best of step 2 was
+    # deleted, the best of step 4 was written after this last.ckpt
+    state = next(state for key, state in last["callbacks"].items()
+                 if key.startswith("ModelCheckpoint"))
+    stale = str(folder / "best-step=2.ckpt")
+    state.update(best_k_models={stale: torch.tensor(0.0)}, best_model_path=stale,
+                 best_model_score=torch.tensor(0.0), kth_best_model_path=stale,
+                 kth_value=torch.tensor(0.0))
+    later = load(best)
+    later["global_step"] = 6
+    torch.save(later, folder / "best-step=6.ckpt")
+    torch.save(last, folder / "last.ckpt")
+    written = (folder / "last.ckpt").stat().st_mtime
+    os.utime(folder / "last.ckpt", (written - 10, written - 10))  # written before both bests
+    assert main(run_args(config, tmp_path, "run", "--ckpt_path=last",
+                         "--trainer.max_steps=6")) == 0
+    assert_complete(tmp_path / "run", 6)
+
+
+@pytest.mark.parametrize("kill", ["after the best checkpoint", "before the export"])
+def test_a_run_killed_anywhere_ends_complete(tmp_path, kill):
+    cache = tmp_path / "cache"
+    plain = write_config(tmp_path / "plain.yaml", cache, steps=4, val_every=2, save_every=2,
+                         test=True)
+    if kill == "before the export":
+        killing = write_config(tmp_path / "kill.yaml", cache, first=callback("KillAtFitEnd"),
+                               steps=4, val_every=2, save_every=2, test=True)
+    else:
+        killing = write_config(tmp_path / "kill.yaml", cache, callback("KillAfterBest"),
+                               steps=4, val_every=2, save_every=2, test=True)
+    killed = run_in_process(run_args(killing, tmp_path, "run"))
+    assert killed.returncode == 17, killed.stderr[-3000:]
+    run = tmp_path / "run"
+    assert not (run / "model").exists()
+    assert main(run_args(plain, tmp_path, "run", "--ckpt_path=last")) == 0
+    assert_complete(run, 4)
+
+
+def test_checkpoint_callbacks_are_ordered_for_the_last_one(tmp_path):
+    """``LastCheckpoint`` listed before the best ``ModelCheckpoint`` still writes after it."""
+    config = yaml.safe_load(write_config(tmp_path / "c.yaml", tmp_path / "cache", steps=2,
+                                         val_every=2, save_every=2).read_text())
+    callbacks = config["trainer"]["callbacks"]
+    last = next(c for c in callbacks if isinstance(c, dict)
+                and c["class_path"].endswith("LastCheckpoint"))
+    callbacks.remove(last)
+    callbacks.insert(0, last)
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    assert main(run_args(tmp_path / "c.yaml", tmp_path, "run")) == 0
+    assert Path(best_path(load(tmp_path / "run" / "checkpoints" / "last.ckpt"))).is_file()
+
