@@ -39,8 +39,9 @@ class _DilatedAttention(torch.autograd.Function):
         for pieces in plan.pieces:
             run_forward_(pieces, out, lse, q, k, v, plan)
         # a NaN query gives a NaN row, as in dense attention (ATen's CPU flash kernel returns
-        # such a row as empty: out 0, lse 0)
-        nan_queries = q.isnan().any(-1, keepdim=True)
+        # such a row as empty: out 0, lse 0); a row sum is NaN when the row holds one, and
+        # costs an lse-sized temporary where isnan() would hold a bool per element of q
+        nan_queries = q.sum(-1, keepdim=True).isnan()
         out.masked_fill_(nan_queries, float("nan"))
         lse.masked_fill_(nan_queries, float("nan"))
         out = out.to(q.dtype)
