@@ -27,8 +27,8 @@ from longnet.attention.kernels import kernel_names
 from longnet.attention.local import attend_local, attend_local_backward
 from longnet.attention.pattern import DilatedPattern
 from longnet.attention.plan import AttentionPlan, default_block_elements, plan_attention
-from longnet.attention.ring import LAYOUTS, agree_on_call, run_backward_, run_forward_
-from longnet.attention.transport import transports_per_branch
+from longnet.attention.ring import LAYOUTS, run_backward_, run_forward_
+from longnet.attention.transport import agree_on_call, transports_per_branch
 from longnet.validation import is_int
 
 

@@ -18,7 +18,6 @@ knows every member's selected rows from the global geometry, so this is handled 
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
@@ -80,8 +79,7 @@ def padded_length(
     return shard_len * world_size
 
 
-Attend = Callable[[Tensor, int, Tensor | None], None]
-"""``attend(kv block, source member, dK/dV partial or None)``: compute with one block."""
+Attend = Callable[[Tensor, int, Tensor | None], None]  # (kv block, source member, dK/dV or None)
 
 
 class ForwardQueries(NamedTuple):
@@ -500,22 +498,3 @@ def query_groups(
             by_keys.setdefault(key, []).append(head)
         parts += [restrict(group, heads) for heads in by_keys.values()]
     return tuple(parts)
-
-
-def agree_on_call(
-    signature: str, block_elements: int, process_group: dist.ProcessGroup, device: torch.device
-) -> int:
-    """Raise on every rank if any rank of ``process_group`` called with a different
-    ``signature``; return the smallest ``block_elements`` of the group (every member of a
-    segment group must cut a branch into the same pieces, whatever its free memory)."""
-    code = zlib.crc32(signature.encode())
-    values = torch.tensor([code, -code, -block_elements], dtype=torch.int64, device=device)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=process_group)
-    if values[0].item() != code or -values[1].item() != code:
-        raise ValueError(
-            f"dilated_attention: rank {dist.get_rank(process_group)} of the sequence-parallel "
-            f"group was called with ({signature}) but another rank passed different shapes, "
-            "dtype, pattern or options; every rank must pass equal-length shards and the same "
-            "arguments."
-        )
-    return int(-values[2].item())

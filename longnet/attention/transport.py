@@ -10,6 +10,7 @@ rank and the step when a peer fails (docs/architecture.md §4).
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -149,3 +150,22 @@ class Peers:
         for buffer in received:
             total += buffer
         return total
+
+
+def agree_on_call(
+    signature: str, block_elements: int, process_group: dist.ProcessGroup, device: torch.device
+) -> int:
+    """Raise on every rank if any rank of ``process_group`` called with a different
+    ``signature``; return the smallest ``block_elements`` of the group (every member of a
+    segment group must cut a branch into the same pieces, whatever its free memory)."""
+    code = zlib.crc32(signature.encode())
+    values = torch.tensor([code, -code, -block_elements], dtype=torch.int64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=process_group)
+    if values[0].item() != code or -values[1].item() != code:
+        raise ValueError(
+            f"dilated_attention: rank {dist.get_rank(process_group)} of the sequence-parallel "
+            f"group was called with ({signature}) but another rank passed different shapes, "
+            "dtype, pattern or options; every rank must pass equal-length shards and the same "
+            "arguments."
+        )
+    return int(-values[2].item())

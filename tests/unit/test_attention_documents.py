@@ -4,14 +4,14 @@ reference applied to each document alone (outputs, lse and every gradient), floa
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 
 import pytest
 import torch
 
-from longnet.attention import DilatedPattern, dilated_attention, kernels
+from longnet.attention import DilatedPattern, dilated_attention
 from longnet.attention.layout import BlockStack
 from longnet.attention.plan import plan_attention
+from tests.kernel_calls import count_kernel_calls
 from tests.reference import dense_dilated_attention
 
 TOL = 1e-12
@@ -160,18 +160,7 @@ def test_one_document_per_row_is_the_plain_call(causal):
 def test_documents_of_one_shape_share_one_kernel_call_per_branch(monkeypatch):
     """The blocks of equally long documents, in any batch element, are stacked: one kernel
     call per branch each way, however many documents there are."""
-    calls = []
-
-    def counted(function):
-        def wrapper(*args, **kwargs):
-            calls.append(function.__name__)
-            return function(*args, **kwargs)
-        return wrapper
-
-    monkeypatch.setattr(kernels, "KERNELS", tuple(
-        replace(k, forward=counted(k.forward), backward=counted(k.backward))
-        for k in kernels.KERNELS
-    ))
+    calls = count_kernel_calls(monkeypatch)
     for documents in (2, 4):
         calls.clear()
         lengths = (256 // documents,) * documents

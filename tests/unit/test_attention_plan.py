@@ -3,8 +3,6 @@ the block budget, and what the CUDA kernels are handed (checked on the CPU)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -12,6 +10,7 @@ from longnet.attention import dilated_attention, kernels
 from longnet.attention.layout import branch_groups, gather, region_groups, scatter_
 from longnet.attention.pattern import DilatedPattern
 from longnet.attention.plan import CPU_BLOCK_ELEMENTS, default_block_elements, plan_attention
+from tests.kernel_calls import count_kernel_calls
 
 
 def _selected(x: torch.Tensor, group) -> torch.Tensor:
@@ -112,18 +111,7 @@ def test_block_budget_defaults_to_the_cpu_value_and_bounds_every_chunk():
 
 
 def _count_kernel_calls(monkeypatch, seq_len: int) -> int:
-    calls = []
-
-    def counted(function):
-        def wrapper(*args, **kwargs):
-            calls.append(function.__name__)
-            return function(*args, **kwargs)
-        return wrapper
-
-    monkeypatch.setattr(kernels, "KERNELS", tuple(
-        replace(k, forward=counted(k.forward), backward=counted(k.backward))
-        for k in kernels.KERNELS
-    ))
+    calls = count_kernel_calls(monkeypatch)
     q, k, v = (torch.randn(1, seq_len, 8, 16, requires_grad=True) for _ in range(3))
     pattern = DilatedPattern.geometric(3, base_segment=512)
     dilated_attention(q, k, v, pattern, causal=True, block_elements=2**30).sum().backward()

@@ -34,13 +34,7 @@ CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 SMOKE = REPO / "configs" / "smoke.yaml"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run as fast on one thread, and do not stall when the machine is busy."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

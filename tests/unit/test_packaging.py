@@ -118,3 +118,10 @@ def test_checkout_reads_its_models_folder(tmp_path, monkeypatch):
     (tmp_path / "checkout" / "models").mkdir()
     (tmp_path / "checkout" / "pyproject.toml").write_text("")
     assert hub.models_dir() == tmp_path / "checkout" / "models"
+
+
+def test_attention_modules_stay_small():
+    """One job per module in the attention core: none grows past 500 lines."""
+    sizes = {path.name: len(path.read_text().splitlines())
+             for path in (REPO / "longnet" / "attention").glob("*.py")}
+    assert max(sizes.values()) <= 500, sizes

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from longnet.cli import main
 from longnet.modeling import LongNetLM
@@ -19,13 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "packed_documents.yaml"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run as fast on one thread, and do not stall when the machine is busy."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_packed_documents_config_trains(tmp_path, monkeypatch):
