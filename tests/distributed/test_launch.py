@@ -174,6 +174,17 @@ def test_a_lost_rank_is_named_and_the_same_command_resumes(
     assert_reference_parameters(runs, reference, f"{strategy}, resumed after rank {victim}")
 
 
+def _signal_one_rank(tmp_path, **spec) -> tuple[list, float]:
+    """Launch 2 sequence-parallel ranks, one of which signals itself as ``spec["signal"]``
+    says; the processes and the seconds from the signal to the last rank's exit."""
+    spec = dict(sequence_parallel_size=2, devices=2, timeout=COLLECTIVE_TIMEOUT,
+                out=str(tmp_path / "out"), **spec)
+    processes = launch_ranks(spec, 2, tmp_path / "logs")
+    ended = wait_all(processes)
+    signalled = float((tmp_path / "out" / "signalled").read_text())
+    return processes, max(ended) - signalled
+
+
 def test_sigterm_in_the_middle_of_a_ring_step_stops_every_rank(tmp_path):
     """SIGTERM to rank 0 after its forward: its handler must not start a collective (Lightning's
     broadcasts from rank 0), or rank 0 waits in it for rank 1 while rank 1 waits in the ring's
@@ -181,19 +192,11 @@ def test_sigterm_in_the_middle_of_a_ring_step_stops_every_rank(tmp_path):
     ``note_sigterm_without_collectives``: both stopped 127 s after the signal, at the 120 s
     timeout). Rank 0 finishes the step and stops (Lightning's SIGTERMException, exit 0); rank 1
     stops at its next collective, naming rank 0."""
-    spec = dict(
-        strategy="ddp",
-        sequence_parallel_size=2,
-        devices=2,
-        timeout=COLLECTIVE_TIMEOUT,
-        signal={"rank": 0, "step": 2, "signum": int(signal.SIGTERM)},
-        out=str(tmp_path / "out"),
+    processes, stopped_after = _signal_one_rank(
+        tmp_path, strategy="ddp", signal={"rank": 0, "step": 2, "signum": int(signal.SIGTERM)}
     )
-    processes = launch_ranks(spec, 2, tmp_path / "logs")
-    ended = wait_all(processes)
-    signalled = float((tmp_path / "out" / "signalled").read_text())
     log = (tmp_path / "logs" / "rank1.log").read_text()
-    assert max(ended) - signalled < COLLECTIVE_TIMEOUT / 2, log
+    assert stopped_after < COLLECTIVE_TIMEOUT / 2, log
     assert processes[1].returncode != 0, log
     assert f"rank 0 (pid {processes[0].pid} on {socket.gethostname()}) was lost" in log, log
 
@@ -204,22 +207,13 @@ def test_sigterm_to_one_rank_stops_every_rank_with_a_checkpoint(tmp_path, strate
     flag only: rank 1 would stop alone and rank 0 wait for it): with ``StopOnSignal`` both
     ranks agree at the end of the step, both stop there with ``last.ckpt`` of that step and
     exit with status 143, well before the collective timeout."""
-    spec = dict(
-        strategy=strategy,
-        sequence_parallel_size=2,
-        devices=2,
-        timeout=COLLECTIVE_TIMEOUT,
-        checkpoint_dir=str(tmp_path / "checkpoints"),
-        stop_on_signal=True,
-        signal={"rank": 1, "step": 2, "signum": int(signal.SIGTERM)},
-        out=str(tmp_path / "out"),
+    processes, stopped_after = _signal_one_rank(
+        tmp_path, strategy=strategy, checkpoint_dir=str(tmp_path / "checkpoints"),
+        stop_on_signal=True, signal={"rank": 1, "step": 2, "signum": int(signal.SIGTERM)},
     )
-    processes = launch_ranks(spec, 2, tmp_path / "logs")
-    ended = wait_all(processes)
-    signalled = float((tmp_path / "out" / "signalled").read_text())
     logs = [(tmp_path / "logs" / f"rank{rank}.log").read_text() for rank in range(2)]
     assert [process.returncode for process in processes] == [143, 143], logs
-    assert max(ended) - signalled < COLLECTIVE_TIMEOUT / 2, logs
+    assert stopped_after < COLLECTIVE_TIMEOUT / 2, logs
     for rank, log in enumerate(logs):
         by = " (received by another rank)" if rank == 0 else ""
         assert f"longnet: [rank {rank}] stopped by SIGTERM{by} after step 2 of {STEPS}; " \
