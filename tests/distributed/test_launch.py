@@ -201,25 +201,28 @@ def test_sigterm_in_the_middle_of_a_ring_step_stops_every_rank(tmp_path):
     assert f"rank 0 (pid {processes[0].pid} on {socket.gethostname()}) was lost" in log, log
 
 
+@pytest.mark.parametrize("signalled", [0, 1], ids=["rank0", "rank1"])
 @pytest.mark.parametrize("strategy", ["ddp", "sharded"])
-def test_sigterm_to_one_rank_stops_every_rank_with_a_checkpoint(tmp_path, strategy):
-    """SIGTERM to rank 1 alone, in the middle of a ring step (Lightning broadcasts rank 0's
-    flag only: rank 1 would stop alone and rank 0 wait for it): with ``StopOnSignal`` both
-    ranks agree at the end of the step, both stop there with ``last.ckpt`` of that step and
-    exit with status 143, well before the collective timeout."""
+def test_sigterm_to_one_rank_stops_every_rank_with_a_checkpoint(tmp_path, strategy, signalled):
+    """SIGTERM to one rank alone, each in turn, in the middle of a ring step (Lightning
+    broadcasts rank 0's flag only: a signalled rank 1 would stop alone and rank 0 wait for
+    it): with ``StopOnSignal`` both ranks agree at the end of the step, both stop there with
+    ``last.ckpt`` of that step and exit with status 143, well before the collective
+    timeout."""
     processes, stopped_after = _signal_one_rank(
         tmp_path, strategy=strategy, checkpoint_dir=str(tmp_path / "checkpoints"),
-        stop_on_signal=True, signal={"rank": 1, "step": 2, "signum": int(signal.SIGTERM)},
+        stop_on_signal=True,
+        signal={"rank": signalled, "step": 2, "signum": int(signal.SIGTERM)},
     )
     logs = [(tmp_path / "logs" / f"rank{rank}.log").read_text() for rank in range(2)]
     assert [process.returncode for process in processes] == [143, 143], logs
     assert stopped_after < COLLECTIVE_TIMEOUT / 2, logs
     for rank, log in enumerate(logs):
-        by = " (received by another rank)" if rank == 0 else ""
+        by = "" if rank == signalled else " (received by another rank)"
         assert f"longnet: [rank {rank}] stopped by SIGTERM{by} after step 2 of {STEPS}; " \
                "saved" in log, log
         assert "was lost" not in log, log
-    assert "longnet: received SIGTERM: stopping at the end of this step" in logs[1]
+    assert "longnet: received SIGTERM: stopping at the end of this step" in logs[signalled]
     last = tmp_path / "checkpoints" / "last.ckpt"
     meta = last / "meta.pt" if last.is_dir() else last
     assert torch.load(meta, map_location="cpu", weights_only=True)["global_step"] == 2
