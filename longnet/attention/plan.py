@@ -48,7 +48,6 @@ def default_block_elements(device: torch.device) -> int:
 class AttentionPlan:
     """How one call runs, on this rank.
 
-    ``local``: the block groups of every branch whose segments lie on this device;
     ``adopted``: the first local branch when its kernel outputs become the accumulators (see
     ``adopted_branch``); ``chunks``: ``(branch index, chunk)`` of the remaining local work in
     the order it runs, each chunk (a group or, with packed documents, a stack of groups) one
@@ -61,7 +60,6 @@ class AttentionPlan:
     causal: bool
     scale: float
     block_elements: int
-    local: tuple[tuple[BlockGroup, ...], ...]
     adopted: BlockGroup | None
     chunks: tuple[tuple[int, Blocks], ...]
     pieces: tuple[tuple[SpanningPiece, ...], ...]
@@ -94,8 +92,7 @@ def plan_attention(
     if documents is not None and any(len(lengths) > 1 for lengths in documents):
         local = document_branches(pattern, documents, heads)
         return AttentionPlan(
-            kernel=chosen, causal=causal, scale=scale, block_elements=budget,
-            local=tuple(tuple(groups) for groups in local), adopted=None,
+            kernel=chosen, causal=causal, scale=scale, block_elements=budget, adopted=None,
             chunks=tuple(
                 (index, chunk) for index, groups in enumerate(local)
                 for chunk in stacked_chunks(groups, batch, head_dim, budget)
@@ -117,7 +114,6 @@ def plan_attention(
         causal=causal,
         scale=scale,
         block_elements=budget,
-        local=tuple(tuple(groups) for groups in local),
         adopted=adopted,
         chunks=tuple(branch_chunks(local, batch * head_dim, budget, adopted is not None)),
         pieces=tuple(pieces),

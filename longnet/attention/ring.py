@@ -286,7 +286,7 @@ def _exchange(prepared: Sequence[Prepared], plan: AttentionPlan, grad_dtype: tor
     dK/dV. Backward: a zeroed dK/dV partial in ``grad_dtype`` travels with each block, every
     member adds into it, and it is home after the last hop.
     """
-    label = ", ".join(p.piece.label for p in prepared[:1]) + f", {phase}"
+    label = f"{prepared[0].piece.label}, {phase}"
     if prepared[0].piece.transport == "allgather":
         (one,) = prepared  # the zigzag layout refuses this transport (plan_sequence_parallel)
         peers = Peers(plan.process_group, one.piece.members, one.piece.index, label)
