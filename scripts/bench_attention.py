@@ -94,8 +94,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--warmup-max-len", type=int, default=262144,
                         help="above this length: no warm-up call and one timed run")  # fmt: skip
-    parser.add_argument("--sdpa-max-len", type=int, default=32768)
-    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    parser.add_argument("--sdpa-max-len", type=int, default=32768,
+                        help="dense systems run up to this length only")  # fmt: skip
+    parser.add_argument("--systems", nargs="+", choices=sorted({*SYSTEMS, *device.SYSTEMS}),
+                        help=f"default: {' '.join(SYSTEMS)} on the CPU, "
+                             f"{' '.join(device.SYSTEMS)} with --device cuda")  # fmt: skip
     parser.add_argument("--check-rows", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -109,6 +112,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timing-child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.shape = Shape(args.batch, args.heads, args.head_dim, args.dtype)
+    known = device.SYSTEMS if args.device == "cuda" else SYSTEMS
+    args.systems = args.systems or list(known)
+    if unknown := [s for s in args.systems if s not in known]:
+        parser.error(f"--systems {' '.join(unknown)}: not run with --device {args.device} "
+                     f"(choose from {' '.join(known)})")
     if args.tag is None:
         direction = "causal" if args.causal else "bidirectional"
         args.tag = f"{direction}-{pattern_tag(args.pattern)}-{args.dtype}"
@@ -167,9 +175,9 @@ def run_on_gpu(args: argparse.Namespace, argv: list[str]) -> None:
     gpu = torch.device("cuda")
     clock = common.Run(common.command_line("scripts/bench_attention.py", argv, ENV_VARS))
     version = common.source_version(common.attention_digest(), ROOT)
-    names = [s for s in device.SYSTEMS if s == "ours" or s.startswith("sdpa")]
     points = []
     for n in args.lengths:
+        names = [s for s in args.systems if s == "ours" or n <= args.sdpa_max_len]
         found = device.measure_length(
             n, resolve_pattern(args.pattern, n), names, batch=args.batch, heads=args.heads,
             head_dim=args.head_dim, dtype=common.DTYPES[args.dtype], device=gpu,

@@ -62,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="where the steps run (cuda: device-synchronised step times)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench_training"))
     parser.add_argument("--json", type=Path, help="also write every sample here")
+    parser.add_argument("--tag", help="name of the doc block (default: model-precision)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA device; none is visible.")
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         machine = f"{torch.cuda.get_device_name()}, torch {torch.__version__}; host {machine}"
     head = common.run_lines(finished, machine,
                             common.commit_version(Path(__file__).resolve().parents[1]))
-    tag = f"{Path(str(args.model)).name}-{args.precision}"
+    tag = args.tag or f"{Path(str(args.model)).name}-{args.precision}"
     if args.device == "cuda":
         tag = f"gpu-{tag}"
     block = "\n".join([f"### {tag}", "", *head,
@@ -139,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                        f"{threads} threads", "", *lines])
     print(block)
     args.out.mkdir(parents=True, exist_ok=True)
-    _plot(timings, args, args.out / "bench_training.png")
+    plot_name = f"bench_training_{tag}.png" if args.tag else "bench_training.png"
+    _plot(timings, args, args.out / plot_name)
     common.write_blocks(args.out / "benchmarks.md", SECTION, PREFIX, {tag: block}, INTRO)
     if args.json is not None:
         args.json.write_text(json.dumps({

@@ -1,4 +1,4 @@
-"""The GPU check: one command for everything this project needs a GPU for, in at most 8 minutes.
+"""The GPU check: one command for everything this project needs a GPU for, in at most 9 minutes.
 
     python scripts/gpu_check.py --out runs/gpu_check
 
@@ -12,7 +12,8 @@ reported and the next one runs):
 3. ``compute-sanitizer``: memcheck of a small bf16 and fp16 forward + backward with each CUDA
    kernel (skipped when ``compute-sanitizer`` is not on the PATH);
 4. ``attention benchmark``: ``bench_attention.py --device cuda``, bf16, 16 heads of 64, causal,
-   the geometric pattern, 8K to 1M tokens, against SDPA per backend;
+   the geometric pattern, 8K to 128K tokens, against SDPA per backend; then (``... long``) 512K
+   against SDPA's own choice and 1M alone;
 5. ``training step``: ``bench_training.py --device cuda``, ``longnet-base`` in bf16, dilated
    against its dense twin at 8K and 32K, then 128K alone (it may not fit: its own step);
 6. ``cli``: ``longnet fit --config configs/smoke.yaml`` on the GPU in bf16-mixed.
@@ -71,26 +72,33 @@ def steps(out: Path) -> list[tuple[str, list[str], int]]:
     """``(name, command, time limit in seconds)`` of every step."""
     python = sys.executable
     bench = [python, "scripts/bench_attention.py", "--device", "cuda", "--dtype", "bfloat16",
-             "--heads", "16", "--head-dim", "64", "--causal", "--pattern", "geometric",
-             "--repeats", "5", "--out", str(out), "--json", str(out / "bench_attention.json")]
+             "--heads", "16", "--head-dim", "64", "--causal", "--pattern", "geometric"]
     training = [python, "scripts/bench_training.py", "--model", "longnet-base", "--precision",
                 "bf16", "--device", "cuda", "--steps", "3", "--out", str(out)]
     sanitizer = shutil.which("compute-sanitizer")
+    runs = Path(tempfile.gettempdir()) / "gpu_check_runs"  # checkpoints: not worth carrying back
     return [
-        ("environment", [python, "-c", ENVIRONMENT], 30),
+        ("environment", [python, "-c", ENVIRONMENT], 25),
         ("cuda tests", [python, "-m", "pytest", "tests/gpu", "-q", "-s", "-m", "gpu",
-                        "-p", "no:cacheprovider"], 120),
+                        "-p", "no:cacheprovider", "--durations=12", "-o", "timeout=90"], 180),
         ("compute-sanitizer", [sanitizer, "--tool", "memcheck", "--error-exitcode", "9",
-                               python, "-c", SANITIZED] if sanitizer else [], 60),
-        ("attention benchmark", [*bench, "--lengths", "8192", "32768", "131072", "524288",
-                                 "1048576"], 120),
-        ("training step", [*training, "--lengths", "8K", "32K"], 60),
+                               python, "-c", SANITIZED] if sanitizer else [], 45),
+        ("attention benchmark", [*bench, "--lengths", "8192", "32768", "131072", "--repeats",
+                                 "5", "--sdpa-max-len", "131072", "--tag", "geometric-bf16",
+                                 "--out", str(out), "--json", str(out / "bench_attention.json")],
+         75),
+        ("attention benchmark long", [*bench, "--lengths", "524288", "1048576", "--repeats", "3",
+                                      "--systems", "ours", "sdpa", "--sdpa-max-len", "524288",
+                                      "--tag", "geometric-bf16-long", "--out", str(out), "--json",
+                                      str(out / "bench_attention_long.json")], 65),
+        ("training step", [*training, "--lengths", "8K", "32K"], 55),
         ("training step 128K", [*training, "--lengths", "128K", "--systems", "dilated",
+                                "--tag", "longnet-base-bf16-128k",
                                 "--json", str(out / "bench_training_128k.json")], 30),
         ("cli", [python, "-m", "longnet", "fit", "--config", "configs/smoke.yaml",
                  "--trainer.accelerator", "gpu", "--trainer.precision", "bf16-mixed",
-                 "--trainer.default_root_dir", str(out / "runs"),
-                 "--trainer.logger.init_args.save_dir", str(out / "runs")], 60),
+                 "--trainer.default_root_dir", str(runs),
+                 "--trainer.logger.init_args.save_dir", str(runs)], 45),
     ]
 
 
@@ -105,15 +113,14 @@ def run_step(name: str, command: list[str], limit: int, out: Path, env: dict) ->
         return {"name": name, "status": "skipped", "seconds": 0.0,
                 "lines": ["compute-sanitizer is not on the PATH"]}
     started = time.monotonic()
-    try:
-        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=limit)
-        status = "passed" if done.returncode == 0 else f"failed (exit {done.returncode})"
-        text = done.stdout + done.stderr
-    except subprocess.TimeoutExpired as expired:  # the output so far, as text (text=True)
-        status = f"timed out after {limit} s"
-        text = (expired.stdout or "") + (expired.stderr or "")
-    log.write_text(text)
+    with log.open("w") as sink:  # streamed: a step that times out still leaves its output
+        try:
+            done = subprocess.run(command, cwd=ROOT, env=env, stdout=sink,
+                                  stderr=subprocess.STDOUT, timeout=limit)
+            status = "passed" if done.returncode == 0 else f"failed (exit {done.returncode})"
+        except subprocess.TimeoutExpired:
+            status = f"timed out after {limit} s"
+    text = log.read_text(errors="replace")
     lines = [line for line in text.splitlines() if any(key in line for key in KEY_LINES)]
     return {"name": name, "status": status, "seconds": time.monotonic() - started,
             "lines": lines[-40:]}

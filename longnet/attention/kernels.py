@@ -18,6 +18,7 @@ before the kernels it should win over.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -213,7 +214,9 @@ class Kernel:
     """A ``(forward, backward)`` pair and what it runs on.
 
     ``device``: the device type (``None``: any); ``dtypes``: the input dtypes (``None``: any
-    floating dtype); ``max_head_dim`` and ``head_dim_multiple``: the head sizes it takes;
+    floating dtype); ``max_head_dim``: the largest head it takes; ``row_bytes``: a head's size in
+    bytes must be a multiple of this (the CUDA kernels load 16 bytes at a time, so a row of
+    ``head_dim`` elements must end on a 16-byte boundary);
     ``needs``: a further hardware condition; ``fused``: it never holds a block's score matrix
     (the math kernel does, so blocks for it must stay small).
     """
@@ -224,7 +227,7 @@ class Kernel:
     device: str | None = None
     dtypes: tuple[torch.dtype, ...] | None = None
     max_head_dim: int | None = None
-    head_dim_multiple: int = 1
+    row_bytes: int = 1
     needs: Callable[[torch.device], bool] | None = None
     fused: bool = True
 
@@ -236,8 +239,10 @@ class Kernel:
             return f"it takes {', '.join(str(d) for d in self.dtypes)}, not {dtype}"
         if self.max_head_dim is not None and head_dim > self.max_head_dim:
             return f"it takes head_dim <= {self.max_head_dim}, not {head_dim}"
-        if head_dim % self.head_dim_multiple:
-            return f"it takes head_dim a multiple of {self.head_dim_multiple}, not {head_dim}"
+        size = torch.empty((), dtype=dtype).element_size()
+        if (head_dim * size) % self.row_bytes:
+            multiple = self.row_bytes // math.gcd(self.row_bytes, size)
+            return f"it takes head_dim a multiple of {multiple} for {dtype}, not {head_dim}"
         if self.needs is not None and not self.needs(device):
             return f"{device} lacks what it needs ({self.needs.__name__.strip('_')})"
         return None
@@ -258,10 +263,10 @@ class Kernel:
 HALF = (torch.float16, torch.bfloat16)
 
 KERNELS: tuple[Kernel, ...] = (
-    Kernel("cuda-flash", cuda_flash_forward, cuda_flash_backward, "cuda", HALF, 256, 8,
+    Kernel("cuda-flash", cuda_flash_forward, cuda_flash_backward, "cuda", HALF, 256, 16,
            _sm80_or_newer),
     Kernel("cuda-efficient", cuda_efficient_forward, cuda_efficient_backward, "cuda",
-           (*HALF, torch.float32)),
+           (*HALF, torch.float32), row_bytes=16),
     Kernel("cpu-flash", cpu_flash_forward, cpu_flash_backward, "cpu"),
     Kernel("math", math_forward, math_backward, fused=False),
 )

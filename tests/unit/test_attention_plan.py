@@ -85,6 +85,11 @@ def test_kernel_registry_picks_per_device_and_dtype():
     assert "head_dim a multiple of 8" in flash.unsupported(torch.device("cuda"), torch.half, 36)
     assert "head_dim <= 256" in flash.unsupported(torch.device("cuda"), torch.half, 512)
     assert "float32" in flash.unsupported(torch.device("cuda"), torch.float32, 64)
+    # the memory-efficient kernel loads rows 16 bytes at a time too (seen on an H100: a head of
+    # 36 in bf16 failed "query is not correctly aligned"); float32 rows need a multiple of 4
+    efficient = next(k for k in kernels.KERNELS if k.name == "cuda-efficient")
+    assert "multiple of 8" in efficient.unsupported(torch.device("cuda"), torch.bfloat16, 36)
+    assert "multiple of 4" in efficient.unsupported(torch.device("cuda"), torch.float32, 6)
 
 
 @pytest.mark.parametrize("kernel", ["math", "cpu-flash"])

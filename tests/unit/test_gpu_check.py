@@ -30,7 +30,7 @@ def test_refuses_without_a_gpu():
 
 def test_every_step_names_existing_files_and_options(tmp_path):
     steps = _script().steps(tmp_path)
-    assert len(steps) == 7 and sum(limit for _, _, limit in steps) <= 8 * 60
+    assert len(steps) == 8 and sum(limit for _, _, limit in steps) <= 9 * 60
     for name, command, _ in steps:
         for word in command:
             if word.endswith((".py", ".yaml")) and not word.startswith(str(tmp_path)):
@@ -43,11 +43,23 @@ def test_benchmark_steps_parse(tmp_path, monkeypatch):
     import bench_attention
     import bench_training
 
+    longest = 0
     for _, command, _ in _script().steps(tmp_path):
         if len(command) > 1 and command[1] == "scripts/bench_attention.py":
             args = bench_attention.parse_args(command[2:])
-            assert args.device == "cuda" and args.lengths[-1] == 2**20
+            assert args.device == "cuda" and "ours" in args.systems
+            longest = max(longest, *args.lengths)
         if len(command) > 1 and command[1] == "scripts/bench_training.py":
             monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
             args = bench_training.parse_args(command[2:])
             assert args.device == "cuda" and args.precision == "bf16"
+    assert longest == 2**20
+
+
+def test_gpu_systems_are_refused_on_the_cpu(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import bench_attention
+
+    with pytest.raises(SystemExit):
+        bench_attention.parse_args(["--systems", "sdpa-flash"])
+    assert "not run with --device cpu" in capsys.readouterr().err
