@@ -27,8 +27,9 @@ from longnet.attention.kernels import kernel_names
 from longnet.attention.local import attend_local, attend_local_backward
 from longnet.attention.pattern import DilatedPattern
 from longnet.attention.plan import AttentionPlan, default_block_elements, plan_attention
-from longnet.attention.ring import LAYOUTS, run_backward_, run_forward_
+from longnet.attention.ring import run_backward_, run_forward_
 from longnet.attention.transport import agree_on_call, transports_per_branch
+from longnet.distributed.shards import check_layout
 from longnet.validation import is_int
 
 
@@ -138,10 +139,7 @@ def dilated_attention(
             f"dilated_attention: block_elements must be a positive integer or None (the "
             f"device's default), got {block_elements!r}."
         )
-    if layout not in LAYOUTS:
-        raise ValueError(
-            f"dilated_attention: layout must be one of {LAYOUTS}, got {layout!r}."
-        )
+    check_layout(layout, "dilated_attention")
     if check_finite:
         _check_finite(q, k, v)
     documents = None

@@ -82,8 +82,9 @@ def plan_attention(
     layout: str = "contiguous",
 ) -> AttentionPlan:
     """The plan of a call on ``q`` of ``shape`` ``(batch, seq, heads, head_dim)`` (this rank's
-    shard with ``process_group``, sharded by ``layout``: ``ring.LAYOUTS``); ``transports``: one
-    per branch (needed with a group);
+    shard with ``process_group``, sharded by ``layout``, one of
+    ``longnet.distributed.shards.LAYOUTS``); ``transports``: one per branch (needed with a
+    group);
     ``documents``: the document lengths of each batch element (``documents.document_lengths``;
     not with a group), or None for one document per batch element."""
     batch, seq_len, heads, head_dim = shape

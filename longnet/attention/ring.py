@@ -37,6 +37,7 @@ from longnet.attention.layout import (
 from longnet.attention.merge import BackwardQueries, QueryRows, lse_merge_
 from longnet.attention.pattern import DilatedPattern
 from longnet.attention.transport import Peers, Schedule
+from longnet.distributed.shards import chunk_host
 
 if TYPE_CHECKING:
     from longnet.attention.plan import AttentionPlan
@@ -359,18 +360,6 @@ def shift(process_group: dist.ProcessGroup, moves: Sequence[tuple[SpanningPiece,
     return lambda: (wait(), received)[1]
 
 
-LAYOUTS = ("contiguous", "zigzag")
-"""How a sequence is sharded over ``P`` ranks: ``contiguous`` (rank ``r`` holds the ``r``-th of
-``P`` equal shards) or ``zigzag`` (``2P`` equal chunks; rank ``r`` holds chunks ``r`` and
-``2P - 1 - r``, concatenated: every rank gets an early and a late chunk, which balances causal
-attention)."""
-
-
-def chunk_host(chunk: int, world_size: int) -> int:
-    """The rank holding ``chunk`` of ``2 * world_size`` in the zigzag layout."""
-    return chunk if chunk < world_size else 2 * world_size - 1 - chunk
-
-
 def plan_sequence_parallel(
     pattern: DilatedPattern,
     shard_len: int,
@@ -425,7 +414,7 @@ def plan_sequence_parallel(
         per_member = []
         for half, member in members_here:
             start, members = segment_group(member, chunk_len, segment, seq_len)
-            hosts = tuple(chunk_host(m, world_size) for m in members) if zigzag else members
+            hosts = tuple(chunk_host(m, world_size, layout) for m in members)
             rows = None if half is None else (half * chunk_len, (half + 1) * chunk_len)
             member_groups = tuple(
                 tuple(region_groups(0, chunk_len, 1, num_heads, r, shift=m * chunk_len - start))

@@ -1,10 +1,12 @@
-"""The last rows of the previous rank's sequence shard (a "halo"), differentiable.
+"""The rows before each chunk of this rank's sequence shard (a "halo"), differentiable.
 
-A causal convolution of width ``k`` over a sequence split into contiguous shards (group rank
-``i`` holds shard ``i``) needs, on each rank, the ``k - 1`` rows before its shard. Forward:
-every rank sends its last ``rows`` rows to the next rank and receives the previous rank's
-(rank 0 receives zeros). Backward: the gradient of the received rows goes back to the rank
-they came from and is added to its last rows' gradient.
+A causal convolution of width ``k`` over a sharded sequence needs, before every chunk a rank
+holds, the ``k - 1`` rows that precede it in the whole sequence. The chunks are those of the
+layout (``longnet.distributed.shards``): one per rank (``contiguous``) or two (``zigzag``).
+Forward: the tail of every chunk goes to the holder of the next chunk (a copy when that is this
+rank); the first chunk of the sequence gets zeros. Backward: the gradient of every received
+halo goes back to the chunk it came from and is added to that chunk's tail gradient. Between
+two ranks at most one message flows each way per pass.
 """
 
 from __future__ import annotations
@@ -13,27 +15,65 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from longnet.distributed.shards import (
+    check_layout,
+    chunk_count,
+    chunk_host,
+    chunk_slot,
+    chunks_per_rank,
+    rank_chunks,
+)
 
-def previous_rows(x: Tensor, rows: int, group: dist.ProcessGroup) -> Tensor:
-    """The ``rows`` rows before this rank's shard ``x`` ``(batch, shard_len, channels)``:
-    the previous group rank's last rows, zeros on group rank 0. Returns
-    ``(batch, rows, channels)``; gradients flow back to the rank that sent them."""
-    if rows > x.shape[1]:
+
+def previous_rows(
+    x: Tensor, rows: int, group: dist.ProcessGroup, layout: str = "contiguous"
+) -> Tensor:
+    """The ``rows`` rows before each chunk of this rank's shard ``x`` ``(batch, shard_len,
+    channels)``: ``(batch, chunks * rows, channels)``, the halo of this rank's first chunk
+    then (``zigzag``) of its second; zeros before the sequence's first token. Gradients flow
+    back to the rank that sent the rows."""
+    check_layout(layout, "previous_rows")
+    chunks = chunks_per_rank(layout)
+    if rows > x.shape[1] // chunks:
         raise ValueError(
-            f"previous_rows: {rows} rows are needed from the previous rank but shards hold "
-            f"only {x.shape[1]}; use a longer sequence or fewer ranks."
+            f"previous_rows: {rows} rows are needed before each chunk but the {layout} layout "
+            f"gives chunks of only {x.shape[1] // chunks}; use a longer sequence or fewer ranks."
         )
-    return _PreviousRows.apply(x, rows, group)
+    return _PreviousRows.apply(x, rows, group, layout)
 
 
-def _exchange(send: Tensor | None, to: int, receive: Tensor | None, source: int, group, what):
-    """Post one send (``send`` to group rank ``to``) and one receive (into ``receive`` from
-    group rank ``source``), either of them ``None`` to skip, and wait for both."""
-    ops = []
-    if send is not None:
-        ops.append(dist.P2POp(dist.isend, send, dist.get_global_rank(group, to), group))
-    if receive is not None:
-        ops.append(dist.P2POp(dist.irecv, receive, dist.get_global_rank(group, source), group))
+class _Links:
+    """Which chunk tails this rank sends where, and which halos it receives from where.
+
+    ``sends``: ``(my slot, peer rank, peer slot)``; ``receives``: ``(my slot, peer rank,
+    peer slot)``; ``local``: ``(from my slot, to my slot)``; ``first``: slots whose halo is
+    zeros (the sequence's first chunk)."""
+
+    def __init__(self, rank: int, world_size: int, layout: str) -> None:
+        last = chunk_count(world_size, layout) - 1
+        self.sends, self.receives, self.local = [], [], []
+        for slot, chunk in enumerate(rank_chunks(rank, world_size, layout)):
+            if chunk < last:
+                peer = chunk_host(chunk + 1, world_size, layout)
+                peer_slot = chunk_slot(chunk + 1, world_size, layout)
+                if peer == rank:
+                    self.local.append((slot, peer_slot))
+                else:
+                    self.sends.append((slot, peer, peer_slot))
+            if chunk > 0:
+                peer = chunk_host(chunk - 1, world_size, layout)
+                if peer != rank:
+                    self.receives.append((slot, peer, chunk_slot(chunk - 1, world_size, layout)))
+
+
+def _exchange(sends: list[tuple[Tensor, int]], receives: list[tuple[Tensor, int]], group,
+              what: str) -> None:
+    """Post every send ``(tensor, group rank)`` and receive ``(buffer, group rank)`` at once
+    and wait for all of them."""
+    ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, peer), group)
+           for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(group, peer), group)
+            for t, peer in receives]
     if not ops:
         return
     try:
@@ -47,37 +87,45 @@ def _exchange(send: Tensor | None, to: int, receive: Tensor | None, source: int,
 
 class _PreviousRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, rows: int, group: dist.ProcessGroup) -> Tensor:
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
-        ctx.rows, ctx.group, ctx.shape = rows, group, x.shape
-        received = x.new_zeros(x.shape[0], rows, x.shape[2])
+    def forward(ctx, x: Tensor, rows: int, group: dist.ProcessGroup, layout: str) -> Tensor:
+        links = _Links(dist.get_rank(group), dist.get_world_size(group), layout)
+        chunks = chunks_per_rank(layout)
+        chunk_len = x.shape[1] // chunks
+        ctx.rows, ctx.group, ctx.shape, ctx.links, ctx.chunks = rows, group, x.shape, links, chunks
+        halo = x.new_zeros(x.shape[0], chunks, rows, x.shape[2])
         if rows == 0:
-            return received
-        _exchange(
-            x[:, x.shape[1] - rows :].contiguous() if rank + 1 < size else None,
-            rank + 1,
-            received if rank > 0 else None,
-            rank - 1,
-            group,
-            "shard tails (forward)",
-        )
-        return received
+            return halo.flatten(1, 2)
+
+        def tail(slot: int) -> Tensor:
+            return x[:, (slot + 1) * chunk_len - rows : (slot + 1) * chunk_len]
+
+        buffers = [(slot, torch.empty_like(halo[:, slot])) for slot, _, _ in links.receives]
+        _exchange([(tail(slot).contiguous(), peer) for slot, peer, _ in links.sends],
+                  [(buffer, peer) for (_, buffer), (_, peer, _) in zip(buffers, links.receives)],
+                  group, "chunk tails (forward)")
+        for slot, buffer in buffers:
+            halo[:, slot] = buffer
+        for source, target in links.local:
+            halo[:, target] = tail(source)
+        return halo.flatten(1, 2)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        rank, size = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
+        links, rows = ctx.links, ctx.rows
         grad_x = grad.new_zeros(ctx.shape)
-        if ctx.rows == 0:
-            return grad_x, None, None
-        tail_grad = grad.new_zeros(grad.shape) if rank + 1 < size else None
-        _exchange(
-            grad.contiguous() if rank > 0 else None,
-            rank - 1,
-            tail_grad,
-            rank + 1,
-            ctx.group,
-            "shard tail gradients (backward)",
-        )
-        if tail_grad is not None:
-            grad_x[:, ctx.shape[1] - ctx.rows :] = tail_grad
-        return grad_x, None, None
+        if rows == 0:
+            return grad_x, None, None, None
+        chunks = ctx.chunks
+        chunk_len = ctx.shape[1] // chunks
+        halo = grad.unflatten(1, (chunks, rows))
+        tails = [(slot, grad.new_empty(grad.shape[0], rows, grad.shape[2]))
+                 for slot, _, _ in links.sends]
+        _exchange([(halo[:, slot].contiguous(), peer) for slot, peer, _ in links.receives],
+                  [(buffer, peer) for (_, buffer), (_, peer, _) in zip(tails, links.sends)],
+                  ctx.group, "chunk tail gradients (backward)")
+        for slot, buffer in tails:
+            grad_x[:, (slot + 1) * chunk_len - rows : (slot + 1) * chunk_len] += buffer
+        for source, target in links.local:
+            grad_x[:, (source + 1) * chunk_len - rows : (source + 1) * chunk_len] += \
+                halo[:, target]
+        return grad_x, None, None, None

@@ -163,6 +163,7 @@ class LongNetModel(nn.Module):
         group: torch.distributed.ProcessGroup | None = None,
         cache: KVCache | None = None,
         document_ids: Tensor | None = None,
+        layout: str = "contiguous",
     ) -> Tensor:
         check_input_ids(input_ids, self.config.vocab_size)
         if document_ids is not None:
@@ -183,7 +184,7 @@ class LongNetModel(nn.Module):
         if position_ids is None:
             offset = cache.next_position if cache is not None else 0
             position_ids = default_position_ids(
-                input_ids.shape[1], input_ids.device, offset=offset, group=group
+                input_ids.shape[1], input_ids.device, offset=offset, group=group, layout=layout
             )
         h = self.embed_tokens(input_ids.long())
         if self.embed_positions is not None:
@@ -191,7 +192,7 @@ class LongNetModel(nn.Module):
         h = self.embed_dropout(h)
         for index, layer in enumerate(self.layers):
             layer_cache = cache[index] if cache is not None else None
-            h = layer(h, position_ids, group, layer_cache, document_ids)
+            h = layer(h, position_ids, group, layer_cache, document_ids, layout)
         return self.final_norm(h)
 
 
@@ -310,21 +311,24 @@ class LongNetLM(LongNetPreTrained):
         group: torch.distributed.ProcessGroup | None = None,
         cache: KVCache | None = None,
         document_ids: Tensor | None = None,
+        layout: str = "contiguous",
     ) -> LMOutput:
         """Logits ``(batch, seq, vocab)`` and, with ``labels`` ``(batch, seq)``, the loss.
 
         ``position_ids``: global positions ``(seq,)`` or ``(batch, seq)``; default ``0..seq-1``
-        (after the cache's positions with ``cache``; with ``group``, this rank's equal
-        contiguous shard).  ``group``: sequence-parallel process group; ``input_ids`` and
-        ``labels`` are then this rank's shard and ``loss`` is the mean over this rank's
-        tokens (aggregate ``loss_sum`` / ``num_tokens`` across the group for the global mean).
+        (after the cache's positions with ``cache``; with ``group``, this rank's shard).
+        ``group``: sequence-parallel process group; ``input_ids`` and ``labels`` are then this
+        rank's shard and ``loss`` is the mean over this rank's tokens (aggregate ``loss_sum`` /
+        ``num_tokens`` across the group for the global mean). ``layout``: how the sequence is
+        sharded over ``group`` (``"contiguous"`` or ``"zigzag"``,
+        ``longnet.distributed.shards``).
         ``cache``: from :meth:`new_cache`, for inference.
         ``document_ids``: ``(batch, seq)`` ids of packed documents (``LongNetModel``); positions
         then default to each token's place in its document, and the loss leaves out the
         labels whose target begins the next document (``document_labels``).
         """
         hidden = self.model(input_ids, position_ids=position_ids, group=group, cache=cache,
-                            document_ids=document_ids)
+                            document_ids=document_ids, layout=layout)
         logits = self.lm_head(hidden)
         if labels is None:
             return LMOutput(logits=logits)

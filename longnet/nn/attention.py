@@ -8,6 +8,7 @@ from torch import Tensor, nn
 
 from longnet.attention import DilatedPattern, dilated_attention
 from longnet.distributed.halo import previous_rows
+from longnet.distributed.shards import chunks_per_rank
 from longnet.nn.norm import build_norm
 from longnet.nn.positional import (
     XPos,
@@ -238,13 +239,16 @@ class MultiheadDilatedAttention(nn.Module):
         group: torch.distributed.ProcessGroup | None = None,
         cache: LayerKVCache | None = None,
         document_ids: Tensor | None = None,
+        layout: str = "contiguous",
     ) -> Tensor:
         """Self-attention over ``x`` ``(batch, seq, embed_dim)``.
 
         ``position_ids``: global positions ``(seq,)`` or ``(batch, seq)``; default: the
-        positions following the cache, or this rank's equal contiguous shard with ``group``
-        (with ``document_ids``: the positions in each document).
-        ``group``: sequence-parallel process group, passed to the attention core.
+        positions following the cache, or this rank's shard with ``group`` (with
+        ``document_ids``: the positions in each document).
+        ``group``: sequence-parallel process group, passed to the attention core, over which
+        the sequence is sharded by ``layout`` (``"contiguous"`` or ``"zigzag"``,
+        ``longnet.distributed.shards``).
         ``cache``: a :class:`LayerKVCache` for incremental causal decoding (inference): the
         new tokens attend to the cached keys and are appended to them.
         ``document_ids``: ``(batch, seq)`` non-decreasing ids of packed documents: each
@@ -260,13 +264,14 @@ class MultiheadDilatedAttention(nn.Module):
             position_ids = document_position_ids(document_ids)
         if position_ids is None:
             offset = cache.end if cache is not None else 0
-            position_ids = default_position_ids(seq, x.device, offset=offset, group=group)
+            position_ids = default_position_ids(seq, x.device, offset=offset, group=group,
+                                                layout=layout)
         check_position_ids(position_ids, batch, seq)
         q = rearrange(self.q_proj(x), "b n (h d) -> b n h d", h=self.num_heads)
         k, v = self.k_proj(x), self.v_proj(x)
         conv_tail = None
         if self.kv_conv is not None:
-            k, v, conv_tail = self._convolve_kv(k, v, group, cache, document_ids)
+            k, v, conv_tail = self._convolve_kv(k, v, group, cache, document_ids, layout)
         k = rearrange(k, "b n (h d) -> b n h d", h=self.num_kv_heads)
         v = rearrange(v, "b n (h d) -> b n h d", h=self.num_kv_heads)
         if self.positional is not None:
@@ -281,6 +286,7 @@ class MultiheadDilatedAttention(nn.Module):
                 scale=self.scale,
                 process_group=group,
                 document_ids=document_ids,
+                layout=layout,
             )
         else:
             out = self._cached_attention(q, k, v, position_ids, group, cache, conv_tail)
@@ -296,24 +302,31 @@ class MultiheadDilatedAttention(nn.Module):
         group: torch.distributed.ProcessGroup | None,
         cache: LayerKVCache | None,
         document_ids: Tensor | None,
+        layout: str,
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         """The short convolution of the projections ``k, v`` ``(batch, seq, kv_heads *
-        head_dim)``; the rows before them come from the previous rank's shard (``group``) or
-        the cache's tail (``cache``); with ``document_ids`` no row mixes with another
-        document's. Returns the convolved ``k, v`` and, with a cache, its next tail (stored
-        by ``LayerKVCache.append`` once the call has passed its checks)."""
+        head_dim)``; the rows before them come from the ranks holding the previous chunks of
+        the sequence (``group``, ``layout``: each chunk of a zigzag shard is convolved after
+        its own halo) or the cache's tail (``cache``); with ``document_ids`` no row mixes with
+        another document's. Returns the convolved ``k, v`` and, with a cache, its next tail
+        (stored by ``LayerKVCache.append`` once the call has passed its checks)."""
         assert self.kv_conv is not None
         kv = torch.cat((k, v), dim=-1)
         width = self.kv_conv.kernel_size - 1
+        positions = None if document_ids is None else document_position_ids(document_ids)
+        if group is not None:
+            halos = previous_rows(kv, width, group, layout).chunk(chunks_per_rank(layout), 1)
+            chunks = kv.chunk(len(halos), dim=1)
+            places = [None] * len(halos) if positions is None else positions.chunk(len(halos), -1)
+            kv = torch.cat([self.kv_conv(chunk, halo, place)
+                            for chunk, halo, place in zip(chunks, halos, places)], dim=1)
+            return *kv.split(k.shape[-1], dim=-1), None
         history, tail = None, None
         if cache is not None:
             history = cache.conv_tail
             if history is None:
                 history = kv.new_zeros(kv.shape[0], width, kv.shape[2])
             tail = torch.cat((history, kv.detach()), dim=1)[:, -width:]
-        elif group is not None:
-            history = previous_rows(kv, width, group)
-        positions = None if document_ids is None else document_position_ids(document_ids)
         k, v = self.kv_conv(kv, history, positions).split(k.shape[-1], dim=-1)
         return k, v, tail
 

@@ -48,11 +48,12 @@ class TransformerBlock(nn.Module):
         group: torch.distributed.ProcessGroup | None = None,
         cache: LayerKVCache | None = None,
         document_ids: Tensor | None = None,
+        layout: str = "contiguous",
     ) -> Tensor:
         if self.gradient_checkpointing and cache is None and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, position_ids, group, None, document_ids,
+            return checkpoint(self._forward, x, position_ids, group, None, document_ids, layout,
                               use_reentrant=False)
-        return self._forward(x, position_ids, group, cache, document_ids)
+        return self._forward(x, position_ids, group, cache, document_ids, layout)
 
     def _forward(
         self,
@@ -61,6 +62,7 @@ class TransformerBlock(nn.Module):
         group: torch.distributed.ProcessGroup | None,
         cache: LayerKVCache | None,
         document_ids: Tensor | None,
+        layout: str,
     ) -> Tensor:
-        h = x + self.attn(self.attn_norm(x), position_ids, group, cache, document_ids)
+        h = x + self.attn(self.attn_norm(x), position_ids, group, cache, document_ids, layout)
         return h + self.ffn(self.ffn_norm(h))

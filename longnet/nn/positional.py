@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from longnet.attention import DilatedPattern
+from longnet.distributed.shards import shard_positions
 
 POSITION_ENCODINGS = ("learned", "rope", "xpos", "none")
 
@@ -222,14 +223,17 @@ def default_position_ids(
     *,
     offset: int = 0,
     group: torch.distributed.ProcessGroup | None = None,
+    layout: str = "contiguous",
 ) -> Tensor:
     """Global positions ``(seq_len,)`` of a local input when none are given.
 
     Without a group: ``offset .. offset + seq_len - 1``.  With a sequence-parallel group the
-    input is taken to be this rank's contiguous shard of a sequence split into equal shards in
-    group-rank order, so positions start at ``offset + rank * seq_len``; pass ``position_ids``
-    explicitly for anything else.
+    input is taken to be this rank's shard of a sequence sharded over the group by ``layout``
+    (``longnet.distributed.shards``: the contiguous shard starts at ``offset + rank *
+    seq_len``); pass ``position_ids`` explicitly for anything else.
     """
-    if group is not None and torch.distributed.get_world_size(group) > 1:
-        offset = offset + torch.distributed.get_rank(group) * seq_len
-    return torch.arange(offset, offset + seq_len, device=device)
+    if group is None or torch.distributed.get_world_size(group) == 1:
+        return torch.arange(offset, offset + seq_len, device=device)
+    world = torch.distributed.get_world_size(group)
+    rank = torch.distributed.get_rank(group)
+    return offset + shard_positions(seq_len * world, rank, world, layout, device)

@@ -167,6 +167,15 @@ class CausalLMModule(L.LightningModule):
             return strategy.sequence_parallel_group
         return None
 
+    def sequence_layout(self) -> str:
+        """How the strategy shards every sequence over :meth:`sequence_parallel_group`
+        (``"contiguous"`` or ``"zigzag"``; contiguous without a sequence-parallel
+        strategy)."""
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if isinstance(strategy, SequenceParallelLayout):
+            return strategy.sequence_layout
+        return "contiguous"
+
     # ------------------------------------------------------------------ Lightning hooks
     def configure_callbacks(self) -> list[L.Callback]:
         if not self.hparams.resumable_data:
@@ -197,7 +206,8 @@ class CausalLMModule(L.LightningModule):
         strategy = self._trainer.strategy if self._trainer is not None else None
         sequence_parallel = isinstance(strategy, SequenceParallelLayout)
         if stage == "fit" and seq_len is not None and sequence_parallel:
-            check_window_shards(seq_len, self.pattern, strategy.sequence_parallel_size)
+            check_window_shards(seq_len, self.pattern, strategy.sequence_parallel_size,
+                                strategy.sequence_layout)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Keep the RNG state (dropout) so a resumed run draws what the uninterrupted one
@@ -222,6 +232,7 @@ class CausalLMModule(L.LightningModule):
             position_ids=batch.get("position_ids"),
             group=self.sequence_parallel_group(),
             document_ids=batch.get("document_ids"),
+            layout=self.sequence_layout(),
         )
 
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
@@ -298,6 +309,7 @@ class CausalLMModule(L.LightningModule):
         out = self.model(
             batch["input_ids"], position_ids=batch.get("position_ids"),
             group=self.sequence_parallel_group(), document_ids=batch.get("document_ids"),
+            layout=self.sequence_layout(),
         )
         ce_sums, counts = _per_sample_ce(out.logits, _labels(batch))
         stats = torch.stack((ce_sums.double(), counts.double()))

@@ -123,6 +123,8 @@ class ShardedSequenceParallelStrategy(SequenceParallelLayout, ModelParallelStrat
     Args:
         sequence_parallel_size: ranks per sequence-parallel group; must divide the number of
             processes (``devices * num_nodes``). 1 is plain FSDP.
+        load_balance: zigzag shards (as :class:`~longnet.training.SequenceParallelStrategy`);
+            False keeps contiguous shards.
         activation_checkpointing: recompute every block's activations in backward
             (``torch.distributed._composable.checkpoint`` on each block, applied before
             ``fully_shard``; parameter names are unchanged).
@@ -149,6 +151,7 @@ class ShardedSequenceParallelStrategy(SequenceParallelLayout, ModelParallelStrat
     def __init__(
         self,
         sequence_parallel_size: int = 1,
+        load_balance: bool = True,
         activation_checkpointing: bool = False,
         param_dtype: str | None = None,
         reduce_dtype: str | None = None,
@@ -157,7 +160,7 @@ class ShardedSequenceParallelStrategy(SequenceParallelLayout, ModelParallelStrat
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
-        self._init_layout(sequence_parallel_size)
+        self._init_layout(sequence_parallel_size, load_balance)
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,

@@ -1,4 +1,4 @@
-"""Cut a batch of whole sequences into one rank's contiguous shard along the sequence.
+"""Cut a batch of whole sequences into one rank's shard along the sequence.
 
 Used by :class:`longnet.training.SequenceParallelStrategy` on every batch of every loop,
 before the batch reaches the model. Labels are already shifted by the data pipeline, so a
@@ -15,6 +15,7 @@ from torch import Tensor
 
 from longnet.attention import DilatedPattern, fits_shards, padded_length
 from longnet.constants import IGNORE_INDEX
+from longnet.distributed.shards import check_layout, chunk_count, shard_positions
 from longnet.validation import UsageError
 
 SEQUENCE_KEYS = ("input_ids", "labels", "position_ids")
@@ -56,17 +57,22 @@ def shard_batch(
     *,
     pattern: DilatedPattern | None = None,
     pad_token_id: int = 0,
+    layout: str = "contiguous",
 ) -> dict[str, Any]:
-    """This rank's contiguous shard of every sequence of ``batch``.
+    """This rank's shard of every sequence of ``batch``.
 
     Args:
         batch: ``{"input_ids": (batch, seq), "labels": (batch, seq) optional,
             "position_ids": (seq,) or (batch, seq) optional, ...}``; other keys pass through.
         rank, world_size: this rank's place in the sequence-parallel group and its size.
         pattern: the model's dilated pattern. The sequence is right-padded to
-            ``padded_length(seq, pattern, world_size)`` (labels -100) so every branch fits the
-            shard length; without a pattern the length must be a multiple of ``world_size``.
+            ``padded_length(seq, pattern, chunks)`` (labels -100) so every branch fits the
+            chunk length; without a pattern the length must be a multiple of ``chunks``
+            (``chunks``: ``world_size``, twice that with ``zigzag``).
         pad_token_id: input id of padded positions.
+        layout: ``"contiguous"`` (rank ``r`` holds the ``r``-th of ``P`` equal shards) or
+            ``"zigzag"`` (chunks ``r`` and ``2P - 1 - r`` of ``2P``: balanced causal work;
+            ``longnet.distributed.shards``).
 
     Returns:
         The batch with ``input_ids``/``labels`` of shape ``(batch, seq_padded / world_size)``
@@ -80,15 +86,18 @@ def shard_batch(
         )
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a group of {world_size} ranks.")
+    check_layout(layout, "shard_batch")
     input_ids: Tensor = batch["input_ids"]
     seq_len = input_ids.shape[-1]
+    chunks = chunk_count(world_size, layout)
     if pattern is not None:
-        length = padded_length(seq_len, pattern, world_size)
-    elif seq_len % world_size:
+        length = padded_length(seq_len, pattern, chunks)
+    elif seq_len % chunks:
         raise ValueError(
-            f"sequence length {seq_len} is not divisible by the sequence-parallel size "
-            f"{world_size}; pick a seq_len that is a multiple of {world_size} or let the "
-            "LightningModule expose its dilated `pattern` so sequences are padded."
+            f"sequence length {seq_len} does not cut into the {chunks} equal chunks of the "
+            f"{layout} layout over {world_size} ranks; pick a seq_len that is a multiple of "
+            f"{chunks} or let the LightningModule expose its dilated `pattern` so sequences "
+            "are padded."
         )
     else:
         length = seq_len
@@ -96,17 +105,19 @@ def shard_batch(
     if "position_ids" not in out:
         out["position_ids"] = torch.arange(seq_len, device=input_ids.device)
     out = pad_sequences(out, length, pad_token_id)
-    shard = length // world_size
-    start = rank * shard
+    keep = shard_positions(length, rank, world_size, layout, input_ids.device)
     for key in SEQUENCE_KEYS:
         if key in out:
-            out[key] = out[key][..., start : start + shard].contiguous()
+            out[key] = out[key].index_select(-1, keep)
     return out
 
 
-def check_window_shards(seq_len: int, pattern: DilatedPattern | None, world_size: int) -> None:
+def check_window_shards(
+    seq_len: int, pattern: DilatedPattern | None, world_size: int, layout: str = "contiguous"
+) -> None:
     """Refuse training windows of ``seq_len`` tokens that ``world_size`` ranks can only run
-    ``pattern`` on after padding (see :func:`longnet.attention.padded_length`).
+    ``pattern`` on after padding (see :func:`longnet.attention.padded_length`), the sequence
+    cut into the chunks of ``layout`` (``P``, or ``2P`` with ``zigzag``).
 
     Padding is exact but every padded token is computed for nothing, on every step; a window
     the pattern shards as it is costs no more. Raises :class:`~longnet.validation.UsageError`
@@ -114,26 +125,27 @@ def check_window_shards(seq_len: int, pattern: DilatedPattern | None, world_size
     """
     if world_size == 1:
         return
+    chunks = chunk_count(world_size, layout)
+    unit = "sequence shards" if layout == "contiguous" else f"{layout} chunks"
     if pattern is None:
-        if seq_len % world_size:
+        if seq_len % chunks:
             raise UsageError(
-                f"seq_len {seq_len} cannot be cut into {world_size} equal sequence shards; use a "
-                f"multiple of {world_size}, e.g. {seq_len - seq_len % world_size}."
+                f"seq_len {seq_len} cannot be cut into {chunks} equal {unit}; use a multiple "
+                f"of {chunks}, e.g. {seq_len - seq_len % chunks}."
             )
         return
-    if fits_shards(seq_len, pattern, world_size):
+    if fits_shards(seq_len, pattern, chunks):
         return
-    padded = padded_length(seq_len, pattern, world_size)
+    padded = padded_length(seq_len, pattern, chunks)
     shorter = next(
-        (length for length in range(seq_len - seq_len % world_size, 0, -world_size)
-         if fits_shards(length, pattern, world_size)),
+        (length for length in range(seq_len - seq_len % chunks, 0, -chunks)
+         if fits_shards(length, pattern, chunks)),
         None,
     )
     options = " or ".join(str(length) for length in (shorter, padded) if length is not None)
     raise UsageError(
-        f"seq_len {seq_len} cannot be cut into {world_size} sequence shards that the pattern "
+        f"seq_len {seq_len} cannot be cut into {chunks} {unit} that the pattern "
         f"{list(pattern.branches)} runs on: each branch's segment (capped at the window) must "
-        f"divide the shard or be a multiple of it, so every window would be padded to {padded} "
-        f"tokens "
-        f"({padded - seq_len} computed for nothing). Use seq_len {options}."
+        f"divide the chunk or be a multiple of it, so every window would be padded to {padded} "
+        f"tokens ({padded - seq_len} computed for nothing). Use seq_len {options}."
     )

@@ -158,9 +158,12 @@ class SequenceParallelLayout:
     _watch: RankWatch | None
     sequence_parallel_size: int
 
-    def _init_layout(self, sequence_parallel_size: int) -> None:
+    def _init_layout(self, sequence_parallel_size: int, load_balance: bool) -> None:
         check_positive_int("sequence_parallel_size", sequence_parallel_size)
+        if not isinstance(load_balance, bool):
+            raise TypeError(f"load_balance must be True or False, got {load_balance!r}.")
         self.sequence_parallel_size = sequence_parallel_size
+        self.load_balance = load_balance
         self._device_mesh = None
         self._watch = None
 
@@ -193,6 +196,14 @@ class SequenceParallelLayout:
         """Data-parallel replicas only: all ranks of a sequence-parallel group read the same
         samples."""
         return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
+
+    @property
+    def sequence_layout(self) -> str:
+        """How every sequence is cut into this group's shards: ``"zigzag"`` with
+        ``load_balance`` (rank ``r`` holds chunks ``r`` and ``2P - 1 - r`` of ``2P``, so causal
+        attention costs every rank the same), else ``"contiguous"``
+        (``longnet.distributed.shards``)."""
+        return "zigzag" if self.load_balance and self.sequence_parallel_size > 1 else "contiguous"
 
     @property
     def sequence_parallel_group(self) -> dist.ProcessGroup | None:
@@ -282,7 +293,8 @@ class SequenceParallelLayout:
     def batch_to_device(
         self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0
     ) -> Any:
-        """Move the batch, then cut every sequence to this rank's shard (global positions)."""
+        """Move the batch, then cut every sequence to this rank's shard (global positions,
+        :attr:`sequence_layout`)."""
         batch = super().batch_to_device(batch, device, dataloader_idx)
         if self.sequence_parallel_size == 1:
             return batch
@@ -298,6 +310,7 @@ class SequenceParallelLayout:
             self.sequence_parallel_size,
             pattern=module.pattern,
             pad_token_id=module.pad_token_id,
+            layout=self.sequence_layout,
         )
 
 
@@ -315,6 +328,9 @@ class SequenceParallelStrategy(SequenceParallelLayout, DDPStrategy):
     Args:
         sequence_parallel_size: ranks per sequence-parallel group; must divide the number of
             processes (``devices * num_nodes``). 1 is plain DDP.
+        load_balance: shard every sequence in zigzag order (chunks ``r`` and ``2P - 1 - r`` of
+            ``2P`` on rank ``r``) so that causal attention costs every rank the same; False
+            keeps contiguous shards. Exact either way (docs/architecture.md §4).
         process_group_backend: ``"gloo"`` / ``"nccl"``; None picks by device.
         start_method: how Lightning starts the processes (see ``DDPStrategy``).
         **kwargs: passed to ``DDPStrategy`` / ``DistributedDataParallel``.
@@ -328,11 +344,12 @@ class SequenceParallelStrategy(SequenceParallelLayout, DDPStrategy):
     def __init__(
         self,
         sequence_parallel_size: int = 1,
+        load_balance: bool = True,
         process_group_backend: str | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
-        self._init_layout(sequence_parallel_size)
+        self._init_layout(sequence_parallel_size, load_balance)
         super().__init__(
             process_group_backend=process_group_backend,
             start_method=start_method,

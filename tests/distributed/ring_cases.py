@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from longnet.attention import dilated_attention
 from longnet.attention.plan import CPU_BLOCK_ELEMENTS
+from longnet.distributed.shards import shard_positions
 from longnet.nn import MultiheadDilatedAttention, RotaryEmbedding
 from tests.reference import dense_dilated_attention
 
@@ -110,17 +111,19 @@ def check_ring_cases(rank: int, world_size: int, device: torch.device) -> list[s
             _check_case(rank, world_size, device, case, seed)
         except AssertionError as error:
             failures.append(f"{case['name']} {case['branches']}: {error}")
-    try:
-        _check_kv_conv_layer(rank, world_size, device)
-    except AssertionError as error:
-        failures.append(f"attention layer with a K/V convolution: {error}")
+    for layout in ("contiguous", "zigzag"):
+        try:
+            _check_kv_conv_layer(rank, world_size, device, layout)
+        except AssertionError as error:
+            failures.append(f"attention layer with a K/V convolution, {layout}: {error}")
     return failures
 
 
-def _check_kv_conv_layer(rank: int, world_size: int, device: torch.device) -> None:
+def _check_kv_conv_layer(rank: int, world_size: int, device: torch.device, layout: str) -> None:
     """A ``MultiheadDilatedAttention`` with a K/V convolution (random taps, so the rows before
-    each shard matter) on this rank's shard equals the single-device layer: output, input
-    gradient and (summed over ranks) every parameter gradient."""
+    each chunk matter) and rotary positions (the default positions of the ``layout``'s shard)
+    on this rank's shard equals the single-device layer: output, input gradient and (summed
+    over ranks) every parameter gradient."""
     torch.manual_seed(11)
     shard_len = 8
     n = shard_len * world_size
@@ -136,12 +139,12 @@ def _check_kv_conv_layer(rank: int, world_size: int, device: torch.device) -> No
 
     def run(inputs, group, grad_out):
         inputs = inputs.detach().clone().requires_grad_()
-        out = attn(inputs, group=group)
+        out = attn(inputs, group=group, layout=layout)
         grads = torch.autograd.grad(out, [inputs, *params], grad_out.to(out.device))
         return out.detach(), grads[0], list(grads[1:])
 
     full_out, full_dx, full_dparams = run(x, None, upstream)
-    shard = slice(rank * shard_len, (rank + 1) * shard_len)
+    shard = shard_positions(n, rank, world_size, layout)
     attn.to(device)
     params = list(attn.parameters())
     out, dx, dparams = run(x[:, shard].to(device), dist.group.WORLD, upstream[:, shard])
@@ -173,7 +176,7 @@ def _check_case(rank: int, world_size: int, device: torch.device, case: dict, se
     _, ref_lse = dense_dilated_attention(q, k, v, branches, causal)
     d_lse = torch.randn(2, 5, n, generator=gen, dtype=torch.float64).masked_fill(ref_lse.isinf(), 0)
     d_lse = d_lse if case["lse_grad"] else None
-    shard = shard_positions(n, world_size, rank, case.get("layout", "contiguous"))
+    shard = shard_positions(n, rank, world_size, case.get("layout", "contiguous"))
     ring, single = _run_library(q, k, v, d_out, d_lse, shard, case, device)
     reference = _run(
         (q, k, v), d_out, d_lse, lambda a, b, c: dense_dilated_attention(a, b, c, branches, causal)
@@ -187,17 +190,6 @@ def _check_case(rank: int, world_size: int, device: torch.device, case: dict, se
             assert same_inf and error <= TOL, (
                 f"rank {rank}: {name} vs {label}: max error {error:.2e}"
             )
-
-
-def shard_positions(seq_len: int, world_size: int, rank: int, layout: str) -> torch.Tensor:
-    """The global positions of ``rank``'s shard, in its order (``layout`` as the library's)."""
-    if layout == "contiguous":
-        size = seq_len // world_size
-        return torch.arange(rank * size, (rank + 1) * size)
-    chunk = seq_len // (2 * world_size)
-    late = 2 * world_size - 1 - rank
-    return torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
-                      torch.arange(late * chunk, (late + 1) * chunk)])
 
 
 def _run_library(q, k, v, d_out, d_lse, shard, case, device):

@@ -125,7 +125,8 @@ def single_device_run(loss_reduction: str = "token") -> dict[str, Any]:
 
 def sequence_parallel_run(rank: int, world_size: int, device: torch.device,
                           sequence_parallel_size: int, checkpoint_dir: str | None = None,
-                          break_sampler: bool = False, loss_reduction: str = "token") -> dict:
+                          break_sampler: bool = False, loss_reduction: str = "token",
+                          load_balance: bool = True) -> dict:
     """One rank of a ``(world_size / sp, sp)`` mesh on the launcher's process group.
 
     With ``checkpoint_dir``: also save a checkpoint at step 2 (all ranks take part), resume a
@@ -137,7 +138,7 @@ def sequence_parallel_run(rank: int, world_size: int, device: torch.device,
 
     def strategy() -> SequenceParallelStrategy:
         made = SequenceParallelStrategy(sequence_parallel_size=sequence_parallel_size,
-                                        process_group_backend="gloo")
+                                        load_balance=load_balance, process_group_backend="gloo")
         if break_sampler:  # negative control: every rank its own replica (sp groups disagree)
             type(made).distributed_sampler_kwargs = property(
                 lambda self: {"num_replicas": self.world_size, "rank": self.global_rank})
@@ -146,7 +147,8 @@ def sequence_parallel_run(rank: int, world_size: int, device: torch.device,
     kwargs = trainer_kwargs(loss_reduction)
     folder = None
     if checkpoint_dir is not None:
-        folder = os.path.join(checkpoint_dir, f"sp{sequence_parallel_size}-{loss_reduction}")
+        folder = os.path.join(checkpoint_dir, f"sp{sequence_parallel_size}-{loss_reduction}-"
+                              f"{'zigzag' if load_balance else 'contiguous'}")
         kwargs.update(enable_checkpointing=True, callbacks=[ModelCheckpoint(
             dirpath=folder, filename="{step}", every_n_train_steps=2, save_top_k=-1)])
     module = make_module(loss_reduction)
@@ -155,6 +157,7 @@ def sequence_parallel_run(rank: int, world_size: int, device: torch.device,
     trainer.fit(module, datamodule=TinyData(GLOBAL_BATCH // data_parallel))
     out = result(trainer, module)
     out["mesh"] = tuple(used.device_mesh.mesh.shape)
+    out["layout"] = used.sequence_layout
     out["sp_ranks"] = sorted(torch.distributed.get_process_group_ranks(
         used.sequence_parallel_group))
     if folder is not None:
@@ -172,10 +175,12 @@ def sequence_parallel_run(rank: int, world_size: int, device: torch.device,
 
 
 def sequence_parallel_runs(rank: int, world_size: int, device: torch.device,
-                           runs: tuple[tuple[int, str], ...], checkpoint_dir: str | None = None,
+                           runs: tuple[tuple[int, str, bool], ...],
+                           checkpoint_dir: str | None = None,
                            break_sampler: bool = False) -> list[dict]:
-    """:func:`sequence_parallel_run` for each ``(sequence-parallel size, loss reduction)``,
-    one after another in the same processes (one spawn for several meshes)."""
+    """:func:`sequence_parallel_run` for each ``(sequence-parallel size, loss reduction,
+    load_balance)``, one after another in the same processes (one spawn for several
+    meshes)."""
     return [sequence_parallel_run(rank, world_size, device, sp, checkpoint_dir, break_sampler,
-                                  reduction)
-            for sp, reduction in runs]
+                                  reduction, balance)
+            for sp, reduction, balance in runs]

@@ -1,0 +1,70 @@
+"""How a sequence is cut into the shards of a sequence-parallel group of ``P`` ranks
+(docs/architecture.md §4, "Zigzag shards").
+
+* ``contiguous``: ``P`` equal chunks; rank ``r`` holds chunk ``r``.
+* ``zigzag``: ``2P`` equal chunks; rank ``r`` holds chunks ``r`` and ``2P - 1 - r``,
+  concatenated. Every rank gets an early and a late chunk, so the work of causal attention
+  (which grows with a query's position) is the same on every rank.
+
+The attention core, the K/V convolution's halo, default positions and the strategies' batch
+sharding all read the layout from here.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def check_layout(layout: str, caller: str) -> None:
+    """Raise ``ValueError`` naming ``caller`` when ``layout`` is not one of :data:`LAYOUTS`."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"{caller}: layout must be one of {LAYOUTS}, got {layout!r}.")
+
+
+def chunk_count(world_size: int, layout: str) -> int:
+    """How many equal chunks the sequence is cut into: ``P`` or ``2P``."""
+    return 2 * world_size if layout == "zigzag" else world_size
+
+
+def chunks_per_rank(layout: str) -> int:
+    """How many chunks each rank's shard holds: 1 or 2."""
+    return 2 if layout == "zigzag" else 1
+
+
+def rank_chunks(rank: int, world_size: int, layout: str) -> tuple[int, ...]:
+    """The chunks ``rank`` holds, in the order of its shard."""
+    return (rank, 2 * world_size - 1 - rank) if layout == "zigzag" else (rank,)
+
+
+def chunk_host(chunk: int, world_size: int, layout: str = "zigzag") -> int:
+    """The rank holding ``chunk`` (of :func:`chunk_count` chunks)."""
+    if layout == "contiguous":
+        return chunk
+    return chunk if chunk < world_size else 2 * world_size - 1 - chunk
+
+
+def chunk_slot(chunk: int, world_size: int, layout: str) -> int:
+    """Where ``chunk`` lies in its host's shard: 0 (first) or 1 (second, zigzag only)."""
+    return int(layout == "zigzag" and chunk >= world_size)
+
+
+def shard_positions(
+    seq_len: int, rank: int, world_size: int, layout: str, device: torch.device | None = None
+) -> Tensor:
+    """The global positions ``(seq_len / P,)`` of ``rank``'s shard, in its order.
+
+    Raises:
+        ValueError: ``seq_len`` does not cut into :func:`chunk_count` equal chunks.
+    """
+    chunks = chunk_count(world_size, layout)
+    if seq_len % chunks:
+        raise ValueError(
+            f"a sequence of {seq_len} tokens cannot be cut into the {chunks} equal chunks of "
+            f"the {layout} layout over {world_size} ranks; use a multiple of {chunks}."
+        )
+    size = seq_len // chunks
+    return torch.cat([torch.arange(c * size, (c + 1) * size, device=device)
+                      for c in rank_chunks(rank, world_size, layout)])
