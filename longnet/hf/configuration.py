@@ -9,10 +9,15 @@ included) become attributes, everything else (``transformers``' own keys) goes t
 ``dtype`` defaults to float32, so ``from_pretrained(..., dtype="auto")`` (the default of
 ``transformers`` 5 and of lm-eval) gives float32 like ``LongNetLM.from_pretrained``, not the
 bfloat16 the zoo stores its weights in.
+
+A config remembers the LongNet fields it was built with (not saved), so that
+:meth:`LongNetHFConfig.rebased` can move one read from a model folder to a newer version of
+that folder, keeping the fields changed since.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -60,6 +65,29 @@ class LongNetHFConfig(PreTrainedConfig):
         for name in LONGNET_FIELDS:
             if name != "num_labels":
                 setattr(self, name, getattr(longnet, name))
+        self._built_as = longnet
+
+    def to_dict(self) -> dict[str, Any]:
+        """``PreTrainedConfig.to_dict`` without the LongNet fields it was built with."""
+        data = super().to_dict()
+        data.pop("_built_as", None)
+        return data
+
+    def rebased(self, data: dict[str, Any]) -> LongNetHFConfig:
+        """A copy of this config with the LongNet fields of the ``config.json`` ``data`` where
+        this config still has the values it was built with; the fields changed since
+        (``from_pretrained`` keyword arguments, assignments) keep their value.
+
+        For a config read from a model folder that was saved again before its weights were
+        read: the new version's model, with the same changes.
+        """
+        newer = type(self)(**data)
+        config = copy.deepcopy(self)
+        for name in LONGNET_FIELDS:
+            if name != "num_labels" and getattr(self, name) == getattr(self._built_as, name):
+                setattr(config, name, getattr(newer, name))
+        config._built_as = newer._built_as
+        return config
 
     def to_longnet(self) -> LongNetConfig:
         """The LongNet config these attributes describe (validated)."""

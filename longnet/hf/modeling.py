@@ -21,23 +21,31 @@ writes them back through ``LongNetLM.save_pretrained``. What this class adds is 
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError
 from torch import Tensor, nn
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.utils import GENERATION_CONFIG_NAME
 
 from longnet.constants import IGNORE_INDEX
+from longnet.files import open_files
 from longnet.hf.cache import LongNetCache
 from longnet.hf.configuration import LongNetHFConfig
 from longnet.hf.padding import left_padding, row_groups
 from longnet.modeling import LongNetLM, WeightsMismatchError, list_models, resolve_model_dir
+from longnet.modeling.config import CONFIG_NAME
+from longnet.modeling.pretrained import read_config_json
 from longnet.modeling.serialization import (
     WEIGHTS_NAME,
     check_finite,
+    parse_safetensors,
     unique_state_dict,
     unreadable_weights,
 )
@@ -99,19 +107,29 @@ class LongNetForCausalLM(PreTrainedModel, GenerationMixin):
         :class:`longnet.modeling.NonFiniteWeightsError`, and a damaged ``model.safetensors``
         a ``ValueError``, both naming the file.
 
-        ``transformers`` reads ``config.json`` and ``model.safetensors`` one after the other
-        by path: unlike ``LongNetLM.from_pretrained``, this does not load a folder while
-        ``save_pretrained`` replaces it."""
+        A local folder loads like ``LongNetLM.from_pretrained`` loads it: ``config.json``,
+        ``model.safetensors`` and ``generation_config.json`` come from one version of it
+        (:func:`longnet.files.open_files`), even while ``save_pretrained`` replaces it; a
+        folder without ``model.safetensors`` raises ``FileNotFoundError``. A ``config`` read
+        from the same folder before (``AutoModelForCausalLM`` reads it first) is moved to that
+        version (:meth:`LongNetHFConfig.rebased`)."""
         source = pretrained_model_name_or_path
         if str(source) in list_models() and not Path(source).is_dir():
             source = resolve_model_dir(source)
-        weights = Path(source) / WEIGHTS_NAME if Path(source).is_dir() else f"{source} weights"
         wants_info = kwargs.pop("output_loading_info", False)
-        try:
-            model, info = super().from_pretrained(source, *model_args, output_loading_info=True,
-                                                  **kwargs)
-        except SafetensorError as err:
-            raise unreadable_weights(weights, err) from None
+        folder = Path(source, kwargs.get("subfolder") or "")
+        if folder.is_dir():
+            kwargs.pop("subfolder", None)
+            weights = folder / WEIGHTS_NAME
+            model, info = cls._from_folder(folder, source, *model_args, **kwargs)
+        else:
+            weights = f"{source} weights"
+            try:
+                model, info = super().from_pretrained(
+                    source, *model_args, output_loading_info=True, **kwargs
+                )
+            except SafetensorError as err:
+                raise unreadable_weights(weights, err) from None
         problems = [f"{kind.replace('_', ' ')}: {', '.join(sorted(map(str, info[kind])))}"
                     for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")
                     if info.get(kind)]
@@ -122,6 +140,43 @@ class LongNetForCausalLM(PreTrainedModel, GenerationMixin):
             )
         check_finite(unique_state_dict(model.longnet), str(weights))
         return (model, info) if wants_info else model
+
+    @classmethod
+    def _from_folder(
+        cls, folder: Path, source: str | Path, *model_args: Any, **kwargs: Any
+    ) -> tuple[LongNetForCausalLM, dict[str, Any]]:
+        """``transformers``' ``from_pretrained`` of the local ``folder`` (``source``, or its
+        ``subfolder``) and its loading info, from one version of the folder (see
+        :meth:`from_pretrained`): the weights go in as ``state_dict``, the config as a
+        ``config.json`` of that version, which ``transformers`` reads with ``kwargs`` as
+        always, or as the given ``config``."""
+        names = (CONFIG_NAME, WEIGHTS_NAME, GENERATION_CONFIG_NAME)
+        with open_files(folder, names) as files:
+            data = read_config_json(files, folder)
+            if WEIGHTS_NAME not in files:
+                LongNetHFConfig(**data)  # a foreign config.json: its own error first
+                raise FileNotFoundError(
+                    f"{folder} has a config but no {WEIGHTS_NAME} (no trained weights yet). "
+                    f"Build an untrained model with LongNetForCausalLM(AutoConfig."
+                    f"from_pretrained({str(folder)!r}))."
+                )
+            tensors = parse_safetensors(files[WEIGHTS_NAME].read(), folder / WEIGHTS_NAME)
+            if GENERATION_CONFIG_NAME in files and kwargs.get("generation_config") is None:
+                kwargs["generation_config"] = GenerationConfig.from_dict(
+                    json.loads(files[GENERATION_CONFIG_NAME].read()))
+        config = kwargs.pop("config", None)
+        if isinstance(config, LongNetHFConfig) and _same_path(config.name_or_path, source):
+            config = config.rebased(data)
+        with tempfile.TemporaryDirectory() as temp:
+            if config is None:
+                config = Path(temp, CONFIG_NAME)
+                config.write_text(json.dumps(data))
+            model, info = super().from_pretrained(
+                None, *model_args, config=config, state_dict=tensors, output_loading_info=True,
+                **kwargs,
+            )
+        model.name_or_path = model.config.name_or_path = str(source)
+        return model, info
 
     def save_pretrained(
         self,
@@ -215,6 +270,12 @@ class LongNetForCausalLM(PreTrainedModel, GenerationMixin):
         loss = None if labels is None else loss_sum / max(int(num_tokens), 1)
         output = CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: cache})
         return output if return_dict is not False else output.to_tuple()
+
+
+def _same_path(first: str, second: str | Path) -> bool:
+    """Whether ``first`` (a config's ``name_or_path``, empty for none) is the existing path
+    ``second``."""
+    return bool(first) and os.path.exists(first) and os.path.samefile(first, second)
 
 
 def _aligned(labels: Tensor) -> Tensor:

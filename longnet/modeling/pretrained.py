@@ -155,7 +155,7 @@ def save_pretrained(
     return Path(directory)
 
 
-def _config_json(files: dict[str, BinaryIO], folder: Path) -> dict[str, Any]:
+def read_config_json(files: dict[str, BinaryIO], folder: Path) -> dict[str, Any]:
     """The parsed ``config.json`` (LongNet or Hugging Face) among the open ``files`` of a
     model folder."""
     config_path = folder / CONFIG_NAME
@@ -176,7 +176,7 @@ def pretrained_config(name_or_dir: str | Path, **overrides: Any) -> LongNetConfi
     the head is tied) a local Hugging Face checkpoint."""
     folder = resolve_model_dir(name_or_dir)
     with open_files(folder, (CONFIG_NAME,)) as files:
-        data = _config_json(files, folder)
+        data = read_config_json(files, folder)
     if is_hf_config(data):
         return import_hf_checkpoint(folder, data, **overrides)[0]
     check_saved_fields(data, folder / CONFIG_NAME)
@@ -193,7 +193,7 @@ def from_pretrained(
     """
     folder = resolve_model_dir(name_or_dir)
     with open_files(folder, (CONFIG_NAME, WEIGHTS_NAME)) as files:
-        data = _config_json(files, folder)
+        data = read_config_json(files, folder)
         if is_hf_config(data):
             config, tensors = import_hf_checkpoint(folder, data, **overrides)
             source = f"Hugging Face checkpoint {folder}"

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from longnet.files import write_atomic
+from longnet.files import check_output_folder, check_replaceable_folder, write_atomic
 from longnet.modeling import LongNetLM
 from longnet.training.checkpoint import (
     SHARDED_META,
@@ -29,7 +29,7 @@ from longnet.training.checkpoint import (
 )
 from longnet.training.runs import RUN_ID_KEY
 from longnet.training.strategy import SequenceParallelLayout
-from longnet.validation import check_positive_int
+from longnet.validation import UsageError, check_positive_int
 
 MODEL_PREFIX = "model."
 
@@ -223,6 +223,10 @@ class ExportPretrained(L.Callback):
     """At the end of ``fit``, write the model with ``save_pretrained`` (config.json,
     model.safetensors, README.md card), loadable with ``LongNetLM.from_pretrained(dirpath)``.
 
+    A destination that cannot be written (a file, a folder that is not writable, or a parent
+    that cannot be created or written) stops ``fit`` when it starts (``setup``), before any
+    step, with a :class:`~longnet.validation.UsageError` naming it and the fix.
+
     A ``fit`` that took no optimizer step (``max_steps: 0``, ``limit_train_batches: 0``,
     ``max_epochs: 0``, stopped before the first step) has no trained weights: nothing is
     written, with a warning.
@@ -244,9 +248,30 @@ class ExportPretrained(L.Callback):
         self.dirpath, self.weights = dirpath, weights
         self.exported: Path | None = None
 
+    def destination(self, trainer: L.Trainer) -> Path:
+        """The folder written: ``dirpath``, else ``<run folder>/model`` (a collective: call it
+        on every rank, see :func:`run_dir`)."""
+        return Path(self.dirpath) if self.dirpath else run_dir(trainer) / "model"
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """For ``fit``: check on rank 0 that :meth:`destination` can be written (what
+        ``save_pretrained`` needs) and raise its :class:`UsageError` on every rank."""
+        if stage != TrainerFn.FITTING:
+            return
+        target, problem = self.destination(trainer), None
+        if trainer.is_global_zero:
+            try:
+                check_output_folder(target, what="ExportPretrained dirpath")
+                check_replaceable_folder(target, what="ExportPretrained dirpath")
+            except UsageError as err:
+                problem = str(err)
+        problem = trainer.strategy.broadcast(problem)
+        if problem:
+            raise UsageError(problem)
+
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         model: LongNetLM = pl_module.model
-        target = Path(self.dirpath) if self.dirpath else run_dir(trainer) / "model"
+        target = self.destination(trainer)
         best = getattr(trainer.checkpoint_callback, "best_model_path", "") or ""
         if trainer.global_step == 0:
             if trainer.is_global_zero:

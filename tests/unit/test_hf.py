@@ -4,6 +4,7 @@ tokenizer, lm-eval. Random tiny models built here; nothing is downloaded."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import importlib.util
 import json
 import random
@@ -114,6 +115,46 @@ def test_zoo_folder_loads_without_remote_code():
     with torch.no_grad():
         assert torch.equal(model(x).logits, lm(x).logits)
         assert torch.equal(by_name(x).logits, lm(x).logits)
+
+
+LOADERS = [LongNetForCausalLM.from_pretrained, AutoModelForCausalLM.from_pretrained]
+
+
+@pytest.mark.parametrize("load", LOADERS, ids=["LongNetForCausalLM", "AutoModelForCausalLM"])
+def test_a_folder_saved_again_while_loading_loads_one_version_whole(tmp_path, monkeypatch,
+                                                                     load):
+    """Another process saves a wider model into the folder as soon as its config.json has been
+    read: the load is the old model or the new one (with the caller's changes), never the
+    config of one with the weights of the other."""
+    folder = tmp_path / "m"
+    old, new = make_lm(), make_lm(seed=1, hidden_size=64)
+    old.save_pretrained(folder)
+    saved, build = [], LongNetHFConfig.__post_init__
+
+    def build_then_save_new(self, **kwargs):
+        build(self, **kwargs)
+        if not saved:
+            saved.append(new.save_pretrained(folder))
+
+    monkeypatch.setattr(LongNetHFConfig, "__post_init__", build_then_save_new)
+    model = load(folder, use_cache=False, max_positions=128)
+    assert saved and not model.config.use_cache
+    expected = old if model.longnet.config.hidden_size == 32 else new
+    assert model.longnet.config == dataclasses.replace(expected.config, max_positions=128)
+    state = expected.state_dict()
+    assert all(torch.equal(t, state[name]) for name, t in model.longnet.state_dict().items())
+
+
+@pytest.mark.parametrize("load", LOADERS, ids=["LongNetForCausalLM", "AutoModelForCausalLM"])
+def test_a_folder_loads_with_its_generation_config_and_name(tmp_path, load):
+    make_lm().save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 7}))
+    model = load(tmp_path)
+    assert model.generation_config.max_new_tokens == 7
+    assert model.name_or_path == model.config.name_or_path == str(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        load(tmp_path)
 
 
 def test_from_longnet_shares_the_module():

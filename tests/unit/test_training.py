@@ -5,18 +5,20 @@ from __future__ import annotations
 import gc
 import json
 import math
+import re
 
 import lightning as L
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from longnet.attention import DilatedPattern
+from longnet.attention import DilatedPattern, padded_length
 from longnet.modeling import LongNetLM
 from longnet.training import (
     CausalLMModule,
     EpochIndexSampler,
     EpochLoader,
+    ExportPretrained,
     RankMemory,
     SequenceParallelStrategy,
     TokenCrossEntropy,
@@ -107,32 +109,63 @@ def test_shard_keeps_given_positions_and_refuses_bad_lengths():
     batch = _batch(8) | {"position_ids": torch.arange(100, 108)}
     shard = shard_batch(batch, 1, 2)
     assert torch.equal(shard["position_ids"], torch.arange(104, 108))
-    with pytest.raises(ValueError, match="not divisible by the sequence-parallel size 3"):
+    with pytest.raises(ValueError, match="does not cut into the 3 equal chunks"):
         shard_batch(_batch(8), 0, 3)
+    with pytest.raises(ValueError, match="6 equal chunks of the zigzag layout over 3 ranks"):
+        shard_batch(_batch(9), 0, 3, layout="zigzag")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        shard_batch(_batch(8), 0, 2, layout="striped")
+
+
+def test_zigzag_shards_hold_an_early_and_a_late_chunk():
+    batch = _batch(8) | {"position_ids": torch.arange(100, 108)}
+    shards = [shard_batch(batch, rank, 2, layout="zigzag") for rank in range(2)]
+    assert shards[0]["position_ids"].tolist() == [100, 101, 106, 107]
+    assert shards[1]["position_ids"].tolist() == [102, 103, 104, 105]
+    for shard in shards:  # every sequence entry is cut at the same places
+        held = shard["position_ids"] - 100
+        assert torch.equal(shard["input_ids"], batch["input_ids"][:, held])
+        assert torch.equal(shard["labels"], batch["labels"][:, held])
+
+
+def test_zigzag_pads_to_what_the_pattern_runs_on_in_2p_chunks():
+    pattern = DilatedPattern((8, 16), (1, 2))
+    batch = _batch(20)
+    shards = [shard_batch(batch, rank, 2, pattern=pattern, pad_token_id=254, layout="zigzag")
+              for rank in range(2)]
+    length = padded_length(20, pattern, 4)  # 2P = 4 chunks, each a multiple of 8: 32
+    assert length == 32
+    positions = torch.cat([shard["position_ids"] for shard in shards]).sort().values
+    assert torch.equal(positions, torch.arange(length))
+    assert shards[1]["position_ids"].tolist() == [*range(8, 16), *range(16, 24)]
+    late = shards[0]["input_ids"][:, 8:]  # chunk 3: positions 24..31, all padding
+    assert (late == 254).all() and (shards[0]["labels"][:, 8:] == -100).all()
     with pytest.raises(KeyError, match="input_ids"):
         shard_batch({"labels": torch.zeros(1, 4)}, 0, 2)
 
 
-def _shards_without_padding(length: int, pattern: DilatedPattern, world: int) -> bool:
+def _shards_without_padding(length: int, pattern: DilatedPattern, chunks: int) -> bool:
     """Independent of padded_length: every branch's segment, capped at the window, divides
-    the shard or is a multiple of it."""
-    if length % world:
+    the chunk or is a multiple of it."""
+    if length % chunks:
         return False
-    shard = length // world
+    shard = length // chunks
     return all(shard % min(w, length) == 0 or min(w, length) % shard == 0
                for w in pattern.segment_lengths)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_windows_that_need_padding_are_refused_naming_the_nearest(world):
+def test_windows_that_need_padding_are_refused_naming_the_nearest(world, layout):
     pattern = DilatedPattern((48, 96, 512), (1, 2, 4))
-    fitting = [n for n in range(1, 10_000) if _shards_without_padding(n, pattern, world)]
+    chunks = world * (2 if layout == "zigzag" else 1)
+    fitting = [n for n in range(1, 20_000) if _shards_without_padding(n, pattern, chunks)]
     for seq_len in range(1, 700):
         if seq_len in fitting:
-            check_window_shards(seq_len, pattern, world)
+            check_window_shards(seq_len, pattern, world, layout)
             continue
         with pytest.raises(UsageError, match=f"seq_len {seq_len} cannot be cut") as error:
-            check_window_shards(seq_len, pattern, world)
+            check_window_shards(seq_len, pattern, world, layout)
         options = [int(n) for n in str(error.value).rsplit("Use seq_len ", 1)[1][:-1].split(" or ")]
         below = [n for n in fitting if n < seq_len][-1:]
         above = next(n for n in fitting if n > seq_len)
@@ -384,3 +417,17 @@ def test_rank_memory_records_the_peak_a_step_adds(tmp_path):
         assert 256 <= rank["peak_above_start_mib"] < 384 + 128
     else:
         assert rank["peak_mib"] >= rank["start_mib"] + 256
+
+
+@pytest.mark.parametrize("blocked", ["a file", "a file's child"])
+def test_an_export_folder_that_cannot_be_written_stops_fit_before_a_step(tmp_path, blocked):
+    file = tmp_path / "file"
+    file.write_text("not a model folder")
+    target = file if blocked == "a file" else file / "model"
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        default_root_dir=tmp_path, callbacks=[ExportPretrained(str(target))])
+    message = f"ExportPretrained dirpath {target}: {file} is a file, not a folder"
+    with pytest.raises(UsageError, match=re.escape(message)):
+        trainer.fit(Allocates(mib=1))
+    assert trainer.global_step == 0 and file.read_text() == "not a model folder"

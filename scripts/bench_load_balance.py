@@ -1,0 +1,134 @@
+"""Load balance of the causal sequence-parallel training step: contiguous against zigzag shards.
+
+    python scripts/bench_load_balance.py --model longnet-tiny-16k --seq-len 16384 --worlds 2 4 \
+        --steps 3 --out docs/
+
+For each world size ``P`` and each layout, ``P`` gloo processes (one thread each) run training
+steps of the zoo model on one sequence of ``--seq-len`` random bytes (how each number is
+measured: ``longnet/bench/balance.py``). Reported per rank: busy seconds per step and the share
+of the step it waited; per run: the step's wall time (median) and the busiest rank's time over
+the mean (1.00 is perfect balance). With ``P`` above the number of cores the ranks also share
+cores, so their wall times stretch; busy times and their balance still compare.
+
+Outputs: a table on stdout, ``<out>/bench_load_balance.png`` (busy and waiting time of every
+rank) and the ``load-balance`` block of the ``## Sequence-parallel ring`` section of
+``<out>/benchmarks.md`` (replaced between its markers); ``--json PATH`` every sample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from longnet.bench import common
+from longnet.bench.balance import RankSteps, step_worker
+from longnet.bench.ring import SECTION
+from longnet.distributed import run_workers
+from longnet.distributed.shards import LAYOUTS
+from longnet.modeling.zoo import ZOO
+
+ROOT = Path(__file__).resolve().parents[1]
+PREFIX = "bench_load_balance"
+HEADER = ["P", "layout", "step s (wall)", "speed-up vs contiguous", "busy s per rank",
+          "waiting share per rank", "busiest / mean"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="longnet-tiny-16k", choices=sorted(ZOO))
+    parser.add_argument("--seq-len", type=int, default=16384)
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--no-doc", action="store_true", help="do not touch benchmarks.md")
+    args = parser.parse_args(argv)
+    if any(world < 2 for world in args.worlds):
+        parser.error(f"--worlds: sequence parallelism needs 2 ranks or more, got {args.worlds}")
+    return args
+
+
+def run_rows(results: dict[tuple[int, str], list[RankSteps]]) -> list[list[str]]:
+    """Table rows of ``HEADER``, one per ``(P, layout)``."""
+    rows = []
+    for (world, layout), ranks in results.items():
+        wall = statistics.median(max(r.wall[i] for r in ranks) for i in range(len(ranks[0].wall)))
+        base = results[world, "contiguous"]
+        base_wall = statistics.median(max(r.wall[i] for r in base)
+                                      for i in range(len(base[0].wall)))
+        busy = [r.busy_median for r in ranks]
+        rows.append([
+            str(world), layout, f"{wall:.2f}", f"{base_wall / wall:.2f}x",
+            " / ".join(f"{b:.2f}" for b in busy),
+            " / ".join(f"{r.idle_share:.0%}" for r in ranks),
+            f"{max(busy) / statistics.mean(busy):.2f}",
+        ])
+    return rows
+
+
+def plot(results: dict[tuple[int, str], list[RankSteps]], path: Path, title: str) -> None:
+    """Stacked bars per rank: busy seconds and waiting seconds of the median step."""
+    plt = common.pyplot()
+    worlds = sorted({world for world, _ in results})
+    fig, axes = plt.subplots(1, len(worlds), figsize=(4.2 * len(worlds), 3.6), squeeze=False)
+    for ax, world in zip(axes[0], worlds):
+        labels, busy, waiting = [], [], []
+        for layout in LAYOUTS:
+            for r in results[world, layout]:
+                labels.append(f"{layout[:3]} r{r.rank}")
+                busy.append(r.busy_median)
+                waiting.append(statistics.median(w - b for b, w in zip(r.busy, r.wall)))
+        ax.bar(labels, busy, color="C0", label="busy")
+        ax.bar(labels, waiting, bottom=busy, color="C1", label="waiting for peers")
+        ax.set_title(f"P = {world}")
+        ax.set_ylabel("seconds per step")
+        ax.tick_params(axis="x", rotation=45)
+    axes[0][0].legend(fontsize=8)
+    common.save_figure(fig, path, title, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    run = common.Run(common.command_line("scripts/bench_load_balance.py", argv))
+    results: dict[tuple[int, str], list[RankSteps]] = {}
+    for world in args.worlds:
+        for layout in LAYOUTS:
+            results[world, layout] = run_workers(
+                step_worker, world, args.model, args.seq_len, layout, args.steps, args.seed,
+                timeout=args.timeout,
+            )
+            print(f"P={world} {layout}: done", flush=True)
+    rows = run_rows(results)
+    print(common.text_table(HEADER, rows))
+    finished = run.finish()
+    title = f"{args.model}, {args.seq_len} tokens, causal training step per rank"
+    args.out.mkdir(parents=True, exist_ok=True)
+    plot_path = args.out / "bench_load_balance.png"
+    plot(results, plot_path, title)
+    lines = [
+        "### load-balance", "",
+        *common.run_lines(finished, common.machine(threads=True), common.commit_version(ROOT)),
+        f"- case: `{args.model}` (random weights), one sequence of {args.seq_len} random bytes, "
+        f"{args.steps} timed steps after one warm-up, one thread per rank",
+        "", common.markdown_table(HEADER, rows), "",
+        f"![busy and waiting time per rank]({plot_path.name})",
+    ]
+    print("\n".join(lines))
+    if not args.no_doc:
+        common.write_blocks(args.out / "benchmarks.md", SECTION, PREFIX,
+                            {"load-balance": "\n".join(lines)})
+    if args.json:
+        args.json.write_text(json.dumps({"run": finished, "results": [
+            {"world": world, "layout": layout, "ranks": [asdict(r) for r in ranks]}
+            for (world, layout), ranks in results.items()]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
