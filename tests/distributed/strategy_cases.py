@@ -125,8 +125,7 @@ def single_device_run(loss_reduction: str = "token") -> dict[str, Any]:
 
 def sequence_parallel_run(rank: int, world_size: int, device: torch.device,
                           sequence_parallel_size: int, checkpoint_dir: str | None = None,
-                          break_sampler: bool = False, loss_reduction: str = "token",
-                          load_balance: bool = True) -> dict:
+                          loss_reduction: str = "token", load_balance: bool = True) -> dict:
     """One rank of a ``(world_size / sp, sp)`` mesh on the launcher's process group.
 
     With ``checkpoint_dir``: also save a checkpoint at step 2 (all ranks take part), resume a
@@ -137,12 +136,8 @@ def sequence_parallel_run(rank: int, world_size: int, device: torch.device,
     data_parallel = world_size // sequence_parallel_size
 
     def strategy() -> SequenceParallelStrategy:
-        made = SequenceParallelStrategy(sequence_parallel_size=sequence_parallel_size,
+        return SequenceParallelStrategy(sequence_parallel_size=sequence_parallel_size,
                                         load_balance=load_balance, process_group_backend="gloo")
-        if break_sampler:  # negative control: every rank its own replica (sp groups disagree)
-            type(made).distributed_sampler_kwargs = property(
-                lambda self: {"num_replicas": self.world_size, "rank": self.global_rank})
-        return made
 
     kwargs = trainer_kwargs(loss_reduction)
     folder = None
@@ -176,11 +171,10 @@ def sequence_parallel_run(rank: int, world_size: int, device: torch.device,
 
 def sequence_parallel_runs(rank: int, world_size: int, device: torch.device,
                            runs: tuple[tuple[int, str, bool], ...],
-                           checkpoint_dir: str | None = None,
-                           break_sampler: bool = False) -> list[dict]:
+                           checkpoint_dir: str | None = None) -> list[dict]:
     """:func:`sequence_parallel_run` for each ``(sequence-parallel size, loss reduction,
     load_balance)``, one after another in the same processes (one spawn for several
     meshes)."""
-    return [sequence_parallel_run(rank, world_size, device, sp, checkpoint_dir, break_sampler,
-                                  reduction, balance)
+    return [sequence_parallel_run(rank, world_size, device, sp, checkpoint_dir, reduction,
+                                  balance)
             for sp, reduction, balance in runs]

@@ -1,5 +1,6 @@
 """A ``longnet fit`` stopped anywhere ends, after ``--ckpt_path last``, as if it had never
-stopped: killed (no cleanup) mid-step, during the final validation or before the export,
+stopped: killed (no cleanup) mid-step, during the final validation, while saving a checkpoint,
+before the export or in the test after fit,
 stopped by SIGTERM or SIGINT (exit status 143 / 130 with a checkpoint), or finished and then
 extended. The same batches, the same updates, the same parameters as an uninterrupted run, and
 a complete run folder whose checkpoints name only files that exist."""
@@ -54,6 +55,25 @@ class KillAfterBest(Checkpoint):
 
     def on_validation_end(self, trainer, pl_module) -> None:
         if trainer.global_step == trainer.max_steps and not trainer.sanity_checking:
+            os._exit(17)
+
+
+class KillInTest(L.Callback):
+    """Kill the process in the test after ``fit`` (after the export)."""
+
+    def on_test_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        os._exit(17)
+
+
+class KillWhileSaving(L.Callback):
+    """Kill the process while a checkpoint of ``step`` is being saved (its contents gathered,
+    nothing written yet)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        if trainer.global_step == self.step:
             os._exit(17)
 
 
@@ -268,21 +288,27 @@ def test_a_checkpoint_naming_deleted_files_is_resumed(tmp_path):
     assert_complete(tmp_path / "run", 6)
 
 
-@pytest.mark.parametrize("kill", ["after the best checkpoint", "before the export"])
+KILLS = {  # where a run is killed: (its callback, listed first, the export was written)
+    "after the best checkpoint": (callback("KillAfterBest"), False, False),
+    "before the export": (callback("KillAtFitEnd"), True, False),
+    "while saving the last checkpoint": (callback("KillWhileSaving", step=4), False, False),
+    "in the test after fit": (callback("KillInTest"), False, True),
+}
+
+
+@pytest.mark.parametrize("kill", list(KILLS))
 def test_a_run_killed_anywhere_ends_complete(tmp_path, kill):
     cache = tmp_path / "cache"
     plain = write_config(tmp_path / "plain.yaml", cache, steps=4, val_every=2, save_every=2,
                          test=True)
-    if kill == "before the export":
-        killing = write_config(tmp_path / "kill.yaml", cache, first=callback("KillAtFitEnd"),
-                               steps=4, val_every=2, save_every=2, test=True)
-    else:
-        killing = write_config(tmp_path / "kill.yaml", cache, callback("KillAfterBest"),
-                               steps=4, val_every=2, save_every=2, test=True)
+    killer, first, exported = KILLS[kill]
+    extra = {"first": killer} if first else {}
+    killing = write_config(tmp_path / "kill.yaml", cache, *([] if first else [killer]),
+                           steps=4, val_every=2, save_every=2, test=True, **extra)
     killed = run_in_process(run_args(killing, tmp_path, "run"))
     assert killed.returncode == 17, killed.stderr[-3000:]
     run = tmp_path / "run"
-    assert not (run / "model").exists()
+    assert (run / "model").exists() == exported
     assert main(run_args(plain, tmp_path, "run", "--ckpt_path=last")) == 0
     assert_complete(run, 4)
 
