@@ -325,6 +325,11 @@ def test_strategy_refuses_bad_layouts_before_work():
     strategy = SequenceParallelStrategy(sequence_parallel_size=2)
     strategy.parallel_devices = [torch.device("cpu")] * 4
     assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}
+    assert strategy.sequence_layout == "zigzag"  # load_balance by default
+    assert SequenceParallelStrategy(2, load_balance=False).sequence_layout == "contiguous"
+    assert SequenceParallelStrategy(1).sequence_layout == "contiguous"  # nothing to balance
+    with pytest.raises(TypeError, match="load_balance must be True or False, got 'yes'"):
+        SequenceParallelStrategy(sequence_parallel_size=2, load_balance="yes")
 
 
 def test_sharded_strategy_refuses_bad_input_when_the_trainer_is_built():
