@@ -25,7 +25,7 @@ import pytest
 import torch
 import yaml
 
-import longnet.cli
+import longnet.cli.entry
 from longnet.cli import main, run_cli
 from longnet.modeling import LongNetConfig, LongNetLM
 
@@ -272,7 +272,7 @@ def test_verbose_shows_the_traceback_and_bugs_keep_theirs(tmp_path, capsys, monk
     def bug(args):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr("longnet.cli.run_cli", bug)
+    monkeypatch.setattr("longnet.cli.entry.run_cli", bug)
     with pytest.raises(RuntimeError, match="a bug"):
         main(args)
 
@@ -297,7 +297,7 @@ def test_nothing_of_a_run_outlives_main(tmp_path, data_cache, monkeypatch):
         trainers.append(weakref.ref(cli.trainer))
         return cli
 
-    monkeypatch.setattr(longnet.cli, "run_cli", run_and_record)
+    monkeypatch.setattr(longnet.cli.entry, "run_cli", run_and_record)
     with pytest.warns(UserWarning, match="no optimizer step"):
         assert main(smoke_args("fit", tmp_path, data_cache, "--trainer.max_steps=0")) == 0
     gc.collect()

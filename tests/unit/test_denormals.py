@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import longnet.cli
+import longnet.cli.entry
 from longnet.denormals import KEEP_DENORMALS_ENV, denormals_kept, flushing_denormals
 
 SUBNORMAL = 1e-39  # below float32's smallest normal number, 1.18e-38
@@ -43,7 +43,7 @@ def test_the_environment_keeps_subnormals(monkeypatch, value, kept):
 @pytest.mark.parametrize("keep", ["", "1"])
 def test_the_command_runs_with_subnormals_flushed_unless_kept(monkeypatch, keep):
     seen = []
-    monkeypatch.setattr(longnet.cli, "run_cli", lambda args: seen.append(survives()))
+    monkeypatch.setattr(longnet.cli.entry, "run_cli", lambda args: seen.append(survives()))
     monkeypatch.setenv(KEEP_DENORMALS_ENV, keep)
     assert longnet.cli.main(["fit"]) == 0
     flushable = torch.set_flush_denormal(False)  # whether this CPU can; False is the default

@@ -1,0 +1,268 @@
+"""The ``longnet`` command: ``longnet fit|validate|test|predict --config configs/X.yaml``.
+
+A :class:`~lightning.pytorch.cli.LightningCLI` over :class:`longnet.training.CausalLMModule`
+(or a subclass) and any ``LightningDataModule`` (``class_path``/``init_args`` in YAML), with:
+
+- ``--test_after_fit true``: after ``fit``, ``test`` the best checkpoint in the same process,
+  so one command trains, validates, tests and (with ``ExportPretrained``) exports;
+- after ``fit``, a list of what the run folder holds (model export, curves, metrics, ...);
+- the resolved config saved in the run folder (the logger's ``log_dir``) of every run:
+  ``config.yaml`` for ``fit`` (overwritten when a run is resumed), ``config-<stage>.yaml``
+  for the other subcommands;
+- ``predict`` on a datamodule without a predict split scores its test split (per-sample
+  summed cross-entropy, tokens and bits per byte; add ``longnet.training.PredictionsWriter``
+  to the callbacks to write them);
+- one run per run folder (``longnet.training.runs``): every subcommand checks that the run
+  folder (and every other output folder) can be written and holds ``<run folder>/run.lock``
+  while it works (a second command into the folder is refused, naming the live one), a new
+  ``fit`` refuses a folder holding another run's checkpoints or export, every metrics row and
+  checkpoint carries the run id, and ``--ckpt_path last`` is this folder's
+  ``checkpoints/last.ckpt`` (the command says which checkpoint and step it resumes; a
+  checkpoint of another folder starts a new run from it);
+- the model is the configured one: Lightning's CLI would replace it by the hyper-parameters
+  stored in a ``--ckpt_path`` file; here a checkpoint whose tensors have other shapes than the
+  configured model's is refused, naming both;
+- every expected failure (configuration errors, unusable data or checkpoint files, settings
+  Lightning or the strategy refuse, a run folder that cannot be written, a checkpoint of
+  another model shape, a diverged training) reported in a few lines on stderr, naming the
+  value and the fix, with exit status 2 and no traceback (``--verbose``, anywhere on the
+  command line, prints it; for a parser error, its whole message); unexpected errors keep
+  their traceback;
+- ``trainer.precision: auto``: bf16-mixed where the hardware multiplies bfloat16 natively,
+  else 32-true (``longnet.training.precision``; one log line says which and why);
+- SIGTERM / SIGINT: the run stops at the end of its step with ``last.ckpt``, one line says how
+  to resume, exit status 143 / 130 (``longnet.training.signals``); a run stopped by
+  ``max_time`` before ``max_steps`` says so, and what to do, after its summary;
+- progress in optimizer steps (``longnet.training.progress``): a tqdm bar on a terminal, plain
+  lines when stdout is a file or pipe; Lightning's advertisement tips are not shown;
+- subnormal floats flushed to zero on the CPU (``longnet.denormals``: a float32 step
+  of a trained model ran 2.5x faster; ``LONGNET_KEEP_DENORMALS=1`` keeps them).
+
+``longnet --help`` and ``longnet fit --help`` list everything; ``--print_config`` prints the
+resolved config.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.utilities.model_helpers import is_overridden
+
+from longnet.cli.errors import VERBOSE_FLAG, ConfigError, undecodable_config
+from longnet.cli.runs import (
+    check_checkpoint_shape,
+    check_keyword,
+    check_outputs,
+    checkpoints_hint,
+    describe_run,
+    last_good_checkpoint,
+    max_time_cut,
+    refuse_earlier_run,
+    run_last_checkpoint,
+)
+from longnet.files import write_atomic
+from longnet.training import CausalLMModule
+from longnet.training.callbacks import ValidateLastStep, run_dir
+from longnet.training.checkpoint import is_sharded_checkpoint, read_checkpoint
+from longnet.training.module import TrainingDiverged
+from longnet.training.precision import AutoPrecisionTrainer
+from longnet.training.progress import progress_bar
+from longnet.training.runs import (
+    RunId,
+    RunLock,
+    checkpoint_dirs,
+    checkpoint_run_id,
+    new_run_id,
+    run_folder,
+)
+from longnet.training.signals import StopOnSignal
+from longnet.validation import UsageError
+
+
+class RunConfigSaver(SaveConfigCallback):
+    """Save the resolved config as ``config.yaml`` (fit) or ``config-<stage>.yaml``, written
+    whole or not at all (:func:`longnet.files.write_atomic`)."""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.already_saved:
+            return
+        stage = getattr(stage, "value", stage)  # a TrainerFn or its string value
+        name = "config.yaml" if stage == "fit" else f"config-{stage}.yaml"
+        folder = run_dir(trainer)  # on every rank: log_dir is a collective
+        if trainer.is_global_zero:
+            write_atomic(folder / name, self.parser.dump(self.config, skip_none=False))
+        self.already_saved = True
+
+
+class LongNetCLI(LightningCLI):
+    """LightningCLI for LongNet causal-LM training; see the module docstring."""
+
+    def __init__(self, args: Sequence[str] | None = None, run: bool = True) -> None:
+        super().__init__(
+            CausalLMModule,
+            L.LightningDataModule,
+            trainer_class=AutoPrecisionTrainer,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            save_config_callback=RunConfigSaver,
+            save_config_kwargs={"overwrite": True},
+            auto_configure_optimizers=False,
+            parser_kwargs={"description": "LongNet dilated-attention LMs: train, evaluate. "
+                           f"{VERBOSE_FLAG} (anywhere): show the traceback of an error.",
+                           "exit_on_error": False},  # main() reports the error in a few lines
+            args=list(args) if args is not None else None,
+            run=run,
+        )
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument(
+            "--test_after_fit",
+            type=bool,
+            default=False,
+            help="After fit, test the best checkpoint (or the final weights) in the same "
+            "process. Ignored by the other subcommands.",
+        )
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        """Lightning's, with a clear error for a config file that is not text; then a
+        ``--ckpt_path`` file is checked (a clear error for random bytes, a truncated or a
+        foreign file)."""
+        try:
+            super().parse_arguments(parser, args)
+        except UnicodeDecodeError as err:
+            raise UsageError(undecodable_config(sys.argv[1:] if args is None else args, err)) \
+                from err
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if ckpt_path and Path(ckpt_path).is_file():
+            read_checkpoint(ckpt_path)
+
+    def _parse_ckpt_path(self) -> None:
+        """Keep the configured model. (Lightning's CLI replaces the model's arguments by the
+        hyper-parameters stored in a ``--ckpt_path`` file, command line included, so that a
+        checkpoint of another shape silently became the model; ``_run_folder`` refuses such a
+        checkpoint instead.)"""
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except (ValueError, TypeError, KeyError, FileNotFoundError) as err:
+            raise ConfigError(f"{type(err).__name__}: {err}") from err
+
+    def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:
+        """Lightning's, plus :class:`RunId` first among the callbacks,
+        :class:`~longnet.training.callbacks.ValidateLastStep`, :class:`StopOnSignal` and,
+        unless the config disables the bar or brings its own,
+        :func:`~longnet.training.progress.progress_bar`."""
+        config = self._get(self.config_init, "trainer", default={})
+        given = config.get("callbacks")
+        callbacks = [] if given is None else list(given) if isinstance(given, list) else [given]
+        self.run_tag = RunId(new_run_id())
+        callbacks.insert(0, self.run_tag)
+        callbacks += [ValidateLastStep(), StopOnSignal()]
+        if config.get("enable_progress_bar") is not False and not any(
+            isinstance(callback, ProgressBar) for callback in callbacks
+        ):
+            callbacks.append(progress_bar())
+        return super().instantiate_trainer(**{"callbacks": callbacks, **kwargs})
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        # Lightning's, inside the run folder's lock and with the checkpoint path resolved
+        with self._run_folder(subcommand):
+            try:
+                super()._run_subcommand(subcommand)
+            except TrainingDiverged as err:
+                raise TrainingDiverged(f"{err} {last_good_checkpoint(self.trainer)}",
+                                       err.step) from err
+
+    @contextmanager
+    def _run_folder(self, subcommand: str) -> Iterator[None]:
+        """Check that the outputs can be written, resolve ``ckpt_path``, take the run folder's
+        lock (rank 0), refuse a new ``fit`` in a folder with another run's outputs; release the
+        lock when the subcommand ends."""
+        trainer, arguments = self.trainer, self.config_init[subcommand]
+        folder = run_folder(trainer)
+        check_outputs(trainer, subcommand)
+        ckpt_path = arguments.get("ckpt_path")
+        continues_run = False
+        if ckpt_path is not None:
+            ckpt_path, continues_run = self._checked_ckpt_path(str(ckpt_path), subcommand)
+            arguments["ckpt_path"] = ckpt_path
+        lock = RunLock(folder, self.run_tag.run_id) if trainer.is_global_zero else None
+        if lock is not None:
+            lock.acquire()
+        try:
+            if trainer.is_global_zero and subcommand == "fit" and not continues_run:
+                refuse_earlier_run(folder, checkpoint_dirs(trainer))
+            yield
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _checked_ckpt_path(self, ckpt_path: str, subcommand: str) -> tuple[str | None, bool]:
+        """``ckpt_path`` checked, and whether it continues this folder's run: ``last`` is this
+        run folder's ``last.ckpt`` (none yet: a new run for ``fit``, an error otherwise),
+        ``best`` needs a ``fit`` in this command, a path must be a readable Lightning
+        checkpoint of the configured model's shape. A ``fit`` from a checkpoint of this
+        folder keeps its run id and says which file and step it resumes; from another
+        folder's, it is a new run (a new id) that starts from it."""
+        trainer = self.trainer
+        if ckpt_path in ("best", "hpc") or "://" in ckpt_path:
+            return check_keyword(trainer, ckpt_path, subcommand), False
+        if ckpt_path == "last":
+            found = run_last_checkpoint(trainer, subcommand)
+            if found is None:
+                return None, False
+            ckpt_path = str(found)
+        if not (Path(ckpt_path).is_file() or is_sharded_checkpoint(ckpt_path)):
+            raise UsageError(f"--ckpt_path {ckpt_path}: no checkpoint file (or folder of "
+                             f"shards) there. {checkpoints_hint(trainer)}")
+        checkpoint = read_checkpoint(ckpt_path, tensors=False)
+        check_checkpoint_shape(ckpt_path, checkpoint, self.model)
+        own = Path(ckpt_path).resolve().parent in {
+            folder.resolve() for folder in checkpoint_dirs(trainer)}
+        if subcommand == "fit":
+            previous, step = checkpoint_run_id(checkpoint), checkpoint.get("global_step")
+            if own and previous:
+                self.run_tag.run_id = previous
+            if trainer.is_global_zero:
+                if own:
+                    print(f"Resuming run {self.run_tag.run_id} from {ckpt_path} (step {step}).")
+                else:
+                    of = f" of run {previous}" if previous else ""
+                    print(f"Starting run {self.run_tag.run_id} from {ckpt_path} (step {step}"
+                          f"{of}, another folder's checkpoint).")
+        return ckpt_path, own
+
+    def after_fit(self) -> None:
+        trainer = self.trainer
+        cut = max_time_cut(trainer, self.config[self.subcommand]["trainer"].get("max_time"))
+        if trainer.global_step == 0:
+            if trainer.is_global_zero:
+                print("fit took no optimizer step: no trained weights, so no test_after_fit.")
+        elif self.config[self.subcommand].get("test_after_fit") and not trainer.interrupted:
+            best = getattr(trainer.checkpoint_callback, "best_model_path", "") or None
+            trainer.test(self.model, datamodule=self.datamodule, ckpt_path=best)
+        folder = run_dir(trainer)  # on every rank: log_dir is a collective
+        if trainer.is_global_zero:
+            print(describe_run(folder, cut is not None))
+            if cut is not None:
+                print(cut, file=sys.stderr)
+
+    def predict(self, model: L.LightningModule, datamodule: L.LightningDataModule | None = None,
+                **kwargs) -> object:
+        """``trainer.predict``; a datamodule without a predict split predicts its test split."""
+        if datamodule is not None and not is_overridden(
+            "predict_dataloader", datamodule, L.LightningDataModule
+        ):
+            datamodule.prepare_data()
+            datamodule.setup("predict")
+            return self.trainer.predict(model, dataloaders=datamodule.test_dataloader(), **kwargs)
+        return self.trainer.predict(model, datamodule=datamodule, **kwargs)

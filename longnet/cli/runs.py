@@ -1,0 +1,194 @@
+"""The ``longnet`` command's checks of a run folder and its checkpoints, before and after the
+work: outputs writable (:func:`check_outputs`), a ``--ckpt_path`` resolved (``last``,
+``best``) and of the configured model's shape, no earlier run overwritten by a new ``fit``;
+and what a run left behind (:func:`describe_run`, :func:`max_time_cut`,
+:func:`last_good_checkpoint`). The run folder's lock and run ids are
+``longnet.training.runs``'s."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import Timer
+from lightning.pytorch.trainer.states import RunningStage
+
+from longnet.files import check_output_folder
+from longnet.training.checkpoint import (
+    checkpoint_config,
+    checkpoint_shapes,
+    last_checkpoint,
+    read_checkpoint,
+)
+from longnet.training.runs import (
+    LOCK_NAME,
+    checkpoint_dirs,
+    earlier_run_outputs,
+    run_folder,
+)
+from longnet.validation import UsageError
+
+RUN_FILES = (LOCK_NAME, "config.yaml", "metrics.json", "metrics.csv", "curves.png")
+"""Files the command writes directly in the run folder (checked writable before any work)."""
+
+
+def check_outputs(trainer: L.Trainer, subcommand: str) -> None:
+    """Refuse, before any work, a run folder (or another output folder of the callbacks:
+    checkpoints, exports, predictions) that cannot be written (:class:`UsageError`)."""
+    folder = run_folder(trainer)
+    what = "run folder (--trainer.logger.init_args.save_dir and name)"
+    check_output_folder(folder, (*RUN_FILES, f"config-{subcommand}.yaml"), what=what)
+    others = set(checkpoint_dirs(trainer)) | {
+        Path(callback.dirpath) for callback in trainer.callbacks
+        if isinstance(getattr(callback, "dirpath", None), (str, Path))}
+    for path in sorted(others - {folder}):
+        check_output_folder(path, what="output folder")
+
+
+def check_checkpoint_shape(ckpt_path: str, checkpoint: dict[str, Any],
+                           module: L.LightningModule) -> None:
+    """Refuse a checkpoint whose tensors differ from ``module``'s (missing, unexpected, other
+    shapes), naming both models' differing config fields and the fix."""
+    expected = {name: tuple(value.shape) for name, value in module.state_dict().items()}
+    found = checkpoint_shapes(ckpt_path, checkpoint)
+    shaped = sorted(name for name in expected.keys() & found.keys()
+                    if expected[name] != found[name])
+    missing, unexpected = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected)
+    if not (shaped or missing or unexpected):
+        return
+    examples = [f"{name}: {found[name]} in the checkpoint, {expected[name]} configured"
+                for name in shaped[:2]]
+    examples += [f"{len(missing)} configured tensors absent (e.g. {missing[0]})"] if missing else []
+    examples += [f"{len(unexpected)} unknown tensors (e.g. {unexpected[0]})"] if unexpected else []
+    config = Path(ckpt_path).resolve().parent.parent / "config.yaml"
+    matching = f" ({config})" if config.is_file() else ""
+    raise UsageError(
+        f"--ckpt_path {ckpt_path} holds a model of another shape than the configured one: "
+        f"{config_difference(checkpoint, module)}({'; '.join(examples)}). Use the config it "
+        f"was trained with{matching}, or drop the --model.init_args.overrides that change the "
+        "model's shape."
+    )
+
+
+def config_difference(checkpoint: dict[str, Any], module: L.LightningModule) -> str:
+    """``checkpoint {a: 1, b: 2}, configured {a: 3, b: 4} `` for the config fields in which the
+    checkpoint's model and ``module``'s differ (empty when either is unknown)."""
+    configured = getattr(getattr(module, "model", None), "config", None)
+    try:
+        stored = checkpoint_config(checkpoint)
+    except (ValueError, OSError):
+        return ""
+    if configured is None:
+        return ""
+    ours, theirs = configured.to_dict(), stored.to_dict()
+    fields = [key for key in ours if ours.get(key) != theirs.get(key)]
+
+    def shown(values: dict[str, Any]) -> str:
+        return "{" + ", ".join(f"{key}: {values.get(key)}" for key in fields) + "}"
+
+    return f"checkpoint {shown(theirs)}, configured {shown(ours)} " if fields else ""
+
+
+def last_good_checkpoint(trainer: L.Trainer) -> str:
+    """``Last good checkpoint: <path> (step N).`` of this run folder (or that there is none)."""
+    for folder in checkpoint_dirs(trainer, save_last=True):
+        found = last_checkpoint(folder)
+        if found is not None:
+            step = read_checkpoint(found, tensors=False).get("global_step")
+            return f"Last good checkpoint: {found} (step {step})."
+    return "No checkpoint was written before it."
+
+
+def max_time_cut(trainer: L.Trainer, max_time: Any) -> str | None:
+    """The warning for a ``fit`` that ``max_time`` stopped before ``max_steps`` (None when it
+    was not stopped by it)."""
+    timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
+    if timer is None or trainer.max_steps < 0 or trainer.global_step >= trainer.max_steps:
+        return None
+    remaining = timer.time_remaining(RunningStage.TRAINING)
+    if remaining is None or remaining > 0:
+        return None
+    return (
+        f"longnet: WARNING: max_time ({max_time}) stopped the training at step "
+        f"{trainer.global_step} of {trainer.max_steps}, before its learning-rate schedule "
+        "ended: the model is under-trained.\n"
+        "  To finish it, run the same command with --ckpt_path last --trainer.max_time null;\n"
+        "  to fit the time, train fewer steps (--trainer.max_steps) or check the precision "
+        "and the machine's load (other processes on its cores)."
+    )
+
+
+def refuse_earlier_run(folder: Path, checkpoint_folders: list[Path]) -> None:
+    """Raise :class:`UsageError` if ``folder`` holds another run's checkpoints or export."""
+    found = earlier_run_outputs(folder, checkpoint_folders)
+    if found:
+        shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+        raise UsageError(
+            f"run folder {folder} holds an earlier run ({shown}). Continue it with "
+            "--ckpt_path last, give this run its own folder with "
+            "--trainer.logger.init_args.name <new name>, or delete the folder."
+        )
+
+
+def run_last_checkpoint(trainer: L.Trainer, subcommand: str) -> Path | None:
+    """This run folder's complete ``last.ckpt`` (a file, or a folder of shards whose writing
+    finished) of the first ``ModelCheckpoint`` with ``save_last`` that has one: never another
+    folder's, never a ``last-v1.ckpt``. None for a ``fit`` without one (it starts a new run, so
+    a command with ``--ckpt_path last`` can be re-run as it is, e.g. by ``torchrun
+    --max-restarts``); other subcommands raise :class:`UsageError`."""
+    folders = checkpoint_dirs(trainer, save_last=True)
+    candidates = [folder / "last.ckpt" for folder in folders]
+    found = next((path for path in map(last_checkpoint, folders) if path is not None), None)
+    if found is not None:
+        return found
+    where = ", ".join(map(str, candidates)) or "(no ModelCheckpoint with save_last)"
+    if subcommand != "fit":
+        raise UsageError(f"--ckpt_path last: no last checkpoint at {where}. "
+                         f"{checkpoints_hint(trainer)}")
+    if trainer.is_global_zero:
+        print(f"--ckpt_path last: no last checkpoint at {where}: starting a new run.")
+    return None
+
+
+def check_keyword(trainer: L.Trainer, ckpt_path: str, subcommand: str) -> str:
+    """``best`` needs a best checkpoint from a ``fit`` in this process; ``hpc`` and URLs are
+    Lightning's to resolve."""
+    if ckpt_path == "best" and (
+        subcommand == "fit" or not getattr(trainer.checkpoint_callback, "best_model_path", "")
+    ):
+        raise UsageError(
+            "--ckpt_path best: there is no best checkpoint of a fit in this command; give the "
+            f"file. {checkpoints_hint(trainer)}"
+        )
+    return ckpt_path
+
+
+def checkpoints_hint(trainer: L.Trainer) -> str:
+    """``Checkpoints of this run folder: ...`` (or that there are none)."""
+    found = sorted(str(path) for folder in checkpoint_dirs(trainer) for path in
+                   folder.glob("*.ckpt"))
+    if not found:
+        return f"The run folder {run_folder(trainer)} has no checkpoints."
+    return "Checkpoints of this run folder: " + ", ".join(found[:6]) + "."
+
+
+def describe_run(folder: Path, cut: bool = False) -> str:
+    """Lines naming what a run left in its folder (only the files that exist); ``cut``: the
+    training was stopped by ``max_time`` (the model is not called trained)."""
+    model = ("model stopped by max_time, under-trained" if cut else "trained model")
+    outputs = (
+        ("model/", model + ": LongNetLM.from_pretrained({path!r})"),
+        ("curves.png", "training curves (bits per byte vs step)"),
+        ("metrics.json", "final validation and test metrics"),
+        ("metrics.csv", "every logged value"),
+        ("config.yaml", "the resolved config"),
+        ("checkpoints/", "Lightning checkpoints (fit --ckpt_path last resumes)"),
+    )
+    lines = [f"Run folder {folder}:"]
+    for name, what in outputs:
+        path = folder / name
+        if path.exists():
+            lines.append(f"  {str(path) + ('/' if path.is_dir() else ''):<40} "
+                         f"{what.format(path=str(path))}")
+    return "\n".join(lines)
