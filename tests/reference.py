@@ -38,3 +38,33 @@ def dense_dilated_attention(q, k, v, branches, causal: bool, scale: float | None
     finite_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     probs = torch.exp(scores - finite_lse[..., None])
     return torch.einsum("bhpt,bthd->bphd", probs, v), lse
+
+
+def document_ids_of(lengths_per_row):
+    """``(batch, seq)`` ids from each batch element's document lengths (ids need not start at
+    0 nor be consecutive: only their runs matter)."""
+    rows = []
+    for row, lengths in enumerate(lengths_per_row):
+        ids = [3 * row + 2 * doc for doc, length in enumerate(lengths) for _ in range(length)]
+        rows.append(ids)
+    return torch.tensor(rows)
+
+
+def per_document_reference(q, k, v, lengths_per_row, branches, causal):
+    """``dense_dilated_attention`` on every document alone (sliced out of its batch element),
+    put back in place: ``out`` ``(batch, seq, heads, dim)``, ``lse`` ``(batch, heads, seq)``."""
+    outs, lses = [], []
+    for row, lengths in enumerate(lengths_per_row):
+        start, row_out, row_lse = 0, [], []
+        for length in lengths:
+            part = slice(start, start + length)
+            out, lse = dense_dilated_attention(
+                q[row : row + 1, part], k[row : row + 1, part], v[row : row + 1, part],
+                branches, causal,
+            )
+            row_out.append(out)
+            row_lse.append(lse)
+            start += length
+        outs.append(torch.cat(row_out, dim=1))
+        lses.append(torch.cat(row_lse, dim=2))
+    return torch.cat(outs), torch.cat(lses)

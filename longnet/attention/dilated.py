@@ -22,6 +22,7 @@ import torch.distributed as dist
 from einops import rearrange
 from torch import Tensor
 
+from longnet.attention.document_ring import global_documents
 from longnet.attention.documents import document_lengths
 from longnet.attention.kernels import kernel_names
 from longnet.attention.local import attend_local, attend_local_backward
@@ -118,8 +119,10 @@ def dilated_attention(
             packed documents: each run of equal ids is a document, attended exactly as if it
             were called alone (its segments start at its first token, no key from another
             document; docs/architecture.md §2, "Packed documents"). Batch elements may hold
-            different documents. Costs one transfer of the ids to the host. Not supported
-            with a ``process_group`` yet.
+            different documents. Costs one transfer of the ids to the host. With a
+            ``process_group``: this rank's shard of the ids (contiguous layout); documents may
+            span ranks, and the ranks agree on them with one all-gather of the ids
+            (docs/architecture.md §4, "Packed documents across ranks").
     Returns:
         ``out`` ``(batch, seq, heads, head_dim)`` in the input dtype, and with ``return_lse``
         ``lse`` ``(batch, heads, seq)`` in float32 (float64 for float64 inputs). Queries that no
@@ -142,27 +145,30 @@ def dilated_attention(
     check_layout(layout, "dilated_attention")
     if check_finite:
         _check_finite(q, k, v)
+    grouped = process_group is not None and dist.get_world_size(process_group) > 1
     documents = None
-    if document_ids is not None:
-        if process_group is not None:
-            raise ValueError(
-                "dilated_attention: document_ids with a process_group (sequence parallelism) "
-                "is not supported yet; run packed documents on one device, or pass whole "
-                "sequences without document_ids."
-            )
+    if document_ids is not None and not grouped:
         documents = document_lengths(document_ids, q.shape, q.device)
+    if document_ids is not None and grouped and layout != "contiguous":
+        raise ValueError(
+            "dilated_attention: document_ids with a process_group run on contiguous shards "
+            f"only (not layout={layout!r} yet); pass layout='contiguous'."
+        )
     pattern = DilatedPattern.coerce(pattern)
     scale = float(scale) if scale is not None else q.shape[-1] ** -0.5
     transports = transports_per_branch(transport, len(pattern.branches))
     budget = default_block_elements(q.device) if block_elements is None else int(block_elements)
-    if process_group is not None and dist.get_world_size(process_group) > 1:
+    if grouped:
         budget = agree_on_call(
             f"shape={tuple(q.shape)} dtype={q.dtype} pattern={pattern.branches} causal={causal} "
-            f"scale={scale} transport={transports} kernel={kernel} layout={layout}",
+            f"scale={scale} transport={transports} kernel={kernel} layout={layout} "
+            f"documents={document_ids is not None}",
             budget,
             process_group,
             q.device,
         )
+        if document_ids is not None:
+            documents = global_documents(document_ids, q.shape, process_group)
     plan = plan_attention(
         pattern, q.shape, q.dtype, q.device, causal=causal, scale=scale,
         process_group=process_group, transports=transports, kernel=kernel, block_elements=budget,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from longnet.attention.document_ring import plan_document_ring
 from longnet.attention.documents import Documents, document_branches, stacked_chunks
 from longnet.attention.kernels import Kernel, accumulation_dtype, select_kernel
 from longnet.attention.layout import BlockGroup, Blocks, branch_groups
@@ -85,22 +86,29 @@ def plan_attention(
     shard with ``process_group``, sharded by ``layout``, one of
     ``longnet.distributed.shards.LAYOUTS``); ``transports``: one per branch (needed with a
     group);
-    ``documents``: the document lengths of each batch element (``documents.document_lengths``;
-    not with a group), or None for one document per batch element."""
+    ``documents``: the document lengths of each batch element's whole sequence
+    (``documents.document_lengths``, or ``document_ring.global_documents`` with a group: the
+    contiguous layout only), or None for one document per batch element."""
     batch, seq_len, heads, head_dim = shape
     chosen = select_kernel(device, dtype, head_dim, kernel)
     budget = default_block_elements(device) if block_elements is None else block_elements
+    world = 1 if process_group is None else dist.get_world_size(process_group)
     if documents is not None and any(len(lengths) > 1 for lengths in documents):
-        local = document_branches(pattern, documents, heads)
+        if world == 1:
+            local, pieces = document_branches(pattern, documents, heads), []
+        else:
+            local, pieces = plan_document_ring(
+                pattern, documents, seq_len, dist.get_rank(process_group), heads, transports,
+                head_dim, budget,
+            )
         return AttentionPlan(
             kernel=chosen, causal=causal, scale=scale, block_elements=budget, adopted=None,
             chunks=tuple(
                 (index, chunk) for index, groups in enumerate(local)
                 for chunk in stacked_chunks(groups, batch, head_dim, budget)
             ),
-            pieces=(), process_group=None,
+            pieces=tuple(pieces), process_group=process_group if world > 1 else None,
         )
-    world = 1 if process_group is None else dist.get_world_size(process_group)
     if world == 1:
         local = [branch_groups(seq_len, heads, w, r) for w, r in pattern.branches]
         pieces: list[tuple[SpanningPiece, ...]] = []

@@ -147,8 +147,9 @@ class SpanningPiece:
     def pack(self, k: Tensor, v: Tensor) -> Tensor:
         """This rank's selected K and V rows of ``heads`` as one message
         ``(2, batch, len(heads), rows_max, dim)``."""
-        batch, _, _, dim = k.shape
-        packed = k.new_zeros(2, batch, len(self.heads), self.rows_max, dim)
+        element = next(group.batch for groups in self.member_groups for group in groups)
+        batch = k.shape[0] if element is None else 1  # one batch element: packed documents
+        packed = k.new_zeros(2, batch, len(self.heads), self.rows_max, k.shape[-1])
         for group in self.member_groups[self.index]:
             index = self.positions(group.heads, k.device)
             packed[0][:, index, : group.rows] = gather(k, group)

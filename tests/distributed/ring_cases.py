@@ -14,7 +14,7 @@ from longnet.attention import dilated_attention
 from longnet.attention.plan import CPU_BLOCK_ELEMENTS
 from longnet.distributed.shards import shard_positions
 from longnet.nn import MultiheadDilatedAttention, RotaryEmbedding
-from tests.reference import dense_dilated_attention
+from tests.reference import dense_dilated_attention, document_ids_of, per_document_reference
 
 TOL = 1e-10
 
@@ -51,7 +51,8 @@ def ring_cases(world_size: int) -> list[dict]:
         for by_ring, transport in enumerate(("ring", "allgather"))
         for causal in (True, False)
     ]
-    return fixed + zigzag_cases(world_size) + random_ring_cases(world_size, count=12)
+    return (fixed + zigzag_cases(world_size) + document_cases(world_size)
+            + random_ring_cases(world_size, count=12))
 
 
 def zigzag_cases(world_size: int) -> list[dict]:
@@ -73,6 +74,31 @@ def zigzag_cases(world_size: int) -> list[dict]:
         for name, b in patterns.items()
         for causal, budget in ((True, 20), (False, CPU_BLOCK_ELEMENTS))
     ]
+
+
+def document_cases(world_size: int) -> list[dict]:
+    """Packed documents over contiguous shards of 12 tokens: seeded random document lengths
+    (odd ones, documents spanning several ranks, one shorter than a segment, both batch
+    elements different), branches local to a document, spanning ranks, longer than any
+    document, rates not dividing segments; both transports and directions, tiny budgets."""
+    rng = random.Random(100 + world_size)
+    n = 12 * world_size
+    cases = []
+    for index, branches in enumerate(([(5, 1), (16, 3)], [(4, 2), (9, 1), (40, 5)],
+                                      [(12, 1), (24, 2)], [(7, 3), (n, 4)])):
+        rows = []
+        for _ in range(2):
+            cuts = sorted(rng.sample(range(1, n), rng.randint(1, max(1, n // 7))))
+            rows.append(tuple(b - a for a, b in zip([0, *cuts], [*cuts, n])))
+        for causal in (True, False):
+            cases.append(dict(
+                name=f"documents-{index}-{'causal' if causal else 'bidir'}", seq_len=n,
+                branches=branches, causal=causal,
+                transport=("ring", "allgather")[(index + causal) % 2],
+                block_elements=rng.choice((8, 40, CPU_BLOCK_ELEMENTS)),
+                lse_grad=(index + causal) % 2 == 1, documents=rows,
+            ))
+    return cases
 
 
 def random_ring_cases(world_size: int, count: int) -> list[dict]:
@@ -173,14 +199,18 @@ def _check_case(rank: int, world_size: int, device: torch.device, case: dict, se
     n, branches, causal = case["seq_len"], case["branches"], case["causal"]
     gen = torch.Generator().manual_seed(seed)
     q, k, v, d_out = (torch.randn(2, n, 5, 8, generator=gen, dtype=torch.float64) for _ in range(4))
-    _, ref_lse = dense_dilated_attention(q, k, v, branches, causal)
+    if "documents" in case:
+        def exact(a, b, c):
+            return per_document_reference(a, b, c, case["documents"], branches, causal)
+    else:
+        def exact(a, b, c):
+            return dense_dilated_attention(a, b, c, branches, causal)
+    _, ref_lse = exact(q, k, v)
     d_lse = torch.randn(2, 5, n, generator=gen, dtype=torch.float64).masked_fill(ref_lse.isinf(), 0)
     d_lse = d_lse if case["lse_grad"] else None
     shard = shard_positions(n, rank, world_size, case.get("layout", "contiguous"))
     ring, single = _run_library(q, k, v, d_out, d_lse, shard, case, device)
-    reference = _run(
-        (q, k, v), d_out, d_lse, lambda a, b, c: dense_dilated_attention(a, b, c, branches, causal)
-    )
+    reference = _run((q, k, v), d_out, d_lse, exact)
     names = ("out", "lse", "dq", "dk", "dv")
     for name, mine, one, ref in zip(names, ring, single, reference):
         index = (Ellipsis, shard) if name == "lse" else (slice(None), shard)
@@ -195,6 +225,7 @@ def _check_case(rank: int, world_size: int, device: torch.device, case: dict, se
 def _run_library(q, k, v, d_out, d_lse, shard, case, device):
     """``(ring shard results, single-device results)`` of ``dilated_attention``."""
     branches, causal = case["branches"], case["causal"]
+    ids = document_ids_of(case["documents"]) if "documents" in case else None
     ring = _run(
         [t[:, shard].to(device) for t in (q, k, v)],
         d_out[:, shard],
@@ -210,6 +241,7 @@ def _run_library(q, k, v, d_out, d_lse, shard, case, device):
             transport=case["transport"],
             block_elements=case["block_elements"],
             layout=case.get("layout", "contiguous"),
+            document_ids=None if ids is None else ids[:, shard].to(device),
         ),
     )
     single = _run(
@@ -218,7 +250,7 @@ def _run_library(q, k, v, d_out, d_lse, shard, case, device):
         d_lse,
         lambda a, b, c: dilated_attention(
             a, b, c, branches, causal=causal, return_lse=True,
-            block_elements=case["block_elements"],
+            block_elements=case["block_elements"], document_ids=ids,
         ),
     )
     return ring, single
@@ -249,4 +281,9 @@ def check_ring_errors(rank: int, world_size: int, device: torch.device) -> list[
                layout="zigzag")
         expect("runs the ring transport only", pattern=[(6, 1), (24, 2)], layout="zigzag",
                transport="allgather")
+        ids = torch.zeros(1, 12, dtype=torch.long, device=device)
+        expect("run on contiguous shards only", pattern=[(6, 1)], layout="zigzag",
+               document_ids=ids)
+        decreasing = torch.full((1, 12), 1 - rank, dtype=torch.long, device=device)
+        expect("must not decrease along the sequence", pattern=[(6, 1)], document_ids=decreasing)
     return failures

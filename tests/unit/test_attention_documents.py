@@ -12,7 +12,7 @@ from longnet.attention import DilatedPattern, dilated_attention
 from longnet.attention.layout import BlockStack
 from longnet.attention.plan import plan_attention
 from tests.kernel_calls import count_kernel_calls
-from tests.reference import dense_dilated_attention
+from tests.reference import document_ids_of, per_document_reference
 
 TOL = 1e-12
 
@@ -24,36 +24,6 @@ def _inputs(batch, seq_len, heads, dim, seed=0):
         .requires_grad_()
         for _ in range(3)
     ]
-
-
-def _ids(lengths_per_row):
-    """``(batch, seq)`` ids from each batch element's document lengths (ids need not start at
-    0 nor be consecutive: only their runs matter)."""
-    rows = []
-    for row, lengths in enumerate(lengths_per_row):
-        ids = [3 * row + 2 * doc for doc, length in enumerate(lengths) for _ in range(length)]
-        rows.append(ids)
-    return torch.tensor(rows)
-
-
-def per_document_reference(q, k, v, lengths_per_row, branches, causal):
-    """``dense_dilated_attention`` on every document alone (sliced out of its batch element),
-    put back in place: ``out`` ``(batch, seq, heads, dim)``, ``lse`` ``(batch, heads, seq)``."""
-    outs, lses = [], []
-    for row, lengths in enumerate(lengths_per_row):
-        start, row_out, row_lse = 0, [], []
-        for length in lengths:
-            part = slice(start, start + length)
-            out, lse = dense_dilated_attention(
-                q[row : row + 1, part], k[row : row + 1, part], v[row : row + 1, part],
-                branches, causal,
-            )
-            row_out.append(out)
-            row_lse.append(lse)
-            start += length
-        outs.append(torch.cat(row_out, dim=1))
-        lses.append(torch.cat(row_lse, dim=2))
-    return torch.cat(outs), torch.cat(lses)
 
 
 def _grads(outputs, upstream, inputs):
@@ -70,8 +40,9 @@ def assert_matches_documents(
     seq_len = sum(lengths_per_row[0])
     q, k, v = _inputs(len(lengths_per_row), seq_len, heads, dim, seed=seed)
     out, lse = dilated_attention(
-        q, k, v, branches, causal=causal, return_lse=True, document_ids=_ids(lengths_per_row),
-        block_elements=block_elements, kernel=kernel,
+        q, k, v, branches, causal=causal, return_lse=True,
+        document_ids=document_ids_of(lengths_per_row), block_elements=block_elements,
+        kernel=kernel,
     )
     ref_out, ref_lse = per_document_reference(q, k, v, lengths_per_row, branches, causal)
     torch.testing.assert_close(out, ref_out, atol=TOL, rtol=0)
@@ -165,7 +136,7 @@ def test_documents_of_one_shape_share_one_kernel_call_per_branch(monkeypatch):
         calls.clear()
         lengths = (256 // documents,) * documents
         q, k, v = (torch.randn(3, 256, 4, 8, requires_grad=True) for _ in range(3))
-        ids = _ids([lengths, lengths, (256,)])  # the third row is one document
+        ids = document_ids_of([lengths, lengths, (256,)])  # the third row is one document
         out = dilated_attention(q, k, v, [(16, 1), (32, 2), (64, 4)], causal=True,
                                 document_ids=ids, block_elements=2**30)
         out.sum().backward()
@@ -208,5 +179,3 @@ def test_document_ids_are_checked():
     for ids, error, message in cases:
         with pytest.raises(error, match=message):
             dilated_attention(q, q, q, [(4, 1)], document_ids=ids)
-    with pytest.raises(ValueError, match="document_ids with a process_group .* not supported"):
-        dilated_attention(q, q, q, [(4, 1)], document_ids=good, process_group=object())
