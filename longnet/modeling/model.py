@@ -137,7 +137,8 @@ class LongNetModel(nn.Module):
 
     ``document_ids`` ``(batch, seq)``: non-decreasing ids of packed documents; each document
     is computed as if it were alone (positions restart at 0, no attention or K/V convolution
-    across a boundary). Not with ``cache`` or a ``group``.
+    across a boundary). Not with ``cache``; with a ``group``: this rank's shard of the ids
+    (contiguous layout) and ``position_ids`` given (each token's place in its document).
 
     Shapes: ``input_ids`` ``(batch, seq)`` -> hidden states ``(batch, seq, hidden_size)``.
     """
@@ -167,13 +168,14 @@ class LongNetModel(nn.Module):
     ) -> Tensor:
         check_input_ids(input_ids, self.config.vocab_size)
         if document_ids is not None:
-            if group is not None:
-                raise ValueError(
-                    "LongNetModel: document_ids with a sequence-parallel group is not supported "
-                    "yet; train packed documents without sequence parallelism."
-                )
             check_document_ids(document_ids, *input_ids.shape, input_ids.device,
                                caller="LongNetModel", of="input_ids")
+            if position_ids is None and group is not None:
+                raise ValueError(
+                    "LongNetModel: with document_ids and a sequence-parallel group, pass "
+                    "position_ids: each token's position in its document over the whole "
+                    "sequence (longnet.training.shard_batch computes them)."
+                )
             if position_ids is None:
                 position_ids = document_position_ids(document_ids)
         if cache is not None and len(cache) != len(self.layers):

@@ -261,6 +261,11 @@ class MultiheadDilatedAttention(nn.Module):
                 "document_ids cannot be combined with a KV cache; decode one document at a time."
             )
         if position_ids is None and document_ids is not None:
+            if group is not None:
+                raise ValueError(
+                    "with document_ids and a sequence-parallel group, pass position_ids: each "
+                    "token's position in its document over the whole sequence."
+                )
             position_ids = document_position_ids(document_ids)
         if position_ids is None:
             offset = cache.end if cache is not None else 0
@@ -271,7 +276,11 @@ class MultiheadDilatedAttention(nn.Module):
         k, v = self.k_proj(x), self.v_proj(x)
         conv_tail = None
         if self.kv_conv is not None:
-            k, v, conv_tail = self._convolve_kv(k, v, group, cache, document_ids, layout)
+            in_document = None  # each row's place in its document: the ids', or across
+            if document_ids is not None:  # ranks the positions given (whole documents)
+                in_document = (document_position_ids(document_ids) if group is None
+                               else position_ids.expand(batch, seq))
+            k, v, conv_tail = self._convolve_kv(k, v, group, cache, in_document, layout)
         k = rearrange(k, "b n (h d) -> b n h d", h=self.num_kv_heads)
         v = rearrange(v, "b n (h d) -> b n h d", h=self.num_kv_heads)
         if self.positional is not None:
@@ -301,19 +310,19 @@ class MultiheadDilatedAttention(nn.Module):
         v: Tensor,
         group: torch.distributed.ProcessGroup | None,
         cache: LayerKVCache | None,
-        document_ids: Tensor | None,
+        positions: Tensor | None,
         layout: str,
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         """The short convolution of the projections ``k, v`` ``(batch, seq, kv_heads *
         head_dim)``; the rows before them come from the ranks holding the previous chunks of
         the sequence (``group``, ``layout``: each chunk of a zigzag shard is convolved after
-        its own halo) or the cache's tail (``cache``); with ``document_ids`` no row mixes with
-        another document's. Returns the convolved ``k, v`` and, with a cache, its next tail
-        (stored by ``LayerKVCache.append`` once the call has passed its checks)."""
+        its own halo) or the cache's tail (``cache``); with ``positions`` ``(batch, seq)``,
+        each row's place in its packed document, no row mixes with another document's.
+        Returns the convolved ``k, v`` and, with a cache, its next tail (stored by
+        ``LayerKVCache.append`` once the call has passed its checks)."""
         assert self.kv_conv is not None
         kv = torch.cat((k, v), dim=-1)
         width = self.kv_conv.kernel_size - 1
-        positions = None if document_ids is None else document_position_ids(document_ids)
         if group is not None:
             halos = previous_rows(kv, width, group, layout).chunk(chunks_per_rank(layout), 1)
             chunks = kv.chunk(len(halos), dim=1)

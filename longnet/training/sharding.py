@@ -16,16 +16,19 @@ from torch import Tensor
 from longnet.attention import DilatedPattern, fits_shards, padded_length
 from longnet.constants import IGNORE_INDEX
 from longnet.distributed.shards import check_layout, chunk_count, shard_positions
+from longnet.modeling.model import document_labels
+from longnet.nn import document_position_ids
 from longnet.validation import UsageError
 
-SEQUENCE_KEYS = ("input_ids", "labels", "position_ids")
+SEQUENCE_KEYS = ("input_ids", "labels", "position_ids", "document_ids")
 
 
 def pad_sequences(
     batch: Mapping[str, Any], length: int, pad_token_id: int
 ) -> dict[str, Any]:
-    """Right-pad ``input_ids`` (with ``pad_token_id``), ``labels`` (with -100) and
-    ``position_ids`` (continuing the count) to ``length`` tokens.
+    """Right-pad ``input_ids`` (with ``pad_token_id``), ``labels`` (with -100),
+    ``position_ids`` (continuing the count) and ``document_ids`` (continuing the last
+    document) to ``length`` tokens.
 
     Padding at the end is exact for a causal LM: no real position attends to a later one and
     padded labels are ignored.
@@ -47,6 +50,10 @@ def pad_sequences(
         positions: Tensor = batch["position_ids"]
         tail = positions[..., -1:] + torch.arange(1, extra + 1, device=positions.device)
         out["position_ids"] = torch.cat((positions, tail), dim=-1)
+    if "document_ids" in batch:
+        ids: Tensor = batch["document_ids"]
+        out["document_ids"] = torch.cat((ids, ids[..., -1:].expand(*ids.shape[:-1], extra)),
+                                        dim=-1)
     return out
 
 
@@ -63,7 +70,11 @@ def shard_batch(
 
     Args:
         batch: ``{"input_ids": (batch, seq), "labels": (batch, seq) optional,
-            "position_ids": (seq,) or (batch, seq) optional, ...}``; other keys pass through.
+            "position_ids": (seq,) or (batch, seq) optional, "document_ids": (batch, seq)
+            optional, ...}``; other keys pass through. With ``document_ids`` (packed
+            documents, contiguous layout only) the labels whose target begins the next
+            document are ignored and the default positions restart at each document, both
+            decided on the whole sequence before it is cut.
         rank, world_size: this rank's place in the sequence-parallel group and its size.
         pattern: the model's dilated pattern. The sequence is right-padded to
             ``padded_length(seq, pattern, chunks)`` (labels -100) so every branch fits the
@@ -77,7 +88,8 @@ def shard_batch(
     Returns:
         The batch with ``input_ids``/``labels`` of shape ``(batch, seq_padded / world_size)``
         and ``position_ids`` holding the shard's GLOBAL positions, ``(shard,)`` (built from
-        ``arange(seq_padded)`` before sharding when the batch had none).
+        ``arange(seq_padded)`` before sharding when the batch had none; ``(batch, shard)``
+        positions in each document with ``document_ids``).
     """
     if "input_ids" not in batch:
         raise KeyError(
@@ -101,10 +113,21 @@ def shard_batch(
         )
     else:
         length = seq_len
+    documents = batch.get("document_ids")
+    if documents is not None and layout != "contiguous":
+        raise ValueError(
+            f"packed documents (document_ids) run on contiguous shards only, not {layout!r}; "
+            "set load_balance: false on the sequence-parallel strategy."
+        )
     out = dict(batch)
-    if "position_ids" not in out:
+    if "position_ids" not in out and documents is None:
         out["position_ids"] = torch.arange(seq_len, device=input_ids.device)
     out = pad_sequences(out, length, pad_token_id)
+    if documents is not None:
+        if "labels" in out:
+            out["labels"] = document_labels(out["labels"], out["document_ids"])
+        if "position_ids" not in out:
+            out["position_ids"] = document_position_ids(out["document_ids"])
     keep = shard_positions(length, rank, world_size, layout, input_ids.device)
     for key in SEQUENCE_KEYS:
         if key in out:

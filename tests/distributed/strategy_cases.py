@@ -35,14 +35,20 @@ MODEL_OVERRIDES = {
 
 class TokenWindows(Dataset):
     """``size`` samples of pseudo-text bytes (a fixed seed per split), shifted labels, the last
-    few labels of every other sample ignored (-100) so token counts differ per sample."""
+    few labels of every other sample ignored (-100) so token counts differ per sample; with
+    ``documents``, each sample packs 2 to 6 documents of random lengths (``document_ids``)."""
 
-    def __init__(self, size: int, seed: int) -> None:
+    def __init__(self, size: int, seed: int, documents: bool = False) -> None:
         generator = torch.Generator().manual_seed(seed)
         vocab = torch.tensor(list(b"etaoin shrdlu.\n"), dtype=torch.long)
         picks = torch.randint(len(vocab), (size, SEQ_LEN + 1), generator=generator)
         self.tokens = vocab[picks]
         self.size = size
+        self.document_ids = None
+        if documents:
+            starts = torch.rand(size, SEQ_LEN, generator=generator) < 0.03
+            starts[:, 0] = False
+            self.document_ids = starts.long().cumsum(dim=1)
 
     def __len__(self) -> int:
         return self.size
@@ -52,14 +58,18 @@ class TokenWindows(Dataset):
         labels = tokens[1:].clone()
         if index % 2:
             labels[-(7 + index) :] = -100
-        return {"input_ids": tokens[:-1], "labels": labels}
+        sample = {"input_ids": tokens[:-1], "labels": labels}
+        if self.document_ids is not None:
+            sample["document_ids"] = self.document_ids[index]
+        return sample
 
 
 class TinyData(L.LightningDataModule):
-    def __init__(self, batch_size: int, eval_batch_size: int = 2) -> None:
+    def __init__(self, batch_size: int, eval_batch_size: int = 2, documents: bool = False) -> None:
         super().__init__()
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
-        self.train, self.val = TokenWindows(12, seed=1), TokenWindows(6, seed=2)
+        self.train = TokenWindows(12, seed=1, documents=documents)
+        self.val = TokenWindows(6, seed=2, documents=documents)
 
     @property
     def vocab_size(self) -> int:
@@ -84,13 +94,14 @@ def make_module(loss_reduction: str = "token") -> CausalLMModule:
     )
 
 
-def trainer_kwargs(loss_reduction: str) -> dict[str, Any]:
-    """The runs' settings. Sample-mean runs are float64: Adam normalises the near-zero
-    gradients of embedding rows no sample uses, which amplifies float32 rounding of the
-    per-sample weights past the 1e-6 tolerance."""
+def trainer_kwargs(loss_reduction: str, documents: bool = False) -> dict[str, Any]:
+    """The runs' settings. Sample-mean and packed-document runs are float64: Adam normalises
+    the near-zero gradients of embedding rows no sample uses, which amplifies float32 rounding
+    (of the per-sample weights; of sums taken in another order when documents cut the
+    attention into many small blocks) past the 1e-6 tolerance."""
     return dict(
         accelerator="cpu",
-        precision="64-true" if loss_reduction == "sample" else "32-true",
+        precision="64-true" if loss_reduction == "sample" or documents else "32-true",
         max_steps=STEPS,
         val_check_interval=STEPS,
         check_val_every_n_epoch=None,
@@ -114,18 +125,19 @@ def result(trainer: L.Trainer, module: CausalLMModule) -> dict[str, Any]:
     }
 
 
-def single_device_run(loss_reduction: str = "token") -> dict[str, Any]:
+def single_device_run(loss_reduction: str = "token", documents: bool = False) -> dict[str, Any]:
     """The reference: one process, the whole global batch."""
     torch.set_num_threads(1)
     module = make_module(loss_reduction)
-    trainer = L.Trainer(devices=1, **trainer_kwargs(loss_reduction))
-    trainer.fit(module, datamodule=TinyData(GLOBAL_BATCH))
+    trainer = L.Trainer(devices=1, **trainer_kwargs(loss_reduction, documents))
+    trainer.fit(module, datamodule=TinyData(GLOBAL_BATCH, documents=documents))
     return result(trainer, module)
 
 
 def sequence_parallel_run(rank: int, world_size: int, device: torch.device,
                           sequence_parallel_size: int, checkpoint_dir: str | None = None,
-                          loss_reduction: str = "token", load_balance: bool = True) -> dict:
+                          loss_reduction: str = "token", load_balance: bool = True,
+                          documents: bool = False) -> dict:
     """One rank of a ``(world_size / sp, sp)`` mesh on the launcher's process group.
 
     With ``checkpoint_dir``: also save a checkpoint at step 2 (all ranks take part), resume a
@@ -139,7 +151,7 @@ def sequence_parallel_run(rank: int, world_size: int, device: torch.device,
         return SequenceParallelStrategy(sequence_parallel_size=sequence_parallel_size,
                                         load_balance=load_balance, process_group_backend="gloo")
 
-    kwargs = trainer_kwargs(loss_reduction)
+    kwargs = trainer_kwargs(loss_reduction, documents)
     folder = None
     if checkpoint_dir is not None:
         folder = os.path.join(checkpoint_dir, f"sp{sequence_parallel_size}-{loss_reduction}-"
@@ -149,7 +161,7 @@ def sequence_parallel_run(rank: int, world_size: int, device: torch.device,
     module = make_module(loss_reduction)
     used = strategy()
     trainer = L.Trainer(devices=world_size, strategy=used, **kwargs)
-    trainer.fit(module, datamodule=TinyData(GLOBAL_BATCH // data_parallel))
+    trainer.fit(module, datamodule=TinyData(GLOBAL_BATCH // data_parallel, documents=documents))
     out = result(trainer, module)
     out["mesh"] = tuple(used.device_mesh.mesh.shape)
     out["layout"] = used.sequence_layout
@@ -158,8 +170,9 @@ def sequence_parallel_run(rank: int, world_size: int, device: torch.device,
     if folder is not None:
         resumed = make_module(loss_reduction)
         trainer = L.Trainer(devices=world_size, strategy=strategy(),
-                            **trainer_kwargs(loss_reduction))
-        trainer.fit(resumed, datamodule=TinyData(GLOBAL_BATCH // data_parallel),
+                            **trainer_kwargs(loss_reduction, documents))
+        trainer.fit(resumed, datamodule=TinyData(GLOBAL_BATCH // data_parallel,
+                                                 documents=documents),
                     ckpt_path=os.path.join(folder, "step=2.ckpt"))
         out["resume_max_diff"] = max(
             (a - b).abs().max().item()
@@ -170,11 +183,11 @@ def sequence_parallel_run(rank: int, world_size: int, device: torch.device,
 
 
 def sequence_parallel_runs(rank: int, world_size: int, device: torch.device,
-                           runs: tuple[tuple[int, str, bool], ...],
+                           runs: tuple[tuple[int, str, bool, bool], ...],
                            checkpoint_dir: str | None = None) -> list[dict]:
     """:func:`sequence_parallel_run` for each ``(sequence-parallel size, loss reduction,
-    load_balance)``, one after another in the same processes (one spawn for several
-    meshes)."""
+    load_balance, documents)``, one after another in the same processes (one spawn for
+    several meshes)."""
     return [sequence_parallel_run(rank, world_size, device, sp, checkpoint_dir, reduction,
-                                  balance)
-            for sp, reduction, balance in runs]
+                                  balance, documents)
+            for sp, reduction, balance, documents in runs]

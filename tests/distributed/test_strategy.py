@@ -2,8 +2,9 @@
 (1 x 4) meshes, three AdamW steps with gradient clipping on sequences padded to fit the
 pattern, give the single-process parameters to 1e-6 and the same validation loss, with the
 token-mean loss and with the sample-mean loss (each sample's tokens spread over its group's
-shards), with zigzag shards (the default) and contiguous ones; a checkpoint saved on all ranks
-resumes to the same parameters."""
+shards), with zigzag shards (the default) and contiguous ones, and on packed documents that
+cross shard boundaries (contiguous shards); a checkpoint saved on all ranks resumes to the same
+parameters."""
 
 from __future__ import annotations
 
@@ -19,25 +20,28 @@ from tests.distributed.strategy_cases import (
 
 pytestmark = pytest.mark.distributed
 
-# (data-parallel, sequence-parallel, loss reduction, load_balance)
-MESHES = ((2, 2, "token", True), (1, 4, "token", True), (2, 2, "sample", True),
-          (2, 2, "token", False))
+# (data-parallel, sequence-parallel, loss reduction, load_balance, packed documents)
+MESHES = ((2, 2, "token", True, False), (1, 4, "token", True, False),
+          (2, 2, "sample", True, False), (2, 2, "token", False, False),
+          (1, 4, "token", False, True))
 
 
 @pytest.fixture(scope="module")
 def references():
-    return {reduction: single_device_run(reduction) for reduction in ("token", "sample")}
+    return {(reduction, documents): single_device_run(reduction, documents)
+            for reduction, documents in (("token", False), ("sample", False), ("token", True))}
 
 
 def test_meshes_equal_single_device_training(references, tmp_path):
-    runs_asked = tuple((sp, reduction, balance) for _, sp, reduction, balance in MESHES)
+    runs_asked = tuple(mesh[1:] for mesh in MESHES)
     per_rank = run_workers(sequence_parallel_runs, 4, runs_asked, str(tmp_path), timeout=600)
-    for index, (dp, sp, reduction, balance) in enumerate(MESHES):
+    for index, (dp, sp, reduction, balance, documents) in enumerate(MESHES):
         runs = [rank_runs[index] for rank_runs in per_rank]
-        reference = references[reduction]
+        reference = references[reduction, documents]
         layout = "zigzag" if balance else "contiguous"
         for rank, run in enumerate(runs):
-            where = f"mesh {dp}x{sp}, {reduction} loss, {layout}, rank {rank}"
+            where = (f"mesh {dp}x{sp}, {reduction} loss, {layout}"
+                     f"{', packed documents' if documents else ''}, rank {rank}")
             assert run["mesh"] == (dp, sp) and run["layout"] == layout, where
             assert run["sp_ranks"] == list(range(rank // sp * sp, rank // sp * sp + sp)), where
             assert run["global_step"] == STEPS, where

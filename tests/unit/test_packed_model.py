@@ -116,5 +116,6 @@ def test_document_ids_are_checked_by_the_model():
         model(input_ids, document_ids=document_ids[:, 1:])
     with pytest.raises(ValueError, match="document_ids cannot be combined with a KV cache"):
         model(input_ids, document_ids=document_ids, cache=model.new_cache())
-    with pytest.raises(ValueError, match="document_ids with a sequence-parallel group is not"):
+    with pytest.raises(ValueError, match="with document_ids and a sequence-parallel group, "
+                                         "pass position_ids"):
         model(input_ids, document_ids=document_ids, group=object())

@@ -128,6 +128,29 @@ def test_zigzag_shards_hold_an_early_and_a_late_chunk():
         assert torch.equal(shard["labels"], batch["labels"][:, held])
 
 
+def test_packed_documents_are_cut_with_their_global_positions_and_boundaries():
+    """Positions restart at each document and the label whose target begins the next document
+    is ignored, decided on the whole sequence (a document may cross the shard boundary); the
+    padding continues the last document (exact for a causal model, as all padding here), so
+    the last real label still counts."""
+    ids = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1, 1, 1], [4, 4, 4, 4, 7, 7, 7, 7, 7, 7]])
+    batch = _batch(10) | {"document_ids": ids}
+    pattern = DilatedPattern((4,), (1,))
+    shards = [shard_batch(batch, rank, 2, pattern=pattern, pad_token_id=254) for rank in range(2)]
+    positions = torch.cat([shard["position_ids"] for shard in shards], dim=1)  # padded to 16
+    assert positions.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
+                                  [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
+    documents = torch.cat([shard["document_ids"] for shard in shards], dim=1)
+    assert documents[:, 10:].tolist() == [[1] * 6, [7] * 6]
+    labels = torch.cat([shard["labels"] for shard in shards], dim=1)
+    ignored = [(row, column) for row, column in (labels == -100).nonzero().tolist()
+               if column < 10]  # the padded labels are ignored too
+    assert ignored == [(0, 4), (1, 3)]  # the last label's target is data, not the padding
+    assert (labels[:, 10:] == -100).all()
+    with pytest.raises(ValueError, match="contiguous shards only.*load_balance: false"):
+        shard_batch(batch, 0, 2, pattern=pattern, layout="zigzag")
+
+
 def test_zigzag_pads_to_what_the_pattern_runs_on_in_2p_chunks():
     pattern = DilatedPattern((8, 16), (1, 2))
     batch = _batch(20)
