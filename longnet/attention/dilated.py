@@ -168,7 +168,7 @@ def dilated_attention(
             q.device,
         )
         if document_ids is not None:
-            documents = global_documents(document_ids, q.shape, process_group)
+            documents = global_documents(document_ids, q.shape, q.device, process_group)
     plan = plan_attention(
         pattern, q.shape, q.dtype, q.device, causal=causal, scale=scale,
         process_group=process_group, transports=transports, kernel=kernel, block_elements=budget,

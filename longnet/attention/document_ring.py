@@ -33,13 +33,13 @@ from longnet.attention.pattern import DilatedPattern
 from longnet.attention.ring import SpanningPiece, query_groups, ring_pieces
 
 
-def global_documents(document_ids: Tensor, shard_shape: torch.Size,
+def global_documents(document_ids: Tensor, shard_shape: torch.Size, device: torch.device,
                      process_group: dist.ProcessGroup) -> Documents:
     """The document lengths of the whole sequence of every batch element, from this rank's
-    shard of ``document_ids`` ``(batch, shard)`` (checked against ``q`` of ``shard_shape``):
-    one all-gather of the ids on their device, one transfer to the host."""
+    shard of ``document_ids`` ``(batch, shard)`` (checked against ``q`` of ``shard_shape`` on
+    ``device``): one all-gather of the ids on that device, one transfer to the host."""
     batch, shard_len = shard_shape[0], shard_shape[1]
-    check_document_ids(document_ids, batch, shard_len, document_ids.device)
+    check_document_ids(document_ids, batch, shard_len, device)
     ids = document_ids.long().contiguous()
     parts = [torch.empty_like(ids) for _ in range(dist.get_world_size(process_group))]
     dist.all_gather(parts, ids, group=process_group)
