@@ -54,14 +54,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def step_wall(ranks: list[RankSteps]) -> float:
+    """Median over the timed steps of the slowest rank's wall time."""
+    return statistics.median(max(steps) for steps in zip(*(r.wall for r in ranks)))
+
+
 def run_rows(results: dict[tuple[int, str], list[RankSteps]]) -> list[list[str]]:
     """Table rows of ``HEADER``, one per ``(P, layout)``."""
     rows = []
     for (world, layout), ranks in results.items():
-        wall = statistics.median(max(r.wall[i] for r in ranks) for i in range(len(ranks[0].wall)))
-        base = results[world, "contiguous"]
-        base_wall = statistics.median(max(r.wall[i] for r in base)
-                                      for i in range(len(base[0].wall)))
+        wall, base_wall = step_wall(ranks), step_wall(results[world, "contiguous"])
         busy = [r.busy_median for r in ranks]
         rows.append([
             str(world), layout, f"{wall:.2f}", f"{base_wall / wall:.2f}x",

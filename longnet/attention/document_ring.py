@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from longnet.attention.documents import Documents, check_document_ids
+from longnet.attention.documents import Documents, check_document_ids, run_lengths
 from longnet.attention.layout import BlockGroup, region_groups
 from longnet.attention.pattern import DilatedPattern
 from longnet.attention.ring import SpanningPiece, query_groups, ring_pieces
@@ -44,10 +44,7 @@ def global_documents(document_ids: Tensor, shard_shape: torch.Size, device: torc
     parts = [torch.empty_like(ids) for _ in range(dist.get_world_size(process_group))]
     dist.all_gather(parts, ids, group=process_group)
     whole = torch.cat(parts, dim=1)
-    checked = check_document_ids(whole, batch, whole.shape[1], whole.device)  # across shards
-    return tuple(
-        tuple(torch.unique_consecutive(row, return_counts=True)[1].tolist()) for row in checked
-    )
+    return run_lengths(check_document_ids(whole, batch, whole.shape[1], device))  # across shards
 
 
 def document_segments(lengths: Sequence[int], segment_length: int) -> Iterator[tuple[int, int]]:

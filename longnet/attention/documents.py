@@ -74,7 +74,11 @@ def check_document_ids(
 def document_lengths(document_ids: Tensor, shape: torch.Size, device: torch.device) -> Documents:
     """The lengths of the documents of ``document_ids``, checked (``check_document_ids``)
     against ``q`` of ``shape`` ``(batch, seq, heads, head_dim)`` on ``device``."""
-    ids = check_document_ids(document_ids, shape[0], shape[1], device)
+    return run_lengths(check_document_ids(document_ids, shape[0], shape[1], device))
+
+
+def run_lengths(ids: Tensor) -> Documents:
+    """The lengths of the runs of equal ids of every row of checked host ids ``(batch, seq)``."""
     return tuple(
         tuple(torch.unique_consecutive(row, return_counts=True)[1].tolist()) for row in ids
     )
