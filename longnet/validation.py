@@ -27,6 +27,12 @@ def is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def is_real(value: Any) -> bool:
+    """Whether ``value`` is a real number (an ``int``, a ``float``, a NumPy number such as
+    ``np.float32(0.5)``: any ``numbers.Real``) and not a ``bool``."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def check_positive_int(name: str, value: Any) -> int:
     """``value`` as an ``int`` if it is an integer >= 1 (:func:`is_int`), else ``ValueError``:
     ``"<name> must be a positive integer, got <value!r>."``"""

@@ -31,7 +31,7 @@ from longnet.attention.plan import AttentionPlan, default_block_elements, plan_a
 from longnet.attention.ring import run_backward_, run_forward_
 from longnet.attention.transport import agree_on_call, transports_per_branch
 from longnet.distributed.shards import check_layout
-from longnet.validation import is_int
+from longnet.validation import is_int, is_real
 
 
 class _DilatedAttention(torch.autograd.Function):
@@ -215,10 +215,7 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> None:
             f"dilated_attention: q has an empty dimension, shape {tuple(q.shape)}; every "
             "dimension (batch, seq, heads, head_dim) must be at least 1."
         )
-    if scale is not None and (
-        isinstance(scale, bool) or not isinstance(scale, (int, float))
-        or not math.isfinite(scale) or scale <= 0
-    ):
+    if scale is not None and (not is_real(scale) or not math.isfinite(scale) or scale <= 0):
         raise ValueError(
             f"dilated_attention: scale must be a finite positive number (default head_dim ** "
             f"-0.5), got {scale!r}."

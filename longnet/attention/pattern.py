@@ -62,11 +62,14 @@ class DilatedPattern:
         if isinstance(pattern, DilatedPattern):
             return pattern
         try:
+            if isinstance(pattern, (str, bytes)):  # iterable, but never pairs
+                raise TypeError
             pairs = [tuple(pair) for pair in pattern]
         except TypeError:
             raise TypeError(
                 "pattern must be a DilatedPattern or a list of (segment_length, dilation_rate) "
-                f"pairs, got {type(pattern).__name__}."
+                f"pairs such as [(2048, 1), (4096, 2)], got {type(pattern).__name__} "
+                f"{pattern!r}."
             ) from None
         if any(len(pair) != 2 for pair in pairs):
             raise ValueError(

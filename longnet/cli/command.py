@@ -51,15 +51,17 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+from jsonargparse import ArgumentError
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from longnet.cli.errors import VERBOSE_FLAG, ConfigError, undecodable_config
+from longnet.cli.errors import VERBOSE_FLAG, ConfigError, undecodable_config, unmapped_config
 from longnet.cli.runs import (
     check_checkpoint_shape,
     check_keyword,
     check_outputs,
+    check_steps_left,
     checkpoints_hint,
     describe_run,
     last_good_checkpoint,
@@ -83,7 +85,29 @@ from longnet.training.runs import (
     run_folder,
 )
 from longnet.training.signals import StopOnSignal
-from longnet.validation import UsageError
+from longnet.validation import UsageError, check_positive_int
+
+
+def check_trainer_values(config: dict[str, Any]) -> None:
+    """Refuse trainer values Lightning takes without a word but cannot use: an
+    ``accumulate_grad_batches`` below 1 or a ``val_check_interval`` of 0 (both divide by zero
+    at the first step), a negative ``val_check_interval`` (validates at the wrong steps) and a
+    negative ``gradient_clip_val`` (taken as "no clipping")."""
+    check_positive_int("trainer.accumulate_grad_batches",
+                       config.get("accumulate_grad_batches", 1))
+    interval = config.get("val_check_interval")
+    if isinstance(interval, (int, float)) and not isinstance(interval, bool) and interval <= 0:
+        raise UsageError(
+            f"trainer.val_check_interval must be positive (a number of steps, or a fraction of "
+            f"an epoch), got {interval}; to validate less often raise it, to never validate "
+            "set --trainer.limit_val_batches 0."
+        )
+    clip = config.get("gradient_clip_val")
+    if isinstance(clip, (int, float)) and clip < 0:
+        raise UsageError(
+            f"trainer.gradient_clip_val must be >= 0 (the largest gradient norm; 0 or null: no "
+            f"clipping), got {clip}."
+        )
 
 
 class RunConfigSaver(SaveConfigCallback):
@@ -131,14 +155,19 @@ class LongNetCLI(LightningCLI):
         )
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
-        """Lightning's, with a clear error for a config file that is not text; then a
-        ``--ckpt_path`` file is checked (a clear error for random bytes, a truncated or a
-        foreign file)."""
+        """Lightning's, with a clear error for a config file that is not text or not a
+        mapping (empty, a list); then a ``--ckpt_path`` file is checked (a clear error for
+        random bytes, a truncated or a foreign file)."""
+        given = sys.argv[1:] if args is None else list(args)
         try:
             super().parse_arguments(parser, args)
         except UnicodeDecodeError as err:
-            raise UsageError(undecodable_config(sys.argv[1:] if args is None else args, err)) \
-                from err
+            raise UsageError(undecodable_config(given, err)) from err
+        except ArgumentError as err:
+            message = unmapped_config(given) if "Unexpected config" in str(err) else None
+            if message is None:
+                raise
+            raise UsageError(message) from err
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
         if ckpt_path and Path(ckpt_path).is_file():
@@ -160,8 +189,10 @@ class LongNetCLI(LightningCLI):
         """Lightning's, plus :class:`RunId` first among the callbacks,
         :class:`~longnet.training.callbacks.ValidateLastStep`, :class:`StopOnSignal` and,
         unless the config disables the bar or brings its own,
-        :func:`~longnet.training.progress.progress_bar`."""
+        :func:`~longnet.training.progress.progress_bar`; trainer values it cannot use are
+        refused first (:func:`check_trainer_values`)."""
         config = self._get(self.config_init, "trainer", default={})
+        check_trainer_values(config)
         given = config.get("callbacks")
         callbacks = [] if given is None else list(given) if isinstance(given, list) else [given]
         self.run_tag = RunId(new_run_id())
@@ -230,6 +261,7 @@ class LongNetCLI(LightningCLI):
             folder.resolve() for folder in checkpoint_dirs(trainer)}
         if subcommand == "fit":
             previous, step = checkpoint_run_id(checkpoint), checkpoint.get("global_step")
+            check_steps_left(ckpt_path, step, trainer.max_steps)
             if own and previous:
                 self.run_tag.run_id = previous
             if trainer.is_global_zero:

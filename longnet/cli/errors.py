@@ -1,7 +1,8 @@
 """Expected failures of the ``longnet`` command as the few lines it prints: the message of an
 exception (:func:`error_message`), of a jsonargparse parse error (:func:`parse_error_message`:
-the innermost failing key and the reason) and of a config file that is not text
-(:func:`undecodable_config`); :data:`EXPECTED_ERRORS`, the exceptions reported that way."""
+the innermost failing key and the reason), of a config file that is not text
+(:func:`undecodable_config`) and of one that is not a mapping (:func:`unmapped_config`);
+:data:`EXPECTED_ERRORS`, the exceptions reported that way."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
+import yaml
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from longnet.validation import UsageError
@@ -41,6 +43,28 @@ def undecodable_config(args: Sequence[str], err: UnicodeDecodeError) -> str:
                             f"{bad.start}): give a YAML or JSON config, e.g. "
                             "configs/smoke.yaml.")
     return f"a file given on the command line is not UTF-8 text ({err}); configs are YAML."
+
+
+def unmapped_config(args: Sequence[str]) -> str | None:
+    """The message for a ``--config`` (a file or an inline YAML string) that is empty or holds
+    something else than a mapping of sections (a list, plain text); None if every one is a
+    mapping (jsonargparse's "Unexpected config" names neither the file nor the fix)."""
+    values = [arg.partition("=")[2] if arg.startswith("--config=") else args[i + 1]
+              for i, arg in enumerate(args)
+              if arg.startswith("--config=") or (arg == "--config" and i + 1 < len(args))]
+    for value in values:
+        path = Path(value)
+        named = str(path) if path.is_file() else f"--config {value!r}"
+        try:
+            content = yaml.safe_load(path.read_text(errors="replace") if path.is_file()
+                                     else value)
+        except (yaml.YAMLError, OSError):
+            continue  # jsonargparse names what it cannot parse
+        if not isinstance(content, dict):
+            holds = "is empty" if content is None else f"holds a {type(content).__name__}"
+            return (f"{named} {holds}, not a config: a config is a YAML mapping of sections "
+                    "(seed_everything:, trainer:, model:, data:), e.g. configs/smoke.yaml.")
+    return None
 
 
 def parse_error_message(message: str) -> str:

@@ -1,6 +1,7 @@
 """The ``longnet`` command's checks of a run folder and its checkpoints, before and after the
 work: outputs writable (:func:`check_outputs`), a ``--ckpt_path`` resolved (``last``,
-``best``) and of the configured model's shape, no earlier run overwritten by a new ``fit``;
+``best``), of the configured model's shape and, for a ``fit``, not already past ``max_steps``
+(:func:`check_steps_left`), no earlier run overwritten by a new ``fit``;
 and what a run left behind (:func:`describe_run`, :func:`max_time_cut`,
 :func:`last_good_checkpoint`). The run folder's lock and run ids are
 ``longnet.training.runs``'s."""
@@ -69,6 +70,19 @@ def check_checkpoint_shape(ckpt_path: str, checkpoint: dict[str, Any],
         f"was trained with{matching}, or drop the --model.init_args.overrides that change the "
         "model's shape."
     )
+
+
+def check_steps_left(ckpt_path: str, step: Any, max_steps: int) -> None:
+    """Refuse a ``fit`` from a checkpoint already past ``max_steps`` (-1: no limit): it would
+    train nothing, yet test and export the model again and save a ``config.yaml`` whose
+    ``max_steps`` is not the steps the model was trained."""
+    if isinstance(step, int) and 0 <= max_steps < step:
+        raise UsageError(
+            f"--ckpt_path {ckpt_path} is at step {step}, past --trainer.max_steps {max_steps}: "
+            f"a fit from it would train nothing. To train further, raise --trainer.max_steps "
+            f"above {step}; to evaluate it, run longnet validate or longnet test with this "
+            "--ckpt_path."
+        )
 
 
 def config_difference(checkpoint: dict[str, Any], module: L.LightningModule) -> str:

@@ -39,8 +39,14 @@ from longnet.files import open_files
 from longnet.hf.cache import LongNetCache
 from longnet.hf.configuration import LongNetHFConfig
 from longnet.hf.padding import left_padding, row_groups
-from longnet.modeling import LongNetLM, WeightsMismatchError, list_models, resolve_model_dir
-from longnet.modeling.config import CONFIG_NAME
+from longnet.modeling import (
+    LongNetLM,
+    WeightsMismatchError,
+    list_models,
+    models_dir,
+    resolve_model_dir,
+)
+from longnet.modeling.config import CONFIG_NAME, MODEL_TYPE, check_computation_fields
 from longnet.modeling.pretrained import read_config_json
 from longnet.modeling.serialization import (
     WEIGHTS_NAME,
@@ -105,7 +111,10 @@ class LongNetForCausalLM(PreTrainedModel, GenerationMixin):
         :class:`longnet.modeling.WeightsMismatchError` where ``transformers`` would warn and
         initialize the missing ones at random; one holding NaN or infinite values raises
         :class:`longnet.modeling.NonFiniteWeightsError`, and a damaged ``model.safetensors``
-        a ``ValueError``, both naming the file.
+        a ``ValueError``, both naming the file; a ``config.json`` written by LongNet that omits
+        a field changing the computation raises :class:`longnet.validation.UsageError` (as
+        ``LongNetLM.from_pretrained``); a name that is no folder, no zoo model and nothing
+        ``transformers`` can load raises ``FileNotFoundError``.
 
         A local folder loads like ``LongNetLM.from_pretrained`` loads it: ``config.json``,
         ``model.safetensors`` and ``generation_config.json`` come from one version of it
@@ -117,6 +126,7 @@ class LongNetForCausalLM(PreTrainedModel, GenerationMixin):
         if str(source) in list_models() and not Path(source).is_dir():
             source = resolve_model_dir(source)
         wants_info = kwargs.pop("output_loading_info", False)
+        kwargs["ignore_mismatched_sizes"] = True  # refused below, naming every tensor
         folder = Path(source, kwargs.get("subfolder") or "")
         if folder.is_dir():
             kwargs.pop("subfolder", None)
@@ -130,12 +140,18 @@ class LongNetForCausalLM(PreTrainedModel, GenerationMixin):
                 )
             except SafetensorError as err:
                 raise unreadable_weights(weights, err) from None
-        problems = [f"{kind.replace('_', ' ')}: {', '.join(sorted(map(str, info[kind])))}"
+            except OSError as err:
+                raise FileNotFoundError(
+                    f"{str(source)!r} is neither a model folder nor a known model name (in "
+                    f"{models_dir()}: {', '.join(list_models()) or 'none'}), and transformers "
+                    f"could not load it from the Hugging Face Hub either: {err}"
+                ) from None
+        problems = [f"{kind.replace('_', ' ')}: {', '.join(sorted(map(_tensor_named, info[kind])))}"
                     for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")
                     if info.get(kind)]
         if problems:
             raise WeightsMismatchError(
-                f"{source} does not match the model ({'; '.join(problems)}). Check that its "
+                f"{weights} does not match the model ({'; '.join(problems)}). Check that its "
                 "config.json belongs to these weights."
             )
         check_finite(unique_state_dict(model.longnet), str(weights))
@@ -153,6 +169,11 @@ class LongNetForCausalLM(PreTrainedModel, GenerationMixin):
         names = (CONFIG_NAME, WEIGHTS_NAME, GENERATION_CONFIG_NAME)
         with open_files(folder, names) as files:
             data = read_config_json(files, folder)
+            if data.get("model_type") == MODEL_TYPE and "transformers_version" not in data:
+                # written by LongNet, which spells out every field (transformers leaves out
+                # those at PreTrainedConfig's defaults): a missing one would silently be its
+                # default
+                check_computation_fields(data, folder / CONFIG_NAME)
             if WEIGHTS_NAME not in files:
                 LongNetHFConfig(**data)  # a foreign config.json: its own error first
                 raise FileNotFoundError(
@@ -270,6 +291,15 @@ class LongNetForCausalLM(PreTrainedModel, GenerationMixin):
         loss = None if labels is None else loss_sum / max(int(num_tokens), 1)
         output = CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: cache})
         return output if return_dict is not False else output.to_tuple()
+
+
+def _tensor_named(entry: str | tuple) -> str:
+    """An entry of ``transformers``' loading info, readable: a tensor name, or for a
+    mis-shaped tensor ``(name, checkpoint shape, model shape)``."""
+    if isinstance(entry, str):
+        return entry
+    name, saved, built = entry
+    return f"{name} (checkpoint {tuple(saved)}, model {tuple(built)})"
 
 
 def _same_path(first: str, second: str | Path) -> bool:

@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from longnet.attention import DilatedPattern
+from longnet.files import write_atomic
 from longnet.modeling.hub import resolve_model_dir
 from longnet.nn.feedforward import ACTIVATIONS, FFN_KINDS
 from longnet.nn.norm import NORM_KINDS
 from longnet.nn.positional import POSITION_ENCODINGS
-from longnet.validation import UsageError, check_positive_int, is_int
+from longnet.validation import UsageError, check_positive_int, is_int, is_real
 
 CONFIG_NAME = "config.json"
 MODEL_TYPE = "longnet"
@@ -117,9 +118,12 @@ class LongNetConfig:
         if self.dilation_rates is not None:
             self.dilation_rates = _int_tuple("dilation_rates", self.dilation_rates)
         self.validate()
-        for f in dataclasses.fields(self):  # NumPy integers as int: config.json holds them
-            if is_int(getattr(self, f.name)):
-                setattr(self, f.name, int(getattr(self, f.name)))
+        for f in dataclasses.fields(self):  # NumPy numbers as int/float: config.json holds them
+            value = getattr(self, f.name)
+            if is_int(value):
+                setattr(self, f.name, int(value))
+            elif is_real(value):
+                setattr(self, f.name, float(value))
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -169,7 +173,7 @@ class LongNetConfig:
         _bool("gradient_checkpointing", self.gradient_checkpointing)
         for name in ("norm_eps", "rope_theta", "xpos_scale_base", "initializer_range"):
             _positive_float(name, getattr(self, name))
-        if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
+        if not is_real(self.dropout) or not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}.")
         if self.head_dim is None and self.hidden_size % self.num_heads:
             raise ValueError(
@@ -263,11 +267,13 @@ class LongNetConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n"
 
     def save(self, path: str | Path) -> None:
-        """Write JSON to ``path`` (a file, or a folder that gets ``config.json``)."""
+        """Write JSON to ``path`` (a file, or a folder that gets ``config.json``), atomically
+        (:func:`longnet.files.write_atomic`: a reader or a kill never finds half a file; the
+        parent folders are created)."""
         path = Path(path)
         if path.is_dir():
             path = path / CONFIG_NAME
-        path.write_text(self.to_json_string())
+        write_atomic(path, self.to_json_string())
 
     @classmethod
     def load(cls, path: str | Path, **overrides: Any) -> LongNetConfig:
@@ -298,6 +304,12 @@ def check_saved_fields(data: dict[str, Any], source: str | Path) -> None:
     entry a config read from ``source`` (a ``config.json``) omits (after the check for unknown
     names, whose message suggests the intended field for a misspelt one)."""
     _check_names(name for name in data if name not in ("model_type", "architecture"))
+    check_computation_fields(data, source)
+
+
+def check_computation_fields(data: dict[str, Any], source: str | Path) -> None:
+    """Raise :class:`UsageError` naming every :data:`COMPUTATION_FIELDS` entry that the
+    ``config.json`` ``source`` (read as ``data``) omits."""
     missing = [name for name in COMPUTATION_FIELDS if name not in data]
     if missing:
         raise UsageError(
@@ -336,12 +348,7 @@ def _int_tuple(name: str, value: Any) -> tuple[int, ...]:
 
 
 def _positive_float(name: str, value: Any) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
-    ):
+    if not is_real(value) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a positive finite number, got {value!r}.")
 
 

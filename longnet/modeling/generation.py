@@ -32,7 +32,9 @@ def sample_next(
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def _check(model: LongNetLM, input_ids: Tensor, max_new_tokens, temperature, top_k) -> None:
+def _check(
+    model: LongNetLM, input_ids: Tensor, max_new_tokens, temperature, top_k, eos_token_id
+) -> None:
     if not is_int(max_new_tokens):
         raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}.")
     if max_new_tokens < 0:
@@ -54,6 +56,13 @@ def _check(model: LongNetLM, input_ids: Tensor, max_new_tokens, temperature, top
             f"{getattr(input_ids, 'shape', input_ids)!r}."
         )
     config = model.config
+    if eos_token_id is not None and (
+        not is_int(eos_token_id) or not 0 <= eos_token_id < config.vocab_size
+    ):
+        raise ValueError(
+            f"eos_token_id must be None or a token id in 0..{config.vocab_size - 1}, got "
+            f"{eos_token_id!r}; with another id generation could never stop on it."
+        )
     total = input_ids.shape[1] + max_new_tokens
     if config.position_encoding == "learned" and total > config.max_positions:
         raise ValueError(
@@ -76,7 +85,7 @@ def generate(
     use_cache: bool = True,
 ) -> Tensor:
     """See :meth:`longnet.modeling.LongNetLM.generate`."""
-    _check(model, input_ids, max_new_tokens, temperature, top_k)
+    _check(model, input_ids, max_new_tokens, temperature, top_k, eos_token_id)
     was_training = model.training
     model.eval()
     try:

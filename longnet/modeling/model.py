@@ -106,6 +106,8 @@ def check_label_ids(labels: Tensor, num_classes: int, name: str, ignore: bool) -
         TypeError: ``labels`` is not an integer tensor.
         ValueError: an id is out of range (the message gives the first and the range).
     """
+    if not isinstance(labels, Tensor):
+        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}.")
     if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
         raise TypeError(f"labels must have an integer dtype, got {labels.dtype}.")
     valid = (labels >= 0) & (labels < num_classes)
@@ -263,7 +265,8 @@ class LongNetPreTrained(nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls, name_or_dir: str | Path, *, dtype: torch.dtype | None = None, **overrides: Any
+        cls, name_or_dir: str | Path, *, dtype: torch.dtype | str | None = None,
+        **overrides: Any,
     ) -> LongNetPreTrained:
         """Load a saved LongNet model or import a Hugging Face GPT-2 / Llama checkpoint.
 
@@ -272,12 +275,14 @@ class LongNetPreTrained(nn.Module):
         :func:`longnet.modeling.list_models`).  ``overrides`` replace config fields, e.g.
         ``pattern=[(2048, 1), (4096, 2)]`` (the dilated pattern used from then on),
         ``gradient_checkpointing=True`` or ``dropout=0.1``.  ``dtype``: parameter dtype of
-        the returned model (default float32); weights are cast from the file's dtype.
+        the returned model (default float32), a ``torch.dtype`` or its name (``"bfloat16"``);
+        weights are cast from the file's dtype.
         Returns the model in eval mode.
 
         Raises:
             FileNotFoundError: no such folder or zoo name, or a folder without weights.
-            ValueError: an unreadable ``config.json`` or ``model.safetensors`` (named).
+            ValueError: an unreadable ``config.json`` or ``model.safetensors`` (named), or a
+                ``dtype`` that is not a floating dtype.
             WeightsMismatchError: missing, unexpected or mis-shaped tensors (all named).
             NonFiniteWeightsError: tensors holding NaN or infinite values (all named).
         """
@@ -334,12 +339,12 @@ class LongNetLM(LongNetPreTrained):
         logits = self.lm_head(hidden)
         if labels is None:
             return LMOutput(logits=logits)
+        check_label_ids(labels, self.config.vocab_size, "vocab_size", ignore=True)
         if labels.shape != input_ids.shape:
             raise ValueError(
                 f"labels has shape {tuple(labels.shape)}, expected {tuple(input_ids.shape)} "
                 "(aligned with input_ids: labels[:, t] is the target of position t)."
             )
-        check_label_ids(labels, self.config.vocab_size, "vocab_size", ignore=True)
         labels = document_labels(labels, document_ids)
         compute = torch.promote_types(logits.dtype, torch.float32)
         loss_sum = F.cross_entropy(
@@ -451,12 +456,12 @@ class LongNetEncoder(LongNetPreTrained):
         logits = self.classifier(pooled)
         loss = None
         if labels is not None:
+            check_label_ids(labels, self.config.num_labels, "num_labels", ignore=False)
             if labels.shape != (input_ids.shape[0],):
                 raise ValueError(
                     f"labels must have shape ({input_ids.shape[0]},) (one class per row), got "
                     f"{tuple(labels.shape)}."
                 )
-            check_label_ids(labels, self.config.num_labels, "num_labels", ignore=False)
             compute = torch.promote_types(logits.dtype, torch.float32)
             loss = F.cross_entropy(logits.to(compute), labels.long())
         return EncoderOutput(logits=logits, pooled=pooled, hidden_states=hidden, loss=loss)

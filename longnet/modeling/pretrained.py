@@ -184,13 +184,15 @@ def pretrained_config(name_or_dir: str | Path, **overrides: Any) -> LongNetConfi
 
 
 def from_pretrained(
-    cls: type, name_or_dir: str | Path, *, dtype: torch.dtype | None = None, **overrides: Any
+    cls: type, name_or_dir: str | Path, *, dtype: torch.dtype | str | None = None,
+    **overrides: Any,
 ):
     """See :meth:`longnet.modeling.LongNetLM.from_pretrained`.  Returns the model in eval mode.
 
     The config and the weights of a LongNet folder come from one version of it
     (:func:`longnet.files.open_files`), even while :func:`save_pretrained` replaces it.
     """
+    dtype = parameter_dtype(dtype)
     folder = resolve_model_dir(name_or_dir)
     with open_files(folder, (CONFIG_NAME, WEIGHTS_NAME)) as files:
         data = read_config_json(files, folder)
@@ -219,6 +221,23 @@ def from_pretrained(
         }
     load_state_checked(model, tensors, source=source)
     return model.eval()
+
+
+def parameter_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """``from_pretrained``'s ``dtype``: a floating ``torch.dtype``, its name (``"bfloat16"``
+    or ``"torch.bfloat16"``, as ``transformers`` takes it) or None (float32).
+
+    Raises:
+        ValueError: anything else, naming it.
+    """
+    name = dtype.removeprefix("torch.") if isinstance(dtype, str) else None
+    resolved = getattr(torch, name, None) if name else dtype
+    if dtype is None or (isinstance(resolved, torch.dtype) and resolved.is_floating_point):
+        return resolved
+    raise ValueError(
+        f"dtype must be a floating torch.dtype or its name (torch.float32, 'bfloat16', "
+        f"'float16', ...), got {dtype!r}."
+    )
 
 
 def _longnet_config(

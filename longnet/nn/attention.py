@@ -17,6 +17,7 @@ from longnet.nn.positional import (
     document_position_ids,
 )
 from longnet.nn.short_conv import CausalShortConv
+from longnet.validation import check_positive_int, is_int, is_real
 
 
 class LayerKVCache:
@@ -185,16 +186,25 @@ class MultiheadDilatedAttention(nn.Module):
         kv_conv_size: int = 0,
     ) -> None:
         super().__init__()
+        embed_dim = check_positive_int("embed_dim", embed_dim)
+        num_heads = check_positive_int("num_heads", num_heads)
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal must be True or False, got {causal!r}.")
+        if not is_real(dropout) or not 0 <= dropout < 1:
+            raise ValueError(f"dropout must be a number in [0, 1), got {dropout!r}.")
         if kv_conv_size == 1 or kv_conv_size < 0:
             raise ValueError(
                 f"kv_conv_size must be 0 (no convolution) or at least 2, got {kv_conv_size}."
             )
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
+        if not is_int(num_kv_heads) or num_kv_heads <= 0 or num_heads % num_kv_heads:
             raise ValueError(
                 f"num_kv_heads ({num_kv_heads}) must be positive and divide num_heads "
                 f"({num_heads})."
             )
+        num_kv_heads = int(num_kv_heads)
+        if head_dim is not None:
+            head_dim = check_positive_int("head_dim", head_dim)
         if head_dim is None:
             if embed_dim % num_heads:
                 raise ValueError(
@@ -207,7 +217,7 @@ class MultiheadDilatedAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.pattern = DilatedPattern.coerce(pattern)
-        self.causal = bool(causal)
+        self.causal = causal
         self.scale = float(scale) if scale is not None else head_dim**-0.5
         self.q_proj = nn.Linear(embed_dim, num_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=bias)
@@ -255,6 +265,7 @@ class MultiheadDilatedAttention(nn.Module):
         document is attended (and its keys and values convolved) as if it were alone
         (``dilated_attention``); not with ``cache``.
         """
+        self._check_input(x)
         batch, seq, _ = x.shape
         if document_ids is not None and cache is not None:
             raise ValueError(
@@ -303,6 +314,26 @@ class MultiheadDilatedAttention(nn.Module):
         if self.sub_norm is not None:
             out = self.sub_norm(out)
         return self.dropout(self.out_proj(out))
+
+    def _check_input(self, x: Tensor) -> None:
+        """``x`` must be a ``(batch, seq, embed_dim)`` tensor of the projections' dtype (any
+        floating dtype under autocast, which casts it)."""
+        shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+        if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.embed_dim:
+            raise ValueError(
+                f"MultiheadDilatedAttention: x must be a (batch, seq, embed_dim) tensor with "
+                f"embed_dim {self.embed_dim}, got {shape}; add a batch dimension with x[None] "
+                "or project x to the layer's width."
+            )
+        weight = self.q_proj.weight
+        if x.dtype != weight.dtype and not (
+            x.is_floating_point() and torch.is_autocast_enabled(x.device.type)
+        ):
+            raise TypeError(
+                f"MultiheadDilatedAttention: x has dtype {x.dtype}, the layer's weights "
+                f"{weight.dtype}; cast one to the other (x.to({weight.dtype}) or "
+                f"layer.to({x.dtype}))."
+            )
 
     def _convolve_kv(
         self,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any, Literal
 
 import lightning as L
@@ -329,6 +330,12 @@ class CausalLMModule(L.LightningModule):
                     "total_steps is None and the trainer has no finite length; set "
                     "trainer.max_steps or model.init_args.total_steps."
                 )
+        if hp.warmup_steps >= total:
+            warnings.warn(
+                f"warmup_steps {hp.warmup_steps} is not below the schedule's {int(total)} steps "
+                "(total_steps, else max_steps): the learning rate never reaches learning_rate "
+                f"{hp.learning_rate} and never decays. Fine for a quick check; for a real run "
+                "lower --model.init_args.warmup_steps.", stacklevel=2)
         optimizer, scheduler = build_optimizer(
             parameter_groups(self.model, hp.weight_decay),
             lr=hp.learning_rate,
