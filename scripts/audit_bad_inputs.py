@@ -69,6 +69,9 @@ class Case:
         if self.expect not in ("error", "ok"):
             raise ValueError(f"case {self.id}: expect must be 'error' or 'ok', not "
                              f"{self.expect!r}")
+        if not isinstance(self.says, str):
+            raise ValueError(f"case {self.id}: says must be a string (a regex), got "
+                             f"{self.says!r}; quote it in the YAML")
         if self.expect == "error" and not self.says:
             raise ValueError(f"case {self.id}: an expected error needs `says` (a regex of what "
                              "the message must name)")

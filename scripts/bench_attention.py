@@ -63,7 +63,7 @@ from longnet.bench.attention import (
     measure_length,
     memory_child,
     notes,
-    parse_pattern,
+    pattern_argument,
     pattern_tag,
     plot,
     resolve_pattern,
@@ -71,26 +71,29 @@ from longnet.bench.attention import (
     table_rows,
     timing_child,
 )
+from longnet.eval.cli import ScriptParser, length_argument, positive_int_argument
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).resolve()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
-    parser.add_argument("--pattern", default="2048,4096,8192/1,2,4", type=parse_pattern)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=1)
+    parser = ScriptParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=length_argument, nargs="+", default=[2048, 4096, 8192])
+    parser.add_argument("--pattern", default="2048,4096,8192/1,2,4", type=pattern_argument)
+    parser.add_argument("--heads", type=positive_int_argument, default=8)
+    parser.add_argument("--head-dim", type=positive_int_argument, default=64)
+    parser.add_argument("--batch", type=positive_int_argument, default=1)
     parser.add_argument("--dtype", choices=sorted(common.DTYPES), default="float32")
     parser.add_argument("--causal", action="store_true")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per point (max)")
+    parser.add_argument("--repeats", type=positive_int_argument, default=5,
+                        help="timed runs per point (max)")
     parser.add_argument("--point-budget", type=float, default=120.0,
                         help="fewer repeats when the warm-up says a length would take longer "
                              "than this many seconds (at least 1 run)")  # fmt: skip
     parser.add_argument(
-        "--threads", type=int, default=None, help="torch threads (default: torch's)"
+        "--threads", type=positive_int_argument, default=None,
+        help="torch threads (default: torch's)",
     )
     parser.add_argument("--warmup-max-len", type=int, default=262144,
                         help="above this length: no warm-up call and one timed run")  # fmt: skip

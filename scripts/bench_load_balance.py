@@ -29,6 +29,7 @@ from longnet.bench.balance import RankSteps, step_worker
 from longnet.bench.ring import SECTION
 from longnet.distributed import run_workers
 from longnet.distributed.shards import LAYOUTS
+from longnet.eval.cli import ScriptParser, length_argument, positive_int_argument
 from longnet.modeling.zoo import ZOO
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,11 +39,12 @@ HEADER = ["P", "layout", "step s (wall)", "speed-up vs contiguous", "busy s per 
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ScriptParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="longnet-tiny-16k", choices=sorted(ZOO))
-    parser.add_argument("--seq-len", type=int, default=16384)
+    parser.add_argument("--seq-len", type=length_argument, default=16384)
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up")
+    parser.add_argument("--steps", type=positive_int_argument, default=3,
+                        help="timed steps after one warm-up")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     parser.add_argument("--out", type=Path, default=ROOT / "docs")

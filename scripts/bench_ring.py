@@ -32,6 +32,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from longnet.attention import padded_length
 from longnet.bench import common, peers
 from longnet.bench.ring import (
     PREFIX,
@@ -52,32 +53,42 @@ from longnet.bench.ring_report import (
     main_table,
     plot,
 )
+from longnet.eval.cli import (
+    ScriptParser,
+    length_argument,
+    position_argument,
+    positive_int_argument,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 """The repository: default ``--out`` (``docs/``) and the commit the report names."""
+TRANSPORTS = ("ring", "allgather")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seq-len", type=int, default=32768)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=64)
+    parser = ScriptParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seq-len", type=length_argument, default=32768)
+    parser.add_argument("--batch", type=positive_int_argument, default=1)
+    parser.add_argument("--heads", type=positive_int_argument, default=8)
+    parser.add_argument("--head-dim", type=positive_int_argument, default=64)
     parser.add_argument("--dtype", choices=sorted(common.DTYPES), default="float32")
-    parser.add_argument("--base-segment", type=int, default=2048)
-    parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--transports", nargs="+", default=["ring", "allgather"])
+    parser.add_argument("--base-segment", type=length_argument, default=2048)
+    parser.add_argument("--worlds", type=positive_int_argument, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--transports", nargs="+", choices=TRANSPORTS, default=list(TRANSPORTS))
     parser.add_argument("--bidirectional", action="store_true", help="non-causal attention")
-    parser.add_argument("--spawns", type=int, default=2, help="fresh process groups per case")
-    parser.add_argument("--timed-calls", type=int, default=2)
-    parser.add_argument("--check-rows", type=int, default=32)
+    parser.add_argument("--spawns", type=positive_int_argument, default=2,
+                        help="fresh process groups per case")
+    parser.add_argument("--timed-calls", type=positive_int_argument, default=2)
+    parser.add_argument("--check-rows", type=positive_int_argument, default=32)
     parser.add_argument(
-        "--replay-rounds", type=int, default=3, help="rounds of the kernel replay (median)"
+        "--replay-rounds", type=positive_int_argument, default=3,
+        help="rounds of the kernel replay (median)",
     )
-    parser.add_argument("--dense-seq-len", type=int, default=8192, help="0: skip the dense run")
-    parser.add_argument("--dense-spawns", type=int, default=1)
-    parser.add_argument("--bucket-size", type=int, default=1024)
-    parser.add_argument("--grad-seq-len", type=int, default=512, help="0: skip")
+    parser.add_argument("--dense-seq-len", type=position_argument, default=8192,
+                        help="0: skip the dense run")
+    parser.add_argument("--dense-spawns", type=positive_int_argument, default=1)
+    parser.add_argument("--bucket-size", type=positive_int_argument, default=1024)
+    parser.add_argument("--grad-seq-len", type=position_argument, default=512, help="0: skip")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=3600.0)
     parser.add_argument("--out", type=Path, default=ROOT / "docs")
@@ -85,8 +96,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block", default="main", help="name of the generated main block")
     parser.add_argument("--no-doc", action="store_true", help="do not touch benchmarks.md")
     args = parser.parse_args(argv)
-    if args.replay_rounds < 1:
-        parser.error("--replay-rounds must be at least 1")
+    branches = geometric_branches(args.seq_len, args.base_segment)
+    runs = [("--seq-len", args.seq_len, branches), ("--grad-seq-len", args.grad_seq_len, branches),
+            ("--dense-seq-len", args.dense_seq_len, ((args.dense_seq_len, 1),))]
+    for option, length, pattern in runs:
+        for world in args.worlds:  # P = 1 runs without a group: any length
+            padded = padded_length(length, pattern, world) if length and world > 1 else length
+            if padded != length:
+                parser.error(f"{option} {length} cannot be split over {world} ranks (--worlds) "
+                             f"with the pattern {pattern}; use {padded}.")
     return args
 
 

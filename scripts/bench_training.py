@@ -34,8 +34,9 @@ from longnet.bench.training import (
     twin_config,
 )
 from longnet.denormals import denormals_kept, flushing_denormals
-from longnet.eval.reporting import parse_length
+from longnet.eval.cli import ScriptParser, length_argument
 from longnet.modeling import LongNetConfig
+from longnet.planning.state import model_config
 
 SECTION = "## Training step"
 PREFIX = "bench_training"
@@ -47,9 +48,9 @@ INTRO = (
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ScriptParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="zoo name or model folder (its config)")
-    parser.add_argument("--lengths", nargs="+", type=parse_length, required=True,
+    parser.add_argument("--lengths", nargs="+", type=length_argument, required=True,
                         help="tokens per sample, e.g. 1K 4K 16K")
     parser.add_argument("--batch", type=int, default=1, help="samples per step")
     parser.add_argument("--precision", choices=PRECISIONS, default="32",
@@ -57,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per system and length")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
-    parser.add_argument("--profile", type=parse_length, help="profile a dilated step at LEN")
+    parser.add_argument("--profile", type=length_argument, help="profile a dilated step at LEN")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the steps run (cuda: device-synchronised step times)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench_training"))
@@ -73,6 +74,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}.")
     if args.warmup < 0:
         parser.error(f"--warmup must be >= 0, got {args.warmup}.")
+    try:
+        args.config = model_config(args.model)
+    except ValueError as err:
+        parser.error(f"--model: {err}")
     return args
 
 
@@ -80,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     run = common.Run(common.command_line("scripts/bench_training.py", sys.argv[1:] if argv is None
                                          else argv, ["OMP_NUM_THREADS"]))
-    config = LongNetConfig.from_pretrained(args.model)
+    config = args.config
     timings = []
     for length in sorted(args.lengths):
         found = time_length(config, length, batch=args.batch, precision=args.precision,

@@ -9,13 +9,13 @@ the time with dense ``scaled_dot_product_attention`` on the same inputs.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 import torch.nn.functional as F
 
 from longnet.attention import DilatedPattern, dilated_attention
+from longnet.eval.cli import ScriptParser, length_argument, positive_int_argument
 from longnet.nn import multiplicity_attention
 
 
@@ -39,10 +39,11 @@ def _dense_rows(q, k, v, pattern: DilatedPattern, rows: torch.Tensor) -> torch.T
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq-len", type=int, default=16384)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=64)
+    parser = ScriptParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-len", type=length_argument, default=16384,
+                        help="tokens, e.g. 4096 or 16K")
+    parser.add_argument("--heads", type=positive_int_argument, default=8)
+    parser.add_argument("--head-dim", type=positive_int_argument, default=64)
     args = parser.parse_args()
 
     pattern = DilatedPattern((2048, 4096, 8192, 16384), (1, 2, 4, 8))

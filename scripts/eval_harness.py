@@ -29,6 +29,7 @@ from pathlib import Path  # noqa: E402
 
 from longnet.eval import format_table, write_csv  # noqa: E402
 from longnet.eval.cli import (  # noqa: E402
+    ScriptParser,
     add_document_arguments,
     add_model_arguments,
     documents_from_args,
@@ -39,13 +40,18 @@ from longnet.eval.cli import (  # noqa: E402
 )
 from longnet.eval.reporting import write_run_info  # noqa: E402
 from longnet.files import check_output_folder  # noqa: E402
-from longnet.hf.harness import BPB_TASK, NIAH_TASKS, evaluate_model  # noqa: E402
+
+try:
+    from longnet.hf.harness import BPB_TASK, NIAH_TASKS, evaluate_model  # noqa: E402
+except ModuleNotFoundError as err:  # lm-eval (or one of its own dependencies) is not installed
+    sys.exit(f"error: eval_harness.py needs EleutherAI's lm-eval, and importing it failed "
+             f"({err}); install it with pip install -e \".[eval-harness]\".")
 
 TASKS = ("bpb", *NIAH_TASKS)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ScriptParser(description=__doc__.splitlines()[0])
     add_model_arguments(parser, default_out="runs/eval/harness")
     parser.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
     parser.add_argument(

@@ -31,6 +31,7 @@ from longnet.eval import (
     write_csv,
 )
 from longnet.eval.cli import (
+    ScriptParser,
     add_length_arguments,
     add_model_arguments,
     lengths_from_args,
@@ -46,7 +47,7 @@ OUTPUTS = ["passkey.csv", "passkey_generations.csv", "passkey.png", "run.json",
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ScriptParser(description=__doc__.splitlines()[0])
     add_model_arguments(parser, default_out="runs/eval/passkey")
     add_length_arguments(parser, "lengths", "max-length", "example lengths in bytes")
     parser.add_argument(
@@ -55,7 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--num-examples", type=positive_int_argument, default=10,
                         help="examples per cell")
-    parser.add_argument("--num-digits", type=int, default=5, help="digits of the pass key")
+    parser.add_argument("--num-digits", type=positive_int_argument, default=5,
+                        help="digits of the pass key (1-18)")
     return parser.parse_args(argv)
 
 

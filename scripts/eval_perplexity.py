@@ -33,6 +33,7 @@ from longnet.eval import (
     write_csv,
 )
 from longnet.eval.cli import (
+    ScriptParser,
     add_document_arguments,
     add_length_arguments,
     add_model_arguments,
@@ -53,7 +54,7 @@ BY_POSITION_OUTPUTS = ["positions.csv", "positions.png"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ScriptParser(description=__doc__.splitlines()[0])
     add_model_arguments(parser, default_out="runs/eval/perplexity")
     add_length_arguments(parser, "context-lengths", "max-context", "window lengths in tokens")
     parser.add_argument(

@@ -12,17 +12,16 @@ checkpoint is read; errors end with a message and exit status 2.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
-from longnet.eval.cli import run_cli
+from longnet.eval.cli import ScriptParser, run_cli
 from longnet.files import check_replaceable_folder
 from longnet.training.checkpoint import export_pretrained
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ScriptParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a .ckpt file or a folder of shards")
     parser.add_argument("output", type=Path, help="destination folder")
     args = parser.parse_args(argv)

@@ -39,6 +39,7 @@ import sys
 import torch
 
 from longnet.attention import DilatedPattern, padded_length
+from longnet.eval.cli import ScriptParser, length_argument, positive_int_argument
 from longnet.modeling import LongNetConfig
 from longnet.planning import (
     AttentionSetup,
@@ -92,7 +93,13 @@ def named_pattern(name: str, seq_len: int) -> DilatedPattern:
 
 
 def parse_ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+    """argparse type for ``--segments`` and ``--rates``: ``"2048,4096"`` -> ``(2048, 4096)``."""
+    try:
+        return tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected integers separated by commas, e.g. 2048,4096, got {text!r}."
+        ) from None
 
 
 def parse_overrides(items: list[str]) -> dict[str, object]:
@@ -147,7 +154,7 @@ def build_setup(
     if args.segments or args.rates:
         if not (args.segments and args.rates):
             raise ValueError("give --segments and --rates together")
-        pattern = DilatedPattern(parse_ints(args.segments), parse_ints(args.rates))
+        pattern = DilatedPattern(args.segments, args.rates)
     elif args.pattern is None and config is not None:
         pattern = config.pattern
     else:
@@ -313,14 +320,16 @@ def report(args: argparse.Namespace) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seq-len", type=int, required=True)
+    parser = ScriptParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seq-len", type=length_argument, required=True,
+                        help="tokens, e.g. 65536, 64K or 1M")
     parser.add_argument(
-        "--devices", type=int, required=True, help="ranks per sequence (sequence-parallel size)"
+        "--devices", type=positive_int_argument, required=True,
+        help="ranks per sequence (sequence-parallel size)",
     )
     parser.add_argument(
         "--world-size",
-        type=int,
+        type=positive_int_argument,
         help="all ranks, a multiple of --devices (default: --devices, no data parallelism)",
     )
     parser.add_argument(
@@ -353,8 +362,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=("longnet-base-like", "longnet-base", "geometric", "dense"),
         help="default: --model's pattern, else longnet-base-like",
     )
-    parser.add_argument("--segments", help="explicit segment lengths, e.g. 2048,4096")
-    parser.add_argument("--rates", help="explicit dilation rates, e.g. 1,2")
+    parser.add_argument("--segments", type=parse_ints,
+                        help="explicit segment lengths, e.g. 2048,4096")
+    parser.add_argument("--rates", type=parse_ints, help="explicit dilation rates, e.g. 1,2")
     parser.add_argument(
         "--transport",
         nargs="+",

@@ -81,16 +81,25 @@ Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # --------------------------------------------------------------------------- patterns
 
 
-def parse_pattern(spec: str) -> str | DilatedPattern:
-    """``geometric`` / ``dense`` (resolved per length) or an explicit pattern."""
+def pattern_argument(spec: str) -> str | DilatedPattern:
+    """argparse type of ``--pattern``: ``geometric`` / ``dense`` (resolved per length) or an
+    explicit pattern, ``2048,4096/1,2`` or ``2048:1,4096:2``."""
     if spec in ("geometric", "dense"):
         return spec
-    if "/" in spec:
-        segments, rates = spec.split("/")
-        pairs = list(zip(_ints(segments), _ints(rates), strict=True))
-    else:
-        pairs = [tuple(_ints(pair.replace(":", ","))) for pair in spec.split(",")]
-    return DilatedPattern.coerce(pairs)
+    try:
+        if "/" in spec:
+            segments, rates = (_ints(part) for part in spec.split("/"))
+            if len(segments) != len(rates):
+                raise ValueError(f"{len(segments)} segment lengths but {len(rates)} rates")
+            pairs = list(zip(segments, rates))
+        else:
+            pairs = [tuple(_ints(pair.replace(":", ","))) for pair in spec.split(",")]
+        return DilatedPattern.coerce(pairs)
+    except (ValueError, TypeError) as err:
+        raise argparse.ArgumentTypeError(
+            f"cannot read {spec!r} as a pattern ({err}); write geometric, dense, "
+            "2048,4096/1,2 (segments/rates) or 2048:1,4096:2."
+        ) from None
 
 
 def _ints(text: str) -> list[int]:

@@ -56,7 +56,14 @@ from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from longnet.cli.errors import VERBOSE_FLAG, ConfigError, undecodable_config, unmapped_config
+from longnet.cli.errors import (
+    UNION_ERROR,
+    VERBOSE_FLAG,
+    ConfigError,
+    parse_error_message,
+    undecodable_config,
+    unmapped_config,
+)
 from longnet.cli.runs import (
     check_checkpoint_shape,
     check_keyword,
@@ -183,7 +190,10 @@ class LongNetCLI(LightningCLI):
         try:
             super().instantiate_classes()
         except (ValueError, TypeError, KeyError, FileNotFoundError) as err:
-            raise ConfigError(f"{type(err).__name__}: {err}") from err
+            message = str(err)
+            if message.startswith(UNION_ERROR):  # a class's own error among the alternatives
+                raise ConfigError(parse_error_message(message)) from err
+            raise ConfigError(f"{type(err).__name__}: {message}") from err
 
     def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:
         """Lightning's, plus :class:`RunId` first among the callbacks,

@@ -17,6 +17,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from longnet.cli.command import LongNetCLI
 from longnet.cli.errors import (
+    DISK_ERRNOS,
     EXPECTED_ERRORS,
     VERBOSE_FLAG,
     error_message,
@@ -63,9 +64,9 @@ def quiet_lightning() -> None:
 
 def main(args: Sequence[str] | None = None) -> int:
     """Console entry point; returns the exit status: 0; 2 for an expected error
-    (:data:`EXPECTED_ERRORS` and parser errors, reported in a few lines without a traceback
-    unless ``--verbose`` is given); ``128 + signal`` for a run stopped by SIGTERM (143) or
-    SIGINT (130)."""
+    (:data:`EXPECTED_ERRORS`, parser errors, a full disk or a file size limit, reported in a
+    few lines without a traceback unless ``--verbose`` is given); ``128 + signal`` for a run
+    stopped by SIGTERM (143) or SIGINT (130)."""
     argv = sys.argv[1:] if args is None else list(args)
     verbose = VERBOSE_FLAG in argv
     argv = [arg for arg in argv if arg != VERBOSE_FLAG]
@@ -84,7 +85,9 @@ def main(args: Sequence[str] | None = None) -> int:
                   + ("" if verbose else f"; add {VERBOSE_FLAG} for the parser's whole message")
                   + ")", file=sys.stderr)
             return USAGE_EXIT
-        except EXPECTED_ERRORS as err:
+        except (*EXPECTED_ERRORS, OSError) as err:
+            if isinstance(err, OSError) and err.errno not in DISK_ERRNOS:
+                raise  # a bug or an unexpected fault: its traceback
             if verbose:
                 traceback.print_exc()
             print(error_message(err), file=sys.stderr)

@@ -7,6 +7,7 @@ the innermost failing key and the reason), of a config file that is not text
 from __future__ import annotations
 
 import difflib
+import errno
 import importlib
 import inspect
 import re
@@ -26,6 +27,12 @@ class ConfigError(Exception):
 
 
 EXPECTED_ERRORS = (ConfigError, UsageError, MisconfigurationException)
+UNION_ERROR = "Does not validate against any of the Union subtypes"
+"""How jsonargparse starts the error of a value none of a union's types takes (a class whose
+constructor refused its arguments, among them)."""
+DISK_ERRNOS = {errno.EFBIG: "raise the file size limit (ulimit -f)",
+               errno.ENOSPC: "free space on the disk", errno.EDQUOT: "free space in your quota"}
+"""Writes that fail for want of room, and what the user can do about each."""
 """What ``main`` reports in a few lines with exit status 2; anything else is a bug and keeps
 its traceback."""
 
@@ -102,7 +109,7 @@ def _explain(lines: list[tuple[int, str]]) -> tuple[list[str], str]:
         return [match.group(1), *keys], reason
     if text.startswith("- "):  # alternatives at this level (e.g. a path or a class)
         return _best(_items(lines), given=None)
-    if text.startswith("Does not validate against any of the Union subtypes"):
+    if text.startswith(UNION_ERROR):
         level = lines[0][0]  # of this block's own lines ("Errors:", "Given value: ...")
         own = [i for i, (at, _) in enumerate(lines) if at == level]
         errors = next((i for i in own if lines[i][1] == "Errors:"), len(lines))
@@ -165,8 +172,14 @@ def _with_suggestion(reason: str, class_path: str) -> str:
 
 
 def error_message(err: BaseException) -> str:
-    """The lines ``main`` prints for an expected error."""
-    if isinstance(err, ConfigError):
+    """The lines ``main`` prints for an expected error, or for a write that found no room
+    (:data:`DISK_ERRNOS`)."""
+    if isinstance(err, OSError) and err.errno in DISK_ERRNOS:
+        where = f" to {err.filename}" if err.filename else ""
+        what = (f"error: a write{where} failed: {err.strerror} (errno {err.errno}). "
+                f"{DISK_ERRNOS[err.errno].capitalize()}, then run the command again (a fit "
+                "with --ckpt_path last continues from its last complete checkpoint).")
+    elif isinstance(err, ConfigError):
         what = f"configuration error: {err}"
     elif isinstance(err, MisconfigurationException):
         what = f"Lightning refused the settings: {err}"

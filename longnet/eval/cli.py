@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -18,6 +19,14 @@ from longnet.validation import UsageError, check_positive_int
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
+class ScriptParser(argparse.ArgumentParser):
+    """The argument parser of the scripts: a bad argument ends with one line naming it and the
+    reason, and exit status 2, not the usage summary that buries it (``--help`` shows that)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message.rstrip('.')}; see {self.prog} --help.\n")
+
+
 def add_model_arguments(parser: argparse.ArgumentParser, default_out: str) -> None:
     """``--models``, ``--labels``, ``--device``, ``--dtype``, ``--batch-size``, ``--seed``,
     ``--out``, ``--no-progress``."""
@@ -26,7 +35,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_out: str) -> No
         help="zoo names, save_pretrained folders or Lightning .ckpt files",
     )
     parser.add_argument("--labels", nargs="+", help="names in tables/plots, one per model")
-    parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    parser.add_argument("--device", type=device_argument, default="cpu",
+                        help="cpu, cuda, cuda:1 or mps (default: cpu)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--batch-size", type=positive_int_argument, default=1,
                         help="sequences per forward pass")
@@ -114,6 +124,28 @@ def positive_int_argument(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}.") from None
 
 
+def device_argument(text: str) -> str:
+    """argparse type for devices: ``cpu``, ``cuda``, ``cuda:1`` or ``mps``, one this machine
+    has."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda", "mps"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a device; write cpu, cuda, cuda:1 or mps."
+        )
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        visible = torch.cuda.device_count()
+        raise argparse.ArgumentTypeError(
+            f"{text}: this machine has {visible} visible CUDA device(s); use "
+            f"{'--device cpu' if not visible else f'cuda:0 to cuda:{visible - 1}'}."
+        )
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise argparse.ArgumentTypeError(f"{text}: MPS is not available here; use --device cpu.")
+    return text
+
+
 def length_argument(text: str) -> int:
     """argparse type for lengths like ``2048``, ``16K``, ``1M``."""
     try:
@@ -146,10 +178,8 @@ def stride_argument(text: str) -> int | float:
 def models_from_args(args: argparse.Namespace) -> list[LoadedModel]:
     """Seed torch and load ``--models`` on ``--device`` in ``--dtype``."""
     torch.manual_seed(args.seed)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"--device {args.device}: CUDA is not available on this machine.")
-    return load_models(args.models, device=device, dtype=DTYPES[args.dtype], labels=args.labels)
+    return load_models(args.models, device=torch.device(args.device), dtype=DTYPES[args.dtype],
+                       labels=args.labels)
 
 
 def run_cli(main: Callable[[], int]) -> int:

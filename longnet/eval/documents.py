@@ -103,8 +103,9 @@ def load_eval_documents(
             if len(tokens) >= min_bytes:
                 documents.append(EvalDocument(doc_id=doc_id, tokens=tokens.copy()))
     if not documents:
+        which = "" if split == "all" else f"{split} "
         raise ValueError(
-            f"no {split} document in the {source.name} corpus ({kept} non-empty documents read, "
+            f"no {which}document in the {source.name} corpus ({kept} non-empty documents read, "
             f"val_fraction={val_fraction}, test_fraction={test_fraction}, "
             f"min_bytes={min_bytes}); lower min_bytes or give more data_files."
         )

@@ -21,7 +21,7 @@ from longnet.data import ByteTokenizer, passkey_examples, passkey_match
 from longnet.data.passkey import PasskeyExample, min_passkey_length
 from longnet.eval.sliding import check_context_length
 from longnet.modeling import LongNetLM
-from longnet.validation import check_positive_int
+from longnet.validation import check_positive_int, is_int
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,10 @@ def check_passkey_grid(
     lengths: Sequence[int], depths: Sequence[float], num_digits: int = 5
 ) -> tuple[list[int], list[float]]:
     """Validated ``(lengths, depths)``: lengths are ints of at least
-    ``min_passkey_length(num_digits)`` bytes, depths floats in ``[0, 1]``, both non-empty."""
+    ``min_passkey_length(num_digits)`` bytes, depths floats in ``[0, 1]``, both non-empty;
+    ``num_digits`` an int in ``[1, 18]``."""
+    if not is_int(num_digits) or not 1 <= num_digits <= 18:
+        raise ValueError(f"num_digits must be an integer in [1, 18], got {num_digits!r}.")
     if not lengths or not depths:
         raise ValueError("give at least one context length and one depth.")
     shortest = min_passkey_length(num_digits)

@@ -4,6 +4,7 @@ context-length arguments such as ``1K``."""
 from __future__ import annotations
 
 import csv
+import io
 import json
 import re
 import subprocess
@@ -11,6 +12,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from longnet.files import write_atomic
 
 _LENGTH = re.compile(r"^\s*(\d+)\s*([kKmM]?)\s*$")
 
@@ -42,16 +45,17 @@ def powers_of_two(low: int, high: int) -> list[int]:
 
 
 def write_csv(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
-    """Write dict rows (same keys, in the first row's order) with a header line."""
+    """Write dict rows (same keys, in the first row's order) with a header line, whole or not
+    at all (``longnet.files.write_atomic``: an earlier file stays until the new one is
+    complete)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     if not rows:
         raise ValueError(f"no rows to write to {path}.")
-    with path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    return path
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+    return write_atomic(path, text.getvalue())
 
 
 def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None) -> str:
@@ -68,12 +72,10 @@ def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | Non
 
 
 def write_run_info(path: str | Path, settings: Mapping[str, Any]) -> Path:
-    """``settings`` plus the command line and the git commit, as JSON."""
+    """``settings`` plus the command line and the git commit, as JSON (written whole or not at
+    all, as :func:`write_csv`)."""
     info = {"command": " ".join(sys.argv), "git_commit": _git_commit(), **settings}
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(info, indent=2, default=str) + "\n")
-    return path
+    return write_atomic(path, json.dumps(info, indent=2, default=str) + "\n")
 
 
 def _cell(value: Any) -> str:

@@ -262,7 +262,7 @@ def model_config(source: str | Path, overrides: Mapping[str, Any] | None = None)
 
     Raises:
         UsageError: ``source`` is neither a zoo name nor an existing file or folder (the
-            message lists the zoo).
+            message lists the zoo), or a file that is not text (a checkpoint, weights).
         ValueError: an unknown or invalid field (the config's own error).
     """
     overrides = dict(overrides or {})
@@ -270,7 +270,14 @@ def model_config(source: str | Path, overrides: Mapping[str, Any] | None = None)
         return ZOO[str(source)].config.replace(**overrides)
     path = Path(source)
     if path.exists():
-        return LongNetConfig.load(path, **overrides)
+        try:
+            return LongNetConfig.load(path, **overrides)
+        except UnicodeDecodeError:
+            raise UsageError(
+                f"model {source} is not a config.json (not text: a checkpoint or weights?); "
+                "give a zoo name, a model folder or its config.json (export a .ckpt with "
+                "scripts/export_pretrained.py)."
+            ) from None
     raise UsageError(
         f"model {str(source)!r} is neither a zoo name nor a config.json file or model folder; "
         f"zoo names: {', '.join(ZOO)}."

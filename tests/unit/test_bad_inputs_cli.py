@@ -100,3 +100,40 @@ def test_a_fit_from_a_checkpoint_past_max_steps_is_refused(tmp_path, capsys):
     assert "Traceback" not in err
     assert {path: path.read_bytes() for path in run.rglob("*") if path.is_file()} == before
     assert main([*args, "--trainer.max_steps=2", "--ckpt_path=last"]) == 0  # a re-run: fine
+
+
+def test_a_data_module_that_refuses_its_arguments_says_why_in_two_lines(tmp_path, capsys,
+                                                                         monkeypatch):
+    """jsonargparse wraps the data module's own error in its union's alternatives (9 lines with
+    "Given value: Namespace(...)"); the command prints the data module's message alone."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["fit", "--config", str(SMOKE), "--data.init_args.seq_len", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "longnet: configuration error: seq_len must be a positive integer, got 0." in err
+    assert "Union" not in err and "Namespace" not in err and len(err.splitlines()) <= 3, err
+
+
+def test_a_write_that_finds_no_room_is_a_few_lines_naming_the_fix(tmp_path, capsys,
+                                                                   monkeypatch):
+    """A full disk or a file size limit while saving (``OSError`` EFBIG, ENOSPC) says what to
+    free or raise and how to continue; another ``OSError`` keeps its traceback."""
+    import errno
+
+    import longnet.cli.entry as entry
+
+    for code, fix in ((errno.EFBIG, "Raise the file size limit (ulimit -f)"), (errno.ENOSPC, "Free space on the disk")):
+        def full(args, code=code):
+            raise OSError(code, "no room", "runs/x/last.ckpt")
+
+        monkeypatch.setattr(entry, "run_cli", full)
+        assert main(["fit"]) == 2
+        err = capsys.readouterr().err
+        assert "a write to runs/x/last.ckpt failed: no room" in err and fix in err, err
+        assert "--ckpt_path last" in err and "Traceback" not in err
+
+    def broken(args):
+        raise OSError(errno.EIO, "input/output error")
+
+    monkeypatch.setattr(entry, "run_cli", broken)
+    with pytest.raises(OSError, match="input/output"):
+        main(["fit"])
