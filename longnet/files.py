@@ -20,6 +20,10 @@ for the folder itself then finds none), and a kill in between leaves the old ver
 the ``.old-`` name. A kill before the swap leaves a ``.<name>.tmp-<random>``
 folder or file next to the target, ignored by readers, which can be deleted.
 
+A write that finds no room (a full disk, a quota, the file size limit ``ulimit -f``) raises an
+``OSError`` with that errno naming the file or folder being written (also where ``safetensors``
+reports it in its own exception), and leaves the old version.
+
 New files and folders get the permission bits of anything created with ``open`` /
 ``mkdir`` (``0o666`` / ``0o777`` less the umask: ``0644`` / ``0755`` under umask ``022``); a
 replaced folder keeps the old one's bits. Reading needs ``dir_fd`` (POSIX systems).
@@ -31,6 +35,7 @@ import ctypes
 import errno
 import functools
 import os
+import re
 import secrets
 import shutil
 import stat
@@ -46,6 +51,8 @@ from longnet.validation import UsageError
 OPEN_ATTEMPTS = 50
 """How often :func:`open_files` opens a folder that keeps being replaced before giving up."""
 _RETRY_SECONDS = 0.002
+NO_ROOM_ERRNOS = frozenset({errno.EFBIG, errno.ENOSPC, errno.EDQUOT})
+"""Errors of a write that found no room: the file size limit, a full disk, a quota."""
 _RENAME_EXCHANGE = 2  # linux/fs.h
 _AT_FDCWD = -100
 
@@ -55,6 +62,10 @@ def write_atomic(path: str | Path, data: str | bytes) -> Path:
 
     A concurrent reader sees the old content or the new one; a kill leaves the old file. The
     parent folders are created. The file gets the bits of a new file (module docstring).
+
+    Raises:
+        OSError: no room for the file (:data:`NO_ROOM_ERRNOS`, naming ``path``); the old file
+            is kept.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -65,8 +76,9 @@ def write_atomic(path: str | Path, data: str | bytes) -> Path:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temp, path)
-    except BaseException:
+    except BaseException as err:
         temp.unlink(missing_ok=True)
+        _raise_no_room(err, path)
         raise
     return path
 
@@ -85,6 +97,8 @@ def replace_folder(directory: str | Path, owned: Collection[str] = ()) -> Iterat
     Raises:
         UsageError: ``directory`` is a file, or its parent cannot be written (before the block
             runs).
+        OSError: no room for the new version (:data:`NO_ROOM_ERRNOS`, naming ``directory``);
+            the old folder is kept.
     """
     check_replaceable_folder(directory)
     target = Path(os.path.realpath(directory))
@@ -105,8 +119,9 @@ def replace_folder(directory: str | Path, owned: Collection[str] = ()) -> Iterat
                 continue
         _swap_in(temp, target)
         _fsync(target.parent, os.O_RDONLY | os.O_DIRECTORY)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(temp, ignore_errors=True)
+        _raise_no_room(err, Path(directory))
         raise
 
 
@@ -216,6 +231,19 @@ def _check_writable(folder: Path, subject: Path, what: str) -> None:
             f"{what} {subject}: cannot write in {existing} (no write permission, or a "
             f"read-only file system); give another {what} or make {existing} writable."
         )
+
+
+def _raise_no_room(err: BaseException, path: Path) -> None:
+    """Raise ``OSError(errno, strerror, path)`` from ``err`` when ``err`` is a write that found
+    no room (:data:`NO_ROOM_ERRNOS`): an ``OSError`` (Python's own writes name no file), or an
+    error whose message says ``(os error N)`` (``safetensors``' way); else return."""
+    if isinstance(err, OSError):
+        code = err.errno
+    else:
+        found = re.search(r"\(os error (\d+)\)", str(err))
+        code = int(found[1]) if found else None
+    if code in NO_ROOM_ERRNOS:
+        raise OSError(code, os.strerror(code), str(path)) from err
 
 
 def _fsync(path: str | Path, flags: int) -> None:

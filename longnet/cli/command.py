@@ -60,9 +60,9 @@ from longnet.cli.errors import (
     UNION_ERROR,
     VERBOSE_FLAG,
     ConfigError,
+    bad_config_file,
     parse_error_message,
     undecodable_config,
-    unmapped_config,
 )
 from longnet.cli.runs import (
     check_checkpoint_shape,
@@ -162,16 +162,18 @@ class LongNetCLI(LightningCLI):
         )
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
-        """Lightning's, with a clear error for a config file that is not text or not a
-        mapping (empty, a list); then a ``--ckpt_path`` file is checked (a clear error for
-        random bytes, a truncated or a foreign file)."""
+        """Lightning's, with a clear error for a config file that is not text, not valid YAML
+        or not a mapping (empty, a list); then a ``--ckpt_path`` file is checked (a clear
+        error for random bytes, a truncated or a foreign file)."""
         given = sys.argv[1:] if args is None else list(args)
         try:
             super().parse_arguments(parser, args)
         except UnicodeDecodeError as err:
             raise UsageError(undecodable_config(given, err)) from err
         except ArgumentError as err:
-            message = unmapped_config(given) if "Unexpected config" in str(err) else None
+            about_file = any(words in str(err) for words in ("Unexpected config",
+                                                             "Problems parsing config"))
+            message = bad_config_file(given) if about_file else None
             if message is None:
                 raise
             raise UsageError(message) from err

@@ -17,13 +17,13 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from longnet.cli.command import LongNetCLI
 from longnet.cli.errors import (
-    DISK_ERRNOS,
     EXPECTED_ERRORS,
     VERBOSE_FLAG,
     error_message,
     parse_error_message,
 )
 from longnet.denormals import denormals_kept, flushing_denormals
+from longnet.files import NO_ROOM_ERRNOS
 from longnet.training.signals import (
     RERUN_HINT,
     Interrupted,
@@ -86,11 +86,12 @@ def main(args: Sequence[str] | None = None) -> int:
                   + ")", file=sys.stderr)
             return USAGE_EXIT
         except (*EXPECTED_ERRORS, OSError) as err:
-            if isinstance(err, OSError) and err.errno not in DISK_ERRNOS:
+            if isinstance(err, OSError) and err.errno not in NO_ROOM_ERRNOS:
                 raise  # a bug or an unexpected fault: its traceback
             if verbose:
                 traceback.print_exc()
-            print(error_message(err), file=sys.stderr)
+            sys.stderr.write(error_message(err) + "\n")  # one write: ranks do not interleave
+            sys.stderr.flush()
             return USAGE_EXIT
         except SIGTERMException as stop:  # StopOnSignal said where it stopped
             code = stop.code

@@ -1,7 +1,8 @@
 """Expected failures of the ``longnet`` command as the few lines it prints: the message of an
 exception (:func:`error_message`), of a jsonargparse parse error (:func:`parse_error_message`:
 the innermost failing key and the reason), of a config file that is not text
-(:func:`undecodable_config`) and of one that is not a mapping (:func:`unmapped_config`);
+(:func:`undecodable_config`) and of one that is not valid YAML or not a mapping
+(:func:`bad_config_file`);
 :data:`EXPECTED_ERRORS`, the exceptions reported that way."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 import yaml
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
+from longnet.files import NO_ROOM_ERRNOS
 from longnet.validation import UsageError
 
 VERBOSE_FLAG = "--verbose"
@@ -30,9 +32,10 @@ EXPECTED_ERRORS = (ConfigError, UsageError, MisconfigurationException)
 UNION_ERROR = "Does not validate against any of the Union subtypes"
 """How jsonargparse starts the error of a value none of a union's types takes (a class whose
 constructor refused its arguments, among them)."""
-DISK_ERRNOS = {errno.EFBIG: "raise the file size limit (ulimit -f)",
-               errno.ENOSPC: "free space on the disk", errno.EDQUOT: "free space in your quota"}
-"""Writes that fail for want of room, and what the user can do about each."""
+DISK_FIXES = {errno.EFBIG: "raise the file size limit (ulimit -f)",
+              errno.ENOSPC: "free space on the disk", errno.EDQUOT: "free space in your quota"}
+"""What the user can do about each write that found no room (:data:`NO_ROOM_ERRNOS`)."""
+assert set(DISK_FIXES) == NO_ROOM_ERRNOS
 """What ``main`` reports in a few lines with exit status 2; anything else is a bug and keeps
 its traceback."""
 
@@ -52,10 +55,11 @@ def undecodable_config(args: Sequence[str], err: UnicodeDecodeError) -> str:
     return f"a file given on the command line is not UTF-8 text ({err}); configs are YAML."
 
 
-def unmapped_config(args: Sequence[str]) -> str | None:
-    """The message for a ``--config`` (a file or an inline YAML string) that is empty or holds
-    something else than a mapping of sections (a list, plain text); None if every one is a
-    mapping (jsonargparse's "Unexpected config" names neither the file nor the fix)."""
+def bad_config_file(args: Sequence[str]) -> str | None:
+    """The message for a ``--config`` (a file or an inline YAML string) that is not valid YAML,
+    is empty or holds something else than a mapping of sections (a list, plain text); None if
+    every one is a mapping (jsonargparse's "Unexpected config" and "Problems parsing config"
+    name neither the file nor the fix)."""
     values = [arg.partition("=")[2] if arg.startswith("--config=") else args[i + 1]
               for i, arg in enumerate(args)
               if arg.startswith("--config=") or (arg == "--config" and i + 1 < len(args))]
@@ -65,8 +69,14 @@ def unmapped_config(args: Sequence[str]) -> str | None:
         try:
             content = yaml.safe_load(path.read_text(errors="replace") if path.is_file()
                                      else value)
-        except (yaml.YAMLError, OSError):
-            continue  # jsonargparse names what it cannot parse
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(err, "problem", None) or str(err)
+            return (f"{named} is not valid YAML: {problem}{where}. Fix it there (configs are "
+                    "YAML mappings of sections, e.g. configs/smoke.yaml).")
+        except OSError:
+            continue
         if not isinstance(content, dict):
             holds = "is empty" if content is None else f"holds a {type(content).__name__}"
             return (f"{named} {holds}, not a config: a config is a YAML mapping of sections "
@@ -138,8 +148,9 @@ def _best(items: list[list[tuple[int, str]]], given: str | None) -> tuple[list[s
                 if item[0][1].startswith("Expected a ")]
     if expected and given is not None and len(expected) == len(items):
         return [], f"{given!r} is not {_one_of(expected)}"
-    if items:
-        return _explain(items[0])
+    own = [item for item in items if not item[0][1].startswith("Expected a ")]
+    if own or items:  # a class's own refusal says more than the types it was not
+        return _explain((own or items)[0])
     return [], f"invalid value {given!r}"
 
 
@@ -173,11 +184,11 @@ def _with_suggestion(reason: str, class_path: str) -> str:
 
 def error_message(err: BaseException) -> str:
     """The lines ``main`` prints for an expected error, or for a write that found no room
-    (:data:`DISK_ERRNOS`)."""
-    if isinstance(err, OSError) and err.errno in DISK_ERRNOS:
+    (:data:`NO_ROOM_ERRNOS`)."""
+    if isinstance(err, OSError) and err.errno in NO_ROOM_ERRNOS:
         where = f" to {err.filename}" if err.filename else ""
         what = (f"error: a write{where} failed: {err.strerror} (errno {err.errno}). "
-                f"{DISK_ERRNOS[err.errno].capitalize()}, then run the command again (a fit "
+                f"{DISK_FIXES[err.errno].capitalize()}, then run the command again (a fit "
                 "with --ckpt_path last continues from its last complete checkpoint).")
     elif isinstance(err, ConfigError):
         what = f"configuration error: {err}"

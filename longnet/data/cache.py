@@ -20,6 +20,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from longnet.files import check_output_folder
+
 COMPLETE_MARKER = "COMPLETE"
 
 
@@ -48,9 +50,14 @@ def build_once(entry: Path, build: Callable[[Path], None]) -> bool:
 
     Returns:
         True when this call ran ``build``, False when the entry was already complete.
+
+    Raises:
+        UsageError: (before ``build``) the cache folder ``entry.parent`` is a file, lies below
+            one, or cannot be written.
     """
     if is_complete(entry):
         return False
+    check_output_folder(entry.parent, what="cache_dir")
     entry.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f"{entry.name}.partial-", dir=entry.parent))
     try:

@@ -17,8 +17,10 @@ A later call with the same files and settings loads the entry (memory-mapped) an
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import os
 import shutil
 import sys
 from dataclasses import asdict, dataclass
@@ -65,14 +67,19 @@ class CorpusSettings:
     pack_documents: bool = False
 
     def __post_init__(self) -> None:
-        check_positive_int("seq_len", self.seq_len)
+        # NumPy numbers are accepted and stored as Python ones, which the cache key's JSON holds
+        set_field = functools.partial(object.__setattr__, self)
+        set_field("seq_len", check_positive_int("seq_len", self.seq_len))
         if not isinstance(self.pack_documents, bool):
             raise ValueError(f"pack_documents must be True or False, got {self.pack_documents!r}.")
-        check_positive_int("min_document_bytes", self.min_document_bytes)
+        set_field("min_document_bytes",
+                  check_positive_int("min_document_bytes", self.min_document_bytes))
         check_fractions(self.val_fraction, self.test_fraction)
+        set_field("val_fraction", float(self.val_fraction))
+        set_field("test_fraction", float(self.test_fraction))
         for name in ("max_documents", "max_bytes"):
             if getattr(self, name) is not None:
-                check_positive_int(name, getattr(self, name))
+                set_field(name, check_positive_int(name, getattr(self, name)))
 
 
 @dataclass(frozen=True)
@@ -187,8 +194,8 @@ def _check_splits(source: DocumentSource, settings: CorpusSettings, split_column
     """Raise :class:`UsageError` when no document is kept or a split gets none, saying how
     many documents a corpus needs."""
     kept = len(split_column)
-    files = (f"{len(source.files)} files" if len(source.files) > 3
-             else ", ".join(str(path) for path in source.files))
+    files = (f"{len(source.files)} files under {os.path.commonpath(source.files)}"
+             if len(source.files) > 3 else ", ".join(str(path) for path in source.files))
     if kept == 0:
         raise UsageError(
             f"{source.name} corpus: no document of at least {settings.min_document_bytes} bytes "
@@ -292,11 +299,20 @@ def build_long_document_splits(
     """
     entry = Path(cache_dir) / f"{source.name}-{corpus_cache_key(source, settings)}"
     built = build_once(entry, lambda staging: _build_logged(source, settings, staging))
-    splits = {}
+    splits = {name: _load_entry_part(entry, name) for name in (*SPLITS, "documents")}
     for split in SPLITS:
-        splits[split] = load_from_disk(str(entry / split))
         packed = [DOCUMENT_COLUMN] if DOCUMENT_COLUMN in splits[split].column_names else []
         splits[split].set_format("torch", columns=SAMPLE_COLUMNS + packed)
-    return LongDocumentSplits(
-        documents=load_from_disk(str(entry / "documents")), path=entry, built=built, **splits
-    )
+    return LongDocumentSplits(path=entry, built=built, **splits)
+
+
+def _load_entry_part(entry: Path, name: str) -> Dataset:
+    """The dataset ``name`` (a split or ``"documents"``) of the finished cache entry ``entry``;
+    :class:`UsageError` naming the entry when its files are missing or damaged."""
+    try:
+        return load_from_disk(str(entry / name))
+    except (OSError, ValueError) as err:  # a file deleted or cut short (pyarrow: ValueError)
+        raise UsageError(
+            f"the corpus cache entry {entry} is damaged ({name}: {type(err).__name__}: {err}); "
+            f"delete it (rm -r {entry}) and run again to rebuild it."
+        ) from None

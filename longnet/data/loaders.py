@@ -15,12 +15,14 @@ def check_loader_args(batch_size: int, num_workers: int) -> None:
 
 def make_loader(dataset: Dataset, batch_size: int, num_workers: int, shuffle: bool) -> DataLoader:
     """A DataLoader over a map-style dataset of samples; batches are
-    ``{"input_ids": (batch, seq_len), "labels": (batch, seq_len)}``. Under a distributed
-    strategy Lightning swaps in a ``DistributedSampler`` (which keeps ``shuffle``)."""
+    ``{"input_ids": (batch, seq_len), "labels": (batch, seq_len)}``. ``batch_size`` and
+    ``num_workers`` are integers checked by :func:`check_loader_args` (NumPy ones too, given
+    to torch as ``int``). Under a distributed strategy Lightning swaps in a
+    ``DistributedSampler`` (which keeps ``shuffle``)."""
     return DataLoader(
         dataset,
-        batch_size=batch_size,
+        batch_size=int(batch_size),
         shuffle=shuffle,
-        num_workers=num_workers,
+        num_workers=int(num_workers),
         persistent_workers=num_workers > 0,
     )

@@ -132,6 +132,11 @@ class LongDocumentDataModule(L.LightningDataModule):
         """Token ids are bytes: 256."""
         return self.tokenizer.vocab_size
 
+    @property
+    def pack_documents(self) -> bool:
+        """Whether training samples are packed documents with ``"document_ids"``."""
+        return self.settings.pack_documents
+
     def prepare_data(self) -> None:
         """Build the processed corpus in the cache (once per node; a no-op when cached)."""
         build_long_document_splits(self.source, self.settings, self.cache_dir)

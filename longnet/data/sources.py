@@ -269,7 +269,8 @@ def files_source(
     the documents are read, :func:`load_documents`).
 
     Raises:
-        FileNotFoundError: a pattern matches no file (the error names the pattern).
+        FileNotFoundError: a pattern matches no file (the error names the pattern, and for a
+            folder a glob of its files).
         ValueError: no pattern is given, the files mix text, json and parquet, or
             ``invalid_files`` is not ``"error"``/``"skip"``.
     """
@@ -286,6 +287,13 @@ def files_source(
             if Path(match).is_file()
         )
         if not matches:
+            folder = os.path.expanduser(str(pattern))
+            if Path(folder).is_dir():
+                raise FileNotFoundError(
+                    f"data_files: {str(pattern)!r} is a folder; give a glob of its files, e.g. "
+                    f"'{os.path.join(folder, '*.txt')}' (or '{os.path.join(folder, '**', '*')}' "
+                    "with its subfolders)."
+                )
             raise FileNotFoundError(
                 f"data_files: no file matches {str(pattern)!r} (relative paths are resolved "
                 f"from {Path.cwd()}); fix the path or glob, or leave data_files unset to use "

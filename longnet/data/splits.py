@@ -14,13 +14,15 @@ import hashlib
 
 import numpy as np
 
+from longnet.validation import is_real
+
 SPLITS = ("train", "validation", "test")
 
 
 def check_fractions(val_fraction: float, test_fraction: float) -> None:
     """Raise ``ValueError`` unless both fractions are in (0, 1) and leave room for training."""
     for name, value in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
-        if not 0.0 < value < 1.0:
+        if not is_real(value) or not 0.0 < value < 1.0:
             raise ValueError(f"{name} must be in (0, 1), got {value!r}.")
     if val_fraction + test_fraction >= 1.0:
         raise ValueError(

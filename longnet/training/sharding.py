@@ -115,7 +115,7 @@ def shard_batch(
         length = seq_len
     documents = batch.get("document_ids")
     if documents is not None and layout != "contiguous":
-        raise ValueError(
+        raise UsageError(
             f"packed documents (document_ids) run on contiguous shards only, not {layout!r}; "
             "set load_balance: false on the sequence-parallel strategy."
         )

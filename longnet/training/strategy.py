@@ -44,6 +44,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from longnet.attention import DilatedPattern
@@ -242,11 +243,28 @@ class SequenceParallelLayout:
             _MESHES.add(self._device_mesh)
         return self._device_mesh
 
+    def _check_packed_documents(self) -> None:
+        """Refuse to fit packed documents (a datamodule whose ``pack_documents`` is true) on
+        zigzag shards, before any data is read: :func:`~longnet.training.shard_batch` cuts them
+        on contiguous shards only (validation and test windows hold one document each and
+        carry no ``document_ids``: any layout runs them)."""
+        trainer = self.lightning_module.trainer
+        packed = getattr(trainer.datamodule, "pack_documents", False)
+        if trainer.state.fn == TrainerFn.FITTING and self.sequence_layout == "zigzag" \
+                and packed is True:
+            raise UsageError(
+                "packed documents (data pack_documents: true) run on contiguous sequence shards "
+                "only, not on the zigzag shards of load_balance: true; set the strategy's "
+                "load_balance: false (--trainer.strategy.init_args.load_balance false)."
+            )
+
     def _start_layout(self) -> DeviceMesh:
-        """Once the process group is up (every ``fit``/``validate``/``test``): build the mesh,
-        have the group destroyed when the process exits (:func:`destroy_process_group_at_exit`),
-        start watching the ranks (more than one), keep Lightning's SIGTERM handler free of
+        """Once the process group is up (every ``fit``/``validate``/``test``): refuse packed
+        documents on zigzag shards (:meth:`_check_packed_documents`), build the mesh, have the
+        group destroyed when the process exits (:func:`destroy_process_group_at_exit`), start
+        watching the ranks (more than one), keep Lightning's SIGTERM handler free of
         collectives (:func:`note_sigterm_without_collectives`)."""
+        self._check_packed_documents()
         mesh = self._build_mesh()
         destroy_process_group_at_exit()
         if self._watch is None and self.world_size > 1:

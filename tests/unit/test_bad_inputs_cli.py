@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from longnet.cli import main
-from longnet.cli.errors import unmapped_config
+from longnet.cli.errors import bad_config_file
 from longnet.training import CausalLMModule
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,15 +32,35 @@ def test_a_config_that_is_not_a_mapping_is_named(tmp_path, capsys, content, hold
 
 
 def test_an_inline_config_that_is_not_a_mapping_is_named():
-    assert unmapped_config(["fit", "--config=[1, 2]"]).startswith(
+    assert bad_config_file(["fit", "--config=[1, 2]"]).startswith(
         "--config '[1, 2]' holds a list, not a config")
 
 
-def test_mapping_configs_are_left_to_the_parser(tmp_path):
+def test_mapping_configs_are_left_to_the_parser():
+    assert bad_config_file(["fit", "--config", str(SMOKE), "--config", str(SMOKE)]) is None
+    assert bad_config_file(["fit", "--config"]) is None
+
+
+def test_a_config_that_is_not_valid_yaml_is_named_with_the_line(tmp_path, capsys):
+    """jsonargparse says "Problems parsing config: ... in "<unicode string>", line 3"."""
     broken = tmp_path / "broken.yaml"
-    broken.write_text("trainer: [\n")
-    assert unmapped_config(["fit", "--config", str(SMOKE), "--config", str(broken)]) is None
-    assert unmapped_config(["fit", "--config"]) is None
+    broken.write_text("trainer:\n  max_steps: [1\n")
+    assert main(["fit", "--config", str(SMOKE), "--config", str(broken)]) == 2
+    err = capsys.readouterr().err
+    assert f"longnet: error: {broken} is not valid YAML: " in err and "line 3" in err, err
+    assert "<unicode string>" not in err and len(err.splitlines()) <= 3, err
+
+
+def test_a_strategy_that_refuses_its_arguments_says_why(tmp_path, capsys, monkeypatch):
+    """Among the union's alternatives (a strategy name, a strategy class) the class's own
+    refusal is the reason printed, not "Expected a <class 'str'>"."""
+    monkeypatch.chdir(tmp_path)
+    config = REPO / "configs" / "sequence_parallel.yaml"
+    assert main(["fit", "--config", str(config),
+                 "--trainer.strategy.init_args.sequence_parallel_size", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "sequence_parallel_size must be a positive integer, got 0" in err, err
+    assert "Expected a" not in err
 
 
 def test_a_warmup_longer_than_the_run_is_said(recwarn):
@@ -121,7 +141,8 @@ def test_a_write_that_finds_no_room_is_a_few_lines_naming_the_fix(tmp_path, caps
 
     import longnet.cli.entry as entry
 
-    for code, fix in ((errno.EFBIG, "Raise the file size limit (ulimit -f)"), (errno.ENOSPC, "Free space on the disk")):
+    for code, fix in ((errno.EFBIG, "Raise the file size limit (ulimit -f)"),
+                      (errno.ENOSPC, "Free space on the disk")):
         def full(args, code=code):
             raise OSError(code, "no room", "runs/x/last.ckpt")
 
