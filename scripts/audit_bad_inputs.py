@@ -141,6 +141,11 @@ def own_code(path: str) -> bool:
     return bool(path) and Path(path).resolve().is_relative_to(PACKAGE)
 
 
+def stderr_lines(stderr: str) -> int:
+    """The non-empty lines of ``stderr``: what a case's ``max_lines`` bounds."""
+    return len([line for line in stderr.splitlines() if line.strip()])
+
+
 def classify(case: Case, status: int | None, stdout: str, stderr: str,
              then_status: int | None) -> tuple[str, str]:
     """The verdict on one finished case and, for a bad one, why (see the module docstring)."""
@@ -158,7 +163,7 @@ def classify(case: Case, status: int | None, stdout: str, stderr: str,
     elif not re.search(case.says, stdout + stderr, re.I | re.S):
         return "unclear", f"does not say /{case.says}/"
     else:
-        lines = len([line for line in stderr.splitlines() if line.strip()])
+        lines = stderr_lines(stderr)
         if lines > case.max_lines and not case.api:
             return "unclear", f"{lines} lines of stderr (at most {case.max_lines})"
     if then_status not in (None, 0):
@@ -185,8 +190,7 @@ def run_case(case: Case, workdir: Path, env: dict[str, str], timeout: float) -> 
         then_status = then.returncode
         stderr += then.stdout + then.stderr if then.returncode else ""
     verdict, why = classify(case, status, stdout, stderr, then_status)
-    lines = len([line for line in stderr.splitlines() if line.strip()])
-    return Outcome(case, verdict, status, lines, error_message(stderr),
+    return Outcome(case, verdict, status, stderr_lines(stderr), error_message(stderr),
                    time.perf_counter() - start, why, stdout + stderr)
 
 

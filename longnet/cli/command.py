@@ -92,7 +92,7 @@ from longnet.training.runs import (
     run_folder,
 )
 from longnet.training.signals import StopOnSignal
-from longnet.validation import UsageError, check_positive_int
+from longnet.validation import UsageError, check_positive_int, is_real
 
 
 def check_trainer_values(config: dict[str, Any]) -> None:
@@ -103,14 +103,14 @@ def check_trainer_values(config: dict[str, Any]) -> None:
     check_positive_int("trainer.accumulate_grad_batches",
                        config.get("accumulate_grad_batches", 1))
     interval = config.get("val_check_interval")
-    if isinstance(interval, (int, float)) and not isinstance(interval, bool) and interval <= 0:
+    if is_real(interval) and interval <= 0:
         raise UsageError(
             f"trainer.val_check_interval must be positive (a number of steps, or a fraction of "
             f"an epoch), got {interval}; to validate less often raise it, to never validate "
             "set --trainer.limit_val_batches 0."
         )
     clip = config.get("gradient_clip_val")
-    if isinstance(clip, (int, float)) and clip < 0:
+    if is_real(clip) and clip < 0:
         raise UsageError(
             f"trainer.gradient_clip_val must be >= 0 (the largest gradient norm; 0 or null: no "
             f"clipping), got {clip}."
