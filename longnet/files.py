@@ -11,6 +11,9 @@ torn file or a mix of the two, and a writer killed at any instant leaves a valid
   a concurrent :func:`replace_folder` changes nothing in what they read.
 - :func:`check_output_folder`, :func:`check_replaceable_folder`: before a long computation,
   whether its output can be written.
+- :func:`check_path_given`: an empty path is refused, by every function here too
+  (``Path("")`` is the current folder, where an empty setting would silently read or write),
+  and :func:`replace_folder` never replaces the current folder or a folder holding it.
 
 The swap: on Linux one ``renameat2(RENAME_EXCHANGE)`` call exchanges the two folders, so the
 path always holds a complete version. Where the system or the file system cannot (macOS,
@@ -64,10 +67,11 @@ def write_atomic(path: str | Path, data: str | bytes) -> Path:
     parent folders are created. The file gets the bits of a new file (module docstring).
 
     Raises:
+        UsageError: ``path`` is empty.
         OSError: no room for the file (:data:`NO_ROOM_ERRNOS`, naming ``path``); the old file
             is kept.
     """
-    path = Path(path)
+    path = check_path_given(path, "file")
     path.parent.mkdir(parents=True, exist_ok=True)
     temp = _sibling(path, "tmp")
     try:
@@ -84,7 +88,8 @@ def write_atomic(path: str | Path, data: str | bytes) -> Path:
 
 
 @contextmanager
-def replace_folder(directory: str | Path, owned: Collection[str] = ()) -> Iterator[Path]:
+def replace_folder(directory: str | Path, owned: Collection[str] = (),
+                   what: str = "folder") -> Iterator[Path]:
     """Replace the folder ``directory`` by what the ``with`` block writes into the yielded
     (empty, temporary) folder, in one step when the block ends (module docstring).
 
@@ -92,15 +97,15 @@ def replace_folder(directory: str | Path, owned: Collection[str] = ()) -> Iterat
     copies where links are refused), except the names in ``owned``: the files this writer
     makes, which a new version must not inherit from an old one. A symbolic link at
     ``directory`` is followed: the folder it points to is replaced. Concurrent writers are
-    safe: the last to finish wins.
+    safe: the last to finish wins. ``what`` names ``directory`` in the messages.
 
     Raises:
-        UsageError: ``directory`` is a file, or its parent cannot be written (before the block
-            runs).
+        UsageError: ``directory`` is empty, a file, the current folder or a folder holding it,
+            or its parent cannot be written (before the block runs).
         OSError: no room for the new version (:data:`NO_ROOM_ERRNOS`, naming ``directory``);
             the old folder is kept.
     """
-    check_replaceable_folder(directory)
+    check_replaceable_folder(directory, what)
     target = Path(os.path.realpath(directory))
     target.parent.mkdir(parents=True, exist_ok=True)
     temp = _sibling(target, "tmp")
@@ -137,10 +142,11 @@ def open_files(directory: str | Path, names: Sequence[str]) -> Iterator[dict[str
     Raises:
         FileNotFoundError: there is no folder at ``directory``.
         NotADirectoryError: ``directory`` is a file.
+        UsageError: ``directory`` is empty.
         UsageError: the folder was replaced :data:`OPEN_ATTEMPTS` times in a row while being
             opened.
     """
-    directory = Path(directory)
+    directory = check_path_given(directory, "folder")
     for attempt in range(OPEN_ATTEMPTS):
         if attempt:
             time.sleep(_RETRY_SECONDS)
@@ -171,12 +177,13 @@ def check_output_folder(path: str | Path, files: Sequence[str] = (), what: str =
 
     ``path`` may be absent (it is created later) if its nearest existing parent is a writable
     folder; an existing ``path`` must be a writable folder, and each of ``files`` (names
-    inside it) absent or a writable file. ``what`` names the setting in the messages.
+    inside it) absent or a writable file; it must not be empty. ``what`` names the setting in
+    the messages.
 
     Raises:
         UsageError: naming the path, what is wrong and the fix.
     """
-    path = Path(path)
+    path = check_path_given(path, what)
     _check_writable(path, path, what)
     for name in files if path.is_dir() else ():
         file = path / name
@@ -193,20 +200,44 @@ def check_output_folder(path: str | Path, files: Sequence[str] = (), what: str =
 
 
 def check_replaceable_folder(path: str | Path, what: str = "folder") -> Path:
-    """Refuse, before any work, a folder :func:`replace_folder` cannot replace: a file, or one
-    (existing or not) whose parent cannot be written; returns ``path``. ``what`` names the
-    setting in the messages.
+    """Refuse, before any work, a folder :func:`replace_folder` cannot or must not replace: an
+    empty path, a file, the current folder or a folder holding it (the folder being worked in
+    would be swapped for a new one), or one (existing or not) whose parent cannot be written;
+    returns ``path``. ``what`` names the setting in the messages.
 
     Raises:
         UsageError: naming the path, what is wrong and the fix.
     """
-    path = Path(path)
+    path = check_path_given(path, what)
     if os.path.lexists(path) and not path.is_dir():
         raise UsageError(
             f"{what} {path} is a file, not a folder; give a folder path or move the file away."
         )
-    _check_writable(Path(os.path.realpath(path)).parent, path, what)
+    target, cwd = Path(os.path.realpath(path)), Path(os.path.realpath(os.getcwd()))
+    if target == cwd or target in cwd.parents:
+        where = "the current folder" if target == cwd else f"a folder holding the current " \
+            f"folder {cwd}"
+        raise UsageError(
+            f"{what} {path} is {where}: it would be replaced whole by a new folder; give a "
+            f"folder of its own, e.g. {path / 'model'}."
+        )
+    _check_writable(target.parent, path, what)
     return path
+
+
+def check_path_given(path: str | os.PathLike[str], what: str) -> Path:
+    """``path`` as a :class:`~pathlib.Path`, refusing an empty one: ``Path("")`` is the
+    current folder, so an empty setting would read or write there without a word. (Only a
+    string can be empty: check a setting before turning it into a ``Path``.) ``what`` names
+    the setting in the message.
+
+    Raises:
+        UsageError: ``path`` is empty.
+    """
+    if os.fspath(path) == "":
+        raise UsageError(f"{what} is empty; give a path (an empty path would be the current "
+                         f"folder, {os.getcwd()}).")
+    return Path(path)
 
 
 # ---------------------------------------------------------------------- helpers

@@ -1,7 +1,7 @@
 """Benchmark exact dilated attention against dense SDPA: time, peak memory and error vs length.
 
     python scripts/bench_attention.py --lengths 2048 4096 8192 --pattern 2048,4096,8192/1,2,4 \
-        --causal [--heads 8 --head-dim 64 --batch 1 --dtype float32 --repeats 5 --out docs/]
+        --causal [--heads 8 --head-dim 64 --batch 1 --dtype float32 --repeats 5 --update-docs]
 
 Systems (one row each per length):
 
@@ -35,7 +35,9 @@ goes to the "GPU" section of ``<out>/benchmarks.md``::
 
 Outputs: a table on stdout (a progress line per point), ``<out>/bench_attention_<tag>.png``
 and the block ``<tag>`` of the attention section of ``<out>/benchmarks.md`` (replaced if it
-exists). ``--json PATH`` also writes every sample.
+exists). ``--out`` defaults to ``runs/bench_attention``; ``--update-docs`` writes into the
+repository's ``docs/`` instead (``docs/benchmarks.md``). ``--json PATH`` also writes every
+sample. Every output is checked before anything is measured.
 """
 
 from __future__ import annotations
@@ -71,7 +73,15 @@ from longnet.bench.attention import (
     table_rows,
     timing_child,
 )
-from longnet.eval.cli import ScriptParser, length_argument, positive_int_argument
+from longnet.eval.cli import (
+    ScriptParser,
+    float_argument,
+    length_argument,
+    non_negative_int_argument,
+    position_argument,
+    positive_int_argument,
+    run_cli,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).resolve()
@@ -88,29 +98,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--repeats", type=positive_int_argument, default=5,
                         help="timed runs per point (max)")
-    parser.add_argument("--point-budget", type=float, default=120.0,
+    parser.add_argument("--point-budget", type=float_argument(0, exclusive=True), default=120.0,
                         help="fewer repeats when the warm-up says a length would take longer "
                              "than this many seconds (at least 1 run)")  # fmt: skip
     parser.add_argument(
         "--threads", type=positive_int_argument, default=None,
         help="torch threads (default: torch's)",
     )
-    parser.add_argument("--warmup-max-len", type=int, default=262144,
+    parser.add_argument("--warmup-max-len", type=position_argument, default=262144,
                         help="above this length: no warm-up call and one timed run")  # fmt: skip
-    parser.add_argument("--sdpa-max-len", type=int, default=32768,
+    parser.add_argument("--sdpa-max-len", type=position_argument, default=32768,
                         help="dense systems run up to this length only")  # fmt: skip
     parser.add_argument("--systems", nargs="+", choices=sorted({*SYSTEMS, *device.SYSTEMS}),
                         help=f"default: {' '.join(SYSTEMS)} on the CPU, "
                              f"{' '.join(device.SYSTEMS)} with --device cuda")  # fmt: skip
-    parser.add_argument("--check-rows", type=int, default=32)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--check-rows", type=positive_int_argument, default=32)
+    parser.add_argument("--seed", type=non_negative_int_argument, default=0)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: the GPU benchmark (one process, CUDA events)")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory children")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs")
-    parser.add_argument("--tag", default=None, help="name of the plot and the doc block")
-    parser.add_argument("--no-doc", action="store_true", help="do not touch benchmarks.md")
-    parser.add_argument("--json", type=Path, default=None, help="also write all samples here")
+    common.add_output_arguments(parser, "bench_attention")
+    parser.add_argument("--tag", type=common.name_argument, default=None,
+                        help="name of the plot and the doc block")
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--timing-child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -126,20 +135,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.memory_child is not None:
         print("RESULT " + json.dumps(memory_child(json.loads(args.memory_child))), flush=True)
-        return
+        return 0
     if args.timing_child is not None:
         print("RESULT " + json.dumps(timing_child(args.timing_child, args)), flush=True)
-        return
+        return 0
     argv = sys.argv[1:] if argv is None else argv
     if args.device == "cuda":
-        run_on_gpu(args, argv)
-        return
+        return run_on_gpu(args, argv)
+    plot_name = f"bench_attention_{args.tag}.png"
+    common.check_outputs(args, "bench_attention", [plot_name])
     clock = common.Run(common.command_line("scripts/bench_attention.py", argv, ENV_VARS))
     digest = common.attention_digest()
     version = common.source_version(digest, ROOT)  # before the run: HEAD may move while it runs
@@ -151,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     for line in notes(points):
         print(line)
     args.out.mkdir(parents=True, exist_ok=True)
-    plot_path = args.out / f"bench_attention_{args.tag}.png"
+    plot_path = args.out / plot_name
     title = f"{args.tag}: {describe_pattern(args.pattern)}, {args.shape}"
     plot(points, plot_path, title)
     run = clock.finish(
@@ -162,19 +172,21 @@ def main(argv: list[str] | None = None) -> None:
         warnings=changed,
     )
     print(f"plot: {plot_path}; wall time {run['wall_s']:.0f} s")
+    write_samples(args, run, points)
     if not args.no_doc:
         block = {args.tag: markdown_block(points, args, run)}
         common.write_blocks(args.out / "benchmarks.md", SECTION, PREFIX, block, MEMORY_DEFINITION)
         print(f"updated {args.out / 'benchmarks.md'} block {args.tag}")
-    if args.json:
-        samples = [asdict(p) for p in points]
-        args.json.write_text(json.dumps({"run": run, "points": samples}, indent=1))
+    return 0
 
 
-def run_on_gpu(args: argparse.Namespace, argv: list[str]) -> None:
+def run_on_gpu(args: argparse.Namespace, argv: list[str]) -> int:
     """``--device cuda``: every length in this process (``longnet/bench/device.py``)."""
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py: --device cuda needs a CUDA device; none is visible.")
+    tag = f"gpu-{args.tag}"
+    plot_name = f"bench_attention_{tag}.png"
+    common.check_outputs(args, "bench_attention", [plot_name])
     gpu = torch.device("cuda")
     clock = common.Run(common.command_line("scripts/bench_attention.py", argv, ENV_VARS))
     version = common.source_version(common.attention_digest(), ROOT)
@@ -188,11 +200,10 @@ def run_on_gpu(args: argparse.Namespace, argv: list[str]) -> None:
         )
         points += found
         print(common.text_table(device.HEADER, device.table_rows(found)), flush=True)
-    tag = f"gpu-{args.tag}"
     name = torch.cuda.get_device_name(gpu)
     title = f"{tag}: {describe_pattern(args.pattern)}, {args.shape}, {name}"
     args.out.mkdir(parents=True, exist_ok=True)
-    plot_path = args.out / f"bench_attention_{tag}.png"
+    plot_path = args.out / plot_name
     device.plot(points, plot_path, title)
     run = clock.finish()
     lines = [
@@ -206,9 +217,21 @@ def run_on_gpu(args: argparse.Namespace, argv: list[str]) -> None:
         f"![time vs length]({plot_path.name})",
     ]
     print("\n".join(lines))
+    print(f"plot: {plot_path}")
+    write_samples(args, run, points)
     if not args.no_doc:
         common.write_blocks(args.out / "benchmarks.md", "## GPU", PREFIX, {tag: "\n".join(lines)})
+        print(f"updated {args.out / 'benchmarks.md'} block {tag}")
+    return 0
+
+
+def write_samples(args: argparse.Namespace, run: dict, points: list) -> None:
+    """``--json``: the run's description and every point with its samples."""
+    if args.json:
+        samples = [asdict(p) for p in points]
+        args.json.write_text(json.dumps({"run": run, "points": samples}, indent=1))
+        print(f"samples: {args.json}")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(main))

@@ -1,7 +1,7 @@
 """Load balance of the causal sequence-parallel training step: contiguous against zigzag shards.
 
     python scripts/bench_load_balance.py --model longnet-tiny-16k --seq-len 16384 --worlds 2 4 \
-        --steps 3 --out docs/
+        --steps 3 --update-docs
 
 For each world size ``P`` and each layout, ``P`` gloo processes (one thread each) run training
 steps of the zoo model on one sequence of ``--seq-len`` random bytes (how each number is
@@ -12,7 +12,9 @@ cores, so their wall times stretch; busy times and their balance still compare.
 
 Outputs: a table on stdout, ``<out>/bench_load_balance.png`` (busy and waiting time of every
 rank) and the ``load-balance`` block of the ``## Sequence-parallel ring`` section of
-``<out>/benchmarks.md`` (replaced between its markers); ``--json PATH`` every sample.
+``<out>/benchmarks.md`` (replaced between its markers); ``--json PATH`` every sample. ``--out``
+defaults to ``runs/bench_load_balance``; ``--update-docs`` writes into the repository's
+``docs/`` instead. Every output is checked before anything is measured.
 """
 
 from __future__ import annotations
@@ -29,7 +31,14 @@ from longnet.bench.balance import RankSteps, step_worker
 from longnet.bench.ring import SECTION
 from longnet.distributed import run_workers
 from longnet.distributed.shards import LAYOUTS
-from longnet.eval.cli import ScriptParser, length_argument, positive_int_argument
+from longnet.eval.cli import (
+    ScriptParser,
+    float_argument,
+    length_argument,
+    non_negative_int_argument,
+    positive_int_argument,
+    run_cli,
+)
 from longnet.modeling.zoo import ZOO
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,11 +54,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=positive_int_argument, default=3,
                         help="timed steps after one warm-up")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs")
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--no-doc", action="store_true", help="do not touch benchmarks.md")
+    parser.add_argument("--seed", type=non_negative_int_argument, default=0)
+    parser.add_argument("--timeout", type=float_argument(0, exclusive=True), default=3600.0,
+                        help="seconds per run")
+    common.add_output_arguments(parser, "bench_load_balance")
     args = parser.parse_args(argv)
     if any(world < 2 for world in args.worlds):
         parser.error(f"--worlds: sequence parallelism needs 2 ranks or more, got {args.worlds}")
@@ -97,9 +105,10 @@ def plot(results: dict[tuple[int, str], list[RankSteps]], path: Path, title: str
     common.save_figure(fig, path, title, dpi=110)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
+    common.check_outputs(args, "bench_load_balance", ["bench_load_balance.png"])
     run = common.Run(common.command_line("scripts/bench_load_balance.py", argv))
     results: dict[tuple[int, str], list[RankSteps]] = {}
     for world in args.worlds:
@@ -125,14 +134,19 @@ def main(argv: list[str] | None = None) -> None:
         f"![busy and waiting time per rank]({plot_path.name})",
     ]
     print("\n".join(lines))
-    if not args.no_doc:
-        common.write_blocks(args.out / "benchmarks.md", SECTION, PREFIX,
-                            {"load-balance": "\n".join(lines)})
+    written = [plot_path]
     if args.json:
         args.json.write_text(json.dumps({"run": finished, "results": [
             {"world": world, "layout": layout, "ranks": [asdict(r) for r in ranks]}
             for (world, layout), ranks in results.items()]}, indent=1))
+        written.append(args.json)
+    if not args.no_doc:
+        common.write_blocks(args.out / "benchmarks.md", SECTION, PREFIX,
+                            {"load-balance": "\n".join(lines)})
+        written.append(args.out / "benchmarks.md")
+    print("wrote " + ", ".join(str(path) for path in written))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(main))

@@ -2,7 +2,7 @@
 
     python scripts/bench_ring.py --seq-len 32768 --worlds 1 2 4 8 --transports ring allgather \
         --heads 8 --head-dim 64 --dtype float32 --base-segment 2048 --spawns 2 --timed-calls 2 \
-        --dense-seq-len 8192 --out docs/
+        --dense-seq-len 8192 --update-docs
 
 Systems and cases (every case runs forward + backward, causal by default):
 
@@ -22,6 +22,8 @@ Outputs: tables on stdout, ``<out>/bench_ring.png`` (``bench_ring_<block>.png``)
 ``## Sequence-parallel ring`` section of ``<out>/benchmarks.md`` the generated blocks ``<block>``
 (default ``main``), ``dense`` and ``grads`` for the parts that ran, each replaced between its
 markers (text outside the markers and other sections are kept); ``--json PATH`` every sample.
+``--out`` defaults to ``runs/bench_ring``; ``--update-docs`` writes into the repository's
+``docs/`` instead. Every output is checked before anything is measured.
 """
 
 from __future__ import annotations
@@ -55,13 +57,16 @@ from longnet.bench.ring_report import (
 )
 from longnet.eval.cli import (
     ScriptParser,
+    float_argument,
     length_argument,
+    non_negative_int_argument,
     position_argument,
     positive_int_argument,
+    run_cli,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-"""The repository: default ``--out`` (``docs/``) and the commit the report names."""
+"""The repository: the commit the report names."""
 TRANSPORTS = ("ring", "allgather")
 
 
@@ -89,12 +94,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dense-spawns", type=positive_int_argument, default=1)
     parser.add_argument("--bucket-size", type=positive_int_argument, default=1024)
     parser.add_argument("--grad-seq-len", type=position_argument, default=512, help="0: skip")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=3600.0)
-    parser.add_argument("--out", type=Path, default=ROOT / "docs")
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--block", default="main", help="name of the generated main block")
-    parser.add_argument("--no-doc", action="store_true", help="do not touch benchmarks.md")
+    parser.add_argument("--seed", type=non_negative_int_argument, default=0)
+    parser.add_argument("--timeout", type=float_argument(0, exclusive=True), default=3600.0,
+                        help="seconds per spawn")
+    common.add_output_arguments(parser, "bench_ring")
+    parser.add_argument("--block", type=common.name_argument, default="main",
+                        help="name of the generated main block")
     args = parser.parse_args(argv)
     branches = geometric_branches(args.seq_len, args.base_segment)
     runs = [("--seq-len", args.seq_len, branches), ("--grad-seq-len", args.grad_seq_len, branches),
@@ -144,9 +149,11 @@ def build_cases(args) -> tuple[list[Case], list[Case]]:
     return main, dense
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
+    suffix = "" if args.block == "main" else f"_{args.block}"
+    common.check_outputs(args, "bench_ring", [f"bench_ring{suffix}.png"])
     clock = common.Run(common.command_line(f"scripts/{Path(__file__).name}", argv))
     main_cases, dense_cases = build_cases(args)
     results = run_cases(main_cases, args.spawns, args.timeout)
@@ -160,7 +167,6 @@ def main(argv: list[str] | None = None) -> None:
     by_transport = {t: [r for r in rows if r.get("transport") in (t, "-")] for t in args.transports}
     dense = dense_rows(dense_results)
     args.out.mkdir(parents=True, exist_ok=True)
-    suffix = "" if args.block == "main" else f"_{args.block}"
     plot_path = args.out / f"bench_ring{suffix}.png"
     title = (
         f"dilated attention, N={args.seq_len}, {args.heads} heads x {args.head_dim}, "
@@ -181,11 +187,7 @@ def main(argv: list[str] | None = None) -> None:
         machine=common.machine(python=True),
         ring_attention_version=peers.version("ring-attention-pytorch"),
     )
-    if not args.no_doc:
-        code = common.commit_version(ROOT)
-        blocks = generated_blocks(args, run, code, rows, dense, grads)
-        common.write_blocks(args.out / "benchmarks.md", SECTION, PREFIX, blocks)
-        print(f"updated {args.out / 'benchmarks.md'} ({SECTION})")
+    print(f"plot: {plot_path}")
     if args.json:
         samples = [r.samples() for r in results + dense_results]
         args.json.write_text(
@@ -193,7 +195,14 @@ def main(argv: list[str] | None = None) -> None:
                 dict(rows=rows, dense=dense, grads=grads, samples=samples), indent=1, default=str
             )
         )
+        print(f"samples: {args.json}")
+    if not args.no_doc:
+        code = common.commit_version(ROOT)
+        blocks = generated_blocks(args, run, code, rows, dense, grads)
+        common.write_blocks(args.out / "benchmarks.md", SECTION, PREFIX, blocks)
+        print(f"updated {args.out / 'benchmarks.md'} ({SECTION})")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(main))

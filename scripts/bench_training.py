@@ -1,7 +1,7 @@
 """Benchmark one training step of a LongNet LM against its dense twin: tokens/s vs length.
 
     python scripts/bench_training.py --model longnet-tiny-16k --lengths 1K 2K 4K 8K 16K \
-        --precision 32 --profile 16K --out docs/
+        --precision 32 --profile 16K --update-docs
 
 A step is forward + loss + backward + AdamW on random bytes (``longnet/bench/training.py``).
 Per length the model runs with its own dilated pattern and as its dense twin (one branch
@@ -11,7 +11,9 @@ the linear layers, the most the pattern can save) and the dilated model's tokens
 its own at the shortest length (linear cost keeps it near 1). ``--profile LEN`` adds where one
 dilated step's time goes at that length and the attention core's time per branch. Writes the
 table and ``bench_training.png`` and the block ``<model>-<precision>`` of the "Training step"
-section of ``<out>/benchmarks.md``; ``--json PATH`` also writes every sample.
+section of ``<out>/benchmarks.md`` (``--out`` defaults to ``runs/bench_training``;
+``--update-docs`` writes into the repository's ``docs/`` instead); ``--json PATH`` also writes
+every sample. Every output is checked before anything is measured.
 """
 
 from __future__ import annotations
@@ -34,7 +36,14 @@ from longnet.bench.training import (
     twin_config,
 )
 from longnet.denormals import denormals_kept, flushing_denormals
-from longnet.eval.cli import ScriptParser, length_argument
+from longnet.eval.cli import (
+    ScriptParser,
+    length_argument,
+    non_negative_int_argument,
+    path_argument,
+    positive_int_argument,
+    run_cli,
+)
 from longnet.modeling import LongNetConfig
 from longnet.planning.state import model_config
 
@@ -49,31 +58,30 @@ INTRO = (
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ScriptParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="zoo name or model folder (its config)")
+    parser.add_argument("--model", type=path_argument, required=True,
+                        help="zoo name or model folder (its config)")
     parser.add_argument("--lengths", nargs="+", type=length_argument, required=True,
                         help="tokens per sample, e.g. 1K 4K 16K")
-    parser.add_argument("--batch", type=int, default=1, help="samples per step")
+    parser.add_argument("--batch", type=positive_int_argument, default=1,
+                        help="samples per step")
     parser.add_argument("--precision", choices=PRECISIONS, default="32",
                         help="32 (float32) or bf16 (bfloat16 autocast, as bf16-mixed)")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per system and length")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    parser.add_argument("--steps", type=positive_int_argument, default=3,
+                        help="timed steps per system and length")
+    parser.add_argument("--warmup", type=non_negative_int_argument, default=1,
+                        help="untimed steps first")
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     parser.add_argument("--profile", type=length_argument, help="profile a dilated step at LEN")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the steps run (cuda: device-synchronised step times)")
-    parser.add_argument("--out", type=Path, default=Path("runs/bench_training"))
-    parser.add_argument("--json", type=Path, help="also write every sample here")
-    parser.add_argument("--tag", help="name of the doc block (default: model-precision)")
+    common.add_output_arguments(parser, "bench_training")
+    parser.add_argument("--tag", type=common.name_argument,
+                        help="name of the doc block (default: model-precision)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA device; none is visible.")
     if args.device == "cuda" and args.profile is not None:
         parser.error("--profile splits CPU operator time; run it with --device cpu.")
-    for name in ("batch", "steps"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}.")
-    if args.warmup < 0:
-        parser.error(f"--warmup must be >= 0, got {args.warmup}.")
     try:
         args.config = model_config(args.model)
     except ValueError as err:
@@ -83,6 +91,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    tag = args.tag or f"{Path(str(args.model)).name}-{args.precision}"
+    if args.device == "cuda":
+        tag = f"gpu-{tag}"
+    plot_name = f"bench_training_{tag}.png" if args.tag else "bench_training.png"
+    common.check_outputs(args, "bench_training", [plot_name])
     run = common.Run(common.command_line("scripts/bench_training.py", sys.argv[1:] if argv is None
                                          else argv, ["OMP_NUM_THREADS"]))
     config = args.config
@@ -136,23 +149,23 @@ def main(argv: list[str] | None = None) -> int:
         machine = f"{torch.cuda.get_device_name()}, torch {torch.__version__}; host {machine}"
     head = common.run_lines(finished, machine,
                             common.commit_version(Path(__file__).resolve().parents[1]))
-    tag = args.tag or f"{Path(str(args.model)).name}-{args.precision}"
-    if args.device == "cuda":
-        tag = f"gpu-{tag}"
     block = "\n".join([f"### {tag}", "", *head,
                        f"- model: `{args.model}`, batch {args.batch}, precision {args.precision}, "
                        f"{args.steps} timed steps per point after {args.warmup} warm-up, "
                        f"{threads} threads", "", *lines])
     print(block)
     args.out.mkdir(parents=True, exist_ok=True)
-    plot_name = f"bench_training_{tag}.png" if args.tag else "bench_training.png"
-    _plot(timings, args, args.out / plot_name)
-    common.write_blocks(args.out / "benchmarks.md", SECTION, PREFIX, {tag: block}, INTRO)
+    written = [_plot(timings, args, args.out / plot_name)]
     if args.json is not None:
         args.json.write_text(json.dumps({
             "run": finished, "timings": [t.__dict__ for t in timings],
             "profile": profile, "branches": branches,
         }, indent=2) + "\n")
+        written.append(args.json)
+    if not args.no_doc:
+        common.write_blocks(args.out / "benchmarks.md", SECTION, PREFIX, {tag: block}, INTRO)
+        written.append(args.out / "benchmarks.md")
+    print("wrote " + ", ".join(str(path) for path in written))
     return 0
 
 
@@ -160,7 +173,7 @@ def _macs(config: LongNetConfig, length: int) -> int:
     return sum(forward_macs(config, length).values())
 
 
-def _plot(timings, args: argparse.Namespace, path: Path) -> None:
+def _plot(timings, args: argparse.Namespace, path: Path) -> Path:
     plt = common.pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for system in args.systems:
@@ -169,8 +182,9 @@ def _plot(timings, args: argparse.Namespace, path: Path) -> None:
     common.log2_axis(ax, "tokens per sample", "training tokens/s", ticks=sorted(args.lengths),
                      log_y=True)
     common.save_figure(fig, path, f"Training step of {args.model} ({args.precision})", dpi=120)
+    return path
 
 
 if __name__ == "__main__":
     with flushing_denormals(not denormals_kept()):  # as `longnet fit` (before any torch work)
-        sys.exit(main())
+        sys.exit(run_cli(main))

@@ -21,6 +21,7 @@ import sys
 
 import numpy as np
 
+from longnet.data.passkey import min_passkey_length, needle_window
 from longnet.eval import (
     accuracy_by_alignment,
     check_context_length,
@@ -34,6 +35,7 @@ from longnet.eval.cli import (
     ScriptParser,
     add_length_arguments,
     add_model_arguments,
+    float_argument,
     lengths_from_args,
     models_from_args,
     positive_int_argument,
@@ -41,6 +43,7 @@ from longnet.eval.cli import (
 )
 from longnet.eval.reporting import write_run_info
 from longnet.files import check_output_folder
+from longnet.validation import UsageError
 
 OUTPUTS = ["passkey.csv", "passkey_generations.csv", "passkey.png", "run.json",
            "passkey_alignment.csv"]
@@ -51,14 +54,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_model_arguments(parser, default_out="runs/eval/passkey")
     add_length_arguments(parser, "lengths", "max-length", "example lengths in bytes")
     parser.add_argument(
-        "--depths", nargs="+", type=float, default=[0.0, 0.25, 0.5, 0.75, 1.0],
+        "--depths", nargs="+", type=float_argument(0, 1), default=[0.0, 0.25, 0.5, 0.75, 1.0],
         help="needle depths in [0, 1] (0 = start of the filler, 1 = just before the question)",
     )
     parser.add_argument("--num-examples", type=positive_int_argument, default=10,
                         help="examples per cell")
     parser.add_argument("--num-digits", type=positive_int_argument, default=5,
                         help="digits of the pass key (1-18)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.num_digits > 18:
+        parser.error(f"--num-digits: num_digits must be an integer in [1, 18] (the digits of the "
+                     f"key), got {args.num_digits}")
+    return args
+
+
+def check_depths_apart(lengths: list[int], depths: list[float], num_digits: int) -> None:
+    """Refuse a length whose filler is too short to place the needles of two of ``depths``
+    apart (``longnet.data.passkey.needle_window``): their cells would be one cell reported as
+    two depths."""
+    for length in lengths:
+        budget = length - min_passkey_length(num_digits)
+        seen: dict[tuple[int, int], float] = {}
+        for depth in depths:
+            window = needle_window(budget, depth)
+            if window in seen:
+                raise UsageError(
+                    f"--lengths {length}: its filler of {budget} byte(s) puts the needle of depths "
+                    f"{seen[window]:g} and {depth:g} on the same bytes ({window[0]} to "
+                    f"{window[1]}); give longer lengths or fewer depths."
+                )
+            seen[window] = depth
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     models = models_from_args(args)
     lengths = lengths_from_args(args, "lengths", "max-length", models)
     lengths, depths = check_passkey_grid(lengths, args.depths, args.num_digits)
+    check_depths_apart(lengths, depths, args.num_digits)
     for item in models:  # refuse impossible lengths before any work
         for length in lengths:
             check_context_length(length, item.model)

@@ -39,6 +39,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's longnet, installed or not (the steps: PYTHONPATH)
+
+from longnet.files import check_output_folder  # noqa: E402  (no torch, no data layer)
+from longnet.validation import UsageError  # noqa: E402
 
 ENVIRONMENT = """
 import torch
@@ -126,12 +130,42 @@ def run_step(name: str, command: list[str], limit: int, out: Path, env: dict) ->
             "lines": lines[-40:]}
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """Refuse, before looking for a GPU, what would fail later: an empty or unwritable
+    ``--out``, a ``--wheels`` that is no folder, an ``--only`` naming no step; sets ``args.out``
+    and ``args.wheels`` to paths.
+
+    Raises:
+        UsageError: naming the option, the value and the fix.
+    """
+    for option in ("out", "wheels"):
+        text = getattr(args, option)
+        if text is not None and not text.strip():
+            raise UsageError(f"--{option}: expected a path, got {text!r}.")
+    args.out = Path(args.out)
+    names = [name for name, _, _ in steps(args.out)]
+    for name in args.only or ():
+        if name not in names:
+            raise UsageError(f"--only {name}: no such step; the steps: {', '.join(names)}.")
+    if args.wheels is not None:
+        args.wheels = Path(args.wheels)
+        if not args.wheels.is_dir():
+            raise UsageError(f"--wheels {args.wheels}: no such folder; give the folder of the "
+                             "wheels to install.")
+    check_output_folder(args.out, ["gpu_check.md"])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "gpu_check")
-    parser.add_argument("--wheels", type=Path, help="install these wheels first (offline)")
+    parser.add_argument("--out", default=str(ROOT / "runs" / "gpu_check"))
+    parser.add_argument("--wheels", help="install the wheels of this folder first (offline)")
     parser.add_argument("--only", nargs="+", help="run only these steps (by name)")
     args = parser.parse_args(argv)
+    try:
+        check_arguments(args)
+    except UsageError as error:
+        print(f"gpu_check.py: {error}", file=sys.stderr)
+        return 2
     import torch
 
     if not torch.cuda.is_available():

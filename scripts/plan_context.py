@@ -39,7 +39,13 @@ import sys
 import torch
 
 from longnet.attention import DilatedPattern, padded_length
-from longnet.eval.cli import ScriptParser, length_argument, positive_int_argument
+from longnet.eval.cli import (
+    ScriptParser,
+    float_argument,
+    length_argument,
+    path_argument,
+    positive_int_argument,
+)
 from longnet.modeling import LongNetConfig
 from longnet.planning import (
     AttentionSetup,
@@ -93,13 +99,17 @@ def named_pattern(name: str, seq_len: int) -> DilatedPattern:
 
 
 def parse_ints(text: str) -> tuple[int, ...]:
-    """argparse type for ``--segments`` and ``--rates``: ``"2048,4096"`` -> ``(2048, 4096)``."""
+    """argparse type for ``--segments`` and ``--rates``: ``"2048,4096"`` -> ``(2048, 4096)``
+    (at least one)."""
     try:
-        return tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+        values = tuple(int(x) for x in text.replace(" ", "").split(",") if x)
     except ValueError:
+        values = ()
+    if not values:
         raise argparse.ArgumentTypeError(
             f"expected integers separated by commas, e.g. 2048,4096, got {text!r}."
-        ) from None
+        )
+    return values
 
 
 def parse_overrides(items: list[str]) -> dict[str, object]:
@@ -255,7 +265,7 @@ def state_lines(args: argparse.Namespace, config: LongNetConfig, activations: in
         str(d).removeprefix("torch.")
         for d in (dtypes.param, dtypes.grad, dtypes.moment, dtypes.compute)
     )
-    source = " ".join([args.model, *args.set])
+    source = " ".join([str(args.model), *args.set])
     rows = [
         ("parameters", "parameter_bytes"),
         ("gradients", "gradient_bytes"),
@@ -333,7 +343,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="all ranks, a multiple of --devices (default: --devices, no data parallelism)",
     )
     parser.add_argument(
-        "--model", help="zoo name, model folder or config.json: adds the training-state table"
+        "--model", type=path_argument,
+        help="zoo name, model folder or config.json: adds the training-state table",
     )
     parser.add_argument(
         "--set",
@@ -348,10 +359,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="bf16-mixed",
         help="training-state dtypes (bf16-mixed: float32 state, FSDP gathers bfloat16)",
     )
-    parser.add_argument("--layers", type=int, help="default 12 (from --model's config)")
-    parser.add_argument("--heads", type=int, help="default 12 (from --model's config)")
-    parser.add_argument("--head-dim", type=int, help="default 64 (from --model's config)")
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--layers", type=positive_int_argument,
+                        help="default 12 (from --model's config)")
+    parser.add_argument("--heads", type=positive_int_argument,
+                        help="default 12 (from --model's config)")
+    parser.add_argument("--head-dim", type=positive_int_argument,
+                        help="default 64 (from --model's config)")
+    parser.add_argument("--batch", type=positive_int_argument, default=1)
     parser.add_argument(
         "--dtype",
         choices=sorted(DTYPES),
@@ -377,12 +391,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="refuse lengths that need padding (the library's error)",
     )
-    parser.add_argument("--threads", type=int, default=1, help="kernel threads per device")
+    parser.add_argument("--threads", type=positive_int_argument, default=1,
+                        help="kernel threads per device")
     parser.add_argument(
         "--link-gbps",
-        type=float,
+        type=float_argument(0),
         default=0.0,
-        help="also print transfer time per step at this link speed",
+        help="also print transfer time per step at this link speed (0: do not)",
     )
     return parser.parse_args(argv)
 

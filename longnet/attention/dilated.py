@@ -14,7 +14,6 @@ Only ``q, k, v, out, lse`` are saved.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -31,7 +30,7 @@ from longnet.attention.plan import AttentionPlan, default_block_elements, plan_a
 from longnet.attention.ring import run_backward_, run_forward_
 from longnet.attention.transport import agree_on_call, transports_per_branch
 from longnet.distributed.shards import check_layout
-from longnet.validation import is_int, is_real
+from longnet.validation import check_bool, check_positive_float, is_int
 
 
 class _DilatedAttention(torch.autograd.Function):
@@ -131,8 +130,8 @@ def dilated_attention(
     _check_inputs(q, k, v, scale)
     for name, flag in (("causal", causal), ("return_lse", return_lse),
                        ("check_finite", check_finite)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"dilated_attention: {name} must be True or False, got {flag!r}.")
+        check_bool(f"dilated_attention: {name}", flag)
+    check_process_group("dilated_attention: process_group", process_group)
     if kernel != "auto" and kernel not in kernel_names():
         raise ValueError(
             f"dilated_attention: kernel must be 'auto' or one of {kernel_names()}, got {kernel!r}."
@@ -215,10 +214,19 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> None:
             f"dilated_attention: q has an empty dimension, shape {tuple(q.shape)}; every "
             "dimension (batch, seq, heads, head_dim) must be at least 1."
         )
-    if scale is not None and (not is_real(scale) or not math.isfinite(scale) or scale <= 0):
-        raise ValueError(
-            f"dilated_attention: scale must be a finite positive number (default head_dim ** "
-            f"-0.5), got {scale!r}."
+    if scale is not None:
+        check_positive_float("dilated_attention: scale", scale)
+
+
+def check_process_group(name: str, group: object) -> None:
+    """Raise ``TypeError`` unless ``group`` (the argument ``name``) is a
+    ``torch.distributed.ProcessGroup`` or None."""
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"{name} must be a torch.distributed.ProcessGroup or None, got "
+            f"{type(group).__name__} {group!r}; "
+            "pass the group of the ranks sharing the sequence (torch.distributed.new_group, "
+            "or torch.distributed.group.WORLD), or None on one device."
         )
 
 

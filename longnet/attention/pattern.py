@@ -14,23 +14,27 @@ from dataclasses import dataclass
 
 import torch
 
-from longnet.validation import is_int
+from longnet.validation import check_positive_int, is_int
 
 
 @dataclass(frozen=True)
 class DilatedPattern:
     """Segment lengths and dilation rates of LongNet dilated attention.
 
-    Example: ``DilatedPattern(segment_lengths=(2048, 4096), dilation_rates=(1, 2))``.
+    Example: ``DilatedPattern(segment_lengths=(2048, 4096), dilation_rates=(1, 2))``, or the
+    same branches as ``(segment_length, dilation_rate)`` pairs, as ``dilated_attention`` takes
+    them: ``DilatedPattern([(2048, 1), (4096, 2)])``.
     Segment lengths must be strictly increasing and each rate must be at most its segment length.
     """
 
     segment_lengths: tuple[int, ...]
-    dilation_rates: tuple[int, ...]
+    dilation_rates: tuple[int, ...] = None  # type: ignore[assignment]  # None: pairs given
 
     def __post_init__(self) -> None:
-        segments = tuple(self.segment_lengths)
-        rates = tuple(self.dilation_rates)
+        if self.dilation_rates is None:
+            segments, rates = _split_pairs(self.segment_lengths)
+        else:
+            segments, rates = tuple(self.segment_lengths), tuple(self.dilation_rates)
         object.__setattr__(self, "segment_lengths", segments)
         object.__setattr__(self, "dilation_rates", rates)
         if len(segments) == 0:
@@ -59,23 +63,7 @@ class DilatedPattern:
     @classmethod
     def coerce(cls, pattern: DilatedPattern | Iterable[tuple[int, int]]) -> DilatedPattern:
         """Accept a ``DilatedPattern`` or a list of ``(segment_length, dilation_rate)`` pairs."""
-        if isinstance(pattern, DilatedPattern):
-            return pattern
-        try:
-            if isinstance(pattern, (str, bytes)):  # iterable, but never pairs
-                raise TypeError
-            pairs = [tuple(pair) for pair in pattern]
-        except TypeError:
-            raise TypeError(
-                "pattern must be a DilatedPattern or a list of (segment_length, dilation_rate) "
-                f"pairs such as [(2048, 1), (4096, 2)], got {type(pattern).__name__} "
-                f"{pattern!r}."
-            ) from None
-        if any(len(pair) != 2 for pair in pairs):
-            raise ValueError(
-                f"pattern: every entry must be a (segment_length, dilation_rate) pair, got {pairs}."
-            )
-        return cls(tuple(w for w, _ in pairs), tuple(r for _, r in pairs))
+        return pattern if isinstance(pattern, DilatedPattern) else cls(pattern)
 
     @classmethod
     def dense(cls, max_length: int) -> DilatedPattern:
@@ -85,6 +73,8 @@ class DilatedPattern:
     @classmethod
     def geometric(cls, num_branches: int, base_segment: int = 2048) -> DilatedPattern:
         """LongNet's geometric pattern: ``w = base_segment * 2**i``, ``r = 2**i``."""
+        num_branches = check_positive_int("num_branches", num_branches)
+        base_segment = check_positive_int("base_segment", base_segment)
         return cls(
             tuple(base_segment * 2**i for i in range(num_branches)),
             tuple(2**i for i in range(num_branches)),
@@ -129,3 +119,34 @@ class DilatedPattern:
         if causal:
             counts = counts * (t <= p)
         return counts
+
+
+def _split_pairs(pairs: Iterable[tuple[int, int]]) -> tuple[tuple, tuple]:
+    """The segment lengths and the dilation rates of ``(segment_length, dilation_rate)``
+    ``pairs`` (``TypeError``/``ValueError`` naming what was given instead)."""
+    try:
+        if isinstance(pairs, (str, bytes)):  # iterable, but never pairs
+            raise TypeError
+        items = list(pairs)
+    except TypeError:
+        raise TypeError(
+            "pattern must be a DilatedPattern or a list of (segment_length, dilation_rate) "
+            f"pairs such as [(2048, 1), (4096, 2)], got {type(pairs).__name__} {pairs!r}."
+        ) from None
+    if items and all(is_int(item) for item in items):
+        example = tuple(2**i for i in range(len(items)))
+        raise ValueError(
+            f"pattern: segment_lengths {tuple(items)} come without dilation_rates; give one "
+            f"rate per segment length, e.g. DilatedPattern(segment_lengths={tuple(items)}, "
+            f"dilation_rates={example}), or the pairs DilatedPattern("
+            f"{list(zip(items, example))})."
+        )
+    try:
+        split = [tuple(item) for item in items]
+    except TypeError:
+        split = []
+    if len(split) != len(items) or any(len(pair) != 2 for pair in split):
+        raise ValueError(
+            f"pattern: every entry must be a (segment_length, dilation_rate) pair, got {items}."
+        )
+    return tuple(w for w, _ in split), tuple(r for _, r in split)

@@ -36,48 +36,12 @@ from longnet.attention.layout import (
 )
 from longnet.attention.merge import BackwardQueries, QueryRows, lse_merge_
 from longnet.attention.pattern import DilatedPattern
+from longnet.attention.shard_lengths import branch_fits, padded_length
 from longnet.attention.transport import Peers, Schedule
 from longnet.distributed.shards import chunk_host
 
 if TYPE_CHECKING:
     from longnet.attention.plan import AttentionPlan
-
-
-def _branch_fits(segment_length: int, shard_len: int) -> bool:
-    return shard_len % segment_length == 0 or segment_length % shard_len == 0
-
-
-def fits_shards(
-    seq_len: int, pattern: DilatedPattern | Sequence[tuple[int, int]], world_size: int
-) -> bool:
-    """Whether ``world_size`` ranks run ``pattern`` on ``seq_len`` tokens as they are: the
-    length divides into equal shards and every branch's segment length (capped at the
-    sequence length) divides the shard length or is a multiple of it."""
-    if seq_len % world_size:
-        return False
-    shard_len = seq_len // world_size
-    pattern = DilatedPattern.coerce(pattern)
-    return all(_branch_fits(min(w, seq_len), shard_len) for w in pattern.segment_lengths)
-
-
-def padded_length(
-    seq_len: int, pattern: DilatedPattern | Sequence[tuple[int, int]], world_size: int
-) -> int:
-    """The smallest length ``>= seq_len`` that ``world_size`` ranks can run ``pattern`` on.
-
-    Every branch's segment length (capped at the sequence length) must divide the shard length
-    ``L = length / world_size`` or be a multiple of it. Padding at the end is exact for causal
-    attention (no real query sees a later token); for bidirectional attention pad tokens are keys.
-    """
-    pattern = DilatedPattern.coerce(pattern)
-    if seq_len < 1 or world_size < 1:
-        raise ValueError(
-            f"padded_length: need seq_len >= 1 and world_size >= 1, got {seq_len}, {world_size}."
-        )
-    shard_len = -(-seq_len // world_size)
-    while not fits_shards(shard_len * world_size, pattern, world_size):
-        shard_len += 1
-    return shard_len * world_size
 
 
 Attend = Callable[[Tensor, int, Tensor | None], None]  # (kv block, source member, dK/dV or None)
@@ -395,7 +359,7 @@ def plan_sequence_parallel(
     sets: list[tuple[SpanningPiece, ...]] = []
     for (w, r), transport in zip(pattern.branches, transports):
         segment = min(w, seq_len)
-        if not _branch_fits(segment, chunk_len):
+        if not branch_fits(segment, chunk_len):
             unit = f"zigzag chunk length {chunk_len}" if zigzag else f"shard length {chunk_len}"
             raise ValueError(
                 f"dilated_attention: branch (w={w}, r={r}) cannot be split over {world_size} "

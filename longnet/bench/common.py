@@ -8,7 +8,9 @@
 * the run's description: ``machine``, ``commit_version`` / ``source_version`` (the code),
   ``command_line``, ``Run`` (date, wall time, load) and its ``run_lines``;
 * formatting (``fmt``, ``ratio``, ``mib``) and tables (``markdown_table``, ``text_table``);
-* ``write_blocks``: rewrite marked blocks of one section of ``docs/benchmarks.md``;
+* where a script writes (``add_output_arguments``, ``check_outputs``: ``runs/<script>/`` by
+  default, the repository's ``docs/`` only with ``--update-docs``) and ``write_blocks``: rewrite
+  marked blocks of one section of a ``benchmarks.md``;
 * plotting (``pyplot``, ``log2_axis``, ``save_figure``).
 
 What the benchmarks measure, and the targets they are read against: ``docs/benchmarks.md``.
@@ -16,6 +18,7 @@ What the benchmarks measure, and the targets they are read against: ``docs/bench
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import hashlib
 import os
@@ -32,11 +35,16 @@ import torch.nn.functional as F
 
 import longnet.attention
 from longnet.attention import DilatedPattern
+from longnet.eval.cli import path_argument
+from longnet.files import check_output_folder
 from longnet.training.rank_memory import MALLOC_FIXED, MIB
+from longnet.validation import UsageError
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 ATTENTION_DIR = Path(longnet.attention.__file__).resolve().parent
 """The ``longnet/attention`` sources this process imported (and measures)."""
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+"""The repository's ``docs/`` folder, which ``--update-docs`` writes (in a checkout)."""
 
 # --------------------------------------------------------------------------- memory
 
@@ -264,6 +272,70 @@ def text_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
     table = [list(header), *map(list, rows)]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in table)
+
+
+# --------------------------------------------------------------------------- outputs
+
+
+def add_output_arguments(parser: argparse.ArgumentParser, name: str) -> None:
+    """``--out``, ``--update-docs``, ``--no-doc`` and ``--json`` of the benchmark script
+    ``name`` (``bench_ring``): where its plots, its blocks of ``benchmarks.md`` and its samples
+    go (:func:`check_outputs`)."""
+    parser.add_argument(
+        "--out", type=path_argument,
+        help=f"folder of the plots and of a benchmarks.md with this run's blocks (default: "
+        f"runs/{name})",
+    )
+    parser.add_argument(
+        "--update-docs", action="store_true",
+        help="write the plots and the blocks into the repository's docs/ (docs/benchmarks.md) "
+        "instead of --out",
+    )
+    parser.add_argument("--no-doc", action="store_true", help="write no benchmarks.md")
+    parser.add_argument("--json", type=path_argument, help="also write every sample here")
+
+
+def name_argument(text: str) -> str:
+    """argparse type for ``--tag`` and ``--block``: a name that becomes part of file names and
+    doc markers (not empty, no ``/``)."""
+    if not text.strip() or "/" in text or text in (".", ".."):
+        raise argparse.ArgumentTypeError(
+            f"expected a name without '/' (it becomes part of file names), got {text!r}."
+        )
+    return text
+
+
+def check_outputs(args: argparse.Namespace, name: str, files: Sequence[str]) -> None:
+    """Set ``args.out`` (:data:`DOCS` with ``--update-docs``, else ``--out`` or
+    ``runs/<name>``) and refuse, before anything is measured, outputs that cannot be written:
+    ``files`` and ``benchmarks.md`` (unless ``--no-doc``) in it, and ``--json``.
+
+    Raises:
+        UsageError: naming the option, the path and the fix.
+    """
+    if args.update_docs:
+        if args.out is not None or args.no_doc:
+            other = f"--out names another ({args.out})" if args.out else "--no-doc says not to"
+            raise UsageError(
+                f"--update-docs writes into the repository's docs/ folder; {other}: give one "
+                "of them."
+            )
+        if not (DOCS / "benchmarks.md").is_file():
+            raise UsageError(
+                f"--update-docs rewrites the repository's docs/benchmarks.md, and there is none at "
+                f"{DOCS} (an installed package, not a checkout); give --out instead."
+            )
+        args.out = DOCS
+    elif args.out is None:
+        args.out = Path("runs") / name
+    what = "--update-docs" if args.update_docs else "--out"
+    check_output_folder(args.out, [*files, *([] if args.no_doc else ["benchmarks.md"])], what)
+    if args.json is not None:
+        if args.json.is_dir():
+            raise UsageError(
+                f"--json {args.json} is a folder; give the path of a file (in it or elsewhere)."
+            )
+        check_output_folder(args.json.parent, [args.json.name], "--json")
 
 
 # --------------------------------------------------------------------------- docs

@@ -10,8 +10,14 @@ A :class:`~lightning.pytorch.cli.LightningCLI` over :class:`longnet.training.Cau
   ``config.yaml`` for ``fit`` (overwritten when a run is resumed), ``config-<stage>.yaml``
   for the other subcommands;
 - ``predict`` on a datamodule without a predict split scores its test split (per-sample
-  summed cross-entropy, tokens and bits per byte; add ``longnet.training.PredictionsWriter``
-  to the callbacks to write them);
+  summed cross-entropy, tokens and bits per byte), written by
+  ``longnet.training.PredictionsWriter`` (added when no prediction writer is configured) to
+  the files the command names;
+- ``validate``/``test``/``predict`` need trained weights: a ``--ckpt_path``, or a model given
+  as ``pretrained:`` (``model:`` and ``config:`` are fresh weights, refused);
+- no path taken as the current folder: an empty ``--ckpt_path``, ``default_root_dir``,
+  logger ``save_dir`` or callback ``dirpath`` is refused, as is a ``--trainer.default_root_dir``
+  on the command line that is not where the run goes (the logger's folder);
 - one run per run folder (``longnet.training.runs``): every subcommand checks that the run
   folder (and every other output folder) can be written and holds ``<run folder>/run.lock``
   while it works (a second command into the folder is refused, naming the live one), a new
@@ -52,7 +58,7 @@ from typing import Any
 
 import lightning as L
 from jsonargparse import ArgumentError
-from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.callbacks import BasePredictionWriter, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
@@ -65,10 +71,14 @@ from longnet.cli.errors import (
     undecodable_config,
 )
 from longnet.cli.runs import (
+    check_batches_to_run,
     check_checkpoint_shape,
+    check_default_root_dir,
     check_keyword,
     check_outputs,
+    check_overfit_batches,
     check_steps_left,
+    check_trained_weights,
     checkpoints_hint,
     describe_run,
     last_good_checkpoint,
@@ -78,7 +88,7 @@ from longnet.cli.runs import (
 )
 from longnet.files import write_atomic
 from longnet.training import CausalLMModule
-from longnet.training.callbacks import ValidateLastStep, run_dir
+from longnet.training.callbacks import PredictionsWriter, ValidateLastStep, run_dir
 from longnet.training.checkpoint import is_sharded_checkpoint, read_checkpoint
 from longnet.training.module import TrainingDiverged
 from longnet.training.precision import AutoPrecisionTrainer
@@ -166,6 +176,8 @@ class LongNetCLI(LightningCLI):
         or not a mapping (empty, a list); then a ``--ckpt_path`` file is checked (a clear
         error for random bytes, a truncated or a foreign file)."""
         given = sys.argv[1:] if args is None else list(args)
+        self.root_dir_given = any(arg.partition("=")[0] == "--trainer.default_root_dir"
+                                  for arg in given)
         try:
             super().parse_arguments(parser, args)
         except UnicodeDecodeError as err:
@@ -201,8 +213,9 @@ class LongNetCLI(LightningCLI):
         """Lightning's, plus :class:`RunId` first among the callbacks,
         :class:`~longnet.training.callbacks.ValidateLastStep`, :class:`StopOnSignal` and,
         unless the config disables the bar or brings its own,
-        :func:`~longnet.training.progress.progress_bar`; trainer values it cannot use are
-        refused first (:func:`check_trainer_values`)."""
+        :func:`~longnet.training.progress.progress_bar` and, for ``predict`` without a
+        prediction writer, :class:`~longnet.training.PredictionsWriter`; trainer values it
+        cannot use are refused first (:func:`check_trainer_values`)."""
         config = self._get(self.config_init, "trainer", default={})
         check_trainer_values(config)
         given = config.get("callbacks")
@@ -210,6 +223,10 @@ class LongNetCLI(LightningCLI):
         self.run_tag = RunId(new_run_id())
         callbacks.insert(0, self.run_tag)
         callbacks += [ValidateLastStep(), StopOnSignal()]
+        if self.subcommand == "predict" and not any(
+            isinstance(callback, BasePredictionWriter) for callback in callbacks
+        ):
+            callbacks.append(PredictionsWriter())
         if config.get("enable_progress_bar") is not False and not any(
             isinstance(callback, ProgressBar) for callback in callbacks
         ):
@@ -227,17 +244,25 @@ class LongNetCLI(LightningCLI):
 
     @contextmanager
     def _run_folder(self, subcommand: str) -> Iterator[None]:
-        """Check that the outputs can be written, resolve ``ckpt_path``, take the run folder's
-        lock (rank 0), refuse a new ``fit`` in a folder with another run's outputs; release the
-        lock when the subcommand ends."""
+        """Check that the outputs can be written, resolve ``ckpt_path`` (or check that the
+        model has trained weights to evaluate), take the run folder's lock (rank 0), refuse a
+        new ``fit`` in a folder with another run's outputs; release the lock when the
+        subcommand ends."""
         trainer, arguments = self.trainer, self.config_init[subcommand]
         folder = run_folder(trainer)
+        check_default_root_dir(trainer, arguments["trainer"].get("default_root_dir"),
+                               self.root_dir_given)
         check_outputs(trainer, subcommand)
+        check_batches_to_run(trainer, subcommand)
+        if subcommand == "fit":
+            check_overfit_batches(trainer, self.model)
         ckpt_path = arguments.get("ckpt_path")
         continues_run = False
         if ckpt_path is not None:
             ckpt_path, continues_run = self._checked_ckpt_path(str(ckpt_path), subcommand)
             arguments["ckpt_path"] = ckpt_path
+        elif subcommand != "fit":
+            check_trained_weights(self.model, subcommand, trainer)
         lock = RunLock(folder, self.run_tag.run_id) if trainer.is_global_zero else None
         if lock is not None:
             lock.acquire()
@@ -257,7 +282,7 @@ class LongNetCLI(LightningCLI):
         folder keeps its run id and says which file and step it resumes; from another
         folder's, it is a new run (a new id) that starts from it."""
         trainer = self.trainer
-        if ckpt_path in ("best", "hpc") or "://" in ckpt_path:
+        if ckpt_path in ("", "best", "hpc") or "://" in ckpt_path:
             return check_keyword(trainer, ckpt_path, subcommand), False
         if ckpt_path == "last":
             found = run_last_checkpoint(trainer, subcommand)
@@ -302,11 +327,26 @@ class LongNetCLI(LightningCLI):
 
     def predict(self, model: L.LightningModule, datamodule: L.LightningDataModule | None = None,
                 **kwargs) -> object:
-        """``trainer.predict``; a datamodule without a predict split predicts its test split."""
+        """``trainer.predict``; a datamodule without a predict split predicts its test split.
+        Names the files of the :class:`~longnet.training.PredictionsWriter`\\ s."""
         if datamodule is not None and not is_overridden(
             "predict_dataloader", datamodule, L.LightningDataModule
         ):
             datamodule.prepare_data()
             datamodule.setup("predict")
-            return self.trainer.predict(model, dataloaders=datamodule.test_dataloader(), **kwargs)
-        return self.trainer.predict(model, datamodule=datamodule, **kwargs)
+            kwargs["dataloaders"] = datamodule.test_dataloader()
+        else:
+            kwargs["datamodule"] = datamodule
+        predictions = self.trainer.predict(model, **kwargs)
+        self._name_predictions()
+        return predictions
+
+    def _name_predictions(self) -> None:
+        """Print ``Predictions: <files>`` of every ``PredictionsWriter`` (on rank 0)."""
+        trainer = self.trainer
+        folders = {Path(writer.dirpath) if writer.dirpath else run_dir(trainer)  # every rank
+                   for writer in trainer.callbacks if isinstance(writer, PredictionsWriter)}
+        if trainer.is_global_zero:
+            for folder in sorted(folders):
+                files = sorted(map(str, folder.glob("predictions-*.jsonl")))
+                print(f"Predictions: {', '.join(files) or f'none written in {folder}'}")

@@ -1,10 +1,12 @@
 """The ``longnet`` command's checks of a run folder and its checkpoints, before and after the
-work: outputs writable (:func:`check_outputs`), a ``--ckpt_path`` resolved (``last``,
-``best``), of the configured model's shape and, for a ``fit``, not already past ``max_steps``
-(:func:`check_steps_left`), no earlier run overwritten by a new ``fit``;
-and what a run left behind (:func:`describe_run`, :func:`max_time_cut`,
-:func:`last_good_checkpoint`). The run folder's lock and run ids are
-``longnet.training.runs``'s."""
+work: outputs writable, no output path empty (:func:`check_outputs`), a
+``--trainer.default_root_dir`` that is where the run goes (:func:`check_default_root_dir`), a
+``--ckpt_path`` resolved (``last``, ``best``; empty and ``hpc`` refused), of the configured
+model's shape and, for a ``fit``, not already past ``max_steps`` (:func:`check_steps_left`),
+trained weights to evaluate (:func:`check_trained_weights`) and batches to evaluate
+(:func:`check_batches_to_run`), no earlier run overwritten by a new ``fit``; and what a run
+left behind (:func:`describe_run`, :func:`max_time_cut`, :func:`last_good_checkpoint`). The
+run folder's lock and run ids are ``longnet.training.runs``'s."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import lightning as L
 from lightning.pytorch.callbacks import Timer
 from lightning.pytorch.trainer.states import RunningStage
 
-from longnet.files import check_output_folder
+from longnet.files import check_output_folder, check_path_given
 from longnet.training.checkpoint import (
     checkpoint_config,
     checkpoint_shapes,
@@ -32,14 +34,26 @@ from longnet.validation import UsageError
 
 RUN_FILES = (LOCK_NAME, "config.yaml", "metrics.json", "metrics.csv", "curves.png")
 """Files the command writes directly in the run folder (checked writable before any work)."""
+CKPT_PATH_VALUES = ("last (this run folder's checkpoints/last.ckpt), best (the best checkpoint "
+                    "of a fit in the same command) or the path of a checkpoint file")
+"""What ``--ckpt_path`` accepts, for the messages."""
+EVALUATION_LIMITS = {"validate": "limit_val_batches", "test": "limit_test_batches",
+                     "predict": "limit_predict_batches"}
+"""The trainer setting that limits the batches of each subcommand that only evaluates."""
 
 
 def check_outputs(trainer: L.Trainer, subcommand: str) -> None:
     """Refuse, before any work, a run folder (or another output folder of the callbacks:
-    checkpoints, exports, predictions) that cannot be written (:class:`UsageError`)."""
+    checkpoints, exports, predictions) that cannot be written, or a callback's empty
+    ``dirpath`` (Lightning's ``ModelCheckpoint`` takes it as the current folder)
+    (:class:`UsageError`)."""
     folder = run_folder(trainer)
     what = "run folder (--trainer.logger.init_args.save_dir and name)"
     check_output_folder(folder, (*RUN_FILES, f"config-{subcommand}.yaml"), what=what)
+    for callback in trainer.callbacks:
+        if getattr(callback, "dirpath", None) == "":
+            raise UsageError(f"{type(callback).__name__} dirpath is empty; give a folder, or "
+                             "null for its default in the run folder.")
     others = set(checkpoint_dirs(trainer)) | {
         Path(callback.dirpath) for callback in trainer.callbacks
         if isinstance(getattr(callback, "dirpath", None), (str, Path))}
@@ -165,9 +179,80 @@ def run_last_checkpoint(trainer: L.Trainer, subcommand: str) -> Path | None:
     return None
 
 
+def check_default_root_dir(trainer: L.Trainer, given: str | None, on_command_line: bool) -> None:
+    """Refuse an empty ``trainer.default_root_dir`` (``given``; None: not set), and one given on
+    the command line that is neither the run folder nor its logger's ``save_dir``: Lightning
+    puts a run with a logger in the logger's folder, so it would be ignored without a word.
+    (The configs set it to their run folder; a run renamed with ``--trainer.logger.init_args.
+    name`` keeps the config's value, which nothing uses.)"""
+    if given is None:
+        return
+    path = check_path_given(given, "--trainer.default_root_dir")
+    logger, folder = trainer.logger, run_folder(trainer)
+    if not on_command_line or logger is None:
+        return
+    accepted = {folder.resolve(), Path(logger.save_dir or folder).resolve()}
+    if path.resolve() not in accepted:
+        raise UsageError(
+            f"--trainer.default_root_dir {given} is not where this run goes: the run folder is "
+            f"the logger's, {folder} (<save_dir>/<name>). To run in {given}, give "
+            f"--trainer.logger.init_args.save_dir {path.parent} --trainer.logger.init_args.name "
+            f"{path.name} instead."
+        )
+
+
+def check_trained_weights(module: L.LightningModule, subcommand: str,
+                          trainer: L.Trainer) -> None:
+    """Refuse a ``validate``/``test``/``predict`` without ``--ckpt_path`` of a model whose
+    weights are freshly initialised (``model:`` or ``config:``, a shape; ``pretrained:`` loads
+    trained weights): it would report the scores of random weights."""
+    hparams = getattr(module, "hparams", {})
+    if hparams.get("pretrained") is not None or not ({"model", "config"} & set(hparams)):
+        return
+    source = f"model: {hparams['model']}" if hparams.get("model") else "config:"
+    raise UsageError(
+        f"longnet {subcommand} without --ckpt_path would use the randomly initialised weights "
+        f"of {source} (a model shape, not trained weights). Give the weights to evaluate: "
+        "--ckpt_path last|best|PATH (last: this run folder's checkpoints/last.ckpt), or "
+        "--model.init_args.pretrained NAME_OR_FOLDER --model.init_args.model null (a "
+        f"save_pretrained folder or a trained zoo model). {checkpoints_hint(trainer)}"
+    )
+
+
+def check_batches_to_run(trainer: L.Trainer, subcommand: str) -> None:
+    """Refuse a ``validate``/``test``/``predict`` whose batch limit is 0: Lightning skips the
+    whole loop and the command would exit 0 having done nothing."""
+    setting = EVALUATION_LIMITS.get(subcommand)
+    if setting is not None and getattr(trainer, setting) == 0:
+        raise UsageError(
+            f"--trainer.{setting} 0 leaves longnet {subcommand} nothing to do; give a number of "
+            f"batches, a fraction of the split (1.0: all of it), or leave it unset."
+        )
+
+
+def check_overfit_batches(trainer: L.Trainer, module: L.LightningModule) -> None:
+    """Refuse a ``fit`` with ``overfit_batches`` under the resumable data order (Lightning
+    replaces the loaders' samplers to overfit, which its loaders do not take)."""
+    overfit = trainer.overfit_batches
+    if overfit and getattr(module, "hparams", {}).get("resumable_data"):
+        raise UsageError(
+            f"--trainer.overfit_batches {overfit} needs Lightning's own data loaders, which the "
+            "resumable data order (model resumable_data: true) replaces: add "
+            "--model.init_args.resumable_data false to overfit, or train on a few batches with "
+            "--trainer.limit_train_batches N."
+        )
+
+
 def check_keyword(trainer: L.Trainer, ckpt_path: str, subcommand: str) -> str:
-    """``best`` needs a best checkpoint from a ``fit`` in this process; ``hpc`` and URLs are
-    Lightning's to resolve."""
+    """Refuse an empty ``ckpt_path`` and ``hpc`` (Lightning's SLURM checkpoints, which this
+    command does not write); ``best`` needs a best checkpoint from a ``fit`` in this process;
+    URLs are Lightning's to resolve."""
+    if ckpt_path in ("", "hpc"):
+        what = "is empty" if not ckpt_path else (
+            "hpc: Lightning's SLURM checkpoints are not written by this command (a stopped "
+            "run leaves last.ckpt)")
+        raise UsageError(f"--ckpt_path {what}; give {CKPT_PATH_VALUES}. "
+                         f"{checkpoints_hint(trainer)}")
     if ckpt_path == "best" and (
         subcommand == "fit" or not getattr(trainer.checkpoint_callback, "best_model_path", "")
     ):

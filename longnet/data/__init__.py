@@ -17,6 +17,7 @@ from longnet.data.passkey import (
     passkey_examples,
     passkey_match,
 )
+from longnet.data.repositories import Package, PackageSource, repository_source
 from longnet.data.samples import sample_rng
 from longnet.data.sources import (
     DocumentSource,
@@ -41,6 +42,8 @@ __all__ = [
     "MQARDataModule",
     "MQARDataset",
     "MQARExample",
+    "Package",
+    "PackageSource",
     "PasskeyDataModule",
     "PasskeyDataset",
     "PasskeyExample",
@@ -54,6 +57,7 @@ __all__ = [
     "package_source",
     "passkey_examples",
     "passkey_match",
+    "repository_source",
     "sample_rng",
     "stdlib_source",
 ]

@@ -6,7 +6,8 @@ times, and the processing settings), so any change builds a new entry and an unc
 reuses the old one. Entries are built in a staging folder next to the target and renamed into
 place when complete, so a crash never leaves a half-written entry that looks finished, and
 concurrent builders (one per node) cannot corrupt each other. Stale entries are never deleted
-automatically; remove ``data/cache/`` to reclaim space.
+automatically; remove the cache folder (:func:`default_cache_dir`, e.g. ``~/.cache/longnet``)
+to reclaim space.
 """
 
 from __future__ import annotations
@@ -21,17 +22,53 @@ from pathlib import Path
 from typing import Any
 
 from longnet.files import check_output_folder
+from longnet.validation import UsageError
 
 COMPLETE_MARKER = "COMPLETE"
+CACHE_VARIABLE = "LONGNET_CACHE"
+"""The environment variable naming the default cache folder (:func:`default_cache_dir`)."""
 
 
 def default_cache_dir() -> Path:
-    """``data/cache`` of the repository holding this package (a source checkout or editable
-    install); for an installed package, ``data/cache`` under the current directory."""
-    root = Path(__file__).resolve().parents[2]
-    if (root / "pyproject.toml").is_file() and (root / "longnet").is_dir():
-        return root / "data" / "cache"
-    return Path.cwd() / "data" / "cache"
+    """The user's cache folder for longnet's processed corpora: ``$LONGNET_CACHE`` when set
+    (``~`` expanded), else ``$XDG_CACHE_HOME/longnet`` when ``XDG_CACHE_HOME`` is an absolute
+    path (the XDG spec ignores a relative one), else ``~/.cache/longnet``. Never a folder of
+    the package or of the current directory.
+
+    Raises:
+        UsageError: ``LONGNET_CACHE`` is set to an empty string.
+    """
+    chosen = os.environ.get(CACHE_VARIABLE)
+    if chosen is not None:
+        if not chosen.strip():
+            raise UsageError(
+                f"{CACHE_VARIABLE} is set but empty; set it to the folder for longnet's "
+                f"processed corpora, or unset it to use {_user_cache_dir()}."
+            )
+        return Path(chosen).expanduser()
+    return _user_cache_dir()
+
+
+def _user_cache_dir() -> Path:
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "longnet"
+
+
+def cache_folder(cache_dir: str | os.PathLike[str] | None) -> Path:
+    """The cache folder a ``cache_dir`` option names: ``~`` expanded, None for
+    :func:`default_cache_dir`.
+
+    Raises:
+        ValueError: ``cache_dir`` is an empty string (which would be the current folder).
+    """
+    if cache_dir is None:
+        return default_cache_dir()
+    if not str(cache_dir).strip():
+        raise ValueError(
+            f"cache_dir is empty; give a folder, or leave it unset (null) for the user cache "
+            f"folder ({CACHE_VARIABLE}, else ~/.cache/longnet)."
+        )
+    return Path(cache_dir).expanduser()
 
 
 def fingerprint(payload: Mapping[str, Any]) -> str:

@@ -2,8 +2,10 @@
 
 Pipeline (``build_long_document_splits``), every step a ``datasets`` operation:
 
-1. read the source's documents (``sources.load_documents``);
-2. batched ``map``: UTF-8 bytes, a content hash and a split per document; empty documents
+1. read the source's documents (``DocumentSource.read_documents``: ``sources.load_documents``,
+   or one per package for ``repositories.PackageSource``);
+2. batched ``map``: UTF-8 bytes, a content hash and a split per document (by the hash, or the
+   document's own ``split`` when the source gives one: packages); empty documents
    and documents shorter than ``min_document_bytes`` are dropped;
 3. keep the first documents (source order) up to ``max_documents`` and until their bytes
    reach ``max_bytes`` (the last kept document may cross it);
@@ -31,8 +33,8 @@ import numpy as np
 import pyarrow.compute as pc
 from datasets import Dataset, Features, Sequence, Value, load_from_disk
 
-from longnet.data.cache import build_once, fingerprint
-from longnet.data.sources import DocumentSource, load_documents
+from longnet.data.cache import build_once, cache_folder, fingerprint
+from longnet.data.sources import DocumentSource
 from longnet.data.splits import SPLITS, check_fractions, document_hash, split_of
 from longnet.data.tokenizer import ByteTokenizer
 from longnet.data.windows import document_windows, packed_document_windows, packed_windows
@@ -112,11 +114,7 @@ def corpus_cache_key(source: DocumentSource, settings: CorpusSettings) -> str:
     if not settings.pack_documents:  # the key of the entries built before the option existed
         del fields["pack_documents"]
     return fingerprint({
-        "version": CORPUS_FORMAT_VERSION,
-        "format": source.format,
-        "text_column": source.text_column,
-        "files": source.file_stats(),
-        "settings": fields,
+        "version": CORPUS_FORMAT_VERSION, **source.cache_fields(), "settings": fields,
     })
 
 
@@ -125,14 +123,15 @@ def _encode_batch(
 ) -> dict[str, list]:
     tokenizer = ByteTokenizer()
     out: dict[str, list] = {"tokens": [], "doc_id": [], "split": []}
-    for text in batch["text"]:
+    given = batch["split"] if "split" in batch else [None] * len(batch["text"])
+    for text, split in zip(batch["text"], given):
         tokens = tokenizer.encode_array(text or "")
         if len(tokens) < min_document_bytes:
             continue
         doc_id = document_hash(tokens)
         out["tokens"].append(tokens)
         out["doc_id"].append(doc_id)
-        out["split"].append(split_of(doc_id, val_fraction, test_fraction))
+        out["split"].append(split or split_of(doc_id, val_fraction, test_fraction))
     return out
 
 
@@ -221,7 +220,7 @@ def _check_splits(source: DocumentSource, settings: CorpusSettings, split_column
 
 
 def _build(source: DocumentSource, settings: CorpusSettings, staging: Path) -> None:
-    documents = load_documents(source, staging / "hf")
+    documents = source.read_documents(staging / "hf")
     documents = documents.map(
         _encode_batch,
         batched=True,
@@ -288,16 +287,17 @@ def build_long_document_splits(
 ) -> LongDocumentSplits:
     """Process ``source`` into train/validation/test windows, or load them from the cache.
 
-    The cache entry is ``<cache_dir>/<source.name>-<corpus_cache_key>``; it is rebuilt when
-    the files (list, sizes, mtimes) or the settings change.
+    The cache entry is ``<cache_dir>/<source.name>-<corpus_cache_key>`` (``cache_dir`` as
+    ``cache.cache_folder`` reads it: ``~`` expanded, an empty string refused); it is rebuilt
+    when the files (list, sizes, mtimes) or the settings change.
 
     Raises:
         UsageError: (a ``ValueError``; the message names the files or setting and the fix)
-            text files that are not UTF-8 or unreadable rows (``sources.load_documents``), no
+            text files that are not UTF-8 or unreadable rows (``source.read_documents``), no
             document, a split without documents (the message says how many are needed), or
             no full training window.
     """
-    entry = Path(cache_dir) / f"{source.name}-{corpus_cache_key(source, settings)}"
+    entry = cache_folder(cache_dir) / f"{source.name}-{corpus_cache_key(source, settings)}"
     built = build_once(entry, lambda staging: _build_logged(source, settings, staging))
     splits = {name: _load_entry_part(entry, name) for name in (*SPLITS, "documents")}
     for split in SPLITS:

@@ -3,15 +3,14 @@ passkey examples."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import lightning as L
 from torch.utils.data import ConcatDataset, DataLoader, Dataset
 
-from longnet.data.cache import default_cache_dir
+from longnet.data.cache import cache_folder
 from longnet.data.corpus import CorpusSettings, LongDocumentSplits, build_long_document_splits
 from longnet.data.loaders import check_loader_args, make_loader
 from longnet.data.passkey import LabelMode, PasskeyDataset
+from longnet.data.repositories import check_package_options, repository_source
 from longnet.data.sources import InvalidFiles, select_source
 from longnet.data.tokenizer import ByteTokenizer
 from longnet.validation import UsageError
@@ -29,14 +28,16 @@ class LongDocumentDataModule(L.LightningDataModule):
     Args:
         seq_len: tokens per sample.
         batch_size: samples per training batch.
-        data_files: glob(s) of local text/json/parquet files; None uses ``corpus``.
+        data_files: glob(s) of local files (``sources.files_source``): text, or tables
+            (json/jsonl, parquet, csv, tsv) whose ``text_column`` rows are documents;
+            None uses ``corpus``.
         corpus: the offline corpus when ``data_files`` is None: one entry or a list, read in
             that order, one document per ``*.py`` file: ``"stdlib"`` (the running Python's
             standard library) and installed distributions, pinned as ``"sympy==1.14.0"``
             (``longnet.data.corpus_source``). None (the default) is ``"stdlib"``, unchanged:
             the same documents, splits and cache entry as ``corpus="stdlib"``. Setting both
             ``data_files`` and ``corpus`` is an error.
-        text_column: column holding the text in json/parquet rows.
+        text_column: column holding the text in table rows (json, parquet, csv, tsv).
         invalid_files: text ``data_files`` that are binary or not UTF-8 are refused
             (``"error"``, naming them) or left out with a warning (``"skip"``).
         val_fraction, test_fraction: expected shares of documents held out (hash split).
@@ -49,7 +50,9 @@ class LongDocumentDataModule(L.LightningDataModule):
             ``"answer"`` (loss on the key's digits only) or ``"recall"`` (the answer and the
             needle's second copy of the key; ``PasskeyDataset``) for the mixed-in examples.
         seed: seed of the mixed-in passkey examples.
-        cache_dir: where processed corpora are cached; None is the repository's ``data/cache``.
+        cache_dir: where processed corpora are cached (``~`` expanded; an empty string is
+            refused); None is the user cache folder: ``$LONGNET_CACHE``, else
+            ``$XDG_CACHE_HOME/longnet`` or ``~/.cache/longnet`` (``cache.default_cache_dir``).
         num_workers: DataLoader worker processes.
         eval_batch_size: samples per validation/test batch; None uses ``batch_size``.
         pack_documents: training windows hold whole framed documents (``[EOS] + bytes +
@@ -58,6 +61,14 @@ class LongDocumentDataModule(L.LightningDataModule):
             within each document only, positions restart at each, and no label crosses into
             the next (docs/training.md, "Packed documents"). False (default): the plain packed
             stream, unchanged. Not with ``passkey_fraction``.
+        packages: the repository-level code corpus instead of ``corpus``/``data_files``: one
+            document per package, its ``*.py`` files one after another, each after a line
+            ``# file: <path>``; entries ``"stdlib"`` (its top-level modules and packages),
+            ``"installed"`` (every distribution installed from a wheel), ``"<distribution>"``
+            or ``"<distribution>==<version>"`` (``longnet.data.repositories``). A package goes
+            whole into the split its name hashes to (``val_fraction``/``test_fraction``).
+        held_out: with ``packages``, the held-out packages instead of the hash:
+            ``{"validation": [...], "test": [...]}``, every other package in train.
 
     Raises:
         FileNotFoundError: a ``data_files`` pattern matches nothing (raised here, before work).
@@ -90,6 +101,8 @@ class LongDocumentDataModule(L.LightningDataModule):
         num_workers: int = 0,
         eval_batch_size: int | None = None,
         pack_documents: bool = False,
+        packages: str | list[str] | None = None,
+        held_out: dict[str, list[str]] | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -119,8 +132,12 @@ class LongDocumentDataModule(L.LightningDataModule):
         self.passkey_fraction, self.passkey_label_mode, self.seed = (
             passkey_fraction, passkey_label_mode, seed
         )
-        self.source = select_source(data_files, corpus, text_column, invalid_files)
-        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        check_package_options(packages, held_out, data_files, corpus)
+        self.source = (
+            select_source(data_files, corpus, text_column, invalid_files) if packages is None
+            else repository_source(packages, held_out, val_fraction, test_fraction)
+        )
+        self.cache_dir = cache_folder(cache_dir)
         self.tokenizer = ByteTokenizer()
         self.splits: LongDocumentSplits | None = None
         self.train_dataset: Dataset | None = None

@@ -6,9 +6,11 @@ A sample of ``length`` bytes (all ASCII, so bytes and characters coincide) reads
 
 The needle starts at a byte of the filler drawn uniformly from a window of ``2 * NEEDLE_JITTER + 1``
 bytes (one filler period) around the requested depth (0 = right after the task line, 1 = right
-before the question), moved inside the filler at its ends; as in the original task, it may cut
-a filler word. The jitter matters for dilated attention: a key beyond the dense branch's segment
-is seen only by queries at the same offset modulo the dilation rate (docs/architecture.md), so
+before the question), moved inside the filler at its ends, or from a third of the filler where
+it is shorter than three periods (``needle_window``: depths stay apart); as in the original
+task, it may cut a filler word. The jitter matters for dilated attention: a key beyond the
+dense branch's segment is seen only by queries at the same offset modulo the dilation rate
+(docs/architecture.md), so
 with the needle at one fixed byte every example of a ``(length, depth)`` cell would share one
 alignment and the cell would measure that alignment's luck. The key has ``num_digits`` digits
 and no leading zero. The prompt is everything before the key, so an evaluator feeds the prompt and
@@ -79,7 +81,7 @@ def make_passkey_example(
         length: total bytes, at least ``min_passkey_length(num_digits)``.
         rng: the source of the key and, when ``depth`` is None, of the depth.
         depth: needle depth in ``[0, 1]``; None draws it uniformly.  The needle starts at a
-            byte drawn uniformly within about ``NEEDLE_JITTER`` bytes of it.
+            byte drawn uniformly from ``needle_window`` (about ``NEEDLE_JITTER`` bytes of it).
         num_digits: digits of the key (1-18).
     """
     _check_passkey_args(length, depth, num_digits)
@@ -87,10 +89,22 @@ def make_passkey_example(
     depth = float(rng.random()) if depth is None else depth
     budget = length - min_passkey_length(num_digits)
     filler = (FILLER * (budget // len(FILLER) + 1))[:budget]
-    low = min(max(0, round(depth * budget) - NEEDLE_JITTER), max(0, budget - 2 * NEEDLE_JITTER))
-    cut = int(rng.integers(low, min(budget, low + 2 * NEEDLE_JITTER) + 1))
+    low, high = needle_window(budget, depth)
+    cut = int(rng.integers(low, high + 1))
     prompt = TASK + filler[:cut] + NEEDLE.format(key=key) + filler[cut:] + QUESTION
     return PasskeyExample(prompt=prompt, answer=key, depth=cut / budget if budget else 0.0)
+
+
+def needle_window(budget: int, depth: float) -> tuple[int, int]:
+    """``(low, high)``: the filler bytes (of ``budget``) the needle may start at for ``depth``.
+
+    A window of one filler period (``2 * NEEDLE_JITTER + 1`` bytes) around ``depth * budget``,
+    moved inside the filler at its ends; in a filler shorter than six half periods, a window of
+    at most a third of it, so that depths stay apart (0, 0.5 and 1 take disjoint thirds).
+    """
+    jitter = min(NEEDLE_JITTER, budget // 6)
+    low = min(max(0, round(depth * budget) - jitter), budget - 2 * jitter)
+    return low, low + 2 * jitter
 
 
 def _check_passkey_args(length: int, depth: float | None, num_digits: int) -> None:

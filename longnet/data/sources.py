@@ -12,11 +12,14 @@ Three kinds of source:
   ``importlib.metadata`` (never imported), test folders skipped as for the stdlib. Every file
   must match the sha256 of the ``RECORD``, and a pinned ``version`` must be the installed one,
   so the same pin gives the same documents on every machine.
-- ``files_source(data_files)``: local files matched by glob patterns. ``.json``/``.jsonl`` rows
-  and ``.parquet`` rows are documents (their ``text_column``); any other file is one text
-  document, which must be UTF-8 text: a binary file (a NUL byte) or one that is not valid
-  UTF-8 is refused, naming every such file, or skipped with a warning and a count when the
-  source is made with ``invalid_files="skip"``.
+- ``files_source(data_files)``: local files matched by glob patterns (``**`` enters linked
+  folders, each real folder once, so a link loop ends; a path naming an existing file is that
+  file, even with ``[``, ``*`` or ``?`` in its name). The rows of ``.json``/``.jsonl``,
+  ``.parquet``, ``.csv`` and ``.tsv`` files are documents (their ``text_column``); any other
+  file is one text document, which must be UTF-8 text: a binary file (a NUL byte) or one that
+  is not valid UTF-8 is refused, naming every such file, or skipped with a warning and a count
+  when the source is made with ``invalid_files="skip"``. A table file that cannot be parsed is
+  refused as damaged, naming it.
 
 ``corpus_source(["stdlib", "sympy==1.14.0"])`` reads the first two kinds together, one source
 after the other; ``select_source`` picks the source from the data options.
@@ -39,6 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Literal
 
+import pandas as pd
+import pyarrow.parquet as pq
 from datasets import Dataset, Features, Value, load_dataset
 from datasets.exceptions import DatasetGenerationError
 
@@ -47,7 +52,15 @@ from longnet.validation import UsageError
 STDLIB_SKIPPED_DIRS = frozenset(
     {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 )
-_ROW_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+_ROW_FORMATS = {
+    ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".tsv": "tsv"
+}
+"""The table formats by file suffix: each row's ``text_column`` is a document."""
+_SEPARATORS = {"csv": ",", "tsv": "\t"}
+_READ_ERRORS = (DatasetGenerationError, ValueError)
+"""What ``load_dataset`` raises for a table file it cannot parse: its wrapper of the error, or
+(while it infers the schema from the first file) pyarrow's or pandas' error, a ``ValueError``."""
+_RECURSIVE = "**"
 InvalidFiles = Literal["error", "skip"]
 SHOWN_FILES = 5
 """How many offending files an error or warning names (then a count of the rest)."""
@@ -66,8 +79,9 @@ class DocumentSource:
         name: short label used in cache folder names: ``"stdlib"``, ``"files"``,
             ``"<distribution>-<version>"`` or several of those joined by ``+``.
         files: the files, in reading order.
-        format: ``"text"`` (one document per file), ``"json"`` or ``"parquet"`` (one per row).
-        text_column: the column holding the text for json/parquet rows.
+        format: ``"text"`` (one document per file), ``"json"``, ``"parquet"``, ``"csv"`` or
+            ``"tsv"`` (one per row).
+        text_column: the column holding the text of table rows.
         invalid_files: what reading does with a text file that is binary or not UTF-8:
             ``"error"`` (refuse, naming the files) or ``"skip"`` (leave it out, with a warning).
     """
@@ -82,6 +96,16 @@ class DocumentSource:
         """``(path, size in bytes, mtime in ns)`` of every file: what the cache is keyed by."""
         stats = [(str(path), path.stat()) for path in self.files]
         return [(path, stat.st_size, stat.st_mtime_ns) for path, stat in stats]
+
+    def cache_fields(self) -> dict[str, object]:
+        """What the documents depend on, for the cache key: the format, the text column and
+        :meth:`file_stats` (a subclass adds its own, e.g. ``repositories.PackageSource``)."""
+        return {"format": self.format, "text_column": self.text_column,
+                "files": self.file_stats()}
+
+    def read_documents(self, cache_dir: Path) -> Dataset:
+        """The documents: :func:`load_documents` (a subclass may read them otherwise)."""
+        return load_documents(self, cache_dir)
 
 
 def _is_document(relative: PurePath) -> bool:
@@ -263,29 +287,34 @@ def files_source(
     text_column: str = "text",
     invalid_files: InvalidFiles = "error",
 ) -> DocumentSource:
-    """Local files matched by ``data_files`` (one glob or a list; ``**`` recurses).
+    """Local files matched by ``data_files`` (one glob or a list, ``~`` expanded), read in
+    pattern order, each pattern's files by path, each file once.
 
+    A pattern naming an existing file is that file, glob characters in its name included
+    (``a[1].txt``); any other is a glob (:func:`_glob`: ``**`` recurses, entering linked
+    folders but each real folder once, so a link loop ends).
     ``invalid_files``: ``"error"`` or ``"skip"``, see :class:`DocumentSource` (checked when
     the documents are read, :func:`load_documents`).
 
     Raises:
         FileNotFoundError: a pattern matches no file (the error names the pattern, and for a
             folder a glob of its files).
-        ValueError: no pattern is given, the files mix text, json and parquet, or
-            ``invalid_files`` is not ``"error"``/``"skip"``.
+        ValueError: no pattern or an empty one is given, the files mix formats (text, json,
+            parquet, csv, tsv), or ``invalid_files`` is not ``"error"``/``"skip"``.
     """
     if invalid_files not in ("error", "skip"):
         raise ValueError(f"invalid_files must be 'error' or 'skip', got {invalid_files!r}.")
     patterns = [data_files] if isinstance(data_files, (str, os.PathLike)) else list(data_files)
     if not patterns:
         raise ValueError("data_files is empty; give at least one path or glob pattern.")
+    if any(not str(pattern).strip() for pattern in patterns):
+        raise ValueError(
+            f"data_files has an empty path ({data_files!r}); give a file or glob (e.g. "
+            "'docs/**/*.txt'), or leave data_files unset to use the standard-library corpus."
+        )
     files: dict[Path, None] = {}
     for pattern in patterns:
-        matches = sorted(
-            Path(match).resolve()
-            for match in glob.glob(os.path.expanduser(str(pattern)), recursive=True)
-            if Path(match).is_file()
-        )
+        matches = _matching_files(os.path.expanduser(str(pattern)))
         if not matches:
             folder = os.path.expanduser(str(pattern))
             if Path(folder).is_dir():
@@ -304,12 +333,56 @@ def files_source(
     if len(formats) > 1:
         raise ValueError(
             f"data_files mixes formats {sorted(formats)}; give files of one format "
-            "(text, .json/.jsonl or .parquet) per data module."
+            "(text, .json/.jsonl, .parquet, .csv or .tsv) per data module."
         )
     return DocumentSource(
         name="files", files=tuple(files), format=formats.pop(), text_column=text_column,
         invalid_files=invalid_files,
     )
+
+
+def _matching_files(pattern: str) -> list[Path]:
+    """The files ``pattern`` names, resolved and sorted: the file of that very name when one
+    exists, else the files the glob :func:`_glob` matches (folders left out)."""
+    if os.path.isfile(pattern):
+        return [Path(pattern).resolve()]
+    return sorted({Path(match).resolve() for match in _glob(pattern) if os.path.isfile(match)})
+
+
+def _glob(pattern: str) -> Iterator[str]:
+    """The paths ``pattern`` matches, as ``glob.iglob(pattern, recursive=True)`` (``*`` and
+    ``**`` skip hidden names) except that a ``**`` component walks :func:`_folders_once`: it
+    enters linked folders, but each real folder once, so a link loop (``sub -> ..``) ends."""
+    parts = pattern.split(os.sep)
+    if _RECURSIVE not in parts:
+        yield from glob.iglob(pattern)
+        return
+    at = parts.index(_RECURSIVE)
+    head = os.sep.join(parts[:at]) or (os.sep if at else os.curdir)
+    rest = os.sep.join(parts[at + 1:]) or "*"
+    for top in glob.iglob(head):
+        for folder in _folders_once(top):
+            yield from _glob(os.path.join(glob.escape(folder), rest))
+
+
+def _folders_once(top: str) -> Iterator[str]:
+    """``top`` (when it is a folder) and the folders below it, hidden ones left out, linked
+    ones entered: each real folder (device and inode) once, under the first path found."""
+    seen: set[tuple[int, int]] = set()
+    pending = [top]
+    while pending:
+        folder = pending.pop()
+        try:
+            status = os.stat(folder)
+            if (status.st_dev, status.st_ino) in seen:
+                continue
+            seen.add((status.st_dev, status.st_ino))
+            with os.scandir(folder) as entries:
+                pending += [entry.path for entry in entries
+                            if entry.is_dir() and not entry.name.startswith(".")]
+        except OSError:  # not a folder, unreadable, or gone meanwhile
+            continue
+        yield folder
 
 
 def text_problem(path: Path) -> str | None:
@@ -364,10 +437,10 @@ def load_documents(source: DocumentSource, cache_dir: Path) -> Dataset:
     ``HF_DATASETS_CACHE`` is only read when ``datasets`` is imported). Nothing is downloaded.
 
     Raises:
-        UsageError: text files that are not UTF-8 (:func:`readable_text_files`), json/parquet
-            files that cannot be parsed, or ``text_column`` missing or not holding strings.
+        UsageError: text files that are not UTF-8 (:func:`readable_text_files`), a table file
+            that cannot be parsed (named as damaged), table files that differ in their columns,
+            or ``text_column`` missing or not holding strings.
     """
-    paths = [str(path) for path in source.files]
     if source.format == "text":
         return Dataset.from_generator(
             _read_text_files,
@@ -375,16 +448,7 @@ def load_documents(source: DocumentSource, cache_dir: Path) -> Dataset:
             cache_dir=str(cache_dir),
             gen_kwargs={"paths": [str(path) for path in readable_text_files(source)]},
         )
-    try:
-        rows = load_dataset(source.format, data_files=paths, split="train",
-                            cache_dir=str(cache_dir))
-    except DatasetGenerationError as err:
-        cause = err.__cause__ or err
-        raise UsageError(
-            f"cannot read the {source.format} data_files ({len(paths)} files, e.g. {paths[0]}): "
-            f"{type(cause).__name__}: {cause}. Fix or remove the file; every row must be a "
-            f"{source.format} record with a text_column."
-        ) from None
+    rows = _table_rows(source, cache_dir)
     if source.text_column not in rows.column_names:
         raise UsageError(
             f"text_column={source.text_column!r} is not a column of the data_files rows "
@@ -399,3 +463,92 @@ def load_documents(source: DocumentSource, cache_dir: Path) -> Dataset:
     if source.text_column != "text":
         rows = rows.rename_column(source.text_column, "text")
     return rows
+
+
+def _table_rows(source: DocumentSource, cache_dir: Path) -> Dataset:
+    """The rows of the table files of ``source`` (json, parquet, csv or tsv); an empty file
+    has none (as an empty text file is no document), a file that cannot be parsed is refused
+    as damaged, naming it."""
+    paths = [str(path) for path in source.files if path.stat().st_size > 0]
+    if not paths:
+        return Dataset.from_dict({source.text_column: []},
+                                 features=Features({source.text_column: Value("string")}))
+    for path in paths:
+        _check_table_file(path, source)
+    try:
+        return _load_rows(source, paths, cache_dir)
+    except _READ_ERRORS as err:
+        raise _unreadable_rows(source, paths, cache_dir, err) from None
+
+
+def _load_rows(source: DocumentSource, paths: list[str], cache_dir: Path) -> Dataset:
+    """The rows of the table files ``paths`` of ``source``, read by ``datasets``; csv/tsv
+    columns are read as strings (no type guessing: ``42`` and ``NA`` stay text), with the
+    header of the first file."""
+    if source.format not in _SEPARATORS:
+        return load_dataset(source.format, data_files=paths, split="train",
+                            cache_dir=str(cache_dir))
+    columns = _table_columns(paths[0], source.format)
+    return load_dataset(
+        "csv", data_files=paths, split="train", cache_dir=str(cache_dir),
+        sep=_SEPARATORS[source.format], na_filter=False,
+        features=Features(dict.fromkeys(columns, Value("string"))),
+    )
+
+
+def _table_columns(path: str, file_format: str) -> list[str]:
+    """The column names of the header of the csv/tsv file at ``path``."""
+    return list(pd.read_csv(path, sep=_SEPARATORS[file_format], nrows=0).columns)
+
+
+def _check_table_file(path: str, source: DocumentSource) -> None:
+    """Refuse, before ``datasets`` reads it, a parquet file whose schema cannot be read (cut
+    short, not parquet) or a csv/tsv file whose header cannot be parsed or lacks
+    ``text_column``: :class:`UsageError` naming the file."""
+    try:
+        if source.format == "parquet":
+            pq.read_schema(path)
+        if source.format not in _SEPARATORS:
+            return
+        columns = _table_columns(path, source.format)
+    except (OSError, ValueError) as err:  # pyarrow's and pandas' parse errors are ValueErrors
+        raise _damaged(path, source.format, err) from None
+    if source.text_column not in columns:
+        raise UsageError(
+            f"text_column={source.text_column!r} is not a column of {path} (columns: "
+            f"{columns}); set text_column to the column holding the text."
+        )
+
+
+def _unreadable_rows(
+    source: DocumentSource, paths: list[str], cache_dir: Path, err: Exception
+) -> UsageError:
+    """The error for table files ``paths`` that ``datasets`` could not read together (``err``):
+    the first file that cannot be read alone, named as damaged, or else files whose columns
+    differ."""
+    if len(paths) == 1:
+        return _damaged(paths[0], source.format, err)
+    for path in paths:
+        try:
+            _load_rows(source, [path], cache_dir)
+        except _READ_ERRORS as alone:
+            return _damaged(path, source.format, alone)
+    return UsageError(
+        f"the {len(paths)} {source.format} data_files are each read alone but not together: "
+        f"their columns or column types differ ({_reason(err)}); give files of one layout."
+    )
+
+
+def _damaged(path: str, file_format: str, err: BaseException) -> UsageError:
+    """:class:`UsageError`: the file at ``path`` cannot be parsed as ``file_format``."""
+    return UsageError(
+        f"data_files: {path} is damaged or not a valid {file_format} file ({_reason(err)}); "
+        "re-create or re-copy it, or leave it out of data_files."
+    )
+
+
+def _reason(err: BaseException) -> str:
+    """``"<type>: <message>"`` of the error ``err`` is about (its cause, for the wrapper that
+    ``datasets`` raises), on one line."""
+    cause = err.__cause__ or err
+    return " ".join(f"{type(cause).__name__}: {cause}".split())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -14,7 +15,7 @@ from longnet.eval.documents import EVAL_SPLITS, EvalDocument, load_eval_document
 from longnet.eval.loading import LoadedModel, load_models
 from longnet.eval.perplexity import MIN_CONTEXT, default_context_lengths
 from longnet.eval.reporting import parse_length
-from longnet.validation import UsageError, check_positive_int
+from longnet.validation import UsageError, check_non_negative_int, check_positive_int
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -40,8 +41,10 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_out: str) -> No
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--batch-size", type=positive_int_argument, default=1,
                         help="sequences per forward pass")
-    parser.add_argument("--seed", type=int, default=0, help="seed of torch and of the examples")
-    parser.add_argument("--out", type=Path, default=Path(default_out), help="output folder")
+    parser.add_argument("--seed", type=non_negative_int_argument, default=0,
+                        help="seed of torch and of the examples")
+    parser.add_argument("--out", type=path_argument, default=Path(default_out),
+                        help="output folder")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
 
 
@@ -93,11 +96,13 @@ def add_document_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text-column", default="text", help="text column of json/parquet rows")
     parser.add_argument("--split", default="test", choices=list(EVAL_SPLITS),
                         help="held-out = validation + test (default: test)")
-    parser.add_argument("--val-fraction", type=float, default=0.05)
-    parser.add_argument("--test-fraction", type=float, default=0.05)
-    parser.add_argument("--max-documents", type=int, help="read only the first N documents")
+    fraction = float_argument(0, 1, exclusive=True)
+    parser.add_argument("--val-fraction", type=fraction, default=0.05)
+    parser.add_argument("--test-fraction", type=fraction, default=0.05)
+    parser.add_argument("--max-documents", type=positive_int_argument,
+                        help="read only the first N documents")
     parser.add_argument(
-        "--min-document-bytes", type=int, default=0,
+        "--min-document-bytes", type=non_negative_int_argument, default=0,
         help="evaluate only documents at least this long (e.g. the longest context)",
     )
 
@@ -122,6 +127,47 @@ def positive_int_argument(text: str) -> int:
         return check_positive_int("count", int(text))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}.") from None
+
+
+def non_negative_int_argument(text: str) -> int:
+    """argparse type for seeds and counts that may be 0: an integer >= 0."""
+    try:
+        return check_non_negative_int("count", int(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}.") from None
+
+
+def float_argument(
+    minimum: float, maximum: float = math.inf, *, exclusive: bool = False
+) -> Callable[[str], float]:
+    """argparse type for a finite number in ``[minimum, maximum]`` (``(minimum, maximum)`` when
+    ``exclusive``): ``float_argument(0, exclusive=True)`` for seconds, ``float_argument(0, 1)``
+    for a fraction. NaN and infinities are refused."""
+    if math.isinf(maximum):
+        bounds = f"{'>' if exclusive else '>='} {minimum:g}"
+    else:
+        opening, closing = "()" if exclusive else "[]"
+        bounds = f"in {opening}{minimum:g}, {maximum:g}{closing}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        inside = minimum < value < maximum if exclusive else minimum <= value <= maximum
+        if not (math.isfinite(value) and inside):
+            raise argparse.ArgumentTypeError(f"expected a finite number {bounds}, got {text!r}.")
+        return value
+
+    return parse
+
+
+def path_argument(text: str) -> Path:
+    """argparse type for files and folders: any path but an empty one (which would mean the
+    current folder)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a path, got {text!r}.")
+    return Path(text)
 
 
 def device_argument(text: str) -> str:

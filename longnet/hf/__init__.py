@@ -2,7 +2,9 @@
 
 Importing this package registers model type ``longnet`` with ``transformers``:
 ``AutoConfig`` gives :class:`LongNetHFConfig` and ``AutoModelForCausalLM`` gives
-:class:`LongNetForCausalLM`, a thin adapter over the same ``LongNetLM`` module and weights.
+:class:`LongNetForCausalLM`, a thin adapter over the same ``LongNetLM`` module and weights;
+``AutoTokenizer`` on a LongNet folder without tokenizer files says how to write them
+(:class:`LongNetTokenizer`).
 The folders that ``LongNetLM.save_pretrained`` and the zoo write then load unchanged, with
 no ``trust_remote_code``::
 
@@ -19,20 +21,22 @@ imported on its own, it needs the ``eval-harness`` extra). Needs the ``hf`` extr
 (``transformers``, ``tokenizers``); the rest of ``longnet`` never imports them.
 """
 
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from longnet.hf.cache import LongNetCache
 from longnet.hf.configuration import LongNetHFConfig
 from longnet.hf.modeling import LongNetForCausalLM
-from longnet.hf.tokenizer import byte_tokenizer, load_tokenizer
+from longnet.hf.tokenizer import LongNetTokenizer, byte_tokenizer, load_tokenizer
 
 AutoConfig.register(LongNetHFConfig.model_type, LongNetHFConfig, exist_ok=True)
 AutoModelForCausalLM.register(LongNetHFConfig, LongNetForCausalLM, exist_ok=True)
+AutoTokenizer.register(LongNetHFConfig, tokenizer_class=LongNetTokenizer, exist_ok=True)
 
 __all__ = [
     "LongNetCache",
     "LongNetForCausalLM",
     "LongNetHFConfig",
+    "LongNetTokenizer",
     "byte_tokenizer",
     "load_tokenizer",
 ]

@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import PreTrainedConfig
 
-from longnet.modeling import LongNetConfig
+from longnet.modeling import LongNetConfig, list_models, resolve_model_dir
 from longnet.modeling.config import MODEL_TYPE
+from longnet.validation import check_bool
 
 LONGNET_FIELDS = tuple(f.name for f in dataclasses.fields(LongNetConfig))
 
@@ -62,10 +65,25 @@ class LongNetHFConfig(PreTrainedConfig):
         if self.dtype is None and kwargs.get("torch_dtype") is None:
             self.dtype = torch.float32
         super().__post_init__(**kwargs)
+        check_bool("use_cache", self.use_cache)
         for name in LONGNET_FIELDS:
             if name != "num_labels":
                 setattr(self, name, getattr(longnet, name))
         self._built_as = longnet
+
+    @classmethod
+    def from_pretrained(
+        cls, pretrained_model_name_or_path: str | os.PathLike, *args: Any, **kwargs: Any
+    ) -> LongNetHFConfig | tuple[LongNetHFConfig, dict[str, Any]]:
+        """``transformers``' ``from_pretrained``, with a zoo name (``"longnet-tiny"``) read from
+        its folder, and a local path that is no model folder (a training run's folder, a
+        ``.ckpt`` file) refused by ``FileNotFoundError`` saying what to pass instead
+        (:func:`local_model_dir`); any other name goes to ``transformers`` (the Hub)."""
+        folder = local_model_dir(pretrained_model_name_or_path, kwargs.get("subfolder") or "")
+        if folder is None:
+            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        kwargs.pop("subfolder", None)
+        return super().from_pretrained(folder, *args, **kwargs)
 
     def to_dict(self) -> dict[str, Any]:
         """``PreTrainedConfig.to_dict`` without the LongNet fields it was built with."""
@@ -97,3 +115,21 @@ class LongNetHFConfig(PreTrainedConfig):
     def from_longnet(cls, config: LongNetConfig, **kwargs: Any) -> LongNetHFConfig:
         """This class for a LongNet ``config``; ``kwargs`` are ``transformers`` options."""
         return cls(**config.to_dict(), **kwargs)
+
+
+def local_model_dir(source: str | os.PathLike, subfolder: str = "") -> Path | None:
+    """The model folder on this machine that ``source`` (and its ``subfolder``) names for a
+    ``from_pretrained``: an existing path, checked by
+    :func:`longnet.modeling.resolve_model_dir` (a folder without ``config.json``, such as a
+    training run's, or a ``.ckpt`` file raise ``FileNotFoundError`` saying what to load
+    instead), or a zoo name's folder; None for a name that is neither (a Hub id) and for a
+    ``.json`` file (a config file, which ``transformers`` reads as one), left to
+    ``transformers``."""
+    path = Path(source, subfolder)
+    if path.is_file() and path.suffix == ".json":
+        return None
+    if path.exists():
+        return resolve_model_dir(path)
+    if not subfolder and str(source) in list_models():
+        return resolve_model_dir(source)
+    return None

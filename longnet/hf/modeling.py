@@ -37,14 +37,13 @@ from transformers.utils import GENERATION_CONFIG_NAME
 from longnet.constants import IGNORE_INDEX
 from longnet.files import open_files
 from longnet.hf.cache import LongNetCache
-from longnet.hf.configuration import LongNetHFConfig
+from longnet.hf.configuration import LongNetHFConfig, local_model_dir
 from longnet.hf.padding import left_padding, row_groups
 from longnet.modeling import (
     LongNetLM,
     WeightsMismatchError,
     list_models,
     models_dir,
-    resolve_model_dir,
 )
 from longnet.modeling.config import CONFIG_NAME, MODEL_TYPE, check_computation_fields
 from longnet.modeling.pretrained import read_config_json
@@ -55,6 +54,7 @@ from longnet.modeling.serialization import (
     unique_state_dict,
     unreadable_weights,
 )
+from longnet.validation import check_bool
 
 PREFIX = "longnet"
 CACHE_FIELD = (
@@ -106,8 +106,10 @@ class LongNetForCausalLM(PreTrainedModel, GenerationMixin):
         cls, pretrained_model_name_or_path: str | Path, *model_args: Any, **kwargs: Any
     ) -> LongNetForCausalLM | tuple[LongNetForCausalLM, dict[str, Any]]:
         """``transformers``' ``from_pretrained``, with these differences: a zoo name
-        (``"longnet-tiny"``) resolves to its folder; a checkpoint whose tensors do not match
-        the model exactly (missing, unexpected or mis-shaped) raises
+        (``"longnet-tiny"``) resolves to its folder; a local path that is no model folder (a
+        training run's folder, a ``.ckpt`` file) raises ``FileNotFoundError`` saying what to
+        load instead (:func:`longnet.hf.configuration.local_model_dir`); a checkpoint whose
+        tensors do not match the model exactly (missing, unexpected or mis-shaped) raises
         :class:`longnet.modeling.WeightsMismatchError` where ``transformers`` would warn and
         initialize the missing ones at random; one holding NaN or infinite values raises
         :class:`longnet.modeling.NonFiniteWeightsError`, and a damaged ``model.safetensors``
@@ -123,13 +125,13 @@ class LongNetForCausalLM(PreTrainedModel, GenerationMixin):
         from the same folder before (``AutoModelForCausalLM`` reads it first) is moved to that
         version (:meth:`LongNetHFConfig.rebased`)."""
         source = pretrained_model_name_or_path
-        if str(source) in list_models() and not Path(source).is_dir():
-            source = resolve_model_dir(source)
         wants_info = kwargs.pop("output_loading_info", False)
         kwargs["ignore_mismatched_sizes"] = True  # refused below, naming every tensor
-        folder = Path(source, kwargs.get("subfolder") or "")
-        if folder.is_dir():
+        folder = local_model_dir(source, kwargs.get("subfolder") or "")
+        if folder is not None:
             kwargs.pop("subfolder", None)
+            if not Path(source).exists():  # a zoo name: its folder
+                source = folder
             weights = folder / WEIGHTS_NAME
             model, info = cls._from_folder(folder, source, *model_args, **kwargs)
         else:
@@ -258,7 +260,10 @@ class LongNetForCausalLM(PreTrainedModel, GenerationMixin):
                 "pass the cache once: as cache or as past_key_values (its name before "
                 "transformers 5.24), not both."
             )
-        use_cache = self.config.use_cache if use_cache is None else use_cache
+        use_cache = check_bool("use_cache", self.config.use_cache if use_cache is None
+                               else use_cache)
+        if return_dict is not None:
+            check_bool("return_dict", return_dict)
         given = cache if cache is not None else past_key_values
         cache = _longnet_cache(given, use_cache, self.config.num_layers)
         batch, length = input_ids.shape

@@ -7,7 +7,9 @@ docstring says how text, special tokens and invalid UTF-8 are handled).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -43,6 +45,13 @@ def load_tokenizer(name_or_dir: str | Path) -> PreTrainedTokenizerBase:
             ``tokenizer_config.json`` (the message says how to write them).
     """
     folder = resolve_model_dir(name_or_dir)
+    check_tokenizer_files(folder)
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def check_tokenizer_files(folder: Path) -> None:
+    """Raise ``FileNotFoundError`` saying how to write them if the model folder ``folder``
+    lacks ``tokenizer.json`` or ``tokenizer_config.json``."""
     missing = [name for name in (TOKENIZER_NAME, TOKENIZER_CONFIG_NAME)
                if not (folder / name).is_file()]
     if missing:
@@ -52,4 +61,24 @@ def load_tokenizer(name_or_dir: str | Path) -> PreTrainedTokenizerBase:
             "longnet.modeling.write_tokenizer_files(folder, LongNetConfig.from_pretrained("
             "folder)), or build the tokenizer in memory with longnet.hf.byte_tokenizer(config)."
         )
-    return AutoTokenizer.from_pretrained(folder)
+
+
+class LongNetTokenizer(PreTrainedTokenizerFast):
+    """What ``AutoTokenizer`` loads for a LongNet model whose folder names no tokenizer class
+    (registered by ``import longnet.hf``). The folders LongNet writes name
+    ``PreTrainedTokenizerFast`` in their ``tokenizer_config.json``, so only a folder without
+    that file comes here: :meth:`from_pretrained` says how to write the tokenizer files
+    (:func:`check_tokenizer_files`) where ``transformers`` would say that it cannot convert a
+    slow tokenizer without sentencepiece."""
+
+    @classmethod
+    def from_pretrained(
+        cls, pretrained_model_name_or_path: str | os.PathLike, *inputs: Any, **kwargs: Any
+    ) -> PreTrainedTokenizerFast:
+        """``PreTrainedTokenizerFast.from_pretrained``, after :func:`check_tokenizer_files` of
+        a local folder."""
+        folder = Path(pretrained_model_name_or_path, kwargs.get("subfolder") or "")
+        if folder.is_dir():
+            check_tokenizer_files(folder)
+        return PreTrainedTokenizerFast.from_pretrained(
+            pretrained_model_name_or_path, *inputs, **kwargs)

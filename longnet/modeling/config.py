@@ -15,9 +15,19 @@ from longnet.attention import DilatedPattern
 from longnet.files import write_atomic
 from longnet.modeling.hub import resolve_model_dir
 from longnet.nn.feedforward import ACTIVATIONS, FFN_KINDS
-from longnet.nn.norm import NORM_KINDS
+from longnet.nn.norm import check_norm
 from longnet.nn.positional import POSITION_ENCODINGS
-from longnet.validation import UsageError, check_positive_int, is_int, is_real
+from longnet.nn.short_conv import check_kv_conv_size
+from longnet.validation import (
+    UsageError,
+    check_bool,
+    check_choice,
+    check_dropout,
+    check_positive_float,
+    check_positive_int,
+    is_int,
+    is_real,
+)
 
 CONFIG_NAME = "config.json"
 MODEL_TYPE = "longnet"
@@ -151,30 +161,26 @@ class LongNetConfig:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the first bad field and how to fix it."""
+        """Raise ``ValueError`` naming the first bad field and how to fix it (``TypeError``
+        for a flag that is not a ``bool``)."""
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_positions"):
             check_positive_int(name, getattr(self, name))
         for name in ("num_kv_heads", "head_dim", "ffn_hidden_size"):
             if getattr(self, name) is not None:
                 check_positive_int(name, getattr(self, name))
         check_positive_int("num_labels", self.num_labels)
-        if not is_int(self.kv_conv_size) or self.kv_conv_size == 1 or self.kv_conv_size < 0:
-            raise ValueError(
-                f"kv_conv_size must be 0 (no convolution) or an integer of at least 2, got "
-                f"{self.kv_conv_size!r}."
-            )
-        _choice("ffn_kind", self.ffn_kind, FFN_KINDS)
-        _choice("activation", self.activation, tuple(ACTIVATIONS))
-        _choice("norm", self.norm, NORM_KINDS)
-        _choice("position_encoding", self.position_encoding, POSITION_ENCODINGS)
-        _choice("pooling", self.pooling, POOLINGS)
-        for name in ("sub_ln", "attention_bias", "mlp_bias", "tie_word_embeddings"):
-            _bool(name, getattr(self, name))
-        _bool("gradient_checkpointing", self.gradient_checkpointing)
-        for name in ("norm_eps", "rope_theta", "xpos_scale_base", "initializer_range"):
-            _positive_float(name, getattr(self, name))
-        if not is_real(self.dropout) or not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}.")
+        check_kv_conv_size(self.kv_conv_size)
+        check_choice("ffn_kind", self.ffn_kind, FFN_KINDS)
+        check_choice("activation", self.activation, ACTIVATIONS)
+        check_norm(self.norm, self.norm_eps)
+        check_choice("position_encoding", self.position_encoding, POSITION_ENCODINGS)
+        check_choice("pooling", self.pooling, POOLINGS)
+        for name in ("sub_ln", "attention_bias", "mlp_bias", "tie_word_embeddings",
+                     "gradient_checkpointing"):
+            check_bool(name, getattr(self, name))
+        for name in ("rope_theta", "xpos_scale_base", "initializer_range"):
+            check_positive_float(name, getattr(self, name))
+        check_dropout("dropout", self.dropout)
         if self.head_dim is None and self.hidden_size % self.num_heads:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) is not divisible by num_heads "
@@ -345,18 +351,3 @@ def _int_tuple(name: str, value: Any) -> tuple[int, ...]:
         if not is_int(item):
             raise ValueError(f"{name} must be a list of positive integers, got {value!r}.")
     return tuple(int(item) for item in items)
-
-
-def _positive_float(name: str, value: Any) -> None:
-    if not is_real(value) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive finite number, got {value!r}.")
-
-
-def _bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be true or false, got {value!r}.")
-
-
-def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}.")

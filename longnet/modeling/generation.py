@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import math
-import numbers
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from longnet.validation import check_positive_int, is_int
+from longnet.validation import check_bool, check_number, check_positive_int, describe, is_int
 
 if TYPE_CHECKING:
     from longnet.modeling.model import LongNetLM
@@ -33,23 +32,25 @@ def sample_next(
 
 
 def _check(
-    model: LongNetLM, input_ids: Tensor, max_new_tokens, temperature, top_k, eos_token_id
+    model: LongNetLM, input_ids: Tensor, max_new_tokens, temperature, top_k, eos_token_id,
+    generator, use_cache,
 ) -> None:
     if not is_int(max_new_tokens):
-        raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}.")
+        raise TypeError(f"max_new_tokens must be an int, got {describe(max_new_tokens)}.")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}.")
-    if (
-        isinstance(temperature, bool)
-        or not isinstance(temperature, numbers.Real)
-        or not math.isfinite(temperature)
-        or temperature < 0
-    ):
+    if not math.isfinite(check_number("temperature", temperature)) or temperature < 0:
         raise ValueError(
             f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}."
         )
     if top_k is not None:
         check_positive_int("top_k", top_k)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"generator must be a torch.Generator or None, got {type(generator).__name__} "
+            f"{generator!r}; seed one with torch.Generator().manual_seed(seed)."
+        )
+    check_bool("use_cache", use_cache)
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(
             "input_ids must be a (batch, seq) tensor with seq >= 1, got "
@@ -85,7 +86,8 @@ def generate(
     use_cache: bool = True,
 ) -> Tensor:
     """See :meth:`longnet.modeling.LongNetLM.generate`."""
-    _check(model, input_ids, max_new_tokens, temperature, top_k, eos_token_id)
+    _check(model, input_ids, max_new_tokens, temperature, top_k, eos_token_id, generator,
+           use_cache)
     was_training = model.training
     model.eval()
     try:

@@ -45,15 +45,18 @@ def list_models() -> list[str]:
 
 
 def resolve_model_dir(name_or_dir: str | os.PathLike) -> Path:
-    """A folder holding ``config.json``: an existing folder path, or a zoo model name."""
+    """A folder holding ``config.json``: an existing folder path, or a zoo model name.
+
+    Raises:
+        FileNotFoundError: anything else, saying what to pass instead (:func:`_instead`).
+    """
     path = Path(name_or_dir)
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json; {_instead(path)}")
     if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"{path} has no config.json; give a folder written by save_pretrained, a "
-                "Hugging Face checkpoint folder, or a zoo name."
-            )
         return path
+    if path.is_file():
+        raise FileNotFoundError(f"{path} is a file, not a model folder; {_instead(path)}")
     name = str(name_or_dir)
     candidate = models_dir() / name
     if name and "/" not in name and (candidate / "config.json").is_file():
@@ -63,3 +66,20 @@ def resolve_model_dir(name_or_dir: str | os.PathLike) -> Path:
         f"{name!r} is neither a model folder nor a known model name. Known models (in "
         f"{models_dir()}): {', '.join(known) if known else 'none'}."
     )
+
+
+def _instead(path: Path) -> str:
+    """What to load in place of ``path``, an existing file or folder without ``config.json``:
+    a training run's ``model/`` export, a Lightning checkpoint exported, the folder of a file
+    of a model folder."""
+    if (path / "model" / "config.json").is_file():
+        return (f"it is a training run's folder: load {path / 'model'}, the run's "
+                "save_pretrained export.")
+    if path.suffix == ".ckpt":
+        return ("it is a Lightning checkpoint: export its model with python "
+                f"scripts/export_pretrained.py {path} OUTPUT and load OUTPUT (a save_pretrained "
+                "folder).")
+    if (path.parent / "config.json").is_file():
+        return f"load the model folder that holds it, {path.parent}."
+    return ("give a folder written by save_pretrained, a Hugging Face checkpoint folder, or a "
+            "zoo name.")

@@ -28,6 +28,7 @@ from longnet.nn import (
     default_position_ids,
     document_position_ids,
 )
+from longnet.validation import check_bool
 
 
 def build_block(config: LongNetConfig, causal: bool) -> TransformerBlock:
@@ -244,9 +245,9 @@ class LongNetPreTrained(nn.Module):
 
     def set_gradient_checkpointing(self, enabled: bool = True) -> None:
         """Turn per-block activation recomputation on or off (also recorded in the config)."""
-        self.config.gradient_checkpointing = bool(enabled)
+        self.config.gradient_checkpointing = check_bool("enabled", enabled)
         for block in self.model.layers:
-            block.gradient_checkpointing = bool(enabled)
+            block.gradient_checkpointing = enabled
 
     def num_parameters(self) -> int:
         """Number of distinct parameters (tied ones counted once)."""

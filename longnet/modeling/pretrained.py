@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import torch
 from torch import nn
 
-from longnet.files import open_files, replace_folder, write_atomic
+from longnet.files import check_path_given, open_files, replace_folder, write_atomic
 from longnet.modeling.config import CONFIG_NAME, MODEL_TYPE, LongNetConfig, check_saved_fields
 from longnet.modeling.hub import resolve_model_dir
 from longnet.modeling.importers import import_hf_checkpoint, is_hf_config
@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 CARD_NAME = "README.md"
 SAVED_FILES = (CONFIG_NAME, WEIGHTS_NAME, CARD_NAME, TOKENIZER_NAME, TOKENIZER_CONFIG_NAME)
 """The files :func:`save_pretrained` writes (the tokenizer files for byte-level models only)."""
+MODEL_SOURCE = "model name or folder"
+"""What :func:`from_pretrained` calls its ``name_or_dir`` in messages."""
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {}
 """Model classes by name (``"LongNetLM"``, ``"LongNetEncoder"``): every subclass of
@@ -139,7 +141,8 @@ def save_pretrained(
     folder next to ``directory``, which then takes its place in one step, so a concurrent
     :func:`from_pretrained` loads the old model or the new one, never a mix, and a save that
     fails or is killed leaves the old folder as it was. Other files of an existing folder are
-    kept; the old version's :data:`SAVED_FILES` are not.
+    kept; the old version's :data:`SAVED_FILES` are not. An empty ``directory``, the current
+    folder and a folder holding it are refused (:class:`~longnet.validation.UsageError`).
     """
     architecture = type(model).__name__
     data = {"architecture": architecture, **model.config.to_dict()}
@@ -147,7 +150,7 @@ def save_pretrained(
         model.config, name or Path(directory).name, architecture=architecture, has_weights=True,
         num_parameters=model.num_parameters(),
     )
-    with replace_folder(directory, owned=SAVED_FILES) as folder:
+    with replace_folder(directory, SAVED_FILES, "save_pretrained directory") as folder:
         (folder / CONFIG_NAME).write_text(json.dumps(data, indent=2) + "\n")
         save_weights(model, folder / WEIGHTS_NAME)
         (folder / CARD_NAME).write_text(card)
@@ -174,6 +177,7 @@ def pretrained_config(name_or_dir: str | Path, **overrides: Any) -> LongNetConfi
     """The config :func:`from_pretrained` builds its model from, without building it: that of
     a zoo model, a ``save_pretrained`` folder or (read with its weights, which decide whether
     the head is tied) a local Hugging Face checkpoint."""
+    check_path_given(name_or_dir, MODEL_SOURCE)
     folder = resolve_model_dir(name_or_dir)
     with open_files(folder, (CONFIG_NAME,)) as files:
         data = read_config_json(files, folder)
@@ -193,6 +197,7 @@ def from_pretrained(
     (:func:`longnet.files.open_files`), even while :func:`save_pretrained` replaces it.
     """
     dtype = parameter_dtype(dtype)
+    check_path_given(name_or_dir, MODEL_SOURCE)
     folder = resolve_model_dir(name_or_dir)
     with open_files(folder, (CONFIG_NAME, WEIGHTS_NAME)) as files:
         data = read_config_json(files, folder)

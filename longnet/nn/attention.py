@@ -7,17 +7,25 @@ from einops import rearrange, repeat
 from torch import Tensor, nn
 
 from longnet.attention import DilatedPattern, dilated_attention
+from longnet.attention.dilated import check_process_group
 from longnet.distributed.halo import previous_rows
 from longnet.distributed.shards import chunks_per_rank
-from longnet.nn.norm import build_norm
+from longnet.nn.norm import build_norm, check_norm
 from longnet.nn.positional import (
     XPos,
     check_position_ids,
     default_position_ids,
     document_position_ids,
 )
-from longnet.nn.short_conv import CausalShortConv
-from longnet.validation import check_positive_int, is_int, is_real
+from longnet.nn.short_conv import CausalShortConv, check_kv_conv_size
+from longnet.validation import (
+    check_bool,
+    check_dropout,
+    check_non_negative_int,
+    check_positive_float,
+    check_positive_int,
+    is_int,
+)
 
 
 class LayerKVCache:
@@ -87,7 +95,9 @@ class KVCache:
     """One :class:`LayerKVCache` per layer; ``next_position`` is the next global position."""
 
     def __init__(self, num_layers: int) -> None:
-        self.layers = [LayerKVCache() for _ in range(num_layers)]
+        self.layers = [
+            LayerKVCache() for _ in range(check_non_negative_int("num_layers", num_layers))
+        ]
 
     @property
     def next_position(self) -> int:
@@ -188,13 +198,16 @@ class MultiheadDilatedAttention(nn.Module):
         super().__init__()
         embed_dim = check_positive_int("embed_dim", embed_dim)
         num_heads = check_positive_int("num_heads", num_heads)
-        if not isinstance(causal, bool):
-            raise TypeError(f"causal must be True or False, got {causal!r}.")
-        if not is_real(dropout) or not 0 <= dropout < 1:
-            raise ValueError(f"dropout must be a number in [0, 1), got {dropout!r}.")
-        if kv_conv_size == 1 or kv_conv_size < 0:
-            raise ValueError(
-                f"kv_conv_size must be 0 (no convolution) or at least 2, got {kv_conv_size}."
+        for name, flag in (("causal", causal), ("bias", bias), ("sub_ln", sub_ln)):
+            check_bool(name, flag)
+        dropout = check_dropout("dropout", dropout)
+        kv_conv_size = check_kv_conv_size(kv_conv_size)
+        check_norm(norm, norm_eps)
+        if positional is not None and not isinstance(positional, nn.Module):
+            raise TypeError(
+                "positional must be a module (q, k, position_ids) -> (q, k) such as "
+                "RotaryEmbedding(head_dim) or XPos(head_dim, block_size), or None, got "
+                f"{type(positional).__name__} {positional!r}."
             )
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if not is_int(num_kv_heads) or num_kv_heads <= 0 or num_heads % num_kv_heads:
@@ -218,7 +231,7 @@ class MultiheadDilatedAttention(nn.Module):
         self.head_dim = head_dim
         self.pattern = DilatedPattern.coerce(pattern)
         self.causal = causal
-        self.scale = float(scale) if scale is not None else head_dim**-0.5
+        self.scale = check_positive_float("scale", scale) if scale is not None else head_dim**-0.5
         self.q_proj = nn.Linear(embed_dim, num_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=bias)
@@ -266,6 +279,7 @@ class MultiheadDilatedAttention(nn.Module):
         (``dilated_attention``); not with ``cache``.
         """
         self._check_input(x)
+        check_process_group("group", group)
         batch, seq, _ = x.shape
         if document_ids is not None and cache is not None:
             raise ValueError(

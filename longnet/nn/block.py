@@ -7,6 +7,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from longnet.nn.attention import LayerKVCache, MultiheadDilatedAttention
+from longnet.validation import check_bool
 
 
 class TransformerBlock(nn.Module):
@@ -39,7 +40,7 @@ class TransformerBlock(nn.Module):
         self.attn = attn
         self.ffn_norm = ffn_norm
         self.ffn = ffn
-        self.gradient_checkpointing = gradient_checkpointing
+        self.gradient_checkpointing = check_bool("gradient_checkpointing", gradient_checkpointing)
 
     def forward(
         self,

@@ -7,7 +7,8 @@ from collections.abc import Callable
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from longnet.nn.norm import build_norm
+from longnet.nn.norm import build_norm, check_norm
+from longnet.validation import check_bool, check_choice, check_dropout, check_positive_int
 
 FFN_KINDS = ("mlp", "glu")
 
@@ -21,12 +22,7 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
 
 def get_activation(name: str) -> Callable[[Tensor], Tensor]:
     """The activation function called ``name`` (one of :data:`ACTIVATIONS`)."""
-    try:
-        return ACTIVATIONS[name]
-    except KeyError:
-        raise ValueError(
-            f"activation: unknown name {name!r}; use one of {sorted(ACTIVATIONS)}."
-        ) from None
+    return ACTIVATIONS[check_choice("activation", name, ACTIVATIONS)]
 
 
 class MLP(nn.Module):
@@ -49,12 +45,16 @@ class MLP(nn.Module):
         norm_eps: float = 1e-5,
     ) -> None:
         super().__init__()
+        embed_dim = check_positive_int("embed_dim", embed_dim)
+        hidden_dim = check_positive_int("hidden_dim", hidden_dim)
+        bias, sub_ln = check_bool("bias", bias), check_bool("sub_ln", sub_ln)
+        check_norm(norm, norm_eps)
         self.activation_name = activation
         self.activation = get_activation(activation)
         self.up_proj = nn.Linear(embed_dim, hidden_dim, bias=bias)
         self.sub_norm = build_norm(norm, hidden_dim, norm_eps) if sub_ln else None
         self.down_proj = nn.Linear(hidden_dim, embed_dim, bias=bias)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = nn.Dropout(check_dropout("dropout", dropout))
 
     def hidden(self, x: Tensor) -> Tensor:
         """The activations before the second linear layer ``(..., hidden_dim)``."""
@@ -98,7 +98,7 @@ class GatedMLP(MLP):
             norm=norm,
             norm_eps=norm_eps,
         )
-        self.gate_proj = nn.Linear(embed_dim, hidden_dim, bias=bias)
+        self.gate_proj = nn.Linear(self.up_proj.in_features, self.up_proj.out_features, bias=bias)
 
     def hidden(self, x: Tensor) -> Tensor:
         return self.activation(self.gate_proj(x)) * self.up_proj(x)
@@ -106,8 +106,5 @@ class GatedMLP(MLP):
 
 def build_feed_forward(kind: str, embed_dim: int, hidden_dim: int, **kwargs) -> MLP:
     """``"mlp"`` -> :class:`MLP`, ``"glu"`` -> :class:`GatedMLP` (keyword args as theirs)."""
-    if kind == "mlp":
-        return MLP(embed_dim, hidden_dim, **kwargs)
-    if kind == "glu":
-        return GatedMLP(embed_dim, hidden_dim, **kwargs)
-    raise ValueError(f"ffn_kind: unknown kind {kind!r}; use one of {FFN_KINDS}.")
+    check_choice("ffn_kind", kind, FFN_KINDS)
+    return (MLP if kind == "mlp" else GatedMLP)(embed_dim, hidden_dim, **kwargs)

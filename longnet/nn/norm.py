@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from longnet.validation import check_choice, check_positive_float, check_positive_int
+
 NORM_KINDS = ("layernorm", "rmsnorm")
 
 
@@ -19,8 +21,8 @@ class RMSNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
-        self.eps = float(eps)
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = check_positive_float("eps", eps)
+        self.weight = nn.Parameter(torch.ones(check_positive_int("dim", dim)))
 
     def forward(self, x: Tensor) -> Tensor:
         compute_dtype = torch.promote_types(x.dtype, torch.float32)
@@ -32,10 +34,16 @@ class RMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
 
 
+def check_norm(kind: str, eps: float) -> None:
+    """Raise ``ValueError`` unless ``kind`` is one of :data:`NORM_KINDS` and ``eps`` a finite
+    positive number (the checks of ``LongNetConfig``'s ``norm`` and ``norm_eps``)."""
+    check_choice("norm", kind, NORM_KINDS)
+    check_positive_float("norm_eps", eps)
+
+
 def build_norm(kind: str, dim: int, eps: float) -> nn.Module:
-    """A norm layer over the last dimension: ``"layernorm"`` or ``"rmsnorm"``."""
-    if kind == "layernorm":
-        return nn.LayerNorm(dim, eps=eps)
-    if kind == "rmsnorm":
-        return RMSNorm(dim, eps=eps)
-    raise ValueError(f"norm: unknown kind {kind!r}; use one of {NORM_KINDS}.")
+    """A norm layer over the last dimension: ``"layernorm"`` or ``"rmsnorm"`` (see
+    :func:`check_norm`) of width ``dim`` and epsilon ``eps``."""
+    check_norm(kind, eps)
+    dim = check_positive_int("dim", dim)
+    return nn.LayerNorm(dim, eps=eps) if kind == "layernorm" else RMSNorm(dim, eps=eps)

@@ -16,7 +16,9 @@ import torch
 from torch import Tensor, nn
 
 from longnet.attention import DilatedPattern
+from longnet.attention.dilated import check_process_group
 from longnet.distributed.shards import shard_positions
+from longnet.validation import check_positive_float, check_positive_int
 
 POSITION_ENCODINGS = ("learned", "rope", "xpos", "none")
 
@@ -82,10 +84,11 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, theta: float = 10000.0) -> None:
         super().__init__()
+        head_dim = check_positive_int("head_dim", head_dim)
         if head_dim % 2:
             raise ValueError(f"rotary embedding: head_dim must be even, got {head_dim}.")
         self.head_dim = head_dim
-        self.theta = float(theta)
+        self.theta = check_positive_float("theta", theta)
 
     def cos_sin(self, position_ids: Tensor) -> tuple[Tensor, Tensor]:
         """``cos, sin`` of shape ``(..., seq, head_dim)`` in float64 (float32 on MPS)."""
@@ -127,12 +130,8 @@ class XPos(RotaryEmbedding):
         self, head_dim: int, block_size: int, theta: float = 10000.0, scale_base: float = 512.0
     ) -> None:
         super().__init__(head_dim, theta)
-        if block_size <= 0:
-            raise ValueError(f"xPos: block_size must be positive, got {block_size}.")
-        if scale_base <= 0:
-            raise ValueError(f"xPos: scale_base must be positive, got {scale_base}.")
-        self.block_size = int(block_size)
-        self.scale_base = float(scale_base)
+        self.block_size = check_positive_int("block_size", block_size)
+        self.scale_base = check_positive_float("scale_base", scale_base)
 
     def check_pattern(self, pattern: DilatedPattern) -> None:
         """Refuse a pattern that compares positions across the centring blocks."""
@@ -191,7 +190,8 @@ class LearnedPositionalEmbedding(nn.Embedding):
     """
 
     def __init__(self, max_positions: int, dim: int) -> None:
-        super().__init__(max_positions, dim)
+        super().__init__(check_positive_int("max_positions", max_positions),
+                         check_positive_int("dim", dim))
 
     def forward(self, position_ids: Tensor) -> Tensor:  # type: ignore[override]
         if position_ids.numel() and (
@@ -232,6 +232,7 @@ def default_position_ids(
     (``longnet.distributed.shards``: the contiguous shard starts at ``offset + rank *
     seq_len``); pass ``position_ids`` explicitly for anything else.
     """
+    check_process_group("group", group)
     if group is None or torch.distributed.get_world_size(group) == 1:
         return torch.arange(offset, offset + seq_len, device=device)
     world = torch.distributed.get_world_size(group)

@@ -12,10 +12,25 @@ model leaves its function unchanged until training moves them.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
+
+from longnet.validation import check_positive_int, describe, is_int
+
+
+def check_kv_conv_size(value: Any) -> int:
+    """``kv_conv_size`` (the width of a K/V convolution; 0: none) as an ``int`` if it is 0 or
+    an integer of at least 2 (a width of 1 would only scale the rows), else ``ValueError``."""
+    if not is_int(value) or value == 1 or value < 0:
+        raise ValueError(
+            f"kv_conv_size must be 0 (no convolution) or an integer of at least 2, got "
+            f"{describe(value)}."
+        )
+    return int(value)
 
 
 class CausalShortConv(nn.Module):
@@ -33,14 +48,9 @@ class CausalShortConv(nn.Module):
 
     def __init__(self, channels: int, kernel_size: int) -> None:
         super().__init__()
-        if kernel_size < 1 or channels < 1:
-            raise ValueError(
-                f"CausalShortConv needs channels >= 1 and kernel_size >= 1, got {channels} "
-                f"and {kernel_size}."
-            )
-        self.channels = channels
-        self.kernel_size = kernel_size
-        self.weight = nn.Parameter(torch.empty(channels, kernel_size))
+        self.channels = check_positive_int("channels", channels)
+        self.kernel_size = check_positive_int("kernel_size", kernel_size)
+        self.weight = nn.Parameter(torch.empty(self.channels, self.kernel_size))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

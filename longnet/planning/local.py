@@ -3,10 +3,11 @@ of the plan, one at a time, above the accumulators."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from longnet.attention.kernels import select_kernel
 from longnet.attention.layout import BlockGroup, gathers_view
 from longnet.attention.plan import adopted_branch as plan_adopted_branch
-from longnet.attention.plan import branch_chunks
 from longnet.planning.setup import MODELLED_DEVICE, AttentionSetup
 from longnet.planning.workspace import (
     MERGE_TEMPORARIES,
@@ -24,10 +25,31 @@ def adopted_branch(setup: AttentionSetup) -> BlockGroup | None:
 
 
 def local_chunks(setup: AttentionSetup) -> list[tuple[int, BlockGroup]]:
-    """``(branch index, chunk)`` of the chunked local branches, in the order
-    ``local.attend_local`` runs them (``plan.branch_chunks``)."""
+    """``(branch index, chunk)``: one chunk of every shape among those of the chunked local
+    branches (``plan.branch_chunks``, which ``local.attend_local`` runs one at a time). Chunks
+    of one shape take the same memory, so the workspace is that of these few, whatever the
+    number of segments (:func:`chunk_shapes`)."""
     skip = adopted_branch(setup) is not None
-    return branch_chunks(setup.local_branches, setup.row_elements, setup.block_elements, skip)
+    return [
+        (index, chunk)
+        for index in range(int(skip), len(setup.local_branches))
+        for group in setup.local_branches[index]
+        for chunk in chunk_shapes(group, setup.block_elements, setup.row_elements)
+    ]
+
+
+def chunk_shapes(group: BlockGroup, max_elements: int, row_elements: int) -> list[BlockGroup]:
+    """One chunk of each shape that ``group.chunks(max_elements, row_elements)`` yields: per
+    range of heads, its first chunk (as many segments as fit) and, when the segments do not
+    split evenly, a chunk of the remaining segments (the last one; its start aside)."""
+    shapes = []
+    for heads in replace(group, num_segments=1).chunks(max_elements, row_elements):
+        first = next(replace(heads, num_segments=group.num_segments).chunks(
+            max_elements, row_elements))
+        shapes.append(first)
+        if rest := group.num_segments % first.num_segments:
+            shapes.append(replace(first, num_segments=rest))
+    return shapes
 
 
 def chunk_elements(setup: AttentionSetup, chunk: BlockGroup) -> int:

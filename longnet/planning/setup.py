@@ -16,7 +16,8 @@ from longnet.attention.kernels import accumulation_dtype
 from longnet.attention.layout import BlockGroup
 from longnet.attention.pattern import DilatedPattern
 from longnet.attention.plan import CPU_BLOCK_ELEMENTS
-from longnet.attention.ring import padded_length, plan_sequence_parallel
+from longnet.attention.ring import plan_sequence_parallel
+from longnet.attention.shard_lengths import padded_length
 from longnet.attention.transport import transports_per_branch
 
 MODELLED_DEVICE = torch.device("cpu")

@@ -4,6 +4,7 @@ The ``longnet`` command (``longnet.cli``) drives these from YAML configs in ``co
 see ``docs/training.md``.
 """
 
+from longnet.training.budget import TimeBudget
 from longnet.training.builder import build_lm
 from longnet.training.callbacks import (
     ExportPretrained,
@@ -17,7 +18,9 @@ from longnet.training.checkpoint import (
     load_lightning_checkpoint,
     read_checkpoint,
 )
+from longnet.training.curriculum import LengthCurriculum
 from longnet.training.curves import TrainingCurves, plot_training_curves, read_curves
+from longnet.training.handoff import Rewarmup
 from longnet.training.loaders import EpochIndexSampler, EpochLoader, ResumableDataOrder
 from longnet.training.logger import RunLogger
 from longnet.training.metrics import TokenAccuracy, TokenCrossEntropy, lm_summary
@@ -43,11 +46,13 @@ __all__ = [
     "EpochLoader",
     "ExportPretrained",
     "LastCheckpoint",
+    "LengthCurriculum",
     "LineProgressBar",
     "MetricsSummary",
     "PredictionsWriter",
     "RankMemory",
     "ResumableDataOrder",
+    "Rewarmup",
     "RunId",
     "RunLock",
     "RunLogger",
@@ -58,6 +63,7 @@ __all__ = [
     "ShardedSequenceParallelStrategy",
     "StepProgressBar",
     "StopOnSignal",
+    "TimeBudget",
     "TokenAccuracy",
     "TokenCrossEntropy",
     "TrainingCurves",

@@ -99,6 +99,10 @@ class LastCheckpoint(ModelCheckpoint):
         super().__init__(
             dirpath=dirpath, save_last=True, save_top_k=0,
             every_n_train_steps=every_n_train_steps,
+            # always last.ckpt: a run resumed from a last.ckpt that another folder wrote (a
+            # moved run folder, a chunk's unpacked state) would write last-v1.ckpt beside it,
+            # and the next --ckpt_path last would resume the stale one
+            enable_version_counter=False,
         )
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -347,20 +351,31 @@ class PredictionsWriter(BasePredictionWriter):
         # resolved here, on every rank (log_dir is a collective; ranks may get different
         # numbers of predict batches)
         self._folder = Path(self.dirpath) if self.dirpath else run_dir(trainer)
+        path = self._path(trainer)
+        if stage == "predict" and path is not None:
+            path.unlink(missing_ok=True)  # a new predict replaces the file, never extends it
 
-    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch,
-                           batch_idx, dataloader_idx) -> None:
+    def _path(self, trainer: L.Trainer) -> Path | None:
+        """This rank's file; None where another rank of its sequence-parallel group writes
+        the same values."""
         folder = self._folder or Path(self.dirpath or trainer.default_root_dir)
         strategy, rank = trainer.strategy, trainer.global_rank
         if isinstance(strategy, SequenceParallelLayout):
             if strategy.sequence_parallel_rank != 0:
-                return  # the other ranks of a sequence-parallel group hold the same values
+                return None
             rank = strategy.data_parallel_rank
-        folder.mkdir(parents=True, exist_ok=True)
+        return folder / f"predictions-{rank}.jsonl"
+
+    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch,
+                           batch_idx, dataloader_idx) -> None:
+        path = self._path(trainer)
+        if path is None:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
         columns = {key: value.tolist() for key, value in prediction.items()}
         indices = list(batch_indices) if batch_indices is not None else [None] * len(
             next(iter(columns.values())))
-        with open(folder / f"predictions-{rank}.jsonl", "a") as handle:
+        with open(path, "a") as handle:
             for row, index in enumerate(indices):
                 record = {"index": index, **{key: column[row] for key, column in columns.items()}}
                 handle.write(json.dumps(record) + "\n")

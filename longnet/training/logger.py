@@ -39,7 +39,7 @@ class RunLogger(CSVLogger):
     of different commands in one folder (a ``fit``, a later ``test``) stay apart.
 
     Args:
-        save_dir: parent folder of runs.
+        save_dir: parent folder of runs (not empty).
         name: the run's folder name.
         flush_logs_every_n_steps: how often rows are written to disk.
     """
@@ -48,6 +48,9 @@ class RunLogger(CSVLogger):
                  flush_logs_every_n_steps: int = 50) -> None:
         if not name:
             raise ValueError("name must be a non-empty folder name for the run.")
+        if not save_dir:
+            raise ValueError("save_dir is empty; give the folder of runs (e.g. runs): an empty "
+                             "one would put the run folder in the current folder.")
         super().__init__(save_dir=save_dir, name=name, version="",
                          flush_logs_every_n_steps=flush_logs_every_n_steps)
         self.run_id: str | None = None

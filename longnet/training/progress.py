@@ -59,6 +59,9 @@ class StepProgressBar(TQDMProgressBar):
         bar, step = self.train_progress_bar, trainer.global_step
         if bar is None or bar.disable or bar.n == step:
             return
+        total = total_steps(trainer)
+        if math.isfinite(total) and bar.total != int(total):  # re-planned (TimeBudget)
+            bar.total = int(total)
         if step % self.refresh_rate == 0 or step == bar.total:
             bar.n = step
             bar.set_postfix(self.get_metrics(trainer, pl_module))  # refreshes

@@ -6,6 +6,16 @@ Every run: a 2-layer, width-32 model with a dilated pattern whose branches span 
 (``(32, 1), (64, 2), (128, 4)``), sequences of 120 tokens (padded to 128 under sequence
 parallelism), global batch 4, three AdamW steps with gradient clipping, then validation on 6
 samples (not a multiple of the data-parallel size times the batch).
+
+Every run is float64, modules built in float64 (``make_module``) and trained with
+``precision="64-true"``. In float32 the comparison depends on the CPU: the mesh and the single
+process add the same terms in other orders (split over shards, reduced across ranks, vectorised
+at the CPU's SIMD width, so AVX2 and AVX-512 round differently), and AdamW divides each
+gradient by its own running size, which turns the rounding of a near-zero gradient into a
+change of its parameter of up to the learning rate times the rounding over AdamW's eps: three
+float32 token-loss steps on a 2-core AMD EPYC with AVX2 only left ``out_proj.weight[27, 0]``
+1.02e-6 from the single process, over the 1e-6 the test was written with. In float64 the
+largest difference measured is 2.4e-15 (``test_strategy.ATOL`` says why it stays small).
 """
 
 from __future__ import annotations
@@ -83,25 +93,30 @@ class TinyData(L.LightningDataModule):
 
 
 def make_module(loss_reduction: str = "token") -> CausalLMModule:
+    """The seeded module, its parameters float64 from the start: Lightning restores a
+    checkpoint before ``64-true`` converts the module, so a module built in float32 would
+    round the resumed parameters to float32 (5.96e-8 = 2**-24 on the weights near 1)."""
     L.seed_everything(1234, verbose=False)
-    return CausalLMModule(
-        model="longnet-tiny",
-        overrides=MODEL_OVERRIDES,
-        learning_rate=1e-3,
-        warmup_steps=1,
-        total_steps=STEPS,
-        loss_reduction=loss_reduction,
-    )
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        return CausalLMModule(
+            model="longnet-tiny",
+            overrides=MODEL_OVERRIDES,
+            learning_rate=1e-3,
+            warmup_steps=1,
+            total_steps=STEPS,
+            loss_reduction=loss_reduction,
+        )
+    finally:
+        torch.set_default_dtype(previous)
 
 
-def trainer_kwargs(loss_reduction: str, documents: bool = False) -> dict[str, Any]:
-    """The runs' settings. Sample-mean and packed-document runs are float64: Adam normalises
-    the near-zero gradients of embedding rows no sample uses, which amplifies float32 rounding
-    (of the per-sample weights; of sums taken in another order when documents cut the
-    attention into many small blocks) past the 1e-6 tolerance."""
+def trainer_kwargs() -> dict[str, Any]:
+    """The runs' settings (float64: see the module's docstring)."""
     return dict(
         accelerator="cpu",
-        precision="64-true" if loss_reduction == "sample" or documents else "32-true",
+        precision="64-true",
         max_steps=STEPS,
         val_check_interval=STEPS,
         check_val_every_n_epoch=None,
@@ -129,7 +144,7 @@ def single_device_run(loss_reduction: str = "token", documents: bool = False) ->
     """The reference: one process, the whole global batch."""
     torch.set_num_threads(1)
     module = make_module(loss_reduction)
-    trainer = L.Trainer(devices=1, **trainer_kwargs(loss_reduction, documents))
+    trainer = L.Trainer(devices=1, **trainer_kwargs())
     trainer.fit(module, datamodule=TinyData(GLOBAL_BATCH, documents=documents))
     return result(trainer, module)
 
@@ -151,7 +166,7 @@ def sequence_parallel_run(rank: int, world_size: int, device: torch.device,
         return SequenceParallelStrategy(sequence_parallel_size=sequence_parallel_size,
                                         load_balance=load_balance, process_group_backend="gloo")
 
-    kwargs = trainer_kwargs(loss_reduction, documents)
+    kwargs = trainer_kwargs()
     folder = None
     if checkpoint_dir is not None:
         folder = os.path.join(checkpoint_dir, f"sp{sequence_parallel_size}-{loss_reduction}-"
@@ -169,8 +184,7 @@ def sequence_parallel_run(rank: int, world_size: int, device: torch.device,
         used.sequence_parallel_group))
     if folder is not None:
         resumed = make_module(loss_reduction)
-        trainer = L.Trainer(devices=world_size, strategy=strategy(),
-                            **trainer_kwargs(loss_reduction, documents))
+        trainer = L.Trainer(devices=world_size, strategy=strategy(), **trainer_kwargs())
         trainer.fit(resumed, datamodule=TinyData(GLOBAL_BATCH // data_parallel,
                                                  documents=documents),
                     ckpt_path=os.path.join(folder, "step=2.ckpt"))

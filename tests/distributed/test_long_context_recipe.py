@@ -101,7 +101,14 @@ def test_ring_stage_trains_and_its_test_loss_is_the_exports(setup):
             out = exported(batch["input_ids"], labels=batch["labels"])
             loss_sum, tokens = loss_sum + float(out.loss_sum), tokens + int(out.num_tokens)
     assert summary["test"]["test/tokens"] == tokens
-    assert summary["test"]["test/loss"] == pytest.approx(loss_sum / tokens, rel=1e-5)
+    # float32 as the recipe runs, a forward pass only (no optimizer step amplifies a rounding):
+    # the ring and one process round differently (shards, the merge of partial softmaxes, the
+    # CPU's SIMD width), each operation by a few float32 eps; 100 eps bounds that for a
+    # two-layer model with room to spare (measured: 0.7 eps with AVX2, 1.1 eps with
+    # ATEN_CPU_CAPABILITY=default), and the ring's attention is checked to 1e-10 in float64
+    # by test_ring.py
+    assert summary["test"]["test/loss"] == pytest.approx(
+        loss_sum / tokens, rel=100 * torch.finfo(torch.float32).eps)
 
 
 def test_ring_stage_refuses_a_window_the_pattern_cannot_shard(setup):

@@ -4,7 +4,6 @@ before any work (the ``script-`` cases of ``scripts/bad_inputs/scripts.yaml``)."
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -18,16 +17,10 @@ from longnet.eval.passkey import check_passkey_grid
 from longnet.eval.reporting import write_csv
 from longnet.planning.state import model_config
 from longnet.validation import UsageError
+from tests.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 
-
-def script(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses of a script look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 def refused(parse, argv: list[str], capsys) -> str:
@@ -39,7 +32,7 @@ def refused(parse, argv: list[str], capsys) -> str:
 
 
 def test_an_argument_error_is_one_line_without_the_usage(capsys):
-    module = script("eval_perplexity")
+    module = load_script("eval_perplexity")
     err = refused(module.parse_args, ["--models", "m", "--context-lengths", "0"], capsys)
     assert err.splitlines() == [
         "error: argument --context-lengths: lengths must be at least 1, got '0'; "
@@ -64,7 +57,7 @@ def test_the_number_of_passkey_digits_is_checked_with_the_grid():
 
 
 def test_plan_context_reads_lengths_with_units_and_names_bad_segments(capsys):
-    module = script("plan_context")
+    module = load_script("plan_context")
     assert module.parse_args(["--seq-len", "64K", "--devices", "2"]).seq_len == 65536
     err = refused(module.parse_args, ["--seq-len", "4096", "--devices", "1",
                                       "--segments", "2048,4k", "--rates", "1,2"], capsys)
@@ -91,7 +84,7 @@ def test_a_bad_benchmark_pattern_says_why():
     (["--repeats", "0"], "argument --repeats: expected a positive integer"),
 ])
 def test_bench_attention_refuses_empty_shapes(argv: list[str], message: str, capsys):
-    assert message in refused(script("bench_attention").parse_args, argv, capsys)
+    assert message in refused(load_script("bench_attention").parse_args, argv, capsys)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -104,11 +97,11 @@ def test_bench_attention_refuses_empty_shapes(argv: list[str], message: str, cap
      "--dense-seq-len 1000 cannot be split over 3 ranks"),
 ])
 def test_bench_ring_refuses_what_its_ranks_cannot_run(argv: list[str], message: str, capsys):
-    assert message in refused(script("bench_ring").parse_args, argv, capsys)
+    assert message in refused(load_script("bench_ring").parse_args, argv, capsys)
 
 
 def test_bench_training_checks_the_model_before_any_step(tmp_path: Path, capsys):
-    module = script("bench_training")
+    module = load_script("bench_training")
     err = refused(module.parse_args, ["--model", "longnet-nope", "--lengths", "64"], capsys)
     assert "--model: model 'longnet-nope' is neither a zoo name" in err
     assert module.parse_args(["--model", "longnet-tiny", "--lengths", "1K"]).config.num_layers
@@ -120,7 +113,7 @@ def test_bench_training_checks_the_model_before_any_step(tmp_path: Path, capsys)
     ("eval_passkey", ["--models", "m", "--num-digits", "0"], "argument --num-digits"),
 ])
 def test_counts_and_lengths_are_positive(name: str, argv: list[str], message: str, capsys):
-    assert message in refused(script(name).parse_args, argv, capsys)
+    assert message in refused(load_script(name).parse_args, argv, capsys)
 
 
 def run(*args: str) -> subprocess.CompletedProcess:

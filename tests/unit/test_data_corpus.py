@@ -362,7 +362,7 @@ BAD_DATA = [  # (files, data_files glob, source options, settings, exception, me
     (_texts(40), "*", {}, {"min_document_bytes": 10**6}, UsageError,
      r"no document of at least 1000000 bytes"),
     ({"rows.jsonl": '{"text": "a"}\n{"text": broken\n'}, "*.jsonl", {}, {}, UsageError,
-     r"cannot read the json data_files .*rows\.jsonl"),
+     r"rows\.jsonl is damaged or not a valid json file"),
     ({"rows.jsonl": '{"body": "a"}\n'}, "*.jsonl", {}, {}, UsageError,
      r"text_column='text' is not a column.*\['body'\]"),
     ({"rows.jsonl": '{"text": 3}\n'}, "*.jsonl", {}, {}, UsageError,

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from longnet.data import ByteTokenizer, passkey_examples, passkey_match
-from longnet.data.passkey import NEEDLE_JITTER, min_passkey_length
+from longnet.data.passkey import NEEDLE_JITTER, min_passkey_length, needle_window
 from longnet.eval import accuracy_by_alignment, check_passkey_grid, evaluate_passkey
 from longnet.modeling import LongNetConfig, LongNetLM
 
@@ -150,3 +150,27 @@ def test_real_model_runs_greedy_and_deterministically():
         for outcome in cell.outcomes:
             assert outcome.correct == passkey_match(outcome.generated, outcome.answer)
     assert np.isfinite([c.mean_depth for c in first]).all()
+
+
+def test_the_needle_is_at_the_requested_depth_at_short_lengths():
+    """At 256 bytes (19 filler bytes) every depth drew its needle from the whole filler, so
+    depths 0, 0.5 and 1 were one cell three times (mean depth 0.053 each)."""
+    budget = 256 - SHORTEST
+    means = []
+    for depth in (0.0, 0.5, 1.0):
+        examples = passkey_examples(10, 256, depth, seed=0)
+        assert all(abs(e.depth - depth) <= 1 / 3 for e in examples), (depth, examples)
+        low, high = needle_window(budget, depth)
+        assert all(low <= round(e.depth * budget) <= high for e in examples)
+        means.append(sum(e.depth for e in examples) / len(examples))
+    assert means[0] < 0.25 < means[1] < 0.75 < means[2]
+
+
+@pytest.mark.parametrize("budget", [6 * NEEDLE_JITTER, 2049 - SHORTEST, 16384])
+def test_long_fillers_keep_a_needle_window_of_one_filler_period(budget):
+    """Lengths from 507 bytes on (512 in the published results) place their needles as
+    before: anywhere in one filler period, so a cell covers every alignment."""
+    for depth in (0.0, 0.3, 1.0):
+        low, high = needle_window(budget, depth)
+        assert high - low == 2 * NEEDLE_JITTER and low >= 0 and high <= budget
+        assert low == min(max(0, round(depth * budget) - NEEDLE_JITTER), budget - high + low)

@@ -210,3 +210,20 @@ def test_eval_passkey_of_a_model_without_a_pattern_writes_no_alignment_table(tmp
     ])
     assert code == 0
     assert (out / "passkey.csv").exists() and not (out / "passkey_alignment.csv").exists()
+
+
+def test_eval_passkey_refuses_depths_a_length_cannot_tell_apart(tmp_path: Path, tiny_model: Path,
+                                                                capsys):
+    """238 bytes leave 1 filler byte: depths 0 and 0.5 would put the needle on the same byte
+    and be reported as two depths."""
+    module = script("eval_passkey")
+    argv = ["--models", str(tiny_model), "--lengths", "238", "--depths", "0", "0.5", "1",
+            "--out", str(tmp_path / "out"), "--no-progress"]
+    assert module.run_cli(functools.partial(module.main, argv)) == 2
+    assert ("--lengths 238: its filler of 1 byte(s) puts the needle of depths 0 and 0.5 on the "
+            "same bytes (0 to 0); give longer lengths or fewer depths") in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    argv[3] = "256"  # 19 filler bytes: three depths, three places
+    assert module.main(argv + ["--num-examples", "2"]) == 0
+    means = [float(row["mean_depth"]) for row in read_csv(tmp_path / "out" / "passkey.csv")]
+    assert means[0] < 0.25 < means[1] < 0.75 < means[2]

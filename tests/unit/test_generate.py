@@ -110,8 +110,12 @@ def test_stops_at_eos_and_restores_training_mode():
 def test_generation_argument_errors():
     model = make_lm()
     prompt = torch.randint(0, 48, (1, 4))
-    for temperature in (-1.0, math.nan, math.inf, True, "1"):
+    for temperature in (-1.0, math.nan, math.inf):
         with pytest.raises(ValueError, match=f"temperature must be a finite number >= 0 .*, "
+                                             f"got {temperature!r}"):
+            model.generate(prompt, 3, temperature=temperature)
+    for temperature, kind in ((True, "bool"), ("1", "str")):
+        with pytest.raises(ValueError, match=f"temperature must be a number .*, not a {kind}: "
                                              f"got {temperature!r}"):
             model.generate(prompt, 3, temperature=temperature)
     with pytest.raises(ValueError, match="top_k"):

@@ -354,6 +354,58 @@ def test_a_missing_tokenizer_file_says_how_to_write_it(tmp_path):
         load_tokenizer(tmp_path)
 
 
+def test_auto_tokenizer_on_a_folder_without_tokenizer_files_says_how_to_write_them(tmp_path):
+    make_lm().save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).unlink()
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json or tokenizer_config.json"
+                       ".*write_tokenizer_files"):
+        AutoTokenizer.from_pretrained(tmp_path)
+
+
+def _run_folder(root: Path) -> Path:
+    """A training run's folder: its ``save_pretrained`` export in ``model/``, a checkpoint."""
+    make_lm().save_pretrained(root / "run" / "model")
+    (root / "run" / "checkpoints").mkdir()
+    (root / "run" / "checkpoints" / "last.ckpt").write_bytes(b"not read")
+    return root / "run"
+
+
+LONGNET_LOADERS = [LongNetHFConfig.from_pretrained, LongNetForCausalLM.from_pretrained,
+                   load_tokenizer, LongNetLM.from_pretrained]
+
+
+@pytest.mark.parametrize("load", LONGNET_LOADERS,
+                         ids=["LongNetHFConfig", "LongNetForCausalLM", "load_tokenizer",
+                              "LongNetLM"])
+def test_a_run_folder_or_a_ckpt_names_what_to_load_instead(tmp_path, load):
+    run = _run_folder(tmp_path)
+    with pytest.raises(FileNotFoundError, match=rf"{run} has no config.json; it is a training "
+                       rf"run's folder: load {run / 'model'}"):
+        load(run)
+    ckpt = run / "checkpoints" / "last.ckpt"
+    with pytest.raises(FileNotFoundError, match=rf"{ckpt} is a file, not a model folder; .*"
+                       rf"scripts/export_pretrained.py {ckpt} OUTPUT"):
+        load(ckpt)
+
+
+def test_longnet_hf_config_reads_a_zoo_name_and_its_folder(tmp_path):
+    assert LongNetHFConfig.from_pretrained("longnet-tiny").to_longnet() == (
+        LongNetLM.from_pretrained("longnet-tiny").config)
+    config = LongNetHFConfig.from_pretrained(_run_folder(tmp_path), subfolder="model")
+    assert config.to_longnet() == make_lm().config
+
+
+@pytest.mark.parametrize("call", [
+    lambda model: model(torch.tensor([[1, 2]]), use_cache="no"),
+    lambda model: LongNetHFConfig.from_longnet(model.longnet.config, use_cache="no"),
+    lambda model: model(torch.tensor([[1, 2]]), return_dict="no"),
+])
+def test_hf_flags_must_be_bools(call):
+    with pytest.raises(TypeError, match="(use_cache|return_dict) must be True or False, got 'no'"):
+        call(LongNetForCausalLM.from_longnet(make_lm()))
+
+
 def test_missing_weights_are_an_error_not_a_random_init(tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -4,17 +4,26 @@ and of ``scripts/plan_context.py``. Fast, single process; no timing."""
 from __future__ import annotations
 
 import importlib.util
+import random
 from pathlib import Path
+from unittest.mock import patch
 
 import pytest
 import torch
 
 from longnet.attention import DilatedPattern
 from longnet.attention.layout import branch_groups, gather, gathers_view
-from longnet.attention.plan import CPU_BLOCK_ELEMENTS
+from longnet.attention.plan import CPU_BLOCK_ELEMENTS, branch_chunks
 from longnet.attention.ring import plan_sequence_parallel
+from longnet.attention.shard_lengths import fits_shards, padded_length
 from longnet.planning import AttentionSetup, plan_memory
-from longnet.planning.local import gathers_copy, local_chunks
+from longnet.planning.local import (
+    adopted_branch,
+    gathers_copy,
+    local_backward_workspace,
+    local_chunks,
+    local_forward_workspace,
+)
 from longnet.planning.ring import message_rows
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -188,3 +197,59 @@ def test_plan_context_reports_the_padded_length(capsys):
     out = capsys.readouterr().out
     assert "padded length 1,536" in out  # shard 512: 256 divides it, 512 equals it
     assert "spans" not in out and "local" in out
+
+
+def _padded_by_search(seq_len: int, pattern: DilatedPattern, world_size: int) -> int:
+    """The definition of ``padded_length``: the first fitting length, one shard length at a
+    time."""
+    shard_len = -(-seq_len // world_size)
+    while not fits_shards(shard_len * world_size, pattern, world_size):
+        shard_len += 1
+    return shard_len * world_size
+
+
+def test_padded_length_is_the_first_length_that_fits():
+    draw = random.Random(0)
+    for _ in range(300):
+        branches = sorted(draw.sample(range(1, 25), draw.randint(1, 3)))
+        pattern = DilatedPattern(tuple(branches), (1,) * len(branches))
+        seq_len, world = draw.randint(1, 300), draw.randint(1, 9)
+        expected = _padded_by_search(seq_len, pattern, world)
+        assert padded_length(seq_len, pattern, world) == expected, (branches, seq_len, world)
+
+
+def _local_workspace_of_every_chunk(setup: AttentionSetup) -> tuple[int, int]:
+    """``(forward, backward)`` local workspace taken over every chunk the library runs (what
+    the planner computed before it looked at one chunk of each shape)."""
+    every = branch_chunks(setup.local_branches, setup.row_elements, setup.block_elements,
+                          adopted_branch(setup) is not None)
+    with patch("longnet.planning.local.local_chunks", lambda _: every):
+        return local_forward_workspace(setup), local_backward_workspace(setup)
+
+
+@pytest.mark.parametrize("seq_len, world, heads, batch, head_dim, dtype, branches", [
+    (65536, 8, 12, 1, 64, torch.bfloat16, ((2048, 1), (4096, 2), (8192, 4))),
+    (102400 * 3, 3, 12, 1, 64, torch.float32, ((2048, 1), (4096, 2), (102400, 8))),
+    (72000, 6, 7, 1, 64, torch.bfloat16, ((1000, 1), (3000, 3), (12000, 5))),
+    (65536, 4, 8, 3, 128, torch.float32, ((2048, 1), (4096, 2), (65536, 16))),
+    (32768, 1, 12, 2, 64, torch.float64, ((32768, 1),)),
+    (1 << 20, 2, 16, 1, 128, torch.float32, ((512, 1), (2048, 3), (8192, 12))),
+])
+def test_local_workspace_is_that_of_every_chunk(seq_len, world, heads, batch, head_dim, dtype,
+                                                branches):
+    setup = _setup(seq_len=seq_len, world_size=world, num_heads=heads, batch=batch,
+                   head_dim=head_dim, dtype=dtype, pattern=DilatedPattern.coerce(branches))
+    assert len(local_chunks(setup)) <= 2 * heads * len(branches)  # shapes, not segments
+    every = _local_workspace_of_every_chunk(setup)
+    assert (local_forward_workspace(setup), local_backward_workspace(setup)) == every
+
+
+@pytest.mark.timeout(120)
+def test_planning_time_does_not_grow_with_the_length(capsys):
+    """1000M tokens took minutes and 10**21 never finished: the padding searched one shard
+    length at a time and the local branches were planned segment by segment."""
+    plan_context = _plan_context()
+    assert plan_context.main(["--seq-len", "1000M", "--devices", "8"]) == 0
+    assert "padded length 1,073,741,824 (+25,165,824, 2.40%)" in capsys.readouterr().out
+    assert plan_context.main(["--seq-len", str(10**21), "--devices", "1024"]) == 0
+    assert "sequence 1,000,000,000,000,000,000,000 tokens" in capsys.readouterr().out

@@ -1,0 +1,340 @@
+"""Hand a training run over between time-boxed chunks on machines that share nothing.
+
+A chunk trains for a while (``trainer.max_time``) and ends with ``last.ckpt``; the next chunk,
+on a fresh machine, continues from one of two handovers (``docs/long_context_gpu.md``):
+
+- **the full state** (:func:`pack_state`, :func:`unpack_state`): ``last.ckpt`` itself, cut
+  into shards of at most ``max_shard_size`` bytes (``state-00001-of-00003.bin``, ...) next to
+  ``index.json`` (each shard's size and SHA-256, and the whole file's), put back together
+  byte for byte. Weights, AdamW moments, data position and RNG are the ones the run saved, so
+  ``longnet fit --ckpt_path last`` from it continues bit-exactly.
+- **the compact handoff** (:func:`write_handoff`, :func:`handoff_checkpoint`): the weights in
+  bfloat16 (``weights.safetensors``) and ``handoff.json`` (step, data position, learning-rate
+  schedule, optimizer hyper-parameters, run id, the callbacks' plain states): small enough to
+  commit (about 2 bytes per parameter). :func:`handoff_checkpoint` turns it into a checkpoint
+  that ``--ckpt_path`` resumes with the weights widened back to their dtype and the AdamW
+  moments empty; :class:`Rewarmup` then ramps the learning rate back up over a few steps,
+  and the schedule and the data order continue from the recorded step.
+
+Neither depends on anything else the earlier chunk left behind (caches, run folders).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from safetensors.torch import save
+
+from longnet.files import replace_folder, write_atomic
+from longnet.modeling.serialization import read_safetensors
+from longnet.training.checkpoint import STATE_DICT, read_checkpoint
+from longnet.training.runs import RUN_ID_KEY
+from longnet.validation import UsageError, check_non_negative_int, check_positive_int
+
+MiB = 1 << 20
+MAX_SHARD_SIZE = 16 * MiB
+"""Largest shard :func:`pack_state` writes by default (what a device machine gives back)."""
+MAX_FILES = 8
+"""Most files :func:`pack_state` writes by default, ``index.json`` included."""
+INDEX = "index.json"
+HANDOFF = "handoff.json"
+WEIGHTS = "weights.safetensors"
+STATE_FORMAT = "longnet-chunk-state"
+HANDOFF_FORMAT = "longnet-handoff"
+HANDOFF_ENTRIES = ("epoch", "global_step", "pytorch-lightning_version", "loops",
+                   "lr_schedulers", "hparams_name", "hyper_parameters",
+                   "datamodule_hparams_name", "datamodule_hyper_parameters", RUN_ID_KEY)
+"""The checkpoint entries a compact handoff keeps as they are (plain values): what Lightning
+needs to resume ``fit`` at the recorded step (loops with the data position, schedulers), the
+module's and datamodule's hyper-parameters and the run id."""
+
+
+# ---------------------------------------------------------------------- the full state
+def pack_state(checkpoint: str | Path, folder: str | Path, *,
+               max_shard_size: int = MAX_SHARD_SIZE, max_files: int = MAX_FILES) -> list[Path]:
+    """Cut the checkpoint file ``checkpoint`` into shards of at most ``max_shard_size`` bytes
+    in ``folder``, next to ``index.json``; returns the files written (index first).
+
+    ``folder`` is replaced whole (an earlier pack's shards do not survive); it must be absent,
+    empty or an earlier pack.
+
+    Raises:
+        UsageError: ``checkpoint`` is not a Lightning checkpoint file, ``folder`` holds other
+            files, or the shards and the index would be more than ``max_files`` files.
+    """
+    check_positive_int("max_shard_size", max_shard_size)
+    check_positive_int("max_files", max_files)
+    checkpoint, folder = Path(checkpoint), Path(folder)
+    if checkpoint.is_dir():
+        raise UsageError(f"{checkpoint} is a folder of shards; pack_state takes a checkpoint "
+                         "file (<run folder>/checkpoints/last.ckpt of a one-process run).")
+    old = _check_folder(folder, INDEX)
+    step = read_checkpoint(checkpoint, tensors=False).get("global_step")
+    data = checkpoint.read_bytes()
+    count = max(1, math.ceil(len(data) / max_shard_size))
+    if count + 1 > max_files:
+        raise UsageError(
+            f"{checkpoint} ({len(data):,} bytes) needs {count} shards of at most "
+            f"{max_shard_size:,} bytes plus {INDEX}: {count + 1} files, more than max_files "
+            f"{max_files}. Hand it over with the compact handoff instead (scripts/chunk_state.py "
+            "handoff), or allow larger shards or more files where the transport permits."
+        )
+    names = [f"state-{k:05d}-of-{count:05d}.bin" for k in range(1, count + 1)]
+    shards = [data[k * max_shard_size:(k + 1) * max_shard_size] for k in range(count)]
+    index = {
+        "format": STATE_FORMAT, "version": 1, "file": checkpoint.name, "global_step": step,
+        "size": len(data), "sha256": _sha256(data),
+        "shards": [{"name": name, "size": len(shard), "sha256": _sha256(shard)}
+                   for name, shard in zip(names, shards)],
+    }
+    with replace_folder(folder, owned=old) as temp:
+        for name, shard in zip(names, shards):
+            (temp / name).write_bytes(shard)
+        (temp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    return [folder / INDEX, *(folder / name for name in names)]
+
+
+def unpack_state(folder: str | Path, target: str | Path) -> Path:
+    """Put the checkpoint packed in ``folder`` (:func:`pack_state`) back together at
+    ``target``, byte for byte (every shard's size and SHA-256 checked); returns ``target``,
+    written whole or not at all.
+
+    Raises:
+        FileNotFoundError: no ``index.json`` in ``folder``.
+        UsageError: the index is not one :func:`pack_state` wrote, or a shard is missing,
+            of another size or damaged (the message names it).
+    """
+    folder = Path(folder)
+    index = _read_json(folder / INDEX, STATE_FORMAT, "scripts/chunk_state.py pack")
+    parts = []
+    for shard in index["shards"]:
+        path = folder / shard["name"]
+        if not path.is_file():
+            raise UsageError(f"{path} is missing: {INDEX} lists {len(index['shards'])} shards. "
+                             "Copy every file of the packed state into the folder.")
+        data = path.read_bytes()
+        if len(data) != shard["size"] or _sha256(data) != shard["sha256"]:
+            raise UsageError(f"{path} is damaged: {len(data):,} bytes with another SHA-256 "
+                             f"than the {shard['size']:,} bytes {INDEX} records. Copy it again.")
+        parts.append(data)
+    return write_atomic(target, b"".join(parts))
+
+
+# ---------------------------------------------------------------------- the compact handoff
+def write_handoff(checkpoint: str | Path, folder: str | Path) -> list[Path]:
+    """Write the compact handoff of the Lightning checkpoint ``checkpoint`` into ``folder``
+    (replaced whole): ``weights.safetensors`` (the module's floating-point tensors in
+    bfloat16, the others as they are) and ``handoff.json`` (module docstring); returns both.
+
+    Raises:
+        UsageError: ``checkpoint`` is not a Lightning checkpoint with optimizer states, or one
+            of the entries kept holds something other than plain values (JSON).
+    """
+    checkpoint = Path(checkpoint)
+    old = _check_folder(Path(folder), HANDOFF)
+    state = read_checkpoint(checkpoint)
+    if not state.get("optimizer_states"):
+        raise UsageError(f"{checkpoint} holds no optimizer state (a weights-only checkpoint): "
+                         "hand over a checkpoint of LastCheckpoint (<run>/checkpoints/last.ckpt).")
+    weights = {name: _compact(tensor) for name, tensor in state[STATE_DICT].items()}
+    handoff = {
+        "format": HANDOFF_FORMAT, "version": 1,
+        "dtypes": {name: str(tensor.dtype).removeprefix("torch.")
+                   for name, tensor in state[STATE_DICT].items()},
+        "param_groups": [optimizer["param_groups"] for optimizer in state["optimizer_states"]],
+        "callbacks": {key: value for key, value in (state.get("callbacks") or {}).items()
+                      if not _file_bound(value)},
+        "checkpoint": {key: state[key] for key in HANDOFF_ENTRIES if key in state},
+    }
+    text = _to_json(handoff, checkpoint)
+    with replace_folder(folder, owned=old) as temp:
+        (temp / WEIGHTS).write_bytes(save(weights, metadata={"format": "pt",
+                                                             "library": "longnet"}))
+        (temp / HANDOFF).write_text(text)
+    return [Path(folder) / WEIGHTS, Path(folder) / HANDOFF]
+
+
+def handoff_checkpoint(folder: str | Path, target: str | Path) -> Path:
+    """Write at ``target`` a Lightning checkpoint made from the compact handoff in ``folder``
+    (:func:`write_handoff`): the weights widened back to their dtypes, the recorded step, data
+    position, schedule, run id and callback states, and each optimizer's hyper-parameters
+    with no moments (AdamW starts them afresh; :class:`Rewarmup` ramps the learning rate).
+    ``longnet fit --ckpt_path`` resumes from it; returns ``target``.
+
+    Raises:
+        FileNotFoundError: no ``handoff.json`` or ``weights.safetensors`` in ``folder``.
+        UsageError: ``handoff.json`` is not one :func:`write_handoff` wrote, or the weights
+            do not match its tensor list.
+    """
+    folder = Path(folder)
+    handoff = _read_json(folder / HANDOFF, HANDOFF_FORMAT, "scripts/chunk_state.py handoff")
+    tensors = read_safetensors(folder / WEIGHTS)
+    dtypes = handoff["dtypes"]
+    if set(tensors) != set(dtypes):
+        missing, extra = sorted(set(dtypes) - set(tensors)), sorted(set(tensors) - set(dtypes))
+        raise UsageError(f"{folder / WEIGHTS} does not hold the tensors {HANDOFF} lists "
+                         f"(missing: {missing[:3]}, unknown: {extra[:3]}): the two files come "
+                         "from different handoffs.")
+    checkpoint = {
+        **handoff["checkpoint"],
+        STATE_DICT: {name: tensor.to(_dtype(dtypes[name], folder / HANDOFF))
+                     for name, tensor in tensors.items()},
+        "optimizer_states": [{"state": {}, "param_groups": groups}
+                             for groups in handoff["param_groups"]],
+        "callbacks": handoff["callbacks"],
+    }
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    return write_atomic(target, buffer.getvalue())
+
+
+def restore_newest(target: str | Path, state: str | Path | None = None,
+                   handoff: str | Path | None = None) -> tuple[str, int] | None:
+    """Make the checkpoint file ``target`` the newest handover present: ``target`` itself (a
+    chunk's own ``last.ckpt``), the full state packed in ``state`` (unpacked) or the compact
+    handoff in ``handoff`` (made a checkpoint); the highest step wins, at equal steps in that
+    order (the exact ones first). Returns which (``"checkpoint"``, ``"state"`` or
+    ``"handoff"``) and its step; None when there is none of them (a new run).
+
+    Raises:
+        UsageError, FileNotFoundError: as :func:`unpack_state` and :func:`handoff_checkpoint`,
+            or a ``target`` that is not a checkpoint.
+    """
+    target = Path(target)
+    found = []
+    if target.is_file():
+        step = read_checkpoint(target, tensors=False).get("global_step")
+        found.append((step or 0, 2, "checkpoint", target))
+    if state is not None and (Path(state) / INDEX).is_file():
+        index = _read_json(Path(state) / INDEX, STATE_FORMAT, "scripts/chunk_state.py pack")
+        found.append((index["global_step"] or 0, 1, "state", Path(state)))
+    if handoff is not None and (Path(handoff) / HANDOFF).is_file():
+        recorded = _read_json(Path(handoff) / HANDOFF, HANDOFF_FORMAT,
+                              "scripts/chunk_state.py handoff")
+        found.append((recorded["checkpoint"]["global_step"] or 0, 0, "handoff", Path(handoff)))
+    if not found:
+        return None
+    step, _, kind, source = max(found)
+    if kind == "state":
+        unpack_state(source, target)
+    elif kind == "handoff":
+        handoff_checkpoint(source, target)
+    return kind, step
+
+
+class Rewarmup(L.Callback):
+    """Ramp the learning rate back up after a resume with fresh optimizer moments.
+
+    A fit that starts at step ``S > 0`` with optimizers that hold no state (a checkpoint of
+    :func:`handoff_checkpoint`: the weights and the schedule's position, no AdamW moments)
+    would take its first steps at the scheduled rate with moments built from one gradient,
+    a large update. For the ``steps`` optimizer steps from ``S`` this callback multiplies
+    the rate its schedulers give by ``(k + 1) / (steps + 1)`` at step ``S + k``, as the
+    module's own warmup does from step 0. Any other start (step 0, a full checkpoint) is left
+    alone. ``S`` is kept in checkpoints, so a run stopped during the ramp resumes it exactly.
+
+    Args:
+        steps: optimizer steps of the ramp; 0 turns it off.
+    """
+
+    def __init__(self, steps: int = 100) -> None:
+        self.steps = check_non_negative_int("steps", steps)
+        self.start: int | None = None
+
+    def factor(self, step: int) -> float:
+        """The multiplier of the scheduled learning rate at optimizer step ``step``."""
+        if self.start is None or not self.start <= step < self.start + self.steps:
+            return 1.0
+        return (step - self.start + 1) / (self.steps + 1)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_step > 0 and not any(opt.state for opt in trainer.optimizers):
+            self.start = trainer.global_step
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                             batch: Any, batch_idx: int) -> None:
+        factor = self.factor(trainer.global_step)
+        if factor == 1.0:
+            return
+        # from the scheduler's rate, which its next step recomputes: nothing accumulates
+        for config in trainer.lr_scheduler_configs:
+            scheduler = config.scheduler
+            for group, rate in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+                group["lr"] = rate * factor
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"start": self.start}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.start = state_dict.get("start")
+
+
+# ---------------------------------------------------------------------- helpers
+def _check_folder(folder: Path, marker: str) -> set[str]:
+    """Refuse a ``folder`` that is a file or that holds files and no ``marker`` (another
+    writer's folder; an earlier pack or handoff is replaced); returns its file names."""
+    if os.path.lexists(folder) and not folder.is_dir():
+        raise UsageError(f"{folder} is a file, not a folder; give a folder path.")
+    names = set(os.listdir(folder)) if folder.is_dir() else set()
+    if names and marker not in names:
+        raise UsageError(f"{folder} holds other files ({', '.join(sorted(names)[:4])}); give "
+                         f"an empty or new folder, or one with an earlier {marker}.")
+    return names
+
+
+def _dtype(name: Any, source: Path) -> torch.dtype:
+    """The torch dtype called ``name`` (``"float32"``), as ``handoff.json`` records them."""
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise UsageError(f"{source} names {name!r} as a tensor's dtype, which is not a torch "
+                         "dtype (e.g. float32); the file is damaged.")
+    return dtype
+
+
+def _compact(tensor: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 copy of a floating-point tensor, a copy of any other (safetensors refuses
+    tensors that share memory, as tied embeddings do)."""
+    dtype = torch.bfloat16 if tensor.is_floating_point() else tensor.dtype
+    return tensor.detach().to(dtype, copy=True).contiguous()
+
+
+def _file_bound(state: Any) -> bool:
+    """Whether a callback state is a ``ModelCheckpoint``'s (it names files of the machine that
+    wrote it; the next chunk's run folder starts its own)."""
+    return isinstance(state, Mapping) and "best_k_models" in state
+
+
+def _to_json(value: Any, source: Path) -> str:
+    def refuse(item: Any) -> Any:
+        raise UsageError(f"{source}: cannot write {type(item).__name__} {item!r:.80} into "
+                         f"{HANDOFF}: the entries kept must be plain values (numbers, text, "
+                         "lists, mappings).")
+
+    return json.dumps(value, indent=1, default=refuse) + "\n"
+
+
+def _read_json(path: Path, kind: str, writer: str) -> dict[str, Any]:
+    """The JSON file ``path``, checked to be a ``kind`` document."""
+    if not path.is_file():
+        raise FileNotFoundError(f"no {path.name} in {path.parent}: not a folder written by "
+                                f"{writer}.")
+    try:
+        data = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UsageError(f"{path} is not valid JSON ({err}); copy it again.") from None
+    if not isinstance(data, dict) or data.get("format") != kind:
+        raise UsageError(f"{path} is not a {kind} file (written by {writer}).")
+    return data
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# One chunk of a long training run, on a machine that shares nothing with the previous chunk's
+# but the repository (docs/long_context_gpu.md):
+#
+#   bash scripts/train_chunk.sh CONFIG [longnet fit options...]
+#
+# 1. longnet must import: if it does not and $WHEELS (default .whl) holds wheels, they are
+#    installed offline into a temporary folder first;
+# 2. the newest state present becomes <run folder>/checkpoints/last.ckpt: that folder's own, the
+#    full state packed in $STATE (default runs/<name>-state) or the compact handoff in $HANDOFF
+#    (default chunks/<name>/handoff); none of them: a new run (chunk_state.py restore);
+# 3. chunks/<name>/metrics.csv, if present, is continued, and one chunk trains:
+#    longnet fit --config CONFIG --ckpt_path last (the config's max_time ends it);
+# 4. $OUT (default runs/<name>-out) gets at most 8 files: handoff/ (weights.safetensors,
+#    handoff.json), state/ (the full state: index.json and at most 3 shards of 16 MiB, left out
+#    when larger), metrics.csv and chunk.log (everything printed).
+# <run folder> is the config's trainer.logger save_dir/name, <name> its name. Exit status: the
+# fit's (0 also when max_time ended the chunk), 2 when nothing could be trained.
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT" || exit 2
+PY=${PYTHON:-python3}
+if [ $# -lt 1 ] || [ ! -f "$1" ]; then
+    echo "train_chunk.sh: give a config file first (e.g. configs/gpu/longnet_tiny_64k.yaml)," \
+         "got '${1:-}'." >&2
+    exit 2
+fi
+CONFIG=$1
+shift
+
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+WHEELS=${WHEELS:-.whl}
+if ! "$PY" -c "import longnet.cli" 2>/dev/null && compgen -G "$WHEELS/*.whl" >/dev/null; then
+    SITE=$(mktemp -d)
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/*.whl \
+        || exit 2
+    export PYTHONPATH="$SITE:$PYTHONPATH"
+fi
+if ! "$PY" -c "import longnet.cli"; then
+    echo "train_chunk.sh: longnet does not import with $PY (above: the missing package); put" \
+         "the wheels of what is missing in $WHEELS (docs/long_context_gpu.md)." >&2
+    exit 2
+fi
+
+RUN_NAME=$("$PY" - "$CONFIG" <<'EOF'
+import sys
+import yaml
+logger = ((yaml.safe_load(open(sys.argv[1])) or {}).get("trainer") or {}).get("logger") or {}
+args = logger.get("init_args") or {} if isinstance(logger, dict) else {}
+if not args.get("name"):
+    sys.exit(f"train_chunk.sh: {sys.argv[1]} names no run folder "
+             "(trainer.logger: longnet.training.RunLogger with save_dir and name).")
+print(f"{args.get('save_dir', 'runs')}/{args['name']}", args["name"])
+EOF
+) || exit 2
+read -r RUN NAME <<<"$RUN_NAME"
+OUT=${OUT:-runs/$NAME-out}
+STATE=${STATE:-runs/$NAME-state}
+HANDOFF=${HANDOFF:-chunks/$NAME/handoff}
+CKPT=$RUN/checkpoints/last.ckpt
+mkdir -p "$OUT" "$RUN" || exit 2
+exec > >(tee "$OUT/chunk.log") 2>&1
+
+echo "train_chunk.sh: $CONFIG, run folder $RUN, state from $STATE or $HANDOFF, output $OUT"
+"$PY" scripts/chunk_state.py restore "$CKPT" --state "$STATE" --handoff "$HANDOFF" || exit 2
+if [ -f "chunks/$NAME/metrics.csv" ] && [ ! -f "$RUN/metrics.csv" ]; then
+    cp "chunks/$NAME/metrics.csv" "$RUN/metrics.csv"
+fi
+
+"$PY" -m longnet fit --config "$CONFIG" --ckpt_path last "$@"
+status=$?
+
+if [ -f "$CKPT" ]; then
+    "$PY" scripts/chunk_state.py handoff "$CKPT" "$OUT/handoff"
+    "$PY" scripts/chunk_state.py pack "$CKPT" "$OUT/state" --max-files 4 \
+        || echo "train_chunk.sh: the full state is left out; the compact handoff carries the run on."
+fi
+[ -f "$RUN/metrics.csv" ] && cp "$RUN/metrics.csv" "$OUT/metrics.csv"
+echo "train_chunk.sh: fit exited $status. Keep $OUT/handoff/* in chunks/$NAME/handoff/ and" \
+     "$OUT/metrics.csv in chunks/$NAME/ (commit them), and $OUT/state/* in $STATE/ (carry it" \
+     "to the next chunk where it fits)."
+exit $status
