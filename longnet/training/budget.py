@@ -17,7 +17,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from longnet.validation import UsageError, check_non_negative_int, check_positive_int
+from longnet.validation import UsageError, check_non_negative_int, check_positive_int, is_real
 
 
 class TimeBudget(L.Callback):
@@ -43,8 +43,8 @@ class TimeBudget(L.Callback):
 
     def __init__(self, training_minutes: float, skip_steps: int = 40,
                  measure_steps: int = 60) -> None:
-        if isinstance(training_minutes, bool) or not isinstance(training_minutes, int | float) \
-                or not math.isfinite(training_minutes) or training_minutes <= 0:
+        if not is_real(training_minutes) or not math.isfinite(training_minutes) \
+                or training_minutes <= 0:
             raise UsageError(
                 f"TimeBudget(training_minutes=...) must be a positive number of minutes, got "
                 f"{training_minutes!r}.")
