@@ -44,8 +44,8 @@ from longnet.eval.cli import (
     positive_int_argument,
     run_cli,
 )
+from longnet.memory.state import model_config
 from longnet.modeling import LongNetConfig
-from longnet.planning.state import model_config
 
 SECTION = "## Training step"
 PREFIX = "bench_training"

@@ -12,7 +12,7 @@ Prints the padded length (``longnet.attention.padded_length``: the smallest leng
 can run the pattern on; ``--no-pad`` refuses lengths that need padding, with the library's
 error), the branches (local or spanning ranks), and per device, per layer and for the model:
 saved activations, gradient buffers, transient buffers, the peak, and bytes sent per step. All
-numbers come from ``longnet.planning`` (formulas derived from the implementation) and
+numbers come from ``longnet.memory`` (formulas derived from the implementation) and
 cover the attention core only: no projections, MLP, embeddings, parameters or optimizer state.
 
 ``--model`` (a zoo name, a model folder or a ``config.json`` path; ``--set FIELD=VALUE`` replaces
@@ -21,7 +21,7 @@ config fields, values in JSON) takes layers, heads, head size and, unless ``--pa
 parameters, gradients, DDP's gradient buckets, AdamW's moments, FSDP's gathered block, the
 attention activations above, and their total, for ``SequenceParallelStrategy`` (DDP) and
 ``ShardedSequenceParallelStrategy`` (FSDP2 over all ``--world-size`` ranks), from
-``longnet.planning.state`` (parameter shapes from a ``meta``-device build of the model;
+``longnet.memory.state`` (parameter shapes from a ``meta``-device build of the model;
 element sizes from ``--precision``).
 
 Patterns: ``longnet-base-like`` (the paper's base branches ``w = 2048..32768``, ``r = 1, 2, 4,
@@ -46,15 +46,14 @@ from longnet.eval.cli import (
     path_argument,
     positive_int_argument,
 )
-from longnet.modeling import LongNetConfig
-from longnet.planning import (
+from longnet.memory import (
     AttentionSetup,
     MemoryPlan,
     RankMemory,
     format_bytes,
     plan_memory,
 )
-from longnet.planning.state import (
+from longnet.memory.state import (
     LAYOUTS,
     PRECISIONS,
     ParameterShapes,
@@ -63,6 +62,7 @@ from longnet.planning.state import (
     model_config,
     state_memory,
 )
+from longnet.modeling import LongNetConfig
 from longnet.validation import UsageError
 
 DTYPES = {

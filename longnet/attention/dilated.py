@@ -1,6 +1,9 @@
 """Exact LongNet dilated attention on one device or across ranks (docs/architecture.md §2-4).
 
-Forward: the call's :class:`~longnet.attention.plan.AttentionPlan` is built once; every
+One device: the custom op ``longnet::dilated_attention`` (``op``), which ``torch.compile``
+traces; across ranks: the autograd function below. Both run the executors of ``execute``.
+
+Forward: the call's :class:`~longnet.attention.plan.AttentionPlan` (cached per signature); every
 branch's selected rows are gathered into dense blocks, one kernel call per chunk returns
 ``(out, lse)``, and each block is merged into a running result by log-sum-exp: one softmax
 over the multiset union of all branches' keys (``local``). Branches whose segments span ranks
@@ -14,6 +17,7 @@ Only ``q, k, v, out, lse`` are saved.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -21,50 +25,37 @@ import torch.distributed as dist
 from einops import rearrange
 from torch import Tensor
 
-from longnet.attention.document_ring import global_documents
-from longnet.attention.documents import document_lengths
+from longnet.attention.documents import PackedDocuments, document_lengths, global_documents
+from longnet.attention.execute import attend, attend_backward
 from longnet.attention.kernels import kernel_names
-from longnet.attention.local import attend_local, attend_local_backward
+from longnet.attention.op import dilated_attention_op, flat_documents
 from longnet.attention.pattern import DilatedPattern
 from longnet.attention.plan import AttentionPlan, default_block_elements, plan_attention
-from longnet.attention.ring import run_backward_, run_forward_
 from longnet.attention.transport import agree_on_call, transports_per_branch
-from longnet.distributed.shards import check_layout
+from longnet.distributed.sequence_parallel import SequenceParallel, check_process_group
 from longnet.validation import check_bool, check_positive_float, is_int
 
 
 class _DilatedAttention(torch.autograd.Function):
+    """The sequence-parallel call (one device runs ``op.dilated_attention_op``): the shared
+    executors of ``execute`` with the group's exchanges."""
+
     @staticmethod
-    def forward(ctx, q, k, v, plan: AttentionPlan):
-        out, lse = attend_local(q, k, v, plan)
-        for pieces in plan.pieces:
-            run_forward_(pieces, out, lse, q, k, v, plan)
-        # a NaN query gives a NaN row, as in dense attention (ATen's CPU flash kernel returns
-        # such a row as empty: out 0, lse 0); a row sum is NaN when the row holds one, and
-        # costs an lse-sized temporary where isnan() would hold a bool per element of q
-        nan_queries = q.sum(-1, keepdim=True).isnan()
-        out.masked_fill_(nan_queries, float("nan"))
-        lse.masked_fill_(nan_queries, float("nan"))
-        out = out.to(q.dtype)
+    def forward(ctx, q, k, v, plan: AttentionPlan, group: dist.ProcessGroup):
+        out, lse = attend(q, k, v, plan, group)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan = plan
+        ctx.plan, ctx.group = plan, group
         ctx.set_materialize_grads(False)
         return out, rearrange(lse, "b n h 1 -> b h n").contiguous()
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
-        saved = ctx.saved_tensors
-        q, _, _, out, lse = saved
-        plan = ctx.plan
         if d_out is None:
-            d_out = torch.zeros_like(out)
+            d_out = torch.zeros_like(ctx.saved_tensors[3])
         if d_lse is not None:
-            d_lse = rearrange(d_lse, "b h n -> b n h 1").to(lse.dtype)
-        grads = attend_local_backward(d_out, *saved, d_lse, plan)
-        for pieces in plan.pieces:
-            run_backward_(pieces, grads, d_out, d_lse, saved, plan)
-        d_q, d_k, d_v = (grad.to(q.dtype) for grad in grads)
-        return d_q, d_k, d_v, None
+            d_lse = rearrange(d_lse, "b h n -> b n h 1")
+        grads = attend_backward(d_out, d_lse, ctx.saved_tensors, ctx.plan, ctx.group)
+        return *grads, None, None
 
 
 def dilated_attention(
@@ -75,14 +66,13 @@ def dilated_attention(
     *,
     causal: bool = False,
     scale: float | None = None,
-    process_group: dist.ProcessGroup | None = None,
+    sequence_parallel: SequenceParallel | None = None,
+    document_ids: Tensor | PackedDocuments | None = None,
     return_lse: bool = False,
-    transport: str | Sequence[str] = "ring",
-    check_finite: bool = False,
     kernel: str = "auto",
     block_elements: int | None = None,
-    document_ids: Tensor | None = None,
-    layout: str = "contiguous",
+    check_finite: bool = False,
+    **deprecated: object,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """LongNet dilated attention, exact in forward and backward.
 
@@ -91,47 +81,48 @@ def dilated_attention(
         pattern: a :class:`DilatedPattern` or ``[(segment_length, dilation_rate), ...]``.
         causal: queries see only keys at positions ``<=`` their own.
         scale: score scale, default ``head_dim ** -0.5``.
-        process_group: sequence-parallel process group of ``P`` ranks. ``q, k, v`` are then
-            this rank's contiguous shard (group-rank order, equal lengths ``L = N / P``) and the
-            result is this rank's shard of the single-device result. Every segment length
-            (capped at ``N``) must divide ``L`` or be a multiple of it (see ``padded_length``).
-        layout: how the sequence is sharded over the ranks of ``process_group``:
-            ``"contiguous"`` (rank ``r`` holds tokens ``r L .. (r + 1) L - 1``) or ``"zigzag"``
-            (``2P`` chunks of ``C = N / 2P`` tokens; rank ``r`` holds chunks ``r`` and
-            ``2P - 1 - r``, concatenated, so that causal work is balanced across ranks; every
-            segment length must divide ``C`` or be a multiple of it, and branches spanning
-            chunks use the ``ring`` transport).
+        sequence_parallel: how the sequence is split over a process group
+            (:class:`~longnet.distributed.sequence_parallel.SequenceParallel`: group, layout,
+            transport), or None on one device. ``q, k, v`` are then this rank's shard of
+            ``L = N / P`` tokens (group-rank order; the ``contiguous`` or ``zigzag`` layout)
+            and the result is this rank's shard of the single-device result. Every segment
+            length (capped at ``N``) must divide ``L`` (zigzag: the chunk ``N / 2P``) or be a
+            multiple of it (see ``padded_length``). A group of one rank runs as one device.
+        document_ids: ``(batch, seq)`` integer ids, non-decreasing along the sequence, for
+            packed documents: each run of equal ids is a document, attended exactly as if it
+            were called alone (its segments start at its first token, no key from another
+            document; docs/architecture.md §2, "Packed documents"). Batch elements may hold
+            different documents. Costs one transfer of the ids to the host. With
+            ``sequence_parallel``: this rank's shard of the ids (contiguous layout); documents
+            may span ranks, and the ranks agree on them with one all-gather of the ids
+            (docs/architecture.md §4, "Packed documents across ranks"). Or the ids resolved
+            once for many calls (:func:`~longnet.attention.documents.resolve_documents`, as
+            ``LongNetModel`` does per forward): no transfer, no all-gather.
         return_lse: also return the log-sum-exp of the scores.
-        transport: how branches spanning several ranks move K/V: ``"ring"`` or ``"allgather"``,
-            one for all branches or one per branch.
         check_finite: raise ``ValueError`` if ``q``, ``k`` or ``v`` holds a NaN or an infinity
-            (one reduction per tensor; on CUDA it waits for the device). Without it a NaN gives
-            NaN in the rows it reaches, as in dense attention: a NaN query its own row, a NaN
-            key the rows that attend to it; a NaN value may reach every row of its block, as
-            the fused kernels multiply it by zero weights too.
+            (one reduction per tensor; on CUDA it waits for the device; under
+            ``torch.compile`` a ``RuntimeError`` from an assertion in the graph). Without it a
+            NaN gives NaN in the rows it reaches, as in dense attention: a NaN query its own
+            row, a NaN key the rows that attend to it; a NaN value may reach every row of its
+            block, as the fused kernels multiply it by zero weights too.
         kernel: the block kernel, ``"auto"`` (the first of ``kernels.KERNELS`` that runs the
             call: FlashAttention on CUDA sm80+ for fp16/bf16, memory-efficient on CUDA
             otherwise, ATen's flash kernel on the CPU, math for the rest) or one of those names.
         block_elements: the most elements of one gathered block tensor (bounds the working
             memory); default from the device (``plan.default_block_elements``).
-        document_ids: ``(batch, seq)`` integer ids, non-decreasing along the sequence, for
-            packed documents: each run of equal ids is a document, attended exactly as if it
-            were called alone (its segments start at its first token, no key from another
-            document; docs/architecture.md §2, "Packed documents"). Batch elements may hold
-            different documents. Costs one transfer of the ids to the host. With a
-            ``process_group``: this rank's shard of the ids (contiguous layout); documents may
-            span ranks, and the ranks agree on them with one all-gather of the ids
-            (docs/architecture.md §4, "Packed documents across ranks").
+        **deprecated: ``process_group=G`` (and the older ``group=G``), ``layout=`` and
+            ``transport=``: accepted for one release with a ``FutureWarning``; pass
+            ``sequence_parallel=SequenceParallel(G, layout=..., transport=...)``.
     Returns:
         ``out`` ``(batch, seq, heads, head_dim)`` in the input dtype, and with ``return_lse``
         ``lse`` ``(batch, heads, seq)`` in float32 (float64 for float64 inputs). Queries that no
         branch covers get ``out = 0`` and ``lse = -inf``.
     """
+    sequence_parallel = _sequence_parallel(sequence_parallel, deprecated)
     _check_inputs(q, k, v, scale)
     for name, flag in (("causal", causal), ("return_lse", return_lse),
                        ("check_finite", check_finite)):
         check_bool(f"dilated_attention: {name}", flag)
-    check_process_group("dilated_attention: process_group", process_group)
     if kernel != "auto" and kernel not in kernel_names():
         raise ValueError(
             f"dilated_attention: kernel must be 'auto' or one of {kernel_names()}, got {kernel!r}."
@@ -141,40 +132,119 @@ def dilated_attention(
             f"dilated_attention: block_elements must be a positive integer or None (the "
             f"device's default), got {block_elements!r}."
         )
-    check_layout(layout, "dilated_attention")
     if check_finite:
         _check_finite(q, k, v)
-    grouped = process_group is not None and dist.get_world_size(process_group) > 1
-    documents = None
-    if document_ids is not None and not grouped:
-        documents = document_lengths(document_ids, q.shape, q.device)
+    if sequence_parallel is None:
+        layout, transport, world_size = "contiguous", "ring", 1
+    else:
+        layout, transport = sequence_parallel.layout, sequence_parallel.transport
+        world_size = sequence_parallel.world_size
+    grouped = world_size > 1  # a group of one rank runs as one device
     if document_ids is not None and grouped and layout != "contiguous":
         raise ValueError(
-            "dilated_attention: document_ids with a process_group run on contiguous shards "
-            f"only (not layout={layout!r} yet); pass layout='contiguous'."
+            "dilated_attention: document_ids with sequence_parallel run on contiguous shards "
+            f"only (not layout={layout!r} yet); pass SequenceParallel(group, "
+            "layout='contiguous')."
         )
     pattern = DilatedPattern.coerce(pattern)
     scale = float(scale) if scale is not None else q.shape[-1] ** -0.5
     transports = transports_per_branch(transport, len(pattern.branches))
-    budget = default_block_elements(q.device) if block_elements is None else int(block_elements)
-    if grouped:
-        budget = agree_on_call(
-            f"shape={tuple(q.shape)} dtype={q.dtype} pattern={pattern.branches} causal={causal} "
-            f"scale={scale} transport={transports} kernel={kernel} layout={layout} "
-            f"documents={document_ids is not None}",
-            budget,
-            process_group,
-            q.device,
+    if not grouped:
+        documents = None
+        if isinstance(document_ids, PackedDocuments):
+            documents = document_ids.lengths_for(q.shape, 1)
+        elif document_ids is not None:
+            documents = document_lengths(document_ids, q.shape, q.device)
+        out, lse = dilated_attention_op(
+            q, k, v, list(pattern.segment_lengths), list(pattern.dilation_rates), causal, scale,
+            kernel, None if block_elements is None else int(block_elements),
+            *flat_documents(documents),
         )
-        if document_ids is not None:
-            documents = global_documents(document_ids, q.shape, q.device, process_group)
-    plan = plan_attention(
-        pattern, q.shape, q.dtype, q.device, causal=causal, scale=scale,
-        process_group=process_group, transports=transports, kernel=kernel, block_elements=budget,
-        documents=documents, layout=layout,
+        return (out, lse) if return_lse else out
+    process_group = sequence_parallel.process_group
+    budget = default_block_elements(q.device) if block_elements is None else int(block_elements)
+    budget = agree_on_call(
+        f"shape={tuple(q.shape)} dtype={q.dtype} pattern={pattern.branches} causal={causal} "
+        f"scale={scale} transport={transports} kernel={kernel} layout={layout} "
+        f"documents={document_ids is not None}",
+        budget,
+        process_group,
+        q.device,
     )
-    out, lse = _DilatedAttention.apply(q, k, v, plan)
+    documents = None
+    if isinstance(document_ids, PackedDocuments):
+        documents = document_ids.lengths_for(q.shape, world_size)
+    elif document_ids is not None:
+        documents = global_documents(document_ids, q.shape, q.device, process_group)
+    plan = plan_attention(
+        pattern, tuple(q.shape), q.dtype, q.device, causal=causal, scale=scale,
+        world_size=world_size, rank=sequence_parallel.rank, layout=layout,
+        transports=transports, kernel=kernel, block_elements=budget, documents=documents,
+    )
+    out, lse = _DilatedAttention.apply(q, k, v, plan, process_group)
     return (out, lse) if return_lse else out
+
+
+_DEPRECATED = ("process_group", "group", "layout", "transport")
+"""The keywords ``dilated_attention`` accepts for one more release (``**deprecated``)."""
+
+
+def _sequence_parallel(
+    sequence_parallel: SequenceParallel | None, deprecated: dict[str, object]
+) -> SequenceParallel | None:
+    """``sequence_parallel``, or the one the deprecated keywords ``process_group``/``group``,
+    ``layout`` and ``transport`` describe (with a ``FutureWarning`` naming the replacement).
+
+    Raises:
+        TypeError: an unknown keyword, or ``sequence_parallel`` of another type.
+        ValueError: ``layout``/``transport`` without a group, both ``group`` and
+            ``process_group``, or a deprecated keyword together with ``sequence_parallel``.
+    """
+    for name in deprecated:
+        if name not in _DEPRECATED:
+            raise TypeError(f"dilated_attention() got an unexpected keyword argument {name!r}")
+    if sequence_parallel is not None and not isinstance(sequence_parallel, SequenceParallel):
+        raise TypeError(
+            "dilated_attention: sequence_parallel must be a "
+            "longnet.distributed.SequenceParallel or None, got "
+            f"{type(sequence_parallel).__name__} {sequence_parallel!r}; wrap a process group "
+            "as SequenceParallel(group)."
+        )
+    if not deprecated:
+        return sequence_parallel
+    names = ", ".join(f"{name}=" for name in deprecated)
+    if sequence_parallel is not None:
+        raise ValueError(
+            f"dilated_attention: {names} goes with the deprecated process_group= only; with "
+            "sequence_parallel, set the group, layout and transport on the SequenceParallel."
+        )
+    group_names = [name for name in ("process_group", "group") if name in deprecated]
+    if len(group_names) == 2:
+        raise ValueError(
+            "dilated_attention: pass one of group= and process_group= (both deprecated: pass "
+            "sequence_parallel=SequenceParallel(group))."
+        )
+    group = deprecated[group_names[0]] if group_names else None
+    fields = {name: deprecated[name] for name in ("layout", "transport") if name in deprecated}
+    if group is None and fields:
+        raise ValueError(
+            f"dilated_attention: {', '.join(f'{name}=' for name in fields)} only applies to a "
+            "sequence split over a process group, and none was given; drop it on one device, "
+            "or pass sequence_parallel=SequenceParallel(group, layout=..., transport=...)."
+        )
+    replacement = ", ".join(["G", *(f"{name}={value!r}" for name, value in fields.items())])
+    warnings.warn(
+        f"dilated_attention: {names} is deprecated and will be removed in the next release; "
+        f"pass sequence_parallel=SequenceParallel({replacement}) "
+        "(longnet.distributed.sequence_parallel)"
+        + (" or nothing on one device" if group is None else "") + ".",
+        FutureWarning,
+        stacklevel=3,
+    )
+    if group is None:
+        return None
+    check_process_group(f"dilated_attention: {group_names[0]}", group)
+    return SequenceParallel(group, **fields)
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> None:
@@ -218,20 +288,14 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> None:
         check_positive_float("dilated_attention: scale", scale)
 
 
-def check_process_group(name: str, group: object) -> None:
-    """Raise ``TypeError`` unless ``group`` (the argument ``name``) is a
-    ``torch.distributed.ProcessGroup`` or None."""
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(
-            f"{name} must be a torch.distributed.ProcessGroup or None, got "
-            f"{type(group).__name__} {group!r}; "
-            "pass the group of the ranks sharing the sequence (torch.distributed.new_group, "
-            "or torch.distributed.group.WORLD), or None on one device."
-        )
-
-
 def _check_finite(q: Tensor, k: Tensor, v: Tensor) -> None:
+    """``check_finite``: a ``ValueError`` naming the tensor and the count; under
+    ``torch.compile`` the check runs in the graph (``_assert_async``, a ``RuntimeError``)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
+        if torch.compiler.is_compiling():
+            torch._assert_async(torch.isfinite(t).all(), f"dilated_attention: {name} holds NaN "
+                                "or infinite values; find where they come from before attention.")
+            continue
         bad = int((~torch.isfinite(t)).sum())
         if bad:
             raise ValueError(

@@ -1,28 +1,19 @@
-"""Packed documents: dilated attention inside each document of a batch (docs/architecture.md §2).
-
-``document_ids`` ``(batch, seq)`` mark runs of equal ids as documents. Each document is
-attended as if it were alone: its branches' segments start at its first token and no key of
-another document is seen. Per document, the block groups are ``branch_groups(length, ...)``
-moved to the document's start; documents of every batch element share the groups when every
-batch element holds the same document lengths, else each group covers one batch element
-(``BlockGroup.batch``). The groups of a branch that have one block shape (as many heads, as
-many rows: the full segments of every document, and tails of equal length) are stacked into
-one kernel call (``layout.BlockStack``), up to the block budget.
+"""Packed documents as ``dilated_attention`` takes them: ``document_ids`` ``(batch, seq)``
+mark runs of equal ids as documents (docs/architecture.md §2). This module checks the ids and
+turns them into document lengths (:data:`~longnet.attention.plan.Documents`), on one device or
+agreed across the ranks of a process group, per call or once for many calls
+(:class:`PackedDocuments`); the plan (``plan.packed``) lays the documents out.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from dataclasses import replace
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from longnet.attention.layout import BlockGroup, Blocks, BlockStack, branch_groups, group_batch
-from longnet.attention.pattern import DilatedPattern
-
-Documents = tuple[tuple[int, ...], ...]
-"""The document lengths of each batch element, in sequence order (each sums to ``seq``)."""
+from longnet.attention.plan import Documents
 
 
 def check_document_ids(
@@ -84,50 +75,70 @@ def run_lengths(ids: Tensor) -> Documents:
     )
 
 
-def document_branches(
-    pattern: DilatedPattern, documents: Documents, num_heads: int
-) -> list[list[BlockGroup]]:
-    """The block groups of every branch over the documents (see the module docstring)."""
-    shared = len(set(documents)) == 1
-    placed = [(None, documents[0])] if shared else list(enumerate(documents))
-    branches = []
-    for w, r in pattern.branches:
-        groups = []
-        for batch, lengths in placed:
-            start = 0
-            for length in lengths:
-                groups += [
-                    replace(group, start=start + group.start, batch=batch)
-                    for group in branch_groups(length, num_heads, w, r)
-                ]
-                start += length
-        branches.append(groups)
-    return branches
+def global_documents(document_ids: Tensor, shard_shape: tuple[int, ...], device: torch.device,
+                     process_group: dist.ProcessGroup) -> Documents:
+    """The document lengths of the whole sequence of every batch element, from this rank's
+    contiguous shard of ``document_ids`` ``(batch, shard)`` (checked against ``q`` of
+    ``shard_shape`` on ``device``): one all-gather of the ids on that device, one transfer to
+    the host (docs/architecture.md §4, "Packed documents across ranks")."""
+    batch, shard_len = shard_shape[0], shard_shape[1]
+    check_document_ids(document_ids, batch, shard_len, device)
+    ids = document_ids.long().contiguous()
+    parts = [torch.empty_like(ids) for _ in range(dist.get_world_size(process_group))]
+    dist.all_gather(parts, ids, group=process_group)
+    whole = torch.cat(parts, dim=1)
+    return run_lengths(check_document_ids(whole, batch, whole.shape[1], device))  # across shards
 
 
-def stacked_chunks(
-    groups: Sequence[BlockGroup], batch: int, head_dim: int, block_elements: int
-) -> Iterator[Blocks]:
-    """The groups of one branch as kernel calls: each group split into chunks of at most
-    ``block_elements`` elements (``BlockGroup.chunks``), the chunks of one block shape
-    stacked while the stack stays within the budget; a lone chunk is run as it is."""
-    by_shape: dict[tuple[int, int], list[BlockGroup]] = {}
-    for group in groups:
-        row_elements = group_batch(group, batch) * head_dim
-        for chunk in group.chunks(block_elements, row_elements):
-            by_shape.setdefault((len(chunk.heads), chunk.rows), []).append(chunk)
-    for (heads, rows), chunks in by_shape.items():
-        stack: list[BlockGroup] = []
-        elements = 0
-        for chunk in chunks:
-            size = group_batch(chunk, batch) * chunk.num_segments * heads * rows * head_dim
-            if stack and elements + size > block_elements:
-                yield _as_blocks(stack)
-                stack, elements = [], 0
-            stack.append(chunk)
-            elements += size
-        yield _as_blocks(stack)
+@dataclass(frozen=True, eq=False)
+class PackedDocuments:
+    """Packed documents resolved once for many attention calls (a model's layers).
+
+    ``ids``: ``(batch, seq)`` document ids on the device (this rank's shard under sequence
+    parallelism), for what the layers compute from them (positions in each document, the K/V
+    convolution's boundaries); ``lengths``: every batch element's document lengths over the
+    whole sequence (all ranks' shards), for the attention plan. Make it with
+    :func:`resolve_documents`.
+    """
+
+    ids: Tensor
+    lengths: Documents
+
+    def lengths_for(self, shape: torch.Size, world_size: int) -> Documents:
+        """``lengths``, checked against ``q`` of ``shape`` ``(batch, seq, heads, head_dim)``,
+        this rank's shard of ``world_size`` (without a transfer to the host).
+
+        Raises:
+            ValueError: the documents were resolved for another batch or sequence length.
+        """
+        batch, seq_len = shape[0], shape[1]
+        total = seq_len * world_size
+        if tuple(self.ids.shape) != (batch, seq_len) or len(self.lengths) != batch or any(
+            sum(row) != total for row in self.lengths
+        ):
+            raise ValueError(
+                f"dilated_attention: the PackedDocuments were resolved for ids of shape "
+                f"{tuple(self.ids.shape)} ({[sum(row) for row in self.lengths]} tokens per "
+                f"batch element), but q has (batch, seq) = ({batch}, {seq_len}) "
+                f"({total} tokens per batch element over {world_size} rank(s)); resolve the "
+                "document ids of this input with resolve_documents."
+            )
+        return self.lengths
 
 
-def _as_blocks(chunks: list[BlockGroup]) -> Blocks:
-    return chunks[0] if len(chunks) == 1 else BlockStack(tuple(chunks))
+def resolve_documents(
+    document_ids: Tensor, batch: int, seq_len: int, device: torch.device,
+    process_group: dist.ProcessGroup | None = None, caller: str = "dilated_attention",
+    of: str = "q",
+) -> PackedDocuments:
+    """``document_ids`` ``(batch, seq_len)`` on ``device`` (checked as
+    :func:`check_document_ids` does, messages naming ``caller`` and ``of``) with their document
+    lengths: one transfer of the ids to the host; with a ``process_group`` of several ranks,
+    the ids are this rank's contiguous shard and the ranks agree on the lengths of the whole
+    sequence with one all-gather (:func:`global_documents`)."""
+    if process_group is None or dist.get_world_size(process_group) == 1:
+        ids = check_document_ids(document_ids, batch, seq_len, device, caller, of)
+        return PackedDocuments(document_ids, run_lengths(ids))
+    return PackedDocuments(
+        document_ids, global_documents(document_ids, (batch, seq_len), device, process_group)
+    )

@@ -12,7 +12,7 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
-from longnet.attention.layout import gather, scatter_
+from longnet.attention.blocks import gather, scatter_
 from longnet.attention.merge import BackwardQueries, accumulators, merge_into_
 from longnet.attention.plan import AttentionPlan
 

@@ -12,8 +12,12 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from longnet.attention.blocks import Blocks, gather, scatter_
 from longnet.attention.kernels import BlockBackward, accumulation_dtype
-from longnet.attention.layout import Blocks, gather, scatter_
+
+MERGE_TEMPORARIES = 3
+"""lse-sized temporaries alive at once in :func:`lse_merge_` (the difference of the two lse,
+its NaN-free copy, the sigmoid weight); ``lerp_`` and ``logaddexp`` then write in place."""
 
 
 def lse_merge_(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> None:

@@ -1,11 +1,14 @@
-"""Who computes with whose K/V block in a segment group, and how the blocks get there.
+"""Who computes with whose K/V block in a segment group, and how the blocks get there: both
+transports, and the check that every rank made the same call.
 
-A branch whose segments span ranks runs on each segment group (the ranks holding one segment)
-as pieces (``ring.SpanningPiece``). :class:`Schedule` says which member computes with which
-member's block, hop by hop; it is the one schedule of the forward, the backward and the memory
-planner. :class:`Peers` moves the blocks among the members with batched point-to-point calls
-(``batch_isend_irecv``, peers mapped to global ranks so that subgroups work), and names the
-rank and the step when a peer fails (docs/architecture.md §4).
+A branch whose segments span ranks runs on each segment group (the members holding one
+segment) as pieces (``plan.SpanningPiece``). :class:`Schedule` says which member computes with
+which member's block, hop by hop; it is the one schedule of the forward, the backward and the
+memory models. The ``ring`` transport moves every block one member on per hop (:func:`shift`);
+the ``allgather`` transport gives every member every block at once and sends each dK/dV
+partial to its owner (:class:`Peers`). Both use batched point-to-point calls
+(``batch_isend_irecv``, peers mapped to global ranks so that subgroups work) and name the rank
+and the step when a peer fails (docs/architecture.md §4).
 """
 
 from __future__ import annotations
@@ -14,14 +17,14 @@ import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
+from weakref import WeakKeyDictionary
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-TRANSPORTS = ("ring", "allgather")
-"""``ring``: blocks rotate one member on per hop; ``allgather``: every member receives every
-block at once (LongNet's own scheme)."""
+from longnet.attention.plan import SpanningPiece
+from longnet.distributed.sequence_parallel import TRANSPORTS
 
 
 def transports_per_branch(transport: str | Sequence[str], num_branches: int) -> tuple[str, ...]:
@@ -85,7 +88,7 @@ class Schedule:
 
 class Peers:
     """Batched all-gather and reduce among the members of one segment group (the
-    ``allgather`` transport; ``ring.shift`` runs the ``ring`` transport's hops).
+    ``allgather`` transport; :func:`shift` runs the ``ring`` transport's hops).
 
     ``members``: the group ranks of the segment group in sequence order; ``index``: this rank's
     place among them; ``where``: how errors name this rank's step.
@@ -152,12 +155,73 @@ class Peers:
         return total
 
 
+def shift(process_group: dist.ProcessGroup, moves: Sequence[tuple[SpanningPiece, Tensor]],
+          hop: int, kind: int, label: str) -> Callable[[], list[Tensor]]:
+    """One hop of the ``ring`` transport: for every ``(member, tensor)`` of ``moves``, send the
+    tensor to the next member of its segment group and receive the previous member's; returns
+    a function that waits and gives the received tensors, in order. A message between two
+    members on this rank is handed over without a send. Messages are posted in one order on
+    both sides of every pair of ranks (by sender and receiver member) and tagged by receiver
+    and ``kind`` (0: K/V, 1: dK/dV), so that two on one link cannot be confused."""
+    me = dist.get_rank(process_group)
+    global_ranks = dist.get_process_group_ranks(process_group)
+    handed: dict[tuple[tuple[int, ...], int], Tensor] = {}
+    received: list[Tensor | None] = [None] * len(moves)
+    ops: list[tuple[tuple[int, int], dist.P2POp]] = []
+    for i, (piece, tensor) in enumerate(moves):
+        size, index = len(piece.members), piece.index
+        if size == 1:
+            received[i] = tensor
+            continue
+        after, before = (index + 1) % size, (index - 1) % size
+        if piece.hosts[after] == me:
+            handed[piece.members, after] = tensor
+        else:
+            tag = kind + 2 * piece.members[after]
+            peer = global_ranks[piece.hosts[after]]
+            op = dist.P2POp(dist.isend, tensor.contiguous(), peer, process_group, tag)
+            ops.append(((piece.members[index], piece.members[after]), op))
+        if piece.hosts[before] != me:
+            received[i] = torch.empty_like(tensor)
+            tag = kind + 2 * piece.members[index]
+            peer = global_ranks[piece.hosts[before]]
+            op = dist.P2POp(dist.irecv, received[i], peer, process_group, tag)
+            ops.append(((piece.members[before], piece.members[index]), op))
+    for i, (piece, _) in enumerate(moves):
+        if received[i] is None:
+            received[i] = handed[piece.members, piece.index]
+    ops.sort(key=lambda entry: entry[0])
+    where = f"rank {dist.get_rank()} ({label}) at hop {hop}"
+    wait = Peers.post([op for _, op in ops], where)
+    return lambda: (wait(), received)[1]
+
+
+_AGREED: WeakKeyDictionary[dist.ProcessGroup, dict[tuple[str, int], int]] = WeakKeyDictionary()
+"""The calls each process group agreed on: ``(signature, block budget) -> agreed budget``."""
+
+
 def agree_on_call(
     signature: str, block_elements: int, process_group: dist.ProcessGroup, device: torch.device
 ) -> int:
     """Raise on every rank if any rank of ``process_group`` called with a different
     ``signature``; return the smallest ``block_elements`` of the group (every member of a
-    segment group must cut a branch into the same pieces, whatever its free memory)."""
+    segment group must cut a branch into the same pieces).
+
+    One all-reduce and one host sync the first time a group meets a signature; the answer is
+    kept for the group's lifetime, so later calls with that signature cost nothing (a rank
+    that later calls with a signature the others do not share is then caught by the exchange
+    itself, not here)."""
+    agreed = _AGREED.setdefault(process_group, {})
+    key = (signature, block_elements)
+    if key not in agreed:
+        agreed[key] = _all_agree(signature, block_elements, process_group, device)
+    return agreed[key]
+
+
+def _all_agree(
+    signature: str, block_elements: int, process_group: dist.ProcessGroup, device: torch.device
+) -> int:
+    """The all-reduce of :func:`agree_on_call`."""
     code = zlib.crc32(signature.encode())
     values = torch.tensor([code, -code, -block_elements], dtype=torch.int64, device=device)
     dist.all_reduce(values, op=dist.ReduceOp.MAX, group=process_group)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from longnet.attention import DilatedPattern
 from longnet.denormals import denormals_kept
+from longnet.distributed.sequence_parallel import SequenceParallel, parallelize
 from longnet.modeling import LongNetLM
 from longnet.modeling.zoo import ZOO
 from longnet.training.sharding import shard_batch
@@ -61,11 +62,11 @@ def step_worker(
     pattern = DilatedPattern(config.segment_lengths, config.dilation_rates)
     shard = {key: value.to(device) for key, value in
              shard_batch(batch, rank, world_size, pattern=pattern, layout=layout).items()}
-    group = dist.group.WORLD
+    parallelize(model, SequenceParallel(dist.group.WORLD, layout))
 
     def step() -> None:
-        out = model(shard["input_ids"], labels=shard["labels"],
-                    position_ids=shard["position_ids"], group=group, layout=layout)
+        out = model(shard["input_ids"], targets=shard["labels"],
+                    position_ids=shard["position_ids"])
         (out.loss_sum / seq_len).backward()
         for parameter in model.parameters():
             dist.all_reduce(parameter.grad)

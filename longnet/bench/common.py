@@ -176,20 +176,24 @@ def commit_version(root: Path) -> str:
 
 
 def attention_digest() -> str:
-    """sha256 (12 hex digits) of the ``longnet/attention`` sources this process imported."""
+    """sha256 (12 hex digits) of the ``longnet/attention`` sources (subpackages included) this
+    process imported."""
     digest = hashlib.sha256()
-    for path in sorted(ATTENTION_DIR.glob("*.py")):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    sources = {path.relative_to(ATTENTION_DIR).as_posix(): path
+               for path in ATTENTION_DIR.rglob("*.py")}
+    for name in sorted(sources):
+        digest.update(name.encode() + b"\0" + sources[name].read_bytes())
     return digest.hexdigest()[:12]
 
 
 def committed_attention_digest(root: Path) -> str:
     """The ``attention_digest`` of ``longnet/attention`` as committed at ``HEAD`` of ``root``."""
     try:
-        names = git(root, "ls-tree", "--name-only", "HEAD", "longnet/attention/").decode().split()
+        names = git(root, "ls-tree", "-r", "--name-only", "HEAD", "longnet/attention/")
         digest = hashlib.sha256()
-        for name in sorted(n for n in names if n.endswith(".py")):
-            digest.update(Path(name).name.encode() + b"\0" + git(root, "show", f"HEAD:{name}"))
+        for name in sorted(n for n in names.decode().split() if n.endswith(".py")):
+            relative = Path(name).relative_to("longnet/attention").as_posix()
+            digest.update(relative.encode() + b"\0" + git(root, "show", f"HEAD:{name}"))
     except (OSError, subprocess.CalledProcessError):
         return ""
     return digest.hexdigest()[:12]

@@ -25,7 +25,7 @@ starting with a warm-up call of the same system at ``256 * P`` tokens:
   ranks, median of ``--replay-rounds`` interleaved rounds: the kernels' cost for the ring's
   block shapes without P ranks competing for the machine's cores.
 
-The formula columns come from ``longnet.planning`` for the same setup.
+The formula columns come from ``longnet.memory`` for the same setup.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ from longnet.bench.common import (
 from longnet.bench.instrument import KernelClock, SendCounter, replay_seconds
 from longnet.bench.peers import ring_flash_attention
 from longnet.distributed import run_workers
-from longnet.planning import AttentionSetup, plan_memory
+from longnet.distributed.sequence_parallel import SequenceParallel
+from longnet.memory import AttentionSetup, plan_memory
 from longnet.training.rank_memory import reset_peak_rss, status_bytes
 
 SECTION = "## Sequence-parallel ring"
@@ -117,9 +118,8 @@ def global_inputs(case: Case) -> list[torch.Tensor]:
 def attention_call(case: Case, q, k, v, group, branches) -> torch.Tensor:
     """One forward call of ``case.system`` on local shards."""
     if case.system == "ours":
-        return dilated_attention(
-            q, k, v, branches, causal=case.causal, process_group=group, transport=case.transport
-        )
+        split = None if group is None else SequenceParallel(group, transport=case.transport)
+        return dilated_attention(q, k, v, branches, causal=case.causal, sequence_parallel=split)
     return ring_flash_attention(q, k, v, case.causal, case.bucket_size, ring=group is not None)
 
 

@@ -90,6 +90,7 @@ class TrainingStep:
         self.model = LongNetLM(config).to(self.device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.tokens = torch.randint(0, config.vocab_size, (batch, length), device=self.device)
+        self.targets = self.tokens.roll(-1, dims=1)  # next-token targets (the last wraps)
         self.precision = precision
 
     def _synchronize(self) -> None:
@@ -100,7 +101,7 @@ class TrainingStep:
         self._synchronize()
         started = time.perf_counter()
         with torch.autocast(self.device.type, torch.bfloat16, enabled=self.precision == "bf16"):
-            loss = self.model(self.tokens, labels=self.tokens).loss
+            loss = self.model(self.tokens, targets=self.targets).loss
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -1,51 +1,12 @@
-"""The ``longnet`` command: ``longnet fit|validate|test|predict --config configs/X.yaml``.
+"""The ``longnet`` command's :class:`LongNetCLI` and :class:`RunConfigSaver`.
 
-A :class:`~lightning.pytorch.cli.LightningCLI` over :class:`longnet.training.CausalLMModule`
-(or a subclass) and any ``LightningDataModule`` (``class_path``/``init_args`` in YAML), with:
-
-- ``--test_after_fit true``: after ``fit``, ``test`` the best checkpoint in the same process,
-  so one command trains, validates, tests and (with ``ExportPretrained``) exports;
-- after ``fit``, a list of what the run folder holds (model export, curves, metrics, ...);
-- the resolved config saved in the run folder (the logger's ``log_dir``) of every run:
-  ``config.yaml`` for ``fit`` (overwritten when a run is resumed), ``config-<stage>.yaml``
-  for the other subcommands;
-- ``predict`` on a datamodule without a predict split scores its test split (per-sample
-  summed cross-entropy, tokens and bits per byte), written by
-  ``longnet.training.PredictionsWriter`` (added when no prediction writer is configured) to
-  the files the command names;
-- ``validate``/``test``/``predict`` need trained weights: a ``--ckpt_path``, or a model given
-  as ``pretrained:`` (``model:`` and ``config:`` are fresh weights, refused);
-- no path taken as the current folder: an empty ``--ckpt_path``, ``default_root_dir``,
-  logger ``save_dir`` or callback ``dirpath`` is refused, as is a ``--trainer.default_root_dir``
-  on the command line that is not where the run goes (the logger's folder);
-- one run per run folder (``longnet.training.runs``): every subcommand checks that the run
-  folder (and every other output folder) can be written and holds ``<run folder>/run.lock``
-  while it works (a second command into the folder is refused, naming the live one), a new
-  ``fit`` refuses a folder holding another run's checkpoints or export, every metrics row and
-  checkpoint carries the run id, and ``--ckpt_path last`` is this folder's
-  ``checkpoints/last.ckpt`` (the command says which checkpoint and step it resumes; a
-  checkpoint of another folder starts a new run from it);
-- the model is the configured one: Lightning's CLI would replace it by the hyper-parameters
-  stored in a ``--ckpt_path`` file; here a checkpoint whose tensors have other shapes than the
-  configured model's is refused, naming both;
-- every expected failure (configuration errors, unusable data or checkpoint files, settings
-  Lightning or the strategy refuse, a run folder that cannot be written, a checkpoint of
-  another model shape, a diverged training) reported in a few lines on stderr, naming the
-  value and the fix, with exit status 2 and no traceback (``--verbose``, anywhere on the
-  command line, prints it; for a parser error, its whole message); unexpected errors keep
-  their traceback;
-- ``trainer.precision: auto``: bf16-mixed where the hardware multiplies bfloat16 natively,
-  else 32-true (``longnet.training.precision``; one log line says which and why);
-- SIGTERM / SIGINT: the run stops at the end of its step with ``last.ckpt``, one line says how
-  to resume, exit status 143 / 130 (``longnet.training.signals``); a run stopped by
-  ``max_time`` before ``max_steps`` says so, and what to do, after its summary;
-- progress in optimizer steps (``longnet.training.progress``): a tqdm bar on a terminal, plain
-  lines when stdout is a file or pipe; Lightning's advertisement tips are not shown;
-- subnormal floats flushed to zero on the CPU (``longnet.denormals``: a float32 step
-  of a trained model ran 2.5x faster; ``LONGNET_KEEP_DENORMALS=1`` keeps them).
-
-``longnet --help`` and ``longnet fit --help`` list everything; ``--print_config`` prints the
-resolved config.
+:class:`LongNetCLI` is a :class:`~lightning.pytorch.cli.LightningCLI` over
+:class:`longnet.training.CausalLMModule` (or a subclass) and any ``LightningDataModule``
+(``class_path``/``init_args`` in YAML); it adds ``--test_after_fit``, the checks of the run
+folder and the ``--ckpt_path`` before any work (:mod:`longnet.cli.runs`), the run lock and
+run id, the signal handling, the step progress and the list of what a run left.
+:class:`RunConfigSaver` writes the resolved config into the run folder. The user-facing list
+of these behaviours is docs/training.md, "The command".
 """
 
 from __future__ import annotations
@@ -143,7 +104,14 @@ class RunConfigSaver(SaveConfigCallback):
 
 
 class LongNetCLI(LightningCLI):
-    """LightningCLI for LongNet causal-LM training; see the module docstring."""
+    """The ``longnet`` command: Lightning's CLI over :class:`~longnet.training.CausalLMModule`
+    and any ``LightningDataModule``, with the additions the module docstring names.
+
+    Args:
+        args: the command line after ``longnet`` (``["fit", "--config", "X.yaml"]``); None
+            reads ``sys.argv``.
+        run: run the subcommand (False: only parse and instantiate).
+    """
 
     def __init__(self, args: Sequence[str] | None = None, run: bool = True) -> None:
         super().__init__(
@@ -195,10 +163,9 @@ class LongNetCLI(LightningCLI):
             read_checkpoint(ckpt_path)
 
     def _parse_ckpt_path(self) -> None:
-        """Keep the configured model. (Lightning's CLI replaces the model's arguments by the
-        hyper-parameters stored in a ``--ckpt_path`` file, command line included, so that a
-        checkpoint of another shape silently became the model; ``_run_folder`` refuses such a
-        checkpoint instead.)"""
+        """Keep the configured model: do nothing, where Lightning's CLI replaces the model's
+        arguments (command line included) by the hyper-parameters stored in a ``--ckpt_path``
+        file. A checkpoint whose tensors have other shapes is refused by ``_run_folder``."""
 
     def instantiate_classes(self) -> None:
         try:

@@ -111,7 +111,7 @@ class LongDocumentSplits:
 def corpus_cache_key(source: DocumentSource, settings: CorpusSettings) -> str:
     """The cache key of ``source`` processed with ``settings``."""
     fields = asdict(settings)
-    if not settings.pack_documents:  # the key of the entries built before the option existed
+    if not settings.pack_documents:  # off: left out, so unpacked cache entries keep their key
         del fields["pack_documents"]
     return fingerprint({
         "version": CORPUS_FORMAT_VERSION, **source.cache_fields(), "settings": fields,

@@ -127,7 +127,7 @@ class LongDocumentDataModule(L.LightningDataModule):
                 "pack_documents cannot be combined with passkey_fraction > 0 yet (passkey "
                 "samples have no document_ids); set one of them off."
             )
-        if passkey_fraction > 0:  # validates seq_len, seed and label mode for passkeys now
+        if passkey_fraction > 0:  # checks seq_len, seed and label mode for passkeys here
             PasskeyDataset(seq_len, 0, seed=seed, label_mode=passkey_label_mode)
         self.passkey_fraction, self.passkey_label_mode, self.seed = (
             passkey_fraction, passkey_label_mode, seed

@@ -10,9 +10,9 @@ before the question), moved inside the filler at its ends, or from a third of th
 it is shorter than three periods (``needle_window``: depths stay apart); as in the original
 task, it may cut a filler word. The jitter matters for dilated attention: a key beyond the
 dense branch's segment is seen only by queries at the same offset modulo the dilation rate
-(docs/architecture.md), so
-with the needle at one fixed byte every example of a ``(length, depth)`` cell would share one
-alignment and the cell would measure that alignment's luck. The key has ``num_digits`` digits
+(docs/architecture.md), so with the needle at one fixed byte every example of a
+``(length, depth)`` cell would share one alignment and the cell would measure that alignment's
+luck. The key has ``num_digits`` digits
 and no leading zero. The prompt is everything before the key, so an evaluator feeds the prompt and
 greedily generates ``num_digits`` bytes (``passkey_examples`` + ``passkey_match``).
 Training samples (``PasskeyDataset``) append ``ANSWER_END`` (a full stop) to the key, so a

@@ -1,6 +1,9 @@
-"""Process-group plumbing: the launcher of the distributed tests and ``scripts/bench_ring.py``,
-and the rank watch of the training strategies.
+"""Process-group plumbing: sequence parallelism applied to a model (``SequenceParallel``,
+``parallelize``), the launcher of the distributed tests and ``scripts/bench_ring.py``, and the
+rank watch of the training strategies.
 
+``SequenceParallel(process_group, layout, transport)`` says how each sequence is split over a
+group of ranks; ``parallelize(model, sp)`` gives it to every module of a model that reads it.
 ``run_workers`` spawns one process per rank in a fresh process group (gloo on CPU, NCCL when
 there is a GPU per rank) and collects each rank's result under a deadline.
 ``watch.RankWatch`` (imported by ``longnet.training.strategy``) keeps every rank's heartbeat in
@@ -8,5 +11,6 @@ the process group's store and names the ranks that stopped when a collective fai
 """
 
 from longnet.distributed.launch import backend_and_device, run_workers
+from longnet.distributed.sequence_parallel import SequenceParallel, parallelize
 
-__all__ = ["backend_and_device", "run_workers"]
+__all__ = ["SequenceParallel", "backend_and_device", "parallelize", "run_workers"]

@@ -13,7 +13,7 @@ which rank it was. Every rank, while it trains:
 When a rank fails, it first marks itself failed with its error (:meth:`RankWatch.mark_failed`),
 then asks :meth:`RankWatch.explain`: the ranks whose counters do not move for
 :data:`SILENCE_SECONDS` are gone, those with a mark stopped after an error of their own, the
-others were lost (killed or crashed). If the store itself no longer answers, the process that
+others were lost (killed or crashed). If the store itself stops answering, the process that
 hosts it is gone: rank 0 (``env://`` and ``tcp://`` rendezvous), or torchrun's agent on node 0
 (``TORCHELASTIC_USE_AGENT_STORE``). The watch never blocks training: it adds one store
 round trip per heartbeat, and the survivors wait :data:`SILENCE_SECONDS` once, when they fail.

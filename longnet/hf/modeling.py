@@ -8,7 +8,7 @@ writes them back through ``LongNetLM.save_pretrained``. What this class adds is 
 ``transformers`` calling convention:
 
 - ``labels`` as ``transformers`` models take them (the token at each position; the model
-  shifts), where ``LongNetLM`` takes them aligned (the target of each position);
+  shifts), where ``LongNetLM`` takes aligned ``targets`` (the target of each position);
 - ``attention_mask``: left padding is exact (rows of equal padding run as one batch without
   their padding, :mod:`longnet.hf.padding`; padded positions get zero logits); any other
   padding is refused;
@@ -285,7 +285,7 @@ class LongNetForCausalLM(PreTrainedModel, GenerationMixin):
                 continue
             out = self.longnet(
                 input_ids[group.rows, start:],
-                labels=None if labels is None else _aligned(labels[group.rows, start:]),
+                targets=None if labels is None else _aligned(labels[group.rows, start:]),
                 cache=group_cache,
             )
             logits[group.rows, start:] = out.logits
@@ -314,8 +314,9 @@ def _same_path(first: str, second: str | Path) -> bool:
 
 
 def _aligned(labels: Tensor) -> Tensor:
-    """``transformers`` labels (the token at each position) as LongNet's aligned labels (the
-    target of each position): shifted left by one, ``-100`` for the last position."""
+    """``transformers`` labels (the token at each position) as ``LongNetLM``'s aligned
+    targets (the target of each position): shifted left by one, ``-100`` for the last
+    position."""
     return torch.cat((labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)), dim=1)
 
 

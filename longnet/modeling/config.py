@@ -80,7 +80,9 @@ class LongNetConfig:
         rope_theta: base of the rotary frequencies (RoPE and xPos).
         xpos_scale_base: xPos decay length (gamma in the paper, 512).
     Training:
-        dropout: residual dropout of every sub-layer and of the embeddings.
+        dropout: residual dropout: on the embeddings, on each attention layer's output
+            (``MultiheadDilatedAttention(output_dropout=...)``) and on each feed-forward
+            network's output; never on attention probabilities (the exact core has none).
         initializer_range: std of the normal initialisation.
         gradient_checkpointing: recompute each block's activations in backward.
     Encoder head:

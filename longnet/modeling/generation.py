@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from longnet.validation import check_bool, check_number, check_positive_int, describe, is_int
-
-if TYPE_CHECKING:
-    from longnet.modeling.model import LongNetLM
 
 
 def sample_next(
@@ -32,7 +28,7 @@ def sample_next(
 
 
 def _check(
-    model: LongNetLM, input_ids: Tensor, max_new_tokens, temperature, top_k, eos_token_id,
+    model: nn.Module, input_ids: Tensor, max_new_tokens, temperature, top_k, eos_token_id,
     generator, use_cache,
 ) -> None:
     if not is_int(max_new_tokens):
@@ -75,7 +71,7 @@ def _check(
 
 @torch.no_grad()
 def generate(
-    model: LongNetLM,
+    model: nn.Module,
     input_ids: Tensor,
     max_new_tokens: int,
     *,
@@ -85,7 +81,7 @@ def generate(
     generator: torch.Generator | None = None,
     use_cache: bool = True,
 ) -> Tensor:
-    """See :meth:`longnet.modeling.LongNetLM.generate`."""
+    """See :meth:`longnet.modeling.LongNetLM.generate` (``model``: a ``LongNetLM``)."""
     _check(model, input_ids, max_new_tokens, temperature, top_k, eos_token_id, generator,
            use_cache)
     was_training = model.training

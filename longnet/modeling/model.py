@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from longnet.attention.documents import check_document_ids
+from longnet.attention.documents import PackedDocuments, resolve_documents
 from longnet.constants import IGNORE_INDEX
+from longnet.distributed.sequence_parallel import SequenceParallel, call_setting
 from longnet.modeling import generation, pretrained
 from longnet.modeling.config import LongNetConfig
 from longnet.modeling.outputs import EncoderOutput, LMOutput
@@ -28,6 +31,7 @@ from longnet.nn import (
     default_position_ids,
     document_position_ids,
 )
+from longnet.nn.attention import check_cache
 from longnet.validation import check_bool
 
 
@@ -50,7 +54,7 @@ def build_block(config: LongNetConfig, causal: bool) -> TransformerBlock:
         config.num_heads,
         pattern,
         causal=causal,
-        dropout=config.dropout,
+        output_dropout=config.dropout,
         bias=config.attention_bias,
         num_kv_heads=config.resolved_num_kv_heads,
         head_dim=head_dim,
@@ -99,18 +103,21 @@ def check_input_ids(input_ids: Tensor, vocab_size: int) -> None:
         )
 
 
-def check_label_ids(labels: Tensor, num_classes: int, name: str, ignore: bool) -> None:
-    """``labels`` (any shape) must hold integer ids in ``0..num_classes - 1`` (``name``: what
-    ``num_classes`` is, for the message), and ``IGNORE_INDEX`` (-100) where ``ignore``.
+def check_label_ids(
+    labels: Tensor, num_classes: int, name: str, ignore: bool, argument: str = "labels"
+) -> None:
+    """``labels`` (any shape; the argument ``argument``, for the messages) must hold integer
+    ids in ``0..num_classes - 1`` (``name``: what ``num_classes`` is, for the message), and
+    ``IGNORE_INDEX`` (-100) where ``ignore``.
 
     Raises:
         TypeError: ``labels`` is not an integer tensor.
         ValueError: an id is out of range (the message gives the first and the range).
     """
     if not isinstance(labels, Tensor):
-        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}.")
+        raise TypeError(f"{argument} must be a torch.Tensor, got {type(labels).__name__}.")
     if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
-        raise TypeError(f"labels must have an integer dtype, got {labels.dtype}.")
+        raise TypeError(f"{argument} must have an integer dtype, got {labels.dtype}.")
     valid = (labels >= 0) & (labels < num_classes)
     if ignore:
         valid |= labels == IGNORE_INDEX
@@ -118,8 +125,8 @@ def check_label_ids(labels: Tensor, num_classes: int, name: str, ignore: bool) -
         bad = labels[~valid]
         allowed = f"0..{num_classes - 1} ({name} {num_classes})"
         raise ValueError(
-            f"labels hold {bad.numel()} out-of-range id(s) (the first: {int(bad[0])}); ids must "
-            f"be in {allowed}{f' or {IGNORE_INDEX} where no loss is taken' if ignore else ''}."
+            f"{argument} hold {bad.numel()} out-of-range id(s) (the first: {int(bad[0])}); ids "
+            f"must be in {allowed}{f' or {IGNORE_INDEX} where no loss is taken' if ignore else ''}."
         )
 
 
@@ -140,11 +147,21 @@ class LongNetModel(nn.Module):
 
     ``document_ids`` ``(batch, seq)``: non-decreasing ids of packed documents; each document
     is computed as if it were alone (positions restart at 0, no attention or K/V convolution
-    across a boundary). Not with ``cache``; with a ``group``: this rank's shard of the ids
-    (contiguous layout) and ``position_ids`` given (each token's place in its document).
+    across a boundary). Not with ``cache``; under sequence parallelism: this rank's shard of
+    the ids (contiguous layout) and ``position_ids`` given (each token's place in its
+    document).
 
-    Shapes: ``input_ids`` ``(batch, seq)`` -> hidden states ``(batch, seq, hidden_size)``.
+    Attributes:
+        sequence_parallel: how each sequence is split over a process group
+            (:class:`~longnet.distributed.SequenceParallel`; None, the default, on one device),
+            set with the attention layers' by :func:`longnet.distributed.parallelize`; the
+            default ``position_ids`` are then this rank's shard's.
+
+    Shapes: ``input_ids`` ``(batch, seq)`` -> hidden states ``(batch, seq, hidden_size)``
+    (``seq`` this rank's shard under sequence parallelism).
     """
+
+    sequence_parallel: SequenceParallel | None
 
     def __init__(self, config: LongNetConfig, causal: bool) -> None:
         super().__init__()
@@ -159,26 +176,46 @@ class LongNetModel(nn.Module):
         self.embed_dropout = nn.Dropout(config.dropout)
         self.layers = nn.ModuleList(build_block(config, causal) for _ in range(config.num_layers))
         self.final_norm = build_norm(config.norm, config.hidden_size, config.norm_eps)
+        self.sequence_parallel = None
 
     def forward(
         self,
         input_ids: Tensor,
         position_ids: Tensor | None = None,
-        group: torch.distributed.ProcessGroup | None = None,
         cache: KVCache | None = None,
         document_ids: Tensor | None = None,
-        layout: str = "contiguous",
+        **deprecated: Any,
     ) -> Tensor:
+        """Hidden states ``(batch, seq, hidden_size)`` of ``input_ids`` ``(batch, seq)``.
+
+        ``position_ids``: global positions ``(seq,)`` or ``(batch, seq)``; default ``0..seq-1``
+        (after the cache's positions with ``cache``; this rank's shard's under
+        :attr:`sequence_parallel`; each token's place in its document with ``document_ids``).
+        ``cache``: from :meth:`LongNetLM.new_cache`, for inference.
+        ``document_ids``: ``(batch, seq)`` ids of packed documents, resolved once for all
+        layers (:func:`~longnet.attention.documents.resolve_documents`: one transfer to the
+        host, under sequence parallelism one all-gather).
+        ``**deprecated``: ``group=``/``layout=`` (a ``FutureWarning``): sequence parallelism
+        for this call only; apply it with :func:`longnet.distributed.parallelize` instead.
+        """
+        sequence_parallel, passed = call_setting(type(self).__name__, self.sequence_parallel,
+                                                 deprecated)
         check_input_ids(input_ids, self.config.vocab_size)
-        if document_ids is not None:
-            check_document_ids(document_ids, *input_ids.shape, input_ids.device,
-                               caller="LongNetModel", of="input_ids")
-            if position_ids is None and group is not None:
+        check_cache(cache, KVCache)
+        documents: PackedDocuments | None = None
+        if document_ids is not None:  # resolved once for every layer (one host transfer)
+            if position_ids is None and sequence_parallel is not None:
                 raise ValueError(
-                    "LongNetModel: with document_ids and a sequence-parallel group, pass "
+                    "LongNetModel: with document_ids under sequence parallelism, pass "
                     "position_ids: each token's position in its document over the whole "
                     "sequence (longnet.training.shard_batch computes them)."
                 )
+            across = sequence_parallel is not None and sequence_parallel.layout == "contiguous"
+            documents = resolve_documents(  # zigzag shards: checked here, refused by the layers
+                document_ids, *input_ids.shape, input_ids.device,
+                sequence_parallel.process_group if across else None,
+                caller="LongNetModel", of="input_ids",
+            )
             if position_ids is None:
                 position_ids = document_position_ids(document_ids)
         if cache is not None and len(cache) != len(self.layers):
@@ -189,7 +226,9 @@ class LongNetModel(nn.Module):
         if position_ids is None:
             offset = cache.next_position if cache is not None else 0
             position_ids = default_position_ids(
-                input_ids.shape[1], input_ids.device, offset=offset, group=group, layout=layout
+                input_ids.shape[1], input_ids.device, offset=offset,
+                group=None if sequence_parallel is None else sequence_parallel.process_group,
+                layout="contiguous" if sequence_parallel is None else sequence_parallel.layout,
             )
         h = self.embed_tokens(input_ids.long())
         if self.embed_positions is not None:
@@ -197,7 +236,7 @@ class LongNetModel(nn.Module):
         h = self.embed_dropout(h)
         for index, layer in enumerate(self.layers):
             layer_cache = cache[index] if cache is not None else None
-            h = layer(h, position_ids, group, layer_cache, document_ids, layout)
+            h = layer(h, position_ids, layer_cache, documents, **passed)
         return self.final_norm(h)
 
 
@@ -293,8 +332,10 @@ class LongNetPreTrained(nn.Module):
 class LongNetLM(LongNetPreTrained):
     """Causal language model: ``LongNetModel`` + LM head (optionally tied to the embeddings).
 
-    Labels are ALIGNED with positions: ``labels[:, t]`` is the target of position ``t`` (the
-    data pipeline shifts, e.g. ``labels[:, t] = tokens[t + 1]``); ``-100`` is ignored.
+    Targets are ALIGNED with positions, as in nanoGPT: ``targets[:, t]`` is the target of
+    position ``t`` (the caller shifts, e.g. ``targets = tokens[:, 1:]`` for ``input_ids =
+    tokens[:, :-1]``); ``-100`` is ignored. ``longnet.hf.LongNetForCausalLM`` takes
+    ``transformers``-style ``labels`` (the tokens themselves, shifted inside).
     """
 
     def __init__(self, config: LongNetConfig) -> None:
@@ -314,47 +355,62 @@ class LongNetLM(LongNetPreTrained):
     def forward(
         self,
         input_ids: Tensor,
-        labels: Tensor | None = None,
+        targets: Tensor | None = None,
         position_ids: Tensor | None = None,
-        group: torch.distributed.ProcessGroup | None = None,
         cache: KVCache | None = None,
         document_ids: Tensor | None = None,
-        layout: str = "contiguous",
+        **deprecated: Any,
     ) -> LMOutput:
-        """Logits ``(batch, seq, vocab)`` and, with ``labels`` ``(batch, seq)``, the loss.
+        """Logits ``(batch, seq, vocab)`` and, with ``targets`` ``(batch, seq)``, the loss.
 
+        ``targets``: aligned, ``targets[:, t]`` the token position ``t`` must predict
+        (``-100``: no loss).
         ``position_ids``: global positions ``(seq,)`` or ``(batch, seq)``; default ``0..seq-1``
-        (after the cache's positions with ``cache``; with ``group``, this rank's shard).
-        ``group``: sequence-parallel process group; ``input_ids`` and ``labels`` are then this
-        rank's shard and ``loss`` is the mean over this rank's tokens (aggregate ``loss_sum`` /
-        ``num_tokens`` across the group for the global mean). ``layout``: how the sequence is
-        sharded over ``group`` (``"contiguous"`` or ``"zigzag"``,
-        ``longnet.distributed.shards``).
+        (after the cache's positions with ``cache``; this rank's shard's under sequence
+        parallelism).
         ``cache``: from :meth:`new_cache`, for inference.
         ``document_ids``: ``(batch, seq)`` ids of packed documents (``LongNetModel``); positions
         then default to each token's place in its document, and the loss leaves out the
-        labels whose target begins the next document (``document_labels``).
+        targets that begin the next document (``document_labels``).
+        ``**deprecated`` (each a ``FutureWarning``): ``labels=``, the former name of
+        ``targets``; ``group=``/``layout=``, sequence parallelism for this call only.
+
+        Under sequence parallelism (:func:`longnet.distributed.parallelize`) ``input_ids``
+        and ``targets`` are this rank's shard and ``loss`` is the mean over this rank's
+        tokens (sum ``loss_sum`` and ``num_tokens`` over the group for the global mean).
         """
-        hidden = self.model(input_ids, position_ids=position_ids, group=group, cache=cache,
-                            document_ids=document_ids, layout=layout)
+        targets = _renamed_targets(targets, deprecated)
+        _, passed = call_setting(type(self).__name__, None, deprecated)
+        hidden = self.model(input_ids, position_ids=position_ids, cache=cache,
+                            document_ids=document_ids, **passed)
         logits = self.lm_head(hidden)
-        if labels is None:
+        if targets is None:
             return LMOutput(logits=logits)
-        check_label_ids(labels, self.config.vocab_size, "vocab_size", ignore=True)
-        if labels.shape != input_ids.shape:
+        check_label_ids(targets, self.config.vocab_size, "vocab_size", ignore=True,
+                        argument="targets")
+        if targets.shape != input_ids.shape:
             raise ValueError(
-                f"labels has shape {tuple(labels.shape)}, expected {tuple(input_ids.shape)} "
-                "(aligned with input_ids: labels[:, t] is the target of position t)."
+                f"targets has shape {tuple(targets.shape)}, expected {tuple(input_ids.shape)} "
+                "(aligned with input_ids: targets[:, t] is the target of position t)."
             )
-        labels = document_labels(labels, document_ids)
+        if torch.equal(targets, input_ids):
+            warnings.warn(
+                "LongNetLM: targets equal input_ids, so the model learns to copy its input. "
+                "targets[:, t] is the token position t must predict: pass input_ids = "
+                "tokens[:, :-1], targets = tokens[:, 1:] (or use "
+                "longnet.hf.LongNetForCausalLM, whose labels are shifted inside).",
+                UserWarning,
+                stacklevel=4,
+            )
+        targets = document_labels(targets, document_ids)
         compute = torch.promote_types(logits.dtype, torch.float32)
         loss_sum = F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]).to(compute),
-            labels.reshape(-1).long(),
+            targets.reshape(-1).long(),
             ignore_index=IGNORE_INDEX,
             reduction="sum",
         )
-        num_tokens = (labels != IGNORE_INDEX).sum()
+        num_tokens = (targets != IGNORE_INDEX).sum()
         loss = loss_sum / num_tokens.clamp(min=1)
         return LMOutput(logits=logits, loss=loss, loss_sum=loss_sum, num_tokens=num_tokens)
 
@@ -392,6 +448,27 @@ class LongNetLM(LongNetPreTrained):
         )
 
 
+def _renamed_targets(targets: Tensor | None, deprecated: dict[str, Any]) -> Tensor | None:
+    """``targets``, or ``labels`` popped from ``deprecated`` (its former name, with a
+    ``FutureWarning``)."""
+    if "labels" not in deprecated:
+        return targets
+    labels = deprecated.pop("labels")
+    warnings.warn(
+        "LongNetLM.forward: labels= is renamed targets= (the same aligned meaning: "
+        "targets[:, t] is the target of position t) and will be removed in the next release. "
+        "For transformers-style labels (the tokens themselves, shifted inside the model) use "
+        "longnet.hf.LongNetForCausalLM.",
+        FutureWarning,
+        stacklevel=5,  # _renamed_targets <- forward <- Module._call_impl <- __call__ <- caller
+    )
+    if targets is not None:
+        raise ValueError(
+            "LongNetLM.forward: pass one of targets= and labels= (labels= is its former name)."
+        )
+    return labels
+
+
 class _AllReduceSum(torch.autograd.Function):
     """Sum over a process group; the gradient is the summed gradient (every rank's loss
     depends on the sum)."""
@@ -416,7 +493,14 @@ class LongNetEncoder(LongNetPreTrained):
     ``pooling`` (config): ``"mean"`` over all positions, or the ``"first"`` / ``"last"`` token.
     There is no padding mask (the attention core has none): every token of every row is
     attended to and pooled, so batch sequences of equal length without padding.
+
+    Attributes:
+        sequence_parallel: how each sequence is split over a process group (None, the
+            default, on one device), set with its backbone's by
+            :func:`longnet.distributed.parallelize`; pooling then spans all shards.
     """
+
+    sequence_parallel: SequenceParallel | None
 
     def __init__(self, config: LongNetConfig) -> None:
         super().__init__()
@@ -425,22 +509,41 @@ class LongNetEncoder(LongNetPreTrained):
         self.model = LongNetModel(config, causal=False)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self._init_weights()
+        self.sequence_parallel = None
 
-    def pool(self, hidden: Tensor, group: torch.distributed.ProcessGroup | None = None) -> Tensor:
-        """``(batch, seq, hidden)`` -> ``(batch, hidden)``; across the group's shards with
-        ``group`` (equal contiguous shards in rank order)."""
+    def pool(
+        self, hidden: Tensor, sequence_parallel: SequenceParallel | None = None
+    ) -> Tensor:
+        """``(batch, seq, hidden)`` -> ``(batch, hidden)``; with ``sequence_parallel``,
+        ``hidden`` is this rank's shard and the pooling spans all shards (an all-reduce whose
+        backward keeps every rank's graph connected). A process group in its place (the
+        former ``group`` argument) is taken as ``SequenceParallel(group)`` with a
+        ``FutureWarning``."""
+        if isinstance(sequence_parallel, dist.ProcessGroup):
+            warnings.warn(
+                "LongNetEncoder.pool: a process group is deprecated here and will be refused "
+                "in the next release; pass SequenceParallel(group, layout) "
+                "(longnet.distributed).",
+                FutureWarning,
+                stacklevel=2,
+            )
+            sequence_parallel = SequenceParallel(sequence_parallel)
         pooling = self.config.pooling
-        if group is None or torch.distributed.get_world_size(group) == 1:
+        if sequence_parallel is None or sequence_parallel.world_size == 1:
             if pooling == "mean":
                 return hidden.mean(dim=1)
             return hidden[:, 0] if pooling == "first" else hidden[:, -1]
-        rank, world = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+        group = sequence_parallel.process_group
+        rank, world = sequence_parallel.rank, sequence_parallel.world_size
         if pooling == "mean":
             local = hidden.sum(dim=1) / (hidden.shape[1] * world)
         else:
+            # The first token is rank 0's first row; the last is the last row of the last
+            # rank (contiguous) or of rank 0, whose shard ends with the last chunk (zigzag).
             # Multiply by 0 on the other ranks instead of using zeros: every rank's autograd
             # graph must still reach its blocks, whose backward communicates with the others.
-            owner = 0 if pooling == "first" else world - 1
+            owner = world - 1 if pooling == "last" and sequence_parallel.layout == "contiguous" \
+                else 0
             local = hidden[:, 0 if pooling == "first" else -1] * float(rank == owner)
         return _AllReduceSum.apply(local, group)
 
@@ -449,11 +552,16 @@ class LongNetEncoder(LongNetPreTrained):
         input_ids: Tensor,
         labels: Tensor | None = None,
         position_ids: Tensor | None = None,
-        group: torch.distributed.ProcessGroup | None = None,
+        **deprecated: Any,
     ) -> EncoderOutput:
-        """Class logits ``(batch, num_labels)``; with ``labels`` ``(batch,)`` the mean loss."""
-        hidden = self.model(input_ids, position_ids=position_ids, group=group)
-        pooled = self.pool(hidden, group)
+        """Class logits ``(batch, num_labels)``; with ``labels`` ``(batch,)`` (one class id per
+        row) the mean loss. ``**deprecated``: ``group=``/``layout=`` (a ``FutureWarning``),
+        sequence parallelism for this call only; apply it with
+        :func:`longnet.distributed.parallelize` instead."""
+        sequence_parallel, passed = call_setting(type(self).__name__, self.sequence_parallel,
+                                                 deprecated)
+        hidden = self.model(input_ids, position_ids=position_ids, **passed)
+        pooled = self.pool(hidden, sequence_parallel)
         logits = self.classifier(pooled)
         loss = None
         if labels is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any, BinaryIO
 
 import torch
 from torch import nn
@@ -30,9 +30,6 @@ from longnet.modeling.tokenizer_files import (
     TOKENIZER_NAME,
     write_tokenizer_files,
 )
-
-if TYPE_CHECKING:
-    from longnet.modeling.model import LongNetPreTrained
 
 CARD_NAME = "README.md"
 SAVED_FILES = (CONFIG_NAME, WEIGHTS_NAME, CARD_NAME, TOKENIZER_NAME, TOKENIZER_CONFIG_NAME)
@@ -130,12 +127,10 @@ def model_card(
     return f"{card}\n{details.strip()}\n" if details.strip() else card
 
 
-def save_pretrained(
-    model: LongNetPreTrained, directory: str | Path, name: str | None = None
-) -> Path:
-    """Write ``config.json`` (with the architecture), ``model.safetensors``, ``README.md`` and,
-    for a byte-level model, the tokenizer files (:mod:`longnet.modeling.tokenizer_files`);
-    returns ``directory``.
+def save_pretrained(model: nn.Module, directory: str | Path, name: str | None = None) -> Path:
+    """Write the ``config.json`` (with the architecture), ``model.safetensors``, ``README.md``
+    and, for a byte-level model, the tokenizer files (:mod:`longnet.modeling.tokenizer_files`)
+    of ``model`` (a ``LongNetPreTrained``); returns ``directory``.
 
     Atomic (:func:`longnet.files.replace_folder`): the files are written into a temporary
     folder next to ``directory``, which then takes its place in one step, so a concurrent

@@ -1,7 +1,9 @@
 """Building blocks of LongNet models: attention, positional encodings, FFNs, norms, blocks.
 
 All modules take activations as ``(batch, seq, embed_dim)`` and global ``position_ids``
-(``(seq,)`` or ``(batch, seq)``); attention and blocks take the sequence-parallel ``group``.
+(``(seq,)`` or ``(batch, seq)``). Sequence parallelism is applied to them from outside
+(``longnet.distributed.parallelize``): the attention reads its ``sequence_parallel``
+attribute.
 """
 
 from longnet.nn.attention import (

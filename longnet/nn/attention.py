@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
 import torch
 from einops import rearrange, repeat
 from torch import Tensor, nn
 
 from longnet.attention import DilatedPattern, dilated_attention
-from longnet.attention.dilated import check_process_group
+from longnet.attention.documents import PackedDocuments
 from longnet.distributed.halo import previous_rows
+from longnet.distributed.sequence_parallel import SequenceParallel, call_setting
 from longnet.distributed.shards import chunks_per_rank
 from longnet.nn.norm import build_norm, check_norm
 from longnet.nn.positional import (
@@ -150,15 +154,16 @@ class MultiheadDilatedAttention(nn.Module):
     """Multi-head LongNet dilated self-attention with optional grouped K/V heads.
 
     ``x -> q, k, v projections -> [causal short convolution of k, v] -> positional encoding
-    (global positions) -> dilated attention -> [sub-LN] -> output projection -> dropout``.
+    (global positions) -> dilated attention -> [sub-LN] -> output projection -> output
+    dropout``.
 
     Args:
         embed_dim: model width.
         num_heads: query heads.
         pattern: a :class:`DilatedPattern` or ``[(segment_length, dilation_rate), ...]``.
         causal: queries see only keys at positions ``<=`` their own.
-        dropout: applied to the output (the exact attention core has no dropout on
-            attention probabilities).
+        output_dropout: dropout on the layer's output, after the output projection (the
+            exact attention core has no dropout on attention probabilities).
         bias: biases on the four projections.
         num_kv_heads: K/V heads (grouped-query attention); must divide ``num_heads``;
             default ``num_heads``.  K/V head ``j`` serves query heads
@@ -173,9 +178,20 @@ class MultiheadDilatedAttention(nn.Module):
             projections (:class:`CausalShortConv`, identity at initialisation), so that a far
             token is a key at every offset modulo the dilation rates (docs/architecture.md §2,
             "Alignment"); 0 (default) for none, else at least 2.
+        **deprecated: ``dropout=``, the former name of ``output_dropout`` (a
+            ``FutureWarning``).
 
-    Shapes: ``x`` ``(batch, seq, embed_dim)`` -> ``(batch, seq, embed_dim)``.
+    Attributes:
+        sequence_parallel: how the sequence is split over a process group
+            (:class:`~longnet.distributed.SequenceParallel`), or None (default) on one device;
+            set by :func:`longnet.distributed.parallelize`. A plain attribute, not saved with
+            the weights.
+
+    Shapes: ``x`` ``(batch, seq, embed_dim)`` -> ``(batch, seq, embed_dim)``; with
+    ``sequence_parallel``, ``seq`` is this rank's shard.
     """
+
+    sequence_parallel: SequenceParallel | None
 
     def __init__(
         self,
@@ -184,7 +200,7 @@ class MultiheadDilatedAttention(nn.Module):
         pattern: DilatedPattern | list[tuple[int, int]],
         *,
         causal: bool = True,
-        dropout: float = 0.0,
+        output_dropout: float = 0.0,
         bias: bool = True,
         num_kv_heads: int | None = None,
         head_dim: int | None = None,
@@ -194,13 +210,15 @@ class MultiheadDilatedAttention(nn.Module):
         norm_eps: float = 1e-5,
         scale: float | None = None,
         kv_conv_size: int = 0,
+        **deprecated: Any,
     ) -> None:
         super().__init__()
+        output_dropout = _renamed_dropout(output_dropout, deprecated)
         embed_dim = check_positive_int("embed_dim", embed_dim)
         num_heads = check_positive_int("num_heads", num_heads)
         for name, flag in (("causal", causal), ("bias", bias), ("sub_ln", sub_ln)):
             check_bool(name, flag)
-        dropout = check_dropout("dropout", dropout)
+        output_dropout = check_dropout("output_dropout", output_dropout)
         kv_conv_size = check_kv_conv_size(kv_conv_size)
         check_norm(norm, norm_eps)
         if positional is not None and not isinstance(positional, nn.Module):
@@ -243,7 +261,8 @@ class MultiheadDilatedAttention(nn.Module):
             positional.check_pattern(self.pattern)
         self.sub_norm = build_norm(norm, num_heads * head_dim, norm_eps) if sub_ln else None
         self.out_proj = nn.Linear(num_heads * head_dim, embed_dim, bias=bias)
-        self.dropout = nn.Dropout(dropout)
+        self.output_dropout = nn.Dropout(output_dropout)
+        self.sequence_parallel = None
 
     def extra_repr(self) -> str:
         return (
@@ -259,28 +278,35 @@ class MultiheadDilatedAttention(nn.Module):
         self,
         x: Tensor,
         position_ids: Tensor | None = None,
-        group: torch.distributed.ProcessGroup | None = None,
         cache: LayerKVCache | None = None,
-        document_ids: Tensor | None = None,
-        layout: str = "contiguous",
+        document_ids: Tensor | PackedDocuments | None = None,
+        **deprecated: Any,
     ) -> Tensor:
-        """Self-attention over ``x`` ``(batch, seq, embed_dim)``.
+        """Self-attention over ``x`` ``(batch, seq, embed_dim)``; returns ``(batch, seq,
+        embed_dim)``.
 
         ``position_ids``: global positions ``(seq,)`` or ``(batch, seq)``; default: the
-        positions following the cache, or this rank's shard with ``group`` (with
-        ``document_ids``: the positions in each document).
-        ``group``: sequence-parallel process group, passed to the attention core, over which
-        the sequence is sharded by ``layout`` (``"contiguous"`` or ``"zigzag"``,
-        ``longnet.distributed.shards``).
+        positions following the cache, or this rank's shard under :attr:`sequence_parallel`
+        (with ``document_ids``: the positions in each document).
         ``cache``: a :class:`LayerKVCache` for incremental causal decoding (inference): the
         new tokens attend to the cached keys and are appended to them.
         ``document_ids``: ``(batch, seq)`` non-decreasing ids of packed documents: each
         document is attended (and its keys and values convolved) as if it were alone
-        (``dilated_attention``); not with ``cache``.
+        (``dilated_attention``); not with ``cache``. Or the ids resolved once for all layers
+        (:func:`longnet.attention.documents.resolve_documents`, as ``LongNetModel`` does).
+        ``**deprecated``: ``group=``/``layout=``, a ``FutureWarning``: they apply
+        ``SequenceParallel(group, layout)`` to this call only
+        (:func:`longnet.distributed.parallelize` applies it to the model).
         """
+        sequence_parallel, _ = call_setting(type(self).__name__, self.sequence_parallel,
+                                            deprecated)
         self._check_input(x)
-        check_process_group("group", group)
+        check_cache(cache, LayerKVCache)
+        group = None if sequence_parallel is None else sequence_parallel.process_group
         batch, seq, _ = x.shape
+        documents = document_ids  # for the core: the ids, or their resolved lengths too
+        if isinstance(document_ids, PackedDocuments):
+            document_ids = document_ids.ids
         if document_ids is not None and cache is not None:
             raise ValueError(
                 "document_ids cannot be combined with a KV cache; decode one document at a time."
@@ -288,14 +314,16 @@ class MultiheadDilatedAttention(nn.Module):
         if position_ids is None and document_ids is not None:
             if group is not None:
                 raise ValueError(
-                    "with document_ids and a sequence-parallel group, pass position_ids: each "
+                    "with document_ids under sequence parallelism, pass position_ids: each "
                     "token's position in its document over the whole sequence."
                 )
             position_ids = document_position_ids(document_ids)
         if position_ids is None:
             offset = cache.end if cache is not None else 0
-            position_ids = default_position_ids(seq, x.device, offset=offset, group=group,
-                                                layout=layout)
+            position_ids = default_position_ids(
+                seq, x.device, offset=offset, group=group,
+                layout="contiguous" if sequence_parallel is None else sequence_parallel.layout,
+            )
         check_position_ids(position_ids, batch, seq)
         q = rearrange(self.q_proj(x), "b n (h d) -> b n h d", h=self.num_heads)
         k, v = self.k_proj(x), self.v_proj(x)
@@ -305,7 +333,7 @@ class MultiheadDilatedAttention(nn.Module):
             if document_ids is not None:  # ranks the positions given (whole documents)
                 in_document = (document_position_ids(document_ids) if group is None
                                else position_ids.expand(batch, seq))
-            k, v, conv_tail = self._convolve_kv(k, v, group, cache, in_document, layout)
+            k, v, conv_tail = self._convolve_kv(k, v, sequence_parallel, cache, in_document)
         k = rearrange(k, "b n (h d) -> b n h d", h=self.num_kv_heads)
         v = rearrange(v, "b n (h d) -> b n h d", h=self.num_kv_heads)
         if self.positional is not None:
@@ -318,16 +346,15 @@ class MultiheadDilatedAttention(nn.Module):
                 self.pattern,
                 causal=self.causal,
                 scale=self.scale,
-                process_group=group,
-                document_ids=document_ids,
-                layout=layout,
+                sequence_parallel=sequence_parallel,
+                document_ids=documents,
             )
         else:
             out = self._cached_attention(q, k, v, position_ids, group, cache, conv_tail)
         out = rearrange(out, "b n h d -> b n (h d)")
         if self.sub_norm is not None:
             out = self.sub_norm(out)
-        return self.dropout(self.out_proj(out))
+        return self.output_dropout(self.out_proj(out))
 
     def _check_input(self, x: Tensor) -> None:
         """``x`` must be a ``(batch, seq, embed_dim)`` tensor of the projections' dtype (any
@@ -353,14 +380,13 @@ class MultiheadDilatedAttention(nn.Module):
         self,
         k: Tensor,
         v: Tensor,
-        group: torch.distributed.ProcessGroup | None,
+        sequence_parallel: SequenceParallel | None,
         cache: LayerKVCache | None,
         positions: Tensor | None,
-        layout: str,
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         """The short convolution of the projections ``k, v`` ``(batch, seq, kv_heads *
         head_dim)``; the rows before them come from the ranks holding the previous chunks of
-        the sequence (``group``, ``layout``: each chunk of a zigzag shard is convolved after
+        the sequence (``sequence_parallel``: each chunk of a zigzag shard is convolved after
         its own halo) or the cache's tail (``cache``); with ``positions`` ``(batch, seq)``,
         each row's place in its packed document, no row mixes with another document's.
         Returns the convolved ``k, v`` and, with a cache, its next tail (stored by
@@ -368,8 +394,11 @@ class MultiheadDilatedAttention(nn.Module):
         assert self.kv_conv is not None
         kv = torch.cat((k, v), dim=-1)
         width = self.kv_conv.kernel_size - 1
-        if group is not None:
-            halos = previous_rows(kv, width, group, layout).chunk(chunks_per_rank(layout), 1)
+        if sequence_parallel is not None:
+            layout = sequence_parallel.layout
+            halos = previous_rows(kv, width, sequence_parallel.process_group, layout).chunk(
+                chunks_per_rank(layout), 1
+            )
             chunks = kv.chunk(len(halos), dim=1)
             places = [None] * len(halos) if positions is None else positions.chunk(len(halos), -1)
             kv = torch.cat([self.kv_conv(chunk, halo, place)
@@ -397,7 +426,10 @@ class MultiheadDilatedAttention(nn.Module):
         if not self.causal:
             raise ValueError("a KV cache needs causal attention; this layer is bidirectional.")
         if group is not None:
-            raise ValueError("a KV cache cannot be combined with a sequence-parallel group.")
+            raise ValueError(
+                "a KV cache cannot be combined with sequence parallelism; decode on one device "
+                "(longnet.distributed.parallelize(model, None))."
+            )
         positions = position_ids if position_ids.dim() == 1 else position_ids[0]
         seq = q.shape[1]
         expected = torch.arange(cache.end, cache.end + seq, device=positions.device)
@@ -443,3 +475,43 @@ class MultiheadDilatedAttention(nn.Module):
         next_position = cache.end
         cache.trim(min((next_position // w) * w for w in self.pattern.segment_lengths))
         return out
+
+
+def _renamed_dropout(output_dropout: float, deprecated: dict[str, Any]) -> float:
+    """``output_dropout``, or the value of its former name ``dropout`` (with a
+    ``FutureWarning``); ``TypeError`` for any other keyword."""
+    for name in deprecated:
+        if name != "dropout":
+            raise TypeError(
+                f"MultiheadDilatedAttention() got an unexpected keyword argument {name!r}"
+            )
+    if not deprecated:
+        return output_dropout
+    warnings.warn(
+        "MultiheadDilatedAttention: dropout= is renamed output_dropout= (it applies to the "
+        "layer's output, after the output projection); dropout= will be removed in the next "
+        "release.",
+        FutureWarning,
+        stacklevel=3,
+    )
+    if output_dropout:
+        raise ValueError(
+            "MultiheadDilatedAttention: pass one of dropout= and output_dropout= (dropout= is "
+            "its former name)."
+        )
+    return deprecated["dropout"]
+
+
+def check_cache(cache: object, kind: type) -> None:
+    """Raise ``TypeError`` unless ``cache`` is a ``kind`` or None (a process group there is
+    the former third positional argument, ``group``)."""
+    if cache is None or isinstance(cache, kind):
+        return
+    hint = ""
+    if isinstance(cache, torch.distributed.ProcessGroup):
+        hint = (" (a process group is no longer an argument of forward: apply it to the model "
+                "once with longnet.distributed.parallelize(model, SequenceParallel(group)))")
+    raise TypeError(
+        f"cache must be a {kind.__name__} or None, got {type(cache).__name__} "
+        f"{cache!r}{hint}."
+    )

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from longnet.attention.documents import PackedDocuments
+from longnet.distributed.sequence_parallel import call_setting
 from longnet.nn.attention import LayerKVCache, MultiheadDilatedAttention
 from longnet.validation import check_bool
 
@@ -18,10 +22,12 @@ class TransformerBlock(nn.Module):
 
     With ``gradient_checkpointing`` the block's activations are recomputed in backward
     (``torch.utils.checkpoint``, non-reentrant) whenever gradients are enabled and no KV cache
-    is used.  The sequence-parallel ``group`` is passed to the attention, so the recomputation
-    communicates again: every rank of the group must run the same backward.
+    is used.  Under sequence parallelism (the attention's ``sequence_parallel``, set by
+    :func:`longnet.distributed.parallelize`) the recomputation communicates again: every rank
+    of the group must run the same backward.
 
-    ``document_ids`` ``(batch, seq)`` (packed documents) go to the attention.
+    ``document_ids`` ``(batch, seq)`` (packed documents; or a ``PackedDocuments``, resolved once
+    by ``LongNetModel``) go to the attention.
 
     Shapes: ``x`` ``(batch, seq, embed_dim)`` -> ``(batch, seq, embed_dim)``.
     """
@@ -46,24 +52,26 @@ class TransformerBlock(nn.Module):
         self,
         x: Tensor,
         position_ids: Tensor | None = None,
-        group: torch.distributed.ProcessGroup | None = None,
         cache: LayerKVCache | None = None,
-        document_ids: Tensor | None = None,
-        layout: str = "contiguous",
+        document_ids: Tensor | PackedDocuments | None = None,
+        **deprecated: Any,
     ) -> Tensor:
+        """``x`` ``(batch, seq, embed_dim)`` -> ``(batch, seq, embed_dim)``; ``position_ids``,
+        ``cache``, ``document_ids`` and the deprecated ``group=``/``layout=`` as
+        :meth:`MultiheadDilatedAttention.forward` takes them."""
+        _, passed = call_setting(type(self).__name__, None, deprecated)
         if self.gradient_checkpointing and cache is None and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, position_ids, group, None, document_ids, layout,
+            return checkpoint(self._forward, x, position_ids, None, document_ids, passed,
                               use_reentrant=False)
-        return self._forward(x, position_ids, group, cache, document_ids, layout)
+        return self._forward(x, position_ids, cache, document_ids, passed)
 
     def _forward(
         self,
         x: Tensor,
         position_ids: Tensor | None,
-        group: torch.distributed.ProcessGroup | None,
         cache: LayerKVCache | None,
-        document_ids: Tensor | None,
-        layout: str,
+        document_ids: Tensor | PackedDocuments | None,
+        passed: dict[str, Any],
     ) -> Tensor:
-        h = x + self.attn(self.attn_norm(x), position_ids, group, cache, document_ids, layout)
+        h = x + self.attn(self.attn_norm(x), position_ids, cache, document_ids, **passed)
         return h + self.ffn(self.ffn_norm(h))

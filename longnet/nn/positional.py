@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from longnet.attention import DilatedPattern
-from longnet.attention.dilated import check_process_group
+from longnet.distributed.sequence_parallel import check_process_group
 from longnet.distributed.shards import shard_positions
 from longnet.validation import check_positive_float, check_positive_int
 
@@ -186,7 +186,8 @@ class LearnedPositionalEmbedding(nn.Embedding):
     """Learned absolute position embeddings (GPT-2), looked up by global position.
 
     Shapes: ``position_ids`` ``(seq,)`` or ``(batch, seq)`` -> ``(..., seq, dim)``.
-    Positions at or beyond ``max_positions`` raise a ``ValueError``.
+    Positions at or beyond ``max_positions`` raise a ``ValueError`` (a ``RuntimeError`` with
+    the same advice under ``torch.compile``, where the check runs as an op in the graph).
     """
 
     def __init__(self, max_positions: int, dim: int) -> None:
@@ -194,7 +195,15 @@ class LearnedPositionalEmbedding(nn.Embedding):
                          check_positive_int("dim", dim))
 
     def forward(self, position_ids: Tensor) -> Tensor:  # type: ignore[override]
-        if position_ids.numel() and (
+        if torch.compiler.is_compiling():  # the check as an op: no host read, no graph break
+            if position_ids.numel():
+                inside = (position_ids.min() >= 0) & (position_ids.max() < self.num_embeddings)
+                torch._assert_async(
+                    inside, f"learned position embeddings cover positions "
+                    f"0..{self.num_embeddings - 1}; shorten the input or use "
+                    "position_encoding='rope'/'xpos'."
+                )
+        elif position_ids.numel() and (
             int(position_ids.max()) >= self.num_embeddings or int(position_ids.min()) < 0
         ):
             raise ValueError(

@@ -83,11 +83,12 @@ class LastCheckpoint(ModelCheckpoint):
       (it moves itself behind them in ``setup``): the best checkpoint it names is the one the
       validation kept, not one the top-k callback deletes;
     - a checkpoint resumed from (``on_load_checkpoint``) that names files deleted after it was
-      written (a run killed between a top-k update and the next ``last.ckpt``, or a checkpoint
-      written before this ordering) forgets them, and the checkpoints its run wrote after it
-      that it does not know (the interrupted part, which the resumed run does again) are
-      deleted, so that no stale or duplicate best checkpoint is exported or tested. A
-      checkpoint of another folder restores no top-k state (this folder's best starts afresh).
+      written (a run killed between a top-k update and the next ``last.ckpt``, or a
+      ``last.ckpt`` written before the validation of its step) forgets them, and the
+      checkpoints its run wrote after it that it does not know (the interrupted part, which
+      the resumed run does again) are deleted, so that no stale or duplicate best checkpoint
+      is exported or tested. A checkpoint of another folder restores no top-k state (this
+      folder's best starts afresh).
 
     Args:
         dirpath: folder of ``last.ckpt``; None is ``<run folder>/checkpoints``.

@@ -29,7 +29,7 @@ def read_curves(
 
     Rows without the key or a step are skipped; a step logged twice (a resumed run repeats
     the steps after its last checkpoint) keeps the later row. With ``run_id``, only the rows
-    of that run are read (and rows without a ``run_id``, written before runs had ids).
+    of that run are read (and rows without a ``run_id``: logs written without run ids).
     """
     values: dict[str, dict[int, float]] = {key: {} for key in keys}
     with open(metrics_csv, newline="") as handle:

@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from longnet.attention import DilatedPattern
 from longnet.constants import IGNORE_INDEX
+from longnet.distributed.sequence_parallel import parallelize
 from longnet.modeling import LMOutput
 from longnet.modeling.model import document_labels
 from longnet.training.builder import build_lm
@@ -52,12 +53,13 @@ class CausalLMModule(L.LightningModule):
     """Next-token training of a :class:`~longnet.modeling.LongNetLM`.
 
     Batches are ``{"input_ids": (batch, seq), "labels": (batch, seq)}`` with shifted labels
-    (-100 ignored), as every ``longnet.data`` datamodule yields (with packed documents also
-    ``"document_ids": (batch, seq)``, passed to the model; labels whose target begins the next
-    document are not scored); under
+    (-100 ignored), as every ``longnet.data`` datamodule yields; the labels are aligned, the
+    model's ``targets`` (with packed documents also ``"document_ids": (batch, seq)``, passed to
+    the model; labels whose target begins the next document are not scored); under
     :class:`~longnet.training.SequenceParallelStrategy` they arrive as this rank's shard with
-    global ``position_ids`` ``(shard,)``, and the strategy's ``sequence_parallel_group`` is
-    handed to the attention.
+    global ``position_ids`` ``(shard,)``, and :meth:`setup` applies the strategy's
+    ``sequence_parallel`` to the model (:func:`longnet.distributed.parallelize`; released in
+    :meth:`teardown`).
 
     Loss (``loss_reduction="token"``): ``sum(CE) * world_size / N`` with ``N`` the number of
     scored tokens of the whole global batch (all ranks). Data-parallel training averages
@@ -169,15 +171,6 @@ class CausalLMModule(L.LightningModule):
             return strategy.sequence_parallel_group
         return None
 
-    def sequence_layout(self) -> str:
-        """How the strategy shards every sequence over :meth:`sequence_parallel_group`
-        (``"contiguous"`` or ``"zigzag"``; contiguous without a sequence-parallel
-        strategy)."""
-        strategy = self._trainer.strategy if self._trainer is not None else None
-        if isinstance(strategy, SequenceParallelLayout):
-            return strategy.sequence_layout
-        return "contiguous"
-
     # ------------------------------------------------------------------ Lightning hooks
     def configure_callbacks(self) -> list[L.Callback]:
         if not self.hparams.resumable_data:
@@ -210,6 +203,11 @@ class CausalLMModule(L.LightningModule):
         if stage == "fit" and seq_len is not None and sequence_parallel:
             check_window_shards(seq_len, self.pattern, strategy.sequence_parallel_size,
                                 strategy.sequence_layout)
+        parallelize(self.model, strategy.sequence_parallel if sequence_parallel else None)
+
+    def teardown(self, stage: str) -> None:
+        """Run the model on one device again, which also lets its process group go."""
+        parallelize(self.model, None)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Keep the RNG state (dropout) so a resumed run draws what the uninterrupted one
@@ -230,11 +228,9 @@ class CausalLMModule(L.LightningModule):
         """Run the LM on a (possibly sharded) batch."""
         return self.model(
             batch["input_ids"],
-            labels=batch.get("labels"),
+            targets=batch.get("labels"),
             position_ids=batch.get("position_ids"),
-            group=self.sequence_parallel_group(),
             document_ids=batch.get("document_ids"),
-            layout=self.sequence_layout(),
         )
 
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
@@ -310,8 +306,7 @@ class CausalLMModule(L.LightningModule):
         sequence parallelism): ``{"loss_sum", "num_tokens", "bpb"}`` each ``(batch,)``."""
         out = self.model(
             batch["input_ids"], position_ids=batch.get("position_ids"),
-            group=self.sequence_parallel_group(), document_ids=batch.get("document_ids"),
-            layout=self.sequence_layout(),
+            document_ids=batch.get("document_ids"),
         )
         ce_sums, counts = _per_sample_ce(out.logits, _labels(batch))
         stats = torch.stack((ce_sums.double(), counts.double()))

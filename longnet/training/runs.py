@@ -42,7 +42,7 @@ def new_run_id() -> str:
 
 
 def checkpoint_run_id(checkpoint: Mapping[str, Any]) -> str | None:
-    """The run id a checkpoint was tagged with (None for checkpoints written before run ids)."""
+    """The run id a checkpoint is tagged with (None for a checkpoint without one)."""
     run_id = checkpoint.get(RUN_ID_KEY)
     return run_id if isinstance(run_id, str) else None
 

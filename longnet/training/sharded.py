@@ -181,7 +181,7 @@ class ShardedSequenceParallelStrategy(SequenceParallelLayout, ModelParallelStrat
 
     def setup_environment(self) -> None:
         """Start the process group and build the ``(dp, sp)`` mesh (instead of Lightning's
-        ``(data_parallel, tensor_parallel)`` one); runs on every fit/test. The layout was
+        ``(data_parallel, tensor_parallel)`` one); runs on every fit/test. The layout is
         checked by :meth:`set_world_ranks`, which ``_setup_distributed`` calls first."""
         self._setup_distributed()
         self.lightning_module._device_mesh = self._start_layout()

@@ -7,9 +7,10 @@ docs/architecture.md §4 for the attention across a group.
 ``world_size = dp * sp`` processes form a ``(dp, sp)`` device mesh: ranks
 ``d * sp .. d * sp + sp - 1`` are sequence-parallel group ``d`` (contiguous, so on one node
 they share the fastest links). Every rank of a group reads the same samples (the sampler sees
-``dp`` replicas), cuts each sequence into its contiguous shard (padding the length to one
-the model's dilated pattern can run on), and runs the model with the group handed to the
-attention. Gradients are all-reduced (averaged) over all ``dp * sp`` ranks by DDP; the
+``dp`` replicas), cuts each sequence into its shard (padding the length to one the model's
+dilated pattern can run on), and runs the model parallelized over the group
+(:attr:`SequenceParallelLayout.sequence_parallel`, which ``CausalLMModule`` applies to its
+model once, at setup). Gradients are all-reduced (averaged) over all ``dp * sp`` ranks by DDP; the
 LightningModule scales its loss by ``world_size / global scored tokens`` so the update equals
 single-device training on the same global batch (see ``CausalLMModule``).
 
@@ -18,11 +19,13 @@ The contract between the strategy and the LightningModule, both ways:
 - the module is a :class:`SequenceParallelModule`: it exposes ``pattern`` and
   ``pad_token_id``, which the strategy needs to cut a batch into shards (checked when the
   strategy is given the module: another module raises ``TypeError``);
-- the strategy exposes ``sequence_parallel_group`` (and ``sequence_parallel_rank``,
-  ``data_parallel_rank``), which ``CausalLMModule`` hands to the attention: the module reads
-  them from a :class:`SequenceParallelLayout` strategy only (this one or
-  ``ShardedSequenceParallelStrategy``); under any other Lightning strategy it runs without a
-  group (every rank holds whole sequences).
+- the strategy exposes ``sequence_parallel`` (a
+  :class:`~longnet.distributed.SequenceParallel` of ``sequence_parallel_group`` and
+  ``sequence_layout``; also ``sequence_parallel_rank``, ``data_parallel_rank``), which
+  ``CausalLMModule`` applies to its model with :func:`longnet.distributed.parallelize` at
+  setup: the module reads it from a :class:`SequenceParallelLayout` strategy only (this one
+  or ``ShardedSequenceParallelStrategy``); under any other Lightning strategy the model runs
+  on whole sequences.
 
 Everything about the layout (the mesh, ranks, sampler replicas, cutting batches into shards,
 refusing a world size the group size does not divide, naming a lost rank) lives once, in
@@ -48,6 +51,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from longnet.attention import DilatedPattern
+from longnet.distributed.sequence_parallel import SequenceParallel
 from longnet.distributed.watch import RankWatch
 from longnet.training.sharding import shard_batch
 from longnet.validation import UsageError, check_positive_int
@@ -213,6 +217,14 @@ class SequenceParallelLayout:
             return None
         return self.device_mesh.get_group("sp")
 
+    @property
+    def sequence_parallel(self) -> SequenceParallel | None:
+        """How every sequence is split over :attr:`sequence_parallel_group`
+        (:attr:`sequence_layout`, the ring transport), for
+        :func:`longnet.distributed.parallelize`; None when the group size is 1."""
+        group = self.sequence_parallel_group
+        return None if group is None else SequenceParallel(group, self.sequence_layout)
+
     # ------------------------------------------------------------------ setup
     def set_world_ranks(self) -> None:
         """Lightning's ranks, after refusing a world the group size does not divide: the one
@@ -357,6 +369,9 @@ class SequenceParallelStrategy(SequenceParallelLayout, DDPStrategy):
         device_mesh: the ``(dp, sp)`` :class:`~torch.distributed.device_mesh.DeviceMesh`.
         sequence_parallel_group: the process group of this rank's sequence shards (None when
             ``sequence_parallel_size == 1``).
+        sequence_parallel: that group with the layout, a
+            :class:`~longnet.distributed.SequenceParallel` (None when
+            ``sequence_parallel_size == 1``), which ``CausalLMModule`` applies to its model.
     """
 
     def __init__(

@@ -1,17 +1,21 @@
 """Worker bodies for the sequence-parallel tests: every rank builds the same global float64
 inputs, runs its shard through the ring and compares out, lse, dq, dk, dv with the
 single-device result and with the independent dense reference; an attention layer with a K/V
-convolution (whose rows cross shard boundaries) is compared with the single-device layer."""
+convolution (whose rows cross shard boundaries) is compared with the single-device layer. Some
+cases run again with every message tagged 0 (``tags_forced_to_zero``), as NCCL sees them."""
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
 from longnet.attention import dilated_attention
 from longnet.attention.plan import CPU_BLOCK_ELEMENTS
+from longnet.distributed.sequence_parallel import SequenceParallel, parallelize
 from longnet.distributed.shards import shard_positions
 from longnet.nn import MultiheadDilatedAttention, RotaryEmbedding
 from tests.reference import dense_dilated_attention, document_ids_of, per_document_reference
@@ -129,14 +133,52 @@ def random_ring_cases(world_size: int, count: int) -> list[dict]:
     return cases
 
 
-def check_ring_cases(rank: int, world_size: int, device: torch.device) -> list[str]:
-    """Run every case; return descriptions of the failures (empty when all match)."""
+@contextlib.contextmanager
+def tags_forced_to_zero() -> Iterator[list[int]]:
+    """Every point-to-point message of the block tagged 0, as NCCL treats them (it ignores
+    tags): messages must then match by posting order alone. Yields the list of the tags the
+    code asked for (so that a test can see the patch took effect)."""
+    original = dist.P2POp
+    asked: list[int] = []
+
+    class TagZero(original):
+        def __init__(self, op, tensor, peer=None, group=None, tag=0, group_peer=None):
+            asked.append(tag)
+            super().__init__(op, tensor, peer, group, 0, group_peer)
+
+    dist.P2POp = TagZero
+    try:
+        yield asked
+    finally:
+        dist.P2POp = original
+
+
+def check_ring_cases(rank: int, world_size: int, device: torch.device,
+                     tag_free: str = "some") -> list[str]:
+    """Run every case; return descriptions of the failures (empty when all match). Then,
+    with every tag forced to 0 (:func:`tags_forced_to_zero`), the zigzag cases (two members
+    of a segment group on one rank), the cases of packed documents across ranks, and the
+    first causal and bidirectional case of each transport (``tag_free="some"``), every case
+    again (``"all"``) or none (``"none"``)."""
     failures = []
-    for seed, case in enumerate(ring_cases(world_size)):
+    cases = ring_cases(world_size)
+    for seed, case in enumerate(cases):
         try:
             _check_case(rank, world_size, device, case, seed)
         except AssertionError as error:
             failures.append(f"{case['name']} {case['branches']}: {error}")
+    chosen = {"all": list(enumerate(cases)), "none": [],
+              "some": [(seed, case) for seed, case in enumerate(cases)
+                       if case.get("layout") == "zigzag" or "documents" in case
+                       or case["name"].startswith("local+whole")]}[tag_free]
+    with tags_forced_to_zero() as asked:
+        for seed, case in chosen:
+            try:
+                _check_case(rank, world_size, device, case, seed)
+            except AssertionError as error:
+                failures.append(f"tags forced to 0: {case['name']} {case['branches']}: {error}")
+    if chosen and world_size > 1 and not any(asked):
+        failures.append("tags forced to 0: no message asked for a tag other than 0")
     for layout in ("contiguous", "zigzag"):
         try:
             _check_kv_conv_layer(rank, world_size, device, layout)
@@ -163,9 +205,9 @@ def _check_kv_conv_layer(rank: int, world_size: int, device: torch.device, layou
     upstream = torch.randn(2, n, 24, dtype=torch.float64)
     params = list(attn.parameters())
 
-    def run(inputs, group, grad_out):
+    def run(inputs, sequence_parallel, grad_out):
         inputs = inputs.detach().clone().requires_grad_()
-        out = attn(inputs, group=group, layout=layout)
+        out = parallelize(attn, sequence_parallel)(inputs)
         grads = torch.autograd.grad(out, [inputs, *params], grad_out.to(out.device))
         return out.detach(), grads[0], list(grads[1:])
 
@@ -173,7 +215,8 @@ def _check_kv_conv_layer(rank: int, world_size: int, device: torch.device, layou
     shard = shard_positions(n, rank, world_size, layout)
     attn.to(device)
     params = list(attn.parameters())
-    out, dx, dparams = run(x[:, shard].to(device), dist.group.WORLD, upstream[:, shard])
+    sequence_parallel = SequenceParallel(dist.group.WORLD, layout=layout)
+    out, dx, dparams = run(x[:, shard].to(device), sequence_parallel, upstream[:, shard])
     for grad in dparams:
         dist.all_reduce(grad)
     checks = [("out", out, full_out[:, shard]), ("dx", dx, full_dx[:, shard])]
@@ -236,11 +279,11 @@ def _run_library(q, k, v, d_out, d_lse, shard, case, device):
             c,
             branches,
             causal=causal,
-            process_group=dist.group.WORLD,
+            sequence_parallel=SequenceParallel(
+                dist.group.WORLD, case.get("layout", "contiguous"), case["transport"]
+            ),
             return_lse=True,
-            transport=case["transport"],
             block_elements=case["block_elements"],
-            layout=case.get("layout", "contiguous"),
             document_ids=None if ids is None else ids[:, shard].to(device),
         ),
     )
@@ -262,9 +305,11 @@ def check_ring_errors(rank: int, world_size: int, device: torch.device) -> list[
 
     def expect(message: str, **kwargs) -> None:
         shard_len = kwargs.pop("shard_len", 12)
+        split = {name: kwargs.pop(name) for name in ("layout", "transport") if name in kwargs}
         q = torch.randn(1, shard_len, 2, 4, dtype=torch.float64, device=device)
         try:
-            dilated_attention(q, q, q, process_group=dist.group.WORLD, **kwargs)
+            sequence_parallel = SequenceParallel(dist.group.WORLD, **split)
+            dilated_attention(q, q, q, sequence_parallel=sequence_parallel, **kwargs)
         except ValueError as error:
             if message not in str(error):
                 failures.append(f"expected {message!r}, got {error}")

@@ -98,7 +98,7 @@ def test_ring_stage_trains_and_its_test_loss_is_the_exports(setup):
         for index, batch in enumerate(data.test_dataloader()):
             if index == 2:
                 break
-            out = exported(batch["input_ids"], labels=batch["labels"])
+            out = exported(batch["input_ids"], targets=batch["labels"])
             loss_sum, tokens = loss_sum + float(out.loss_sum), tokens + int(out.num_tokens)
     assert summary["test"]["test/tokens"] == tokens
     # float32 as the recipe runs, a forward pass only (no optimizer step amplifies a rounding):

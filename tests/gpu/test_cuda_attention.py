@@ -149,7 +149,7 @@ def test_model_trains_and_generates_on_cuda():
     model = LongNetLM(config).cuda()
     tokens = torch.randint(0, 256, (2, 128), device="cuda")
     with torch.autocast("cuda", torch.bfloat16):
-        loss = model(tokens, labels=tokens).loss
+        loss = model(tokens[:, :-1], targets=tokens[:, 1:]).loss
     loss.backward()
     assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all()
                                         for p in model.parameters() if p.grad is not None)

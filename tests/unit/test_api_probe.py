@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from longnet.attention import DilatedPattern, dilated_attention
+from longnet.distributed import SequenceParallel
 from longnet.modeling import LongNetConfig, LongNetLM
 from longnet.nn import (
     MLP,
@@ -68,7 +69,7 @@ def test_rmsnorm_refuses_a_non_positive_eps():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(norm="batchnorm"), "norm must be one of .*'batchnorm'"),
-    (dict(dropout="0.1"), r"dropout must be a number in \[0, 1\), got '0.1'"),
+    (dict(output_dropout="0.1"), r"output_dropout must be a number in \[0, 1\), got '0.1'"),
     (dict(scale=-1.0), "scale must be a finite positive number, got -1.0"),
     (dict(scale="0.3"), "scale must be a number .*not a str: got '0.3'"),
     (dict(kv_conv_size=1), "kv_conv_size must be 0 .* at least 2, got 1"),
@@ -79,7 +80,8 @@ def test_attention_layer_refuses_what_the_config_refuses(kwargs, match):
 
 
 def test_a_dropout_out_of_range_names_it_in_the_config_and_the_layer():
-    for make in (lambda: LongNetConfig(**TINY, dropout=1.5), lambda: attention(dropout=1.5)):
+    for make in (lambda: LongNetConfig(**TINY, dropout=1.5),
+                 lambda: attention(output_dropout=1.5)):
         with pytest.raises(ValueError, match=r"dropout must be a number in \[0, 1\), got 1.5"):
             make()
 
@@ -143,15 +145,22 @@ def test_attention_layer_refuses_a_kv_conv_size_that_is_no_integer(size):
 
 @pytest.mark.parametrize("call", [
     lambda: attention()(torch.randn(1, 16, 32), group="world"),
-    lambda: attention(kv_conv_size=2)(torch.randn(1, 16, 32), torch.arange(16), "world"),
     lambda: make_lm()(torch.tensor([[1, 2, 3]]), group="world"),
     lambda: dilated_attention(*torch.randn(3, 1, 16, 2, 8), [(8, 1)], process_group="world"),
     lambda: default_position_ids(16, torch.device("cpu"), group="world"),
+    lambda: SequenceParallel("world"),
 ])
+@pytest.mark.filterwarnings("ignore:.*deprecated:FutureWarning")  # the old keywords warn first
 def test_a_group_that_is_not_a_process_group_is_refused(call):
-    with pytest.raises(TypeError, match=r"must be a torch.distributed.ProcessGroup or None, "
+    with pytest.raises(TypeError, match=r"must be a torch.distributed.ProcessGroup( or None)?, "
                        r"got str 'world'"):
         call()
+
+
+def test_a_group_passed_where_the_cache_goes_is_refused():
+    layer = attention(kv_conv_size=2)
+    with pytest.raises(TypeError, match="cache must be a LayerKVCache or None, got str 'world'"):
+        layer(torch.randn(1, 16, 32), torch.arange(16), "world")
 
 
 # ---------------------------------------------------------------- the sweep: numbers, names

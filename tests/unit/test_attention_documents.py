@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from longnet.attention import DilatedPattern, dilated_attention
-from longnet.attention.layout import BlockStack
+from longnet.attention.blocks import BlockStack
 from longnet.attention.plan import plan_attention
 from tests.kernel_calls import count_kernel_calls
 from tests.reference import document_ids_of, per_document_reference
@@ -149,7 +149,7 @@ def test_stacks_stay_within_the_block_budget():
     lengths = ((300, 212, 300, 212), (1024,), (100,) * 10 + (24,))
     pattern = DilatedPattern((64, 128, 512), (1, 2, 4))
     for budget in (500, 5_000, 50_000):
-        plan = plan_attention(pattern, torch.Size((3, 1024, 4, 8)), torch.float32,
+        plan = plan_attention(pattern, (3, 1024, 4, 8), torch.float32,
                               torch.device("cpu"), causal=True, scale=0.3,
                               block_elements=budget, documents=lengths)
         stacks = 0

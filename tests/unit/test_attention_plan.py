@@ -6,10 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from longnet.attention import dilated_attention, kernels
-from longnet.attention.layout import branch_groups, gather, region_groups, scatter_
+from longnet.attention import dilated_attention, kernels, op, transport
+from longnet.attention.blocks import branch_groups, gather, region_groups, scatter_
 from longnet.attention.pattern import DilatedPattern
-from longnet.attention.plan import CPU_BLOCK_ELEMENTS, default_block_elements, plan_attention
+from longnet.attention.plan import (
+    CPU_BLOCK_ELEMENTS,
+    CUDA_WORKING_TENSORS,
+    default_block_elements,
+    plan_attention,
+)
 from tests.kernel_calls import count_kernel_calls
 
 
@@ -104,7 +109,7 @@ def test_named_kernels_give_the_same_result(kernel):
 
 def test_block_budget_defaults_to_the_cpu_value_and_bounds_every_chunk():
     assert default_block_elements(torch.device("cpu")) == CPU_BLOCK_ELEMENTS
-    shape = torch.Size((2, 4096, 8, 64))
+    shape = (2, 4096, 8, 64)
     pattern = DilatedPattern((512, 1024, 4096), (1, 2, 4))
     for budget in (1000, 70_000, CPU_BLOCK_ELEMENTS):
         plan = plan_attention(pattern, shape, torch.float32, torch.device("cpu"), causal=True,
@@ -158,3 +163,64 @@ def test_efficient_backward_gets_out_with_the_row_stride_it_assumes(monkeypatch)
     lse = torch.randn(batch, heads, length)
     kernels.cuda_efficient_backward(kernels.BlockBackward(q, q, q, q, out, lse), False, 0.3)
     assert seen == {"row_stride": heads * dim, "lse_length": 64}
+
+
+def test_a_signature_is_planned_once(monkeypatch):
+    """Two calls with one signature run the same plan object; another shape gets its own."""
+    plans = []
+
+    def recording(*args, **kwargs):
+        plans.append(plan_attention(*args, **kwargs))
+        return plans[-1]
+
+    monkeypatch.setattr(op, "plan_attention", recording)
+    pattern = DilatedPattern((8, 16), (1, 2))
+    for seq_len in (32, 32, 48):
+        q, k, v = (torch.randn(2, seq_len, 4, 8) for _ in range(3))
+        dilated_attention(q, k, v, pattern, causal=True)
+    assert plans[0] is plans[1] and plans[2] is not plans[0]
+
+
+def test_the_cuda_block_budget_is_read_once_per_device(monkeypatch):
+    """The budget decides the chunking, and so the merge order: it is fixed at first use, not
+    read from the free memory on every call."""
+    free = [2**34]
+    reads = []
+
+    def mem_get_info(device):
+        reads.append(device)
+        return free[0], 2**35
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 0)
+    default_block_elements.cache_clear()
+    try:
+        device = torch.device("cuda", 0)
+        first = default_block_elements(device)
+        free[0] //= 4
+        assert default_block_elements(device) == first == 2**34 // (CUDA_WORKING_TENSORS * 4)
+        assert len(reads) == 1
+    finally:
+        default_block_elements.cache_clear()
+
+
+def test_ranks_agree_on_a_signature_once_per_group(monkeypatch):
+    """``agree_on_call`` all-reduces (and waits for the host) the first time a group meets a
+    signature only."""
+    calls = []
+
+    def all_agree(signature, block_elements, group, device):
+        calls.append((signature, group))
+        return block_elements - 1
+
+    class Group:  # any weak-referenceable key stands in for a ProcessGroup here
+        pass
+
+    monkeypatch.setattr(transport, "_all_agree", all_agree)
+    one, two = Group(), Group()
+    cpu = torch.device("cpu")
+    assert [transport.agree_on_call("a", 10, one, cpu) for _ in range(3)] == [9, 9, 9]
+    transport.agree_on_call("b", 10, one, cpu)
+    transport.agree_on_call("a", 10, two, cpu)
+    assert calls == [("a", one), ("b", one), ("a", two)]

@@ -59,7 +59,7 @@ def test_attention_layer_takes_another_dtype_under_autocast():
     (dict(num_heads=0), ValueError, "num_heads must be a positive integer, got 0"),
     (dict(embed_dim=32.0), ValueError, "embed_dim must be a positive integer, got 32.0"),
     (dict(causal="no"), TypeError, "causal must be True or False, got 'no'"),
-    (dict(dropout=1.5), ValueError, r"dropout must be a number in \[0, 1\), got 1.5"),
+    (dict(output_dropout=1.5), ValueError, r"output_dropout must be a number in \[0, 1\), got 1.5"),
     (dict(head_dim=0), ValueError, "head_dim must be a positive integer, got 0"),
 ])
 def test_attention_layer_refuses_bad_arguments(kwargs, error, match):
@@ -100,9 +100,9 @@ def test_config_save_creates_the_folder_and_is_atomic(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------- LongNetLM
-def test_labels_that_are_not_a_tensor_are_refused():
-    with pytest.raises(TypeError, match="labels must be a torch.Tensor, got list"):
-        make_lm()(torch.tensor([[1, 2, 3]]), labels=[[2, 3, 4]])
+def test_targets_that_are_not_a_tensor_are_refused():
+    with pytest.raises(TypeError, match="targets must be a torch.Tensor, got list"):
+        make_lm()(torch.tensor([[1, 2, 3]]), targets=[[2, 3, 4]])
 
 
 @pytest.mark.parametrize("eos", [256, -1, 3.0])

@@ -15,7 +15,7 @@ from longnet.eval.cli import device_argument
 from longnet.eval.documents import load_eval_documents
 from longnet.eval.passkey import check_passkey_grid
 from longnet.eval.reporting import write_csv
-from longnet.planning.state import model_config
+from longnet.memory.state import model_config
 from longnet.validation import UsageError
 from tests.scripts import load_script
 

@@ -26,7 +26,8 @@ import torch
 import yaml
 
 import longnet.cli.entry
-from longnet.cli import main, run_cli
+from longnet.cli import main
+from longnet.cli.entry import run_cli
 from longnet.modeling import LongNetConfig, LongNetLM
 
 REPO = Path(__file__).resolve().parents[2]
@@ -530,8 +531,8 @@ def test_precision_auto_follows_the_hardware(monkeypatch, caplog):
         caplog.clear()
     with pytest.raises(ValueError, match="precision 'auto' chooses for CPU and CUDA"):
         precision.resolve_precision("auto", "mps")
-    assert yaml.safe_load((REPO / "configs" / "quickstart.yaml").read_text())["trainer"][
-        "precision"] == "auto"
+    quickstart = yaml.safe_load((REPO / "configs" / "quickstart.yaml").read_text())["trainer"]
+    assert (quickstart["precision"], quickstart["accelerator"]) == ("auto", "auto")
 
 
 def test_metrics_config_and_curves_are_replaced_whole(tmp_path, monkeypatch):
@@ -540,7 +541,7 @@ def test_metrics_config_and_curves_are_replaced_whole(tmp_path, monkeypatch):
 
     from jsonargparse import ArgumentParser
 
-    from longnet.cli import RunConfigSaver
+    from longnet.cli.command import RunConfigSaver
     from longnet.training import MetricsSummary, plot_training_curves
 
     trainer = SimpleNamespace(log_dir=str(tmp_path), default_root_dir=str(tmp_path),

@@ -9,6 +9,7 @@ import importlib.util
 import json
 import random
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -170,7 +171,10 @@ def test_labels_follow_the_transformers_convention():
     x = torch.stack(prompts(12, 12))
     labels = x.clone()
     labels[0, 3] = -100
-    out = model(x, labels=labels, use_cache=False)
+    with warnings.catch_warnings():  # labels equal to the inputs are the convention here
+        warnings.filterwarnings("error", message=".*targets equal input_ids")
+        model(x, labels=x, use_cache=False)  # no warning: the model shifts them
+        out = model(x, labels=labels, use_cache=False)
     expected = torch.nn.functional.cross_entropy(
         out.logits[:, :-1].reshape(-1, 256), labels[:, 1:].reshape(-1), ignore_index=-100)
     torch.testing.assert_close(out.loss, expected)

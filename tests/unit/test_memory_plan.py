@@ -1,4 +1,4 @@
-"""Unit tests of the per-rank memory and communication formulas (``longnet.planning``)
+"""Unit tests of the per-rank memory and communication formulas (``longnet.memory``)
 and of ``scripts/plan_context.py``. Fast, single process; no timing."""
 
 from __future__ import annotations
@@ -12,19 +12,19 @@ import pytest
 import torch
 
 from longnet.attention import DilatedPattern
-from longnet.attention.layout import branch_groups, gather, gathers_view
+from longnet.attention.blocks import branch_groups, gather, gathers_view
 from longnet.attention.plan import CPU_BLOCK_ELEMENTS, branch_chunks
-from longnet.attention.ring import plan_sequence_parallel
+from longnet.attention.plan.spanning import plan_sequence_parallel
+from longnet.attention.ring import pack
 from longnet.attention.shard_lengths import fits_shards, padded_length
-from longnet.planning import AttentionSetup, plan_memory
-from longnet.planning.local import (
-    adopted_branch,
+from longnet.memory import AttentionSetup, plan_memory
+from longnet.memory.local import (
     gathers_copy,
     local_backward_workspace,
     local_chunks,
     local_forward_workspace,
 )
-from longnet.planning.ring import message_rows
+from longnet.memory.ring import message_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -106,7 +106,7 @@ def test_message_rows_match_the_library_plan():
         )
         for (ring,), (w, r) in zip(rings, pattern.branches[1:]):
             assert message_rows(setup, w, r, rank) == ring.rows_max
-            packed = ring.pack(torch.zeros(1, 12, 3, 4), torch.zeros(1, 12, 3, 4))
+            packed = pack(ring, torch.zeros(1, 12, 3, 4), torch.zeros(1, 12, 3, 4))
             memory = plan_memory(setup, ranks=[rank]).ranks[0]
             branch = next(b for b in memory.branches if b.segment_length == w)
             assert branch.message_bytes == packed.numel() * packed.element_size()
@@ -166,7 +166,7 @@ def test_plan_context_refuses_invalid_setups(capsys):
     code = plan_context.main(
         ["--seq-len", "1002", *common, "--segments", "256,512", "--rates", "1,2", "--no-pad"]
     )
-    assert code == 2  # the library's own error (ring.plan_sequence_parallel)
+    assert code == 2  # the library's own error (plan.spanning.plan_sequence_parallel)
     assert "branch (w=256, r=1) cannot be split over 3 ranks" in capsys.readouterr().err
     code = plan_context.main(["--seq-len", "1000", *common, "--segments", "4,8", "--rates", "8,2"])
     assert code == 2
@@ -222,8 +222,8 @@ def _local_workspace_of_every_chunk(setup: AttentionSetup) -> tuple[int, int]:
     """``(forward, backward)`` local workspace taken over every chunk the library runs (what
     the planner computed before it looked at one chunk of each shape)."""
     every = branch_chunks(setup.local_branches, setup.row_elements, setup.block_elements,
-                          adopted_branch(setup) is not None)
-    with patch("longnet.planning.local.local_chunks", lambda _: every):
+                          setup.adopted is not None)
+    with patch("longnet.memory.local.local_chunks", lambda _: every):
         return local_forward_workspace(setup), local_backward_workspace(setup)
 
 
@@ -253,3 +253,16 @@ def test_planning_time_does_not_grow_with_the_length(capsys):
     assert "padded length 1,073,741,824 (+25,165,824, 2.40%)" in capsys.readouterr().out
     assert plan_context.main(["--seq-len", str(10**21), "--devices", "1024"]) == 0
     assert "sequence 1,000,000,000,000,000,000,000 tokens" in capsys.readouterr().out
+
+
+def test_the_former_name_longnet_planning_warns_and_gives_the_same_objects():
+    import importlib
+    import sys
+
+    import longnet.memory
+
+    sys.modules.pop("longnet.planning", None)
+    with pytest.warns(FutureWarning, match="longnet.planning is renamed longnet.memory"):
+        planning = importlib.import_module("longnet.planning")
+    assert planning.plan_memory is longnet.memory.plan_memory
+    assert planning.AttentionSetup is longnet.memory.AttentionSetup

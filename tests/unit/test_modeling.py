@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -154,16 +155,40 @@ def test_loss_is_mean_over_labelled_tokens():
     x = torch.randint(0, 40, (2, 16))
     labels = torch.randint(0, 40, (2, 16))
     labels[0, :5] = -100
-    out = model(x, labels=labels)
+    out = model(x, targets=labels)
     keep = labels != -100
     ref = F.cross_entropy(out.logits[keep], labels[keep])
     torch.testing.assert_close(out.loss, ref, rtol=1e-12, atol=1e-12)
     assert int(out.num_tokens) == int(keep.sum())
     torch.testing.assert_close(out.loss_sum, ref * keep.sum(), rtol=1e-12, atol=1e-12)
-    none = model(x, labels=torch.full_like(labels, -100))
+    none = model(x, targets=torch.full_like(labels, -100))
     assert float(none.loss.detach()) == 0.0 and int(none.num_tokens) == 0
-    with pytest.raises(ValueError, match="labels"):
-        model(x, labels=labels[:, :-1])
+    with pytest.raises(ValueError, match=r"targets has shape \(2, 15\), expected \(2, 16\)"):
+        model(x, targets=labels[:, :-1])
+
+
+def test_labels_is_the_deprecated_name_of_targets():
+    model = make_lm().double()
+    x, targets = torch.randint(0, 40, (2, 16)), torch.randint(0, 40, (2, 16))
+    with pytest.warns(FutureWarning, match=r"labels= is renamed targets=.*"
+                      r"longnet.hf.LongNetForCausalLM") as caught:
+        old = model(x, labels=targets)
+    assert caught[0].filename == __file__
+    assert torch.equal(old.loss, model(x, targets=targets).loss)
+    with pytest.warns(FutureWarning), pytest.raises(ValueError, match="pass one of targets= "
+                                                    "and labels="):
+        model(x, targets, labels=targets)
+
+
+def test_targets_equal_to_the_inputs_are_warned_about():
+    model = make_lm()
+    tokens = torch.randint(0, 40, (2, 17))
+    with pytest.warns(UserWarning, match=r"targets equal input_ids, so the model learns to copy "
+                      r"its input.*input_ids = tokens\[:, :-1\], targets = tokens\[:, 1:\]"):
+        model(tokens, targets=tokens)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(tokens[:, :-1], targets=tokens[:, 1:])
 
 
 def test_input_errors():
@@ -172,11 +197,11 @@ def test_input_errors():
         model(torch.tensor([[1, 40]]))
     x = torch.tensor([[1, 2, 3]])
     with pytest.raises(ValueError, match=r"the first: 40\); ids must be in 0\.\.39 \(vocab_size"):
-        model(x, labels=torch.tensor([[2, 40, -100]]))
+        model(x, targets=torch.tensor([[2, 40, -100]]))
     with pytest.raises(ValueError, match="the first: -5"):
-        model(x, labels=torch.tensor([[2, -5, -100]]))
+        model(x, targets=torch.tensor([[2, -5, -100]]))
     with pytest.raises(TypeError, match="integer dtype"):
-        model(x, labels=torch.tensor([[2.0, 1.0, 0.0]]))
+        model(x, targets=torch.tensor([[2.0, 1.0, 0.0]]))
     encoder = LongNetEncoder(small_config(num_labels=3))
     with pytest.raises(ValueError, match=r"the first: 3\); ids must be in 0\.\.2 \(num_labels"):
         encoder(x, labels=torch.tensor([3]))
@@ -194,7 +219,7 @@ def test_gradient_checkpointing_gives_equal_gradients():
         model = make_lm(seed=3, gradient_checkpointing=checkpointing, num_kv_heads=2).double()
         model.train()
         assert all(b.gradient_checkpointing == checkpointing for b in model.model.layers)
-        model(x, labels=labels).loss.backward()
+        model(x, targets=labels).loss.backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:
@@ -462,8 +487,8 @@ def test_zoo_model_builds_and_runs(name):
     assert model.num_parameters() == count_parameters(config)
     x = torch.randint(0, config.vocab_size, (1, 64))
     with torch.no_grad():
-        out = model(x, labels=x)
-    assert out.logits.shape == (1, 64, config.vocab_size)
+        out = model(x[:, :-1], targets=x[:, 1:])
+    assert out.logits.shape == (1, 63, config.vocab_size)
     assert torch.isfinite(out.logits).all() and torch.isfinite(out.loss)
 
 
@@ -525,7 +550,7 @@ def test_trained_zoo_models_load_and_model_code(name):
     text = (REPO / "longnet" / "data" / "loaders.py").read_bytes()[:1024]
     ids = torch.tensor([list(text)])
     with torch.no_grad():
-        loss = model(ids[:, :-1], labels=ids[:, 1:]).loss
+        loss = model(ids[:, :-1], targets=ids[:, 1:]).loss
     assert loss.item() / math.log(2) < 3.5
 
 
@@ -547,8 +572,15 @@ def test_base_has_the_paper_shape():
 
 # ---------------------------------------------------------------------- sequence parallel
 def _sequence_parallel_case(rank, world_size, device):
-    """On every rank: the shard results with ``group`` equal the single-device results."""
+    """On every rank, for both layouts: the shard results of the parallelized models equal the
+    single-device results (float64); the deprecated per-call ``group=``/``layout=`` give the
+    parallelized model's results exactly, for that call only."""
+    import warnings
+
     import torch.distributed as dist
+
+    from longnet.distributed import SequenceParallel, parallelize
+    from longnet.distributed.shards import LAYOUTS, shard_positions
 
     group = dist.group.WORLD
     seq = 16 * world_size
@@ -564,24 +596,38 @@ def _sequence_parallel_case(rank, world_size, device):
     torch.manual_seed(6)
     x = torch.randint(0, 40, (2, seq), device=device)
     labels = torch.randint(0, 40, (2, seq), device=device)
-    full = lm(x, labels=labels)
+    full = lm(x, targets=labels)
     full.loss.backward()
     full_grads = {n: p.grad.clone() for n, p in lm.named_parameters()}
-    lm.zero_grad()
-    shard = slice(rank * 16, (rank + 1) * 16)
-    local = lm(x[:, shard], labels=labels[:, shard], group=group)  # default global positions
-    explicit = lm(x[:, shard], position_ids=torch.arange(seq, device=device)[shard], group=group)
-    (local.loss_sum / full.num_tokens).backward()
     failures = []
-    if not torch.allclose(local.logits, full.logits[:, shard], rtol=1e-9, atol=1e-9):
-        failures.append(f"rank {rank}: LM logits differ")
-    if not torch.equal(explicit.logits, local.logits):
-        failures.append(f"rank {rank}: explicit position_ids differ from the default ones")
-    for name, p in lm.named_parameters():
-        grad = p.grad.clone()
-        dist.all_reduce(grad, group=group)
-        if not torch.allclose(grad, full_grads[name], rtol=1e-9, atol=1e-9):
-            failures.append(f"rank {rank}: gradient of {name} differs")
+    for layout in LAYOUTS:
+        lm.zero_grad()
+        shard = shard_positions(seq, rank, world_size, layout, device)
+        parallelize(lm, SequenceParallel(group, layout))
+        local = lm(x[:, shard], targets=labels[:, shard])  # default global positions
+        explicit = lm(x[:, shard], position_ids=shard)
+        (local.loss_sum / full.num_tokens).backward()
+        if not torch.allclose(local.logits, full.logits[:, shard], rtol=1e-9, atol=1e-9):
+            failures.append(f"rank {rank}: LM logits differ ({layout})")
+        if not torch.equal(explicit.logits, local.logits):
+            failures.append(f"rank {rank}: explicit position_ids differ from the default ones")
+        for name, p in lm.named_parameters():
+            grad = p.grad.clone()
+            dist.all_reduce(grad, group=group)
+            if not torch.allclose(grad, full_grads[name], rtol=1e-9, atol=1e-9):
+                failures.append(f"rank {rank}: gradient of {name} differs ({layout})")
+        parallelize(lm, None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.no_grad():
+                old = lm(x[:, shard], targets=labels[:, shard], group=group, layout=layout)
+        if not any(issubclass(w.category, FutureWarning) and "parallelize" in str(w.message)
+                   for w in caught):
+            failures.append(f"rank {rank}: group=/layout= gave no FutureWarning ({layout})")
+        if not torch.equal(old.logits, local.logits):
+            failures.append(f"rank {rank}: group=/layout= differ from parallelize ({layout})")
+        if any(getattr(m, "sequence_parallel", None) is not None for m in lm.modules()):
+            failures.append(f"rank {rank}: group= outlived its call ({layout})")
     classes = labels[:, 0] % 2
     for pooling in ("mean", "first", "last"):
         torch.manual_seed(0)
@@ -589,16 +635,20 @@ def _sequence_parallel_case(rank, world_size, device):
         whole = encoder(x, labels=classes)
         whole.loss.backward()
         whole_grads = {n: p.grad.clone() for n, p in encoder.named_parameters()}
-        encoder.zero_grad()
-        part = encoder(x[:, shard], labels=classes, group=group)
-        if not torch.allclose(part.logits, whole.logits, rtol=1e-9, atol=1e-9):
-            failures.append(f"rank {rank}: encoder logits differ ({pooling} pooling)")
-        (part.loss / world_size).backward()  # every rank holds the same loss
-        for name, p in encoder.named_parameters():
-            grad = p.grad.clone()
-            dist.all_reduce(grad, group=group)
-            if not torch.allclose(grad, whole_grads[name], rtol=1e-9, atol=1e-9):
-                failures.append(f"rank {rank}: encoder gradient of {name} ({pooling})")
+        for layout in LAYOUTS:
+            encoder.zero_grad()
+            shard = shard_positions(seq, rank, world_size, layout, device)
+            parallelize(encoder, SequenceParallel(group, layout))
+            part = encoder(x[:, shard], labels=classes)
+            if not torch.allclose(part.logits, whole.logits, rtol=1e-9, atol=1e-9):
+                failures.append(f"rank {rank}: encoder logits differ ({pooling}, {layout})")
+            (part.loss / world_size).backward()  # every rank holds the same loss
+            for name, p in encoder.named_parameters():
+                grad = p.grad.clone()
+                dist.all_reduce(grad, group=group)
+                if not torch.allclose(grad, whole_grads[name], rtol=1e-9, atol=1e-9):
+                    failures.append(f"rank {rank}: encoder gradient of {name} ({pooling}, "
+                                    f"{layout})")
     return failures
 
 

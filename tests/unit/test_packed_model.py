@@ -77,13 +77,13 @@ def test_loss_ignores_the_first_token_of_every_later_document():
     model = _lm(position_encoding="rope")
     input_ids, document_ids = _packed_batch(2)
     labels = torch.cat((input_ids[:, 1:], torch.full((len(LENGTHS), 1), IGNORE_INDEX)), dim=1)
-    packed = model(input_ids, labels=labels, document_ids=document_ids)
+    packed = model(input_ids, targets=labels, document_ids=document_ids)
     loss_sum, tokens = 0.0, 0
     for row in range(len(LENGTHS)):
         for start, length in _documents(row):
             alone_labels = labels[row : row + 1, start : start + length].clone()
             alone_labels[:, -1] = IGNORE_INDEX  # a document alone has no next token to predict
-            alone = model(input_ids[row : row + 1, start : start + length], labels=alone_labels)
+            alone = model(input_ids[row : row + 1, start : start + length], targets=alone_labels)
             loss_sum, tokens = loss_sum + alone.loss_sum, tokens + int(alone.num_tokens)
     boundaries = sum(len(lengths) - 1 for lengths in LENGTHS)
     assert int(packed.num_tokens) == tokens == 3 * 31 - boundaries
@@ -116,6 +116,3 @@ def test_document_ids_are_checked_by_the_model():
         model(input_ids, document_ids=document_ids[:, 1:])
     with pytest.raises(ValueError, match="document_ids cannot be combined with a KV cache"):
         model(input_ids, document_ids=document_ids, cache=model.new_cache())
-    with pytest.raises(ValueError, match="with document_ids and a sequence-parallel group, "
-                                         "pass position_ids"):
-        model(input_ids, document_ids=document_ids, group=object())

@@ -1,4 +1,4 @@
-"""Unit tests of the training-state memory model (``longnet.planning.state``) and of the
+"""Unit tests of the training-state memory model (``longnet.memory.state``) and of the
 training-state table of ``scripts/plan_context.py``: exact parameter counts against real
 models, per-rank bytes of the DDP and FSDP layouts by hand (FSDP2's padding included), errors.
 Single process, no process group; the 4-process comparison with measured shards is in
@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from longnet.modeling import LongNetLM
-from longnet.planning.state import (
+from longnet.memory.state import (
     PRECISIONS,
     ParameterShapes,
     StateDtypes,
@@ -21,6 +20,7 @@ from longnet.planning.state import (
     shard_elements,
     state_memory,
 )
+from longnet.modeling import LongNetLM
 from longnet.validation import UsageError
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,23 +5,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from longnet.attention.kernels import select_kernel
-from longnet.attention.layout import BlockGroup, gathers_view
-from longnet.attention.plan import adopted_branch as plan_adopted_branch
-from longnet.planning.setup import MODELLED_DEVICE, AttentionSetup
-from longnet.planning.workspace import (
-    MERGE_TEMPORARIES,
-    kernel_workspace_backward,
-    kernel_workspace_forward,
-)
-
-
-def adopted_branch(setup: AttentionSetup) -> BlockGroup | None:
-    """``plan.adopted_branch`` of the local branches: the first one when ``attend_local`` runs
-    it as one kernel call whose outputs become the accumulators."""
-    kernel = select_kernel(MODELLED_DEVICE, setup.dtype, setup.head_dim)
-    local, heads = setup.local_branches, setup.num_heads
-    return plan_adopted_branch(local, setup.shard_len, heads, setup.dtype, kernel)
+from longnet.attention.blocks import BlockGroup, gathers_view
+from longnet.attention.merge import MERGE_TEMPORARIES
+from longnet.memory.setup import AttentionSetup
+from longnet.memory.workspace import kernel_workspace_backward, kernel_workspace_forward
 
 
 def local_chunks(setup: AttentionSetup) -> list[tuple[int, BlockGroup]]:
@@ -29,7 +16,7 @@ def local_chunks(setup: AttentionSetup) -> list[tuple[int, BlockGroup]]:
     branches (``plan.branch_chunks``, which ``local.attend_local`` runs one at a time). Chunks
     of one shape take the same memory, so the workspace is that of these few, whatever the
     number of segments (:func:`chunk_shapes`)."""
-    skip = adopted_branch(setup) is not None
+    skip = setup.adopted is not None
     return [
         (index, chunk)
         for index in range(int(skip), len(setup.local_branches))
@@ -58,7 +45,7 @@ def chunk_elements(setup: AttentionSetup, chunk: BlockGroup) -> int:
 
 
 def gathers_copy(setup: AttentionSetup, chunk: BlockGroup) -> bool:
-    """Whether ``layout.gather`` of ``chunk`` copies (see ``layout.gathers_view``)."""
+    """Whether ``blocks.gather`` of ``chunk`` copies (see ``blocks.gathers_view``)."""
     return not gathers_view(chunk, setup.batch, setup.shard_len)
 
 
@@ -70,14 +57,15 @@ def _lse_part(setup: AttentionSetup, elements: int) -> int:
 def local_forward_workspace(setup: AttentionSetup) -> int:
     """Peak bytes of the local branches' forward above the accumulators.
 
-    An ``adopted_branch`` writes the accumulators itself: only the kernel workspace. Per
-    chunk of ``C`` elements (``[copy]``: ``gathers_copy``): kernel phase = gathered q, k, v
-    ``3 C s [copy]`` + output ``C s + lse`` + kernel workspace; merge phase = output ``C s + lse``
-    + (unless the first branch, which is copied) gathered accumulator rows ``(C a + lse) [copy]``
-    + ``MERGE_TEMPORARIES`` lse temporaries. A chunk's output is freed before the next call.
+    The adopted branch (``setup.adopted``) writes the accumulators itself: only the kernel
+    workspace. Per chunk of ``C`` elements (``[copy]``: ``gathers_copy``): kernel phase =
+    gathered q, k, v ``3 C s [copy]`` + output ``C s + lse`` + kernel workspace; merge phase =
+    output ``C s + lse`` + (unless the first branch, which is copied) gathered accumulator
+    rows ``(C a + lse) [copy]`` + ``MERGE_TEMPORARIES`` lse temporaries. A chunk's output is
+    freed before the next call.
     """
     s, peak = setup.input_size, 0
-    adopted = adopted_branch(setup)
+    adopted = setup.adopted
     if adopted is not None:
         peak = kernel_workspace_forward(setup, adopted.rows, adopted.rows)
     for index, chunk in local_chunks(setup):
@@ -97,16 +85,17 @@ def local_forward_workspace(setup: AttentionSetup) -> int:
 def local_backward_workspace(setup: AttentionSetup) -> int:
     """Peak bytes of the local branches' backward above saved tensors and gradient buffers.
 
-    An ``adopted_branch`` writes the gradient buffers itself: a contiguous lse copy + the
-    kernel workspace. Per chunk of ``C`` elements: query side ``qs = 3 C s [copy] + lse``
-    (d_out, q, out rows and a contiguous lse copy); query phase = ``qs`` + the gathered lse
-    ``[copy]``; kernel phase = ``qs`` + gathered k, v ``2 C s [copy]`` + gradients ``3 C s`` +
-    kernel workspace (+ ``C s`` when a contiguous chunk was copied by ``reshape``: the CPU
-    kernel makes one of those head-major blocks sequence-major again). Scatter-adds are in
-    place; a chunk's blocks are freed before the next chunk's gathers.
+    The adopted branch (``setup.adopted``) writes the gradient buffers itself: a contiguous
+    lse copy + the kernel workspace. Per chunk of ``C`` elements: query side
+    ``qs = 3 C s [copy] + lse`` (d_out, q, out rows and a contiguous lse copy); query phase =
+    ``qs`` + the gathered lse ``[copy]``; kernel phase = ``qs`` + gathered k, v
+    ``2 C s [copy]`` + gradients ``3 C s`` + kernel workspace (+ ``C s`` when a contiguous
+    chunk was copied by ``reshape``: the CPU kernel makes one of those head-major blocks
+    sequence-major again). Scatter-adds are in place; a chunk's blocks are freed before the
+    next chunk's gathers.
     """
     s, peak = setup.input_size, 0
-    adopted = adopted_branch(setup)
+    adopted = setup.adopted
     if adopted is not None:
         lse = setup.lse_elements * setup.acc_size
         peak = lse + kernel_workspace_backward(setup, adopted.rows, adopted.rows)

@@ -15,9 +15,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from longnet.planning.local import local_backward_workspace, local_forward_workspace
-from longnet.planning.ring import SpanningBranchMemory, spanning_branch_memory, spanning_branches
-from longnet.planning.setup import AttentionSetup
+from longnet.memory.local import local_backward_workspace, local_forward_workspace
+from longnet.memory.ring import SpanningBranchMemory, spanning_branch_memory, spanning_branches
+from longnet.memory.setup import AttentionSetup
 
 
 @dataclass(frozen=True)

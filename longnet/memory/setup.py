@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from longnet.attention.kernels import accumulation_dtype
-from longnet.attention.layout import BlockGroup
+from longnet.attention.blocks import BlockGroup
+from longnet.attention.kernels import accumulation_dtype, select_kernel
 from longnet.attention.pattern import DilatedPattern
-from longnet.attention.plan import CPU_BLOCK_ELEMENTS
-from longnet.attention.ring import plan_sequence_parallel
+from longnet.attention.plan import CPU_BLOCK_ELEMENTS, adopted_branch
+from longnet.attention.plan.spanning import plan_sequence_parallel
 from longnet.attention.shard_lengths import padded_length
 from longnet.attention.transport import transports_per_branch
 
@@ -49,6 +49,9 @@ class AttentionSetup:
     local_branches: list[list[BlockGroup]] = field(init=False, repr=False, compare=False)
     """The block groups of every local branch (``w <= L``), as the planner builds them (the
     same on every rank)."""
+    adopted: BlockGroup | None = field(init=False, repr=False, compare=False)
+    """``plan.adopted_branch`` of the local branches: the first one when ``attend_local`` runs
+    it as one kernel call whose outputs become the accumulators."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pattern", DilatedPattern.coerce(self.pattern))
@@ -83,6 +86,9 @@ class AttentionSetup:
             self.block_elements,
         )
         object.__setattr__(self, "local_branches", local)
+        kernel = select_kernel(MODELLED_DEVICE, self.dtype, self.head_dim)
+        adopted = adopted_branch(local, self.shard_len, self.num_heads, self.dtype, kernel)
+        object.__setattr__(self, "adopted", adopted)
 
     @property
     def transports(self) -> tuple[str, ...]:

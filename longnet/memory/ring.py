@@ -2,10 +2,11 @@
 piece at a time, for either transport.
 
 A branch ``(w, r)`` spanning ``g`` ranks runs as pieces of a few heads each
-(``ring.heads_per_piece``); a piece packs this rank's selected K and V rows of its heads into
-one message of ``M = 2 * batch * heads_per_piece * R * head_dim`` elements (``R = ceil(L / r)``,
-``message_rows``). Communication counts the payload bytes of the point-to-point sends
-(``batch_isend_irecv``); the call's 24-byte argument check (``all_reduce``) is not counted.
+(``plan.spanning.heads_per_piece``); a piece packs this rank's selected K and V rows of its
+heads into one message of ``M = 2 * batch * heads_per_piece * R * head_dim`` elements
+(``R = ceil(L / r)``, ``message_rows``). Communication counts the payload bytes of the
+point-to-point sends (``batch_isend_irecv``); the call check (one 24-byte ``all_reduce`` the
+first time a group meets a signature, ``transport.agree_on_call``) is not counted.
 With drifting offsets the block work is an upper bound (all heads of a piece in one block of
 ``ceil(L / r)`` rows).
 """
@@ -14,16 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from longnet.attention.layout import selected_rows
-from longnet.attention.ring import heads_per_piece, segment_group
+from longnet.attention.blocks import selected_rows
+from longnet.attention.merge import MERGE_TEMPORARIES
+from longnet.attention.plan.spanning import heads_per_piece, segment_group
 from longnet.attention.transport import Schedule
-from longnet.planning.local import _lse_part
-from longnet.planning.setup import AttentionSetup
-from longnet.planning.workspace import (
-    MERGE_TEMPORARIES,
-    kernel_workspace_backward,
-    kernel_workspace_forward,
-)
+from longnet.memory.local import _lse_part
+from longnet.memory.setup import AttentionSetup
+from longnet.memory.workspace import kernel_workspace_backward, kernel_workspace_forward
 
 
 @dataclass(frozen=True)
@@ -162,8 +160,9 @@ def spanning_branch_memory(
 ) -> SpanningBranchMemory:
     """Memory and traffic of the branch ``(segment, rate)`` spanning ranks, on ``rank``.
 
-    The branch runs piece by piece (``ring.heads_per_piece``: at most ``setup.block_elements``
-    elements per message); memory is that of the largest piece, traffic the sum over pieces.
+    The branch runs piece by piece (``plan.spanning.heads_per_piece``: at most
+    ``setup.block_elements`` elements per message); memory is that of the largest piece,
+    traffic the sum over pieces.
     """
     _, members = segment_group(rank, setup.shard_len, segment, setup.seq_len)
     schedule = Schedule(len(members), rank - members[0], setup.causal)

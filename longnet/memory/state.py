@@ -1,6 +1,6 @@
 """Per-rank memory of the training state (parameters, gradients, AdamW moments) under the two
 sequence-parallel strategies, from a model config: the part of a long-context plan that
-``longnet.planning``'s attention plans (the attention core's activations) leave out.
+``longnet.memory``'s attention plans (the attention core's activations) leave out.
 
 A model of what the strategies allocate, not run-time code: the library never imports it;
 ``scripts/plan_context.py`` and the tests use it. Sizes are in **bytes per rank** (the rank
@@ -34,7 +34,7 @@ Activations other than the attention core's are not modelled here.
 
 Usage::
 
-    from longnet.planning.state import ParameterShapes, model_config, state_memory
+    from longnet.memory.state import ParameterShapes, model_config, state_memory
 
     shapes = ParameterShapes.of_config(model_config("longnet-base", {"num_layers": 24}))
     fsdp = state_memory(shapes, "fsdp", world_size=64, sequence_parallel_size=64)

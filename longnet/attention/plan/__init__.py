@@ -1,27 +1,36 @@
-"""The plan of one call: every decision made before a tensor is touched, made once.
+"""The plan of a call: every decision made before a tensor is touched, made once per signature.
 
-``plan_attention`` turns the arguments of ``dilated_attention`` into an :class:`AttentionPlan`:
-the kernel (``kernels.select_kernel``), the block budget (``default_block_elements``), the local
-branches' block groups cut into chunks that fit the budget, the branch adopted as the
-accumulators, and the pieces of branches whose segments span ranks (``ring``); with packed
-documents, the documents' block groups, stacked into few kernel calls (``documents``). The
-forward and the backward read the same plan from the autograd context (docs/architecture.md §3).
+:func:`plan_attention` turns the arguments of ``dilated_attention`` into an
+:class:`AttentionPlan`: the kernel (``kernels.select_kernel``), the block budget
+(:func:`default_block_elements`), the local branches' block groups cut into chunks that fit the
+budget, the branch adopted as the accumulators, and the pieces of branches whose segments span
+ranks (``spanning``); with packed documents, the documents' block groups, stacked into few
+kernel calls, or cut at shard boundaries across ranks (``packed``). The forward and the
+backward read the same plan (docs/architecture.md §3); ``local.py`` and ``ring.py`` execute it.
+
+Every function here depends only on hashable arguments (no tensor, no process group), so plans
+are cached: a model calls attention with one signature per layer and step, and gets the same
+plan object each time.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from longnet.attention.document_ring import plan_document_ring
-from longnet.attention.documents import Documents, document_branches, stacked_chunks
+from longnet.attention.blocks import BlockGroup, Blocks, branch_groups
 from longnet.attention.kernels import Kernel, accumulation_dtype, select_kernel
-from longnet.attention.layout import BlockGroup, Blocks, branch_groups
 from longnet.attention.pattern import DilatedPattern
-from longnet.attention.ring import SpanningPiece, plan_sequence_parallel
+from longnet.attention.plan.packed import (
+    Documents,
+    document_branches,
+    plan_document_ring,
+    stacked_chunks,
+)
+from longnet.attention.plan.spanning import SpanningPiece, plan_sequence_parallel
 
 CPU_BLOCK_ELEMENTS = 2**18
 """Block budget on the CPU, in elements of one gathered tensor. It bounds the working memory
@@ -33,11 +42,19 @@ CUDA_WORKING_TENSORS = 16
 """How many block-sized float32 tensors the budget on CUDA leaves room for in the free device
 memory (the backward's gathered inputs, gradients and the kernel's float32 accumulators)."""
 
+PLAN_CACHE_SIZE = 256
+"""Plans kept (least recently used dropped): one per signature (shapes, pattern, options,
+rank, documents) a process calls with."""
 
+
+@functools.cache
 def default_block_elements(device: torch.device) -> int:
-    """The block budget for ``device``: ``CPU_BLOCK_ELEMENTS`` on the CPU; on CUDA the free
-    device memory (counting memory the caching allocator holds unused) over
-    ``CUDA_WORKING_TENSORS`` float32 tensors, so that a branch usually runs as one call."""
+    """The block budget for ``device``, fixed for the process at its first use:
+    ``CPU_BLOCK_ELEMENTS`` on the CPU; on CUDA the device memory free at that moment (counting
+    memory the caching allocator holds unused) over ``CUDA_WORKING_TENSORS`` float32 tensors,
+    so that a branch usually runs as one call. Fixed, because the budget decides the chunking
+    and so the order of the merge: reading it per call would make results depend on the
+    allocator's state. Pass ``dilated_attention(block_elements=...)`` to choose it."""
     if device.type != "cuda":
         return CPU_BLOCK_ELEMENTS
     free, _ = torch.cuda.mem_get_info(device)
@@ -53,8 +70,8 @@ class AttentionPlan:
     ``adopted_branch``); ``chunks``: ``(branch index, chunk)`` of the remaining local work in
     the order it runs, each chunk (a group or, with packed documents, a stack of groups) one
     kernel call of at most ``block_elements`` elements; ``pieces``: the pieces of branches
-    spanning ranks, run after the local work, in sets exchanged together
-    (``ring.run_forward_``: one member each, or this rank's two chunks with ``zigzag``).
+    spanning ranks, run after the local work, in sets exchanged together (``ring.py``: one
+    member each, or this rank's two chunks with ``zigzag``).
     """
 
     kernel: Kernel
@@ -64,70 +81,56 @@ class AttentionPlan:
     adopted: BlockGroup | None
     chunks: tuple[tuple[int, Blocks], ...]
     pieces: tuple[tuple[SpanningPiece, ...], ...]
-    process_group: dist.ProcessGroup | None
 
 
+@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
 def plan_attention(
     pattern: DilatedPattern,
-    shape: torch.Size,
+    shape: tuple[int, int, int, int],
     dtype: torch.dtype,
     device: torch.device,
     *,
     causal: bool,
     scale: float,
-    process_group: dist.ProcessGroup | None = None,
-    transports: Sequence[str] = (),
+    world_size: int = 1,
+    rank: int = 0,
+    layout: str = "contiguous",
+    transports: tuple[str, ...] = (),
     kernel: str = "auto",
     block_elements: int | None = None,
     documents: Documents | None = None,
-    layout: str = "contiguous",
 ) -> AttentionPlan:
-    """The plan of a call on ``q`` of ``shape`` ``(batch, seq, heads, head_dim)`` (this rank's
-    shard with ``process_group``, sharded by ``layout``, one of
-    ``longnet.distributed.shards.LAYOUTS``); ``transports``: one per branch (needed with a
-    group);
-    ``documents``: the document lengths of each batch element's whole sequence
-    (``documents.document_lengths``, or ``document_ring.global_documents`` with a group: the
-    contiguous layout only), or None for one document per batch element."""
+    """The plan of a call on ``q`` of ``shape`` ``(batch, seq, heads, head_dim)``: this rank's
+    shard when ``world_size > 1`` (group rank ``rank``, sharded by ``layout``, one of
+    ``longnet.distributed.shards.LAYOUTS``; ``transports``: one per branch); ``documents``:
+    the document lengths of each batch element's whole sequence (contiguous layout only), or
+    None for one document per batch element. Cached: equal arguments give the same object."""
     batch, seq_len, heads, head_dim = shape
     chosen = select_kernel(device, dtype, head_dim, kernel)
     budget = default_block_elements(device) if block_elements is None else block_elements
-    world = 1 if process_group is None else dist.get_world_size(process_group)
     if documents is not None and any(len(lengths) > 1 for lengths in documents):
-        if world == 1:
+        if world_size == 1:
             local, pieces = document_branches(pattern, documents, heads), []
         else:
             local, pieces = plan_document_ring(
-                pattern, documents, seq_len, dist.get_rank(process_group), heads, transports,
-                head_dim, budget,
+                pattern, documents, seq_len, rank, heads, transports, head_dim, budget,
             )
-        return AttentionPlan(
-            kernel=chosen, causal=causal, scale=scale, block_elements=budget, adopted=None,
-            chunks=tuple(
-                (index, chunk) for index, groups in enumerate(local)
-                for chunk in stacked_chunks(groups, batch, head_dim, budget)
-            ),
-            pieces=tuple(pieces), process_group=process_group if world > 1 else None,
+        chunks = tuple(
+            (index, chunk) for index, groups in enumerate(local)
+            for chunk in stacked_chunks(groups, batch, head_dim, budget)
         )
-    if world == 1:
+        return AttentionPlan(chosen, causal, scale, budget, None, chunks, tuple(pieces))
+    if world_size == 1:
         local = [branch_groups(seq_len, heads, w, r) for w, r in pattern.branches]
-        pieces: list[tuple[SpanningPiece, ...]] = []
+        pieces = []
     else:
         local, pieces = plan_sequence_parallel(
-            pattern, seq_len, world, dist.get_rank(process_group), heads, transports,
-            batch * head_dim, budget, layout,
+            pattern, seq_len, world_size, rank, heads, transports, batch * head_dim, budget,
+            layout,
         )
     adopted = adopted_branch(local, seq_len, heads, dtype, chosen)
-    return AttentionPlan(
-        kernel=chosen,
-        causal=causal,
-        scale=scale,
-        block_elements=budget,
-        adopted=adopted,
-        chunks=tuple(branch_chunks(local, batch * head_dim, budget, adopted is not None)),
-        pieces=tuple(pieces),
-        process_group=process_group,
-    )
+    chunks = tuple(branch_chunks(local, batch * head_dim, budget, adopted is not None))
+    return AttentionPlan(chosen, causal, scale, budget, adopted, chunks, tuple(pieces))
 
 
 def adopted_branch(
@@ -163,3 +166,15 @@ def branch_chunks(
         for group in branches[index]
         for chunk in group.chunks(block_elements, row_elements)
     ]
+
+
+__all__ = [
+    "CPU_BLOCK_ELEMENTS",
+    "AttentionPlan",
+    "Documents",
+    "SpanningPiece",
+    "adopted_branch",
+    "branch_chunks",
+    "default_block_elements",
+    "plan_attention",
+]

@@ -1,0 +1,184 @@
+"""Sequence parallelism as one object, applied to a model from outside.
+
+:class:`SequenceParallel` says how a sequence is split over a process group (which ranks, how
+the tokens are sharded, how K/V blocks travel) and checks that the combination runs when it is
+built. :func:`parallelize` hands it to every module of a model that reads it, so the model's
+``forward`` takes only data (ids, positions, document ids), as in torchtitan, where
+parallelism is applied to a model rather than threaded through its calls.
+:func:`call_setting` gives each forward the setting of its call, which the deprecated
+per-call ``group=``/``layout=`` keywords can still set.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from longnet.distributed.shards import LAYOUTS, check_layout
+
+TRANSPORTS = ("ring", "allgather")
+"""``ring``: blocks rotate one member on per hop; ``allgather``: every member receives every
+block at once (LongNet's own scheme)."""
+
+
+def check_process_group(name: str, group: object, allow_none: bool = True) -> None:
+    """Raise ``TypeError`` unless ``group`` (the argument ``name``) is a
+    ``torch.distributed.ProcessGroup`` (or None, with ``allow_none``)."""
+    if (group is None and allow_none) or isinstance(group, dist.ProcessGroup):
+        return
+    raise TypeError(
+        f"{name} must be a torch.distributed.ProcessGroup{' or None' if allow_none else ''}, "
+        f"got {type(group).__name__} {group!r}; pass the group of the ranks sharing the "
+        "sequence (torch.distributed.new_group, or torch.distributed.group.WORLD)"
+        f"{', or None on one device' if allow_none else ''}."
+    )
+
+
+@dataclass(frozen=True)
+class SequenceParallel:
+    """How a sequence is split over the ranks of ``process_group``.
+
+    Args:
+        process_group: the ranks sharing each sequence (``torch.distributed.new_group``, or
+            ``torch.distributed.group.WORLD``). Each rank passes its shard of ``L = N / P``
+            tokens.
+        layout: ``"contiguous"`` (rank ``r`` holds tokens ``r L .. (r + 1) L - 1``) or
+            ``"zigzag"`` (``2P`` chunks; rank ``r`` holds chunks ``r`` and ``2P - 1 - r``, which
+            balances causal work; ``longnet.distributed.shards``).
+        transport: how branches whose segments span ranks move K/V: ``"ring"`` or
+            ``"allgather"``, one name for all branches or a sequence of names, one per branch
+            (checked against the pattern when attention runs). ``zigzag`` runs ``ring`` only.
+
+    Raises:
+        TypeError: ``process_group`` is not a ``ProcessGroup``.
+        ValueError: an unknown layout or transport, or ``zigzag`` with ``allgather``.
+    """
+
+    process_group: dist.ProcessGroup
+    layout: str = "contiguous"
+    transport: str | tuple[str, ...] = "ring"
+
+    def __post_init__(self) -> None:
+        check_process_group("SequenceParallel: process_group", self.process_group,
+                            allow_none=False)
+        check_layout(self.layout, "SequenceParallel")
+        names = (self.transport,) if isinstance(self.transport, str) else self.transport
+        if not isinstance(names, Sequence) or not names or any(
+            name not in TRANSPORTS for name in names
+        ):
+            raise ValueError(
+                f"SequenceParallel: transport must be one of {TRANSPORTS} or a sequence of "
+                f"them (one per branch), got {self.transport!r}."
+            )
+        if not isinstance(self.transport, str):
+            object.__setattr__(self, "transport", tuple(self.transport))
+        if self.layout == "zigzag" and "allgather" in names:
+            raise ValueError(
+                "SequenceParallel: the zigzag layout runs the ring transport only; pass "
+                "transport='ring' or layout='contiguous'."
+            )
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks in ``process_group``."""
+        return dist.get_world_size(self.process_group)
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in ``process_group``."""
+        return dist.get_rank(self.process_group)
+
+
+def parallelize(model: nn.Module, sequence_parallel: SequenceParallel | None) -> nn.Module:
+    """Give ``sequence_parallel`` to every module of ``model`` that has a
+    ``sequence_parallel`` attribute (the attention layers, the backbone's default positions, the
+    encoder's pooling); ``None`` makes the model run on one device again. Returns ``model``
+    (changed in place). The setting is a plain attribute: it is not saved with the weights or
+    the config, and a model keeps its process group until it is given ``None``.
+
+    Once applied, every ``forward`` of ``model`` takes this rank's shard of each sequence
+    (``layout``) and returns this rank's shard of the single-device result; every rank of the
+    group must run the same calls (forward and backward).
+
+    Raises:
+        TypeError: ``model`` is not a module, or ``sequence_parallel`` is neither a
+            :class:`SequenceParallel` nor None.
+        ValueError: no module of ``model`` reads it (not a longnet model).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"parallelize: model must be a torch.nn.Module, got {type(model).__name__}; pass "
+            "the longnet model (LongNetLM, LongNetModel, MultiheadDilatedAttention)."
+        )
+    if sequence_parallel is not None and not isinstance(sequence_parallel, SequenceParallel):
+        raise TypeError(
+            "parallelize: sequence_parallel must be a longnet.distributed.SequenceParallel or "
+            f"None, got {type(sequence_parallel).__name__}."
+        )
+    readers = [m for m in model.modules() if hasattr(m, "sequence_parallel")]
+    if not readers:
+        raise ValueError(
+            f"parallelize: no module of {type(model).__name__} reads a sequence_parallel "
+            "setting; pass a longnet model or layer (LongNetLM, LongNetModel, "
+            "MultiheadDilatedAttention)."
+        )
+    for module in readers:
+        module.sequence_parallel = sequence_parallel
+    return model
+
+
+PASSED_ON = "_sequence_parallel"
+"""The keyword under which a model hands the setting of one call to its submodules, when the
+caller gave the deprecated ``group=``/``layout=`` (see :func:`call_setting`)."""
+
+
+def call_setting(
+    owner: str, setting: SequenceParallel | None, keywords: Mapping[str, Any]
+) -> tuple[SequenceParallel | None, dict[str, Any]]:
+    """The sequence parallelism one ``forward`` call of ``owner`` runs with, and the keywords
+    it hands to its submodules' forwards.
+
+    ``keywords`` are the extra keywords the forward received: none (the call runs with
+    ``setting``, the module's ``sequence_parallel``, and hands nothing on), the deprecated
+    ``group=``/``layout=`` (a ``FutureWarning`` naming :func:`parallelize`; the call, and only
+    it, runs with ``SequenceParallel(group, layout)``, or on one device when ``group`` is
+    None), or :data:`PASSED_ON` (the setting an enclosing module resolved for this call).
+
+    Raises:
+        TypeError: an unknown keyword (named as Python names it), or a ``group`` that is not a
+            ``ProcessGroup``.
+        ValueError: an unknown ``layout``, or ``zigzag`` where :class:`SequenceParallel` refuses
+            it.
+    """
+    for name in keywords:
+        if name not in ("group", "layout", PASSED_ON):
+            raise TypeError(f"{owner}.forward() got an unexpected keyword argument {name!r}")
+    if PASSED_ON in keywords:
+        return keywords[PASSED_ON], {PASSED_ON: keywords[PASSED_ON]}
+    if not keywords:
+        return setting, {}
+    group, layout = keywords.get("group"), keywords.get("layout", "contiguous")
+    warnings.warn(
+        f"{owner}.forward: {' and '.join(f'{name}=' for name in keywords)} "
+        f"{'is' if len(keywords) == 1 else 'are'} deprecated and will be removed in the next "
+        "release; apply the sequence parallelism to the model once, "
+        "longnet.distributed.parallelize(model, SequenceParallel(group, layout)), and call it "
+        "without them (given here, they apply to this call only).",
+        FutureWarning,
+        stacklevel=5,  # call_setting <- forward <- Module._call_impl <- __call__ <- the caller
+    )
+    check_process_group(f"{owner}.forward: group", group)
+    check_layout(layout, f"{owner}.forward")
+    sequence_parallel = None if group is None else SequenceParallel(group, layout)
+    return sequence_parallel, {PASSED_ON: sequence_parallel}
+
+
+__all__ = [
+    "LAYOUTS", "TRANSPORTS", "SequenceParallel", "call_setting", "check_process_group",
+    "parallelize",
+]
