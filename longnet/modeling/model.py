@@ -347,6 +347,9 @@ class LongNetLM(LongNetPreTrained):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._init_weights()
+        # targets are compared with input_ids once (a wait for the device on a GPU, not one
+        # per training step): a caller who passes the inputs as targets does so every call
+        self._targets_checked = False
 
     def new_cache(self) -> KVCache:
         """An empty KV cache for incremental decoding with :meth:`forward` / :meth:`generate`."""
@@ -393,7 +396,7 @@ class LongNetLM(LongNetPreTrained):
                 f"targets has shape {tuple(targets.shape)}, expected {tuple(input_ids.shape)} "
                 "(aligned with input_ids: targets[:, t] is the target of position t)."
             )
-        if torch.equal(targets, input_ids):
+        if not self._targets_checked and torch.equal(targets, input_ids):
             warnings.warn(
                 "LongNetLM: targets equal input_ids, so the model learns to copy its input. "
                 "targets[:, t] is the token position t must predict: pass input_ids = "
@@ -402,6 +405,7 @@ class LongNetLM(LongNetPreTrained):
                 UserWarning,
                 stacklevel=4,
             )
+        self._targets_checked = True
         targets = document_labels(targets, document_ids)
         compute = torch.promote_types(logits.dtype, torch.float32)
         loss_sum = F.cross_entropy(

@@ -188,7 +188,20 @@ def test_targets_equal_to_the_inputs_are_warned_about():
         model(tokens, targets=tokens)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        make_lm()(tokens[:, :-1], targets=tokens[:, 1:])
+
+
+def test_targets_are_compared_with_the_inputs_once_per_model(monkeypatch):
+    """The comparison waits for the device on a GPU: the first forward with targets makes it,
+    training steps after it do not."""
+    model = make_lm()
+    tokens = torch.randint(0, 40, (2, 17))
+    comparisons = []
+    equal = torch.equal
+    monkeypatch.setattr(torch, "equal", lambda a, b: comparisons.append(1) or equal(a, b))
+    for _ in range(3):
         model(tokens[:, :-1], targets=tokens[:, 1:])
+    assert len(comparisons) == 1
 
 
 def test_input_errors():
