@@ -135,7 +135,7 @@ def dilated_attention(
     if check_finite:
         _check_finite(q, k, v)
     if sequence_parallel is None:
-        layout, transport, world_size = "contiguous", "ring", 1
+        layout, transport, world_size = "contiguous", None, 1
     else:
         layout, transport = sequence_parallel.layout, sequence_parallel.transport
         world_size = sequence_parallel.world_size
@@ -148,7 +148,6 @@ def dilated_attention(
         )
     pattern = DilatedPattern.coerce(pattern)
     scale = float(scale) if scale is not None else q.shape[-1] ** -0.5
-    transports = transports_per_branch(transport, len(pattern.branches))
     if not grouped:
         documents = None
         if isinstance(document_ids, PackedDocuments):
@@ -162,6 +161,7 @@ def dilated_attention(
         )
         return (out, lse) if return_lse else out
     process_group = sequence_parallel.process_group
+    transports = transports_per_branch(transport, len(pattern.branches))
     budget = default_block_elements(q.device) if block_elements is None else int(block_elements)
     budget = agree_on_call(
         f"shape={tuple(q.shape)} dtype={q.dtype} pattern={pattern.branches} causal={causal} "
