@@ -283,7 +283,8 @@ def gpu_cache(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("name", ["longnet_tiny_64k", "longnet_tiny_64k_dense"])
 def test_the_gpu_chunk_configs_run_on_the_cpu(name, tmp_path, gpu_cache):
     """Each GPU config as the chunk script runs it, on the CPU in float32 at 1/128 of its
-    lengths (3 steps, one per stage; no passkeys: too short for the task), 40 documents."""
+    lengths (3 steps, one per stage; no passkeys: too short for the task), on the standard
+    library's packages alone (two of them held out) in place of every installed one."""
     config = yaml.safe_load((REPO / "configs" / "gpu" / f"{name}.yaml").read_text())
     trainer = config["trainer"]
     trainer.update(accelerator="cpu", precision="32-true", max_steps=3, val_check_interval=3,
@@ -294,7 +295,11 @@ def test_the_gpu_chunk_configs_run_on_the_cpu(name, tmp_path, gpu_cache):
         stage.update(step=step, seq_len=stage["seq_len"] // 128)
     curriculum["passkey_fraction"] = 0.0
     data = config["data"]["init_args"]
-    data.update(seq_len=data["seq_len"] // 128, max_documents=40, cache_dir=str(gpu_cache))
+    assert data["packages"] == ["stdlib", "installed"]
+    assert data["held_out"] == {"validation": ["networkx"], "test": ["sympy"]}
+    data.update(seq_len=data["seq_len"] // 128, cache_dir=str(gpu_cache),
+                packages=["stdlib"],
+                held_out={"validation": ["stdlib/json"], "test": ["stdlib/email"]})
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     assert fit(path, tmp_path, "run") == 0
