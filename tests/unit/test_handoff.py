@@ -28,6 +28,7 @@ from longnet.training.handoff import (
     write_handoff,
 )
 from longnet.validation import UsageError
+from tests.gpu_configs import tiny_gpu_config
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = "tests.unit.test_handoff"
@@ -282,24 +283,14 @@ def gpu_cache(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("name", ["longnet_tiny_64k", "longnet_tiny_64k_dense"])
 def test_the_gpu_chunk_configs_run_on_the_cpu(name, tmp_path, gpu_cache):
-    """Each GPU config as the chunk script runs it, on the CPU in float32 at 1/128 of its
-    lengths (3 steps, one per stage; no passkeys: too short for the task), on the standard
-    library's packages alone (two of them held out) in place of every installed one."""
-    config = yaml.safe_load((REPO / "configs" / "gpu" / f"{name}.yaml").read_text())
-    trainer = config["trainer"]
-    trainer.update(accelerator="cpu", precision="32-true", max_steps=3, val_check_interval=3,
-                   limit_val_batches=1, limit_test_batches=1, enable_progress_bar=False)
-    curriculum = next(c for c in trainer["callbacks"] if isinstance(c, dict)
+    """Each GPU config as the chunk script runs it, at 1/128 of its lengths on the CPU
+    (``tiny_gpu_config``): 3 steps, one per stage, on the standard library's packages."""
+    data = yaml.safe_load((REPO / "configs" / "gpu" / f"{name}.yaml").read_text())["data"]
+    assert data["init_args"]["packages"] == ["stdlib", "installed"]
+    assert data["init_args"]["held_out"] == {"validation": ["networkx"], "test": ["sympy"]}
+    config = tiny_gpu_config(name, gpu_cache)
+    curriculum = next(c for c in config["trainer"]["callbacks"] if isinstance(c, dict)
                       and c["class_path"].endswith("LengthCurriculum"))["init_args"]
-    for step, stage in enumerate(curriculum["stages"]):
-        stage.update(step=step, seq_len=stage["seq_len"] // 128)
-    curriculum["passkey_fraction"] = 0.0
-    data = config["data"]["init_args"]
-    assert data["packages"] == ["stdlib", "installed"]
-    assert data["held_out"] == {"validation": ["networkx"], "test": ["sympy"]}
-    data.update(seq_len=data["seq_len"] // 128, cache_dir=str(gpu_cache),
-                packages=["stdlib"],
-                held_out={"validation": ["stdlib/json"], "test": ["stdlib/email"]})
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     assert fit(path, tmp_path, "run") == 0

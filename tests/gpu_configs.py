@@ -1,0 +1,33 @@
+"""The GPU chunk configs (``configs/gpu/``) shrunk to run on the CPU in seconds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+SHRINK = 128
+"""Every length of a GPU config is divided by this."""
+
+
+def tiny_gpu_config(name: str, cache_dir: Path, steps: int = 3) -> dict:
+    """``configs/gpu/<name>.yaml`` on the CPU in float32 at 1/128 of its lengths: ``steps``
+    steps, the curriculum's stages at steps 0, 1, 2 (the last from step 2 on), validation and
+    test of one batch, no passkeys (too short for the task), and the standard library's
+    packages alone (two of them held out) in place of every installed one."""
+    config = yaml.safe_load((REPO / "configs" / "gpu" / f"{name}.yaml").read_text())
+    trainer = config["trainer"]
+    trainer.update(accelerator="cpu", precision="32-true", max_steps=steps,
+                   val_check_interval=steps, limit_val_batches=1, limit_test_batches=1,
+                   enable_progress_bar=False)
+    curriculum = next(c for c in trainer["callbacks"] if isinstance(c, dict)
+                      and c["class_path"].endswith("LengthCurriculum"))["init_args"]
+    for step, stage in enumerate(curriculum["stages"]):
+        stage.update(step=step, seq_len=stage["seq_len"] // SHRINK)
+    curriculum["passkey_fraction"] = 0.0
+    data = config["data"]["init_args"]
+    data.update(seq_len=data["seq_len"] // SHRINK, cache_dir=str(cache_dir),
+                packages=["stdlib"],
+                held_out={"validation": ["stdlib/json"], "test": ["stdlib/email"]})
+    return config
