@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 import warnings
-from functools import partial
 from typing import Any, Literal
 
 import lightning as L
@@ -22,7 +21,7 @@ from longnet.modeling.model import document_labels
 from longnet.training.builder import build_lm
 from longnet.training.loaders import ResumableDataOrder
 from longnet.training.metrics import TokenAccuracy, TokenCrossEntropy, lm_summary
-from longnet.training.optim import build_optimizer, parameter_groups, warmup_cosine
+from longnet.training.optim import build_optimizer, parameter_groups
 from longnet.training.sharding import check_window_shards
 from longnet.training.strategy import SequenceParallelLayout
 from longnet.validation import UsageError, check_non_negative_int, check_positive_int
@@ -346,16 +345,18 @@ class CausalLMModule(L.LightningModule):
             "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1},
         }
 
-    def plan_schedule(self, total_steps: int) -> None:
-        """Lay the learning-rate schedule over ``total_steps`` optimizer steps from now on (a
-        :class:`~longnet.training.TimeBudget` plan). The warmup does not depend on the length,
-        so a plan made during the warmup gives the same learning rates as a run configured
-        with ``total_steps`` from its start."""
+    def plan_schedule(self, total_steps: int, from_step: int = 0) -> None:
+        """Lay the learning-rate decay over ``total_steps`` optimizer steps from ``from_step``
+        on (a :class:`~longnet.training.TimeBudget` plan): the rate at ``from_step`` is the one
+        the schedule in force gives there, and the cosine goes on from it to its end at
+        ``total_steps`` (:class:`~longnet.training.optim.WarmupCosine`); plans starting at or
+        after ``from_step`` are replaced. The warmup does not depend on the length, so a plan
+        made during the warmup gives the same learning rates as a run configured with
+        ``total_steps`` from its start."""
         check_positive_int("total_steps", total_steps)
-        hp = self.hparams
+        check_non_negative_int("from_step", from_step)
         scheduler = self.lr_schedulers()
-        schedule = partial(warmup_cosine, warmup_steps=hp.warmup_steps,
-                           total_steps=total_steps, min_lr_ratio=hp.min_lr_ratio)
+        schedule = scheduler.lr_lambdas[0].relaid(total_steps, from_step)
         scheduler.lr_lambdas = [schedule] * len(scheduler.optimizer.param_groups)
         scheduler.last_epoch -= 1  # recompute the pending step's rate from the new schedule
         scheduler.step()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -39,11 +40,56 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: 
     Linear from ``1 / (warmup_steps + 1)`` up to 1 over ``warmup_steps`` steps, then a cosine
     from 1 down to ``min_lr_ratio`` at ``total_steps``; constant ``min_lr_ratio`` after that.
     """
-    if step < warmup_steps:
-        return (step + 1) / (warmup_steps + 1)
-    decay_steps = max(1, total_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / decay_steps)
-    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return WarmupCosine(warmup_steps, min_lr_ratio, ((0, total_steps),))(step)
+
+
+@dataclass
+class WarmupCosine:
+    """:func:`warmup_cosine` whose decay can be re-laid while it runs (a time budget's plans).
+
+    ``plans`` are ``(from_step, total_steps)`` pairs with increasing ``from_step``: from
+    ``max(from_step, warmup_steps)`` on, the cosine's progress goes on from where the plan
+    before left it, linearly to 1 at ``total_steps``, so the rate is continuous where a plan
+    starts. A plan that starts in the warmup is the schedule of its ``total_steps`` from the
+    start; the first plan's ``from_step`` is not read.
+    """
+
+    warmup_steps: int
+    min_lr_ratio: float
+    plans: tuple[tuple[int, int], ...]
+
+    def relaid(self, total_steps: int, from_step: int) -> WarmupCosine:
+        """This schedule with its decay laid over ``total_steps`` from ``from_step`` on; plans
+        starting at or after ``from_step`` are replaced, and a plan of the count already in
+        force changes nothing (the same rates, bit for bit)."""
+        kept = tuple(plan for plan in self.plans if plan[0] < from_step)
+        if kept and kept[-1][1] == total_steps:
+            return replace(self, plans=kept)
+        return replace(self, plans=(*kept, (from_step, total_steps)))
+
+    def progress(self, step: int) -> float:
+        """The cosine's progress in [0, 1] at ``step`` (0 in the warmup)."""
+        start, progress_at_start, total = self.warmup_steps, 0.0, self.plans[0][1]
+        for from_step, next_total in self.plans[1:]:
+            from_step = max(from_step, self.warmup_steps)
+            if step < from_step:
+                break
+            start, progress_at_start, total = (
+                from_step, _progress(from_step, start, progress_at_start, total), next_total)
+        return _progress(step, start, progress_at_start, total)
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / (self.warmup_steps + 1)
+        cosine = 1.0 + math.cos(math.pi * self.progress(step))
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * cosine
+
+
+def _progress(step: int, start: int, progress_at_start: float, total: int) -> float:
+    """Progress at ``step`` of a plan that goes from ``progress_at_start`` at ``start`` to 1 at
+    ``total`` (at least one step later)."""
+    share = (step - start) / max(1, total - start)
+    return min(1.0, progress_at_start + (1.0 - progress_at_start) * share)
 
 
 def build_optimizer(
@@ -58,8 +104,5 @@ def build_optimizer(
 ) -> tuple[torch.optim.Optimizer, LambdaLR]:
     """AdamW over ``params`` (groups from :func:`parameter_groups`) and its per-step schedule."""
     optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps)
-    scheduler = LambdaLR(
-        optimizer,
-        lambda step: warmup_cosine(step, warmup_steps, total_steps, min_lr_ratio),
-    )
+    scheduler = LambdaLR(optimizer, WarmupCosine(warmup_steps, min_lr_ratio, ((0, total_steps),)))
     return optimizer, scheduler

@@ -1,10 +1,12 @@
 """``TimeBudget``: a run planned from its measured step rate is the run a fixed ``max_steps`` of
-the planned count gives (same learning rates, same weights), a killed run resumes into the same
-plan, a finished one extends, and plans that could not be exact are refused.
+the planned count gives (same learning rates, same weights), re-plans correct a plan made in a
+slow patch with the learning rate continuous, a run killed before or after its plan resumes,
+a finished one extends, and bad budgets are refused.
 
-The budget's clock is replaced by one that ticks one second per reading, so the plan is the
-same on every machine: start at 1 s, the timed steps 1-3 from 2 s to 3 s (2 steps/s), 6 s of
-budget of which 2 s are spent: 3 + floor(2 x 4) = 11 steps."""
+The budget's clock is replaced by one that advances a given time per training step, so the
+plans are the same on every machine. At 0.5 s a step, timing steps 1-3 (from 0.5 s to 1.5 s:
+2 steps/s) and 30 s of budget of which 1.5 s are spent: 3 + floor(2 x 28.5) = 60 steps; each
+re-plan at a share of them (15, 30, 45, 54) measures 2 steps/s again and keeps 60."""
 
 from __future__ import annotations
 
@@ -25,29 +27,41 @@ from tests.unit.test_training_resume import (  # one_thread: as the killed run's
     write_config,
 )
 
-PLANNED = 11
-BUDGET = dict(training_minutes=0.1, skip_steps=1, measure_steps=2)
+PLANNED = 60
+BUDGET = dict(training_minutes=0.5, skip_steps=1, measure_steps=2)
 HERE = "tests.unit.test_time_budget"
 
 
-class TickingBudget(TimeBudget):
-    """A ``TimeBudget`` whose clock advances one second per reading."""
+class SteppedBudget(TimeBudget):
+    """A ``TimeBudget`` whose clock advances ``seconds`` per training step, ``slow_seconds``
+    for the steps of ``slow_steps`` (1-based: the step that ends at ``global_step`` k is k)."""
 
-    ticks = 0.0
+    def __init__(self, *args, seconds: float = 0.5, slow_steps: list[int] = (),
+                 slow_seconds: float = 2.0, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.now, self.seconds, self.slow_steps, self.slow_seconds = (
+            0.0, seconds, set(slow_steps), slow_seconds)
 
     def clock(self) -> float:
-        self.ticks += 1.0
-        return self.ticks
+        return self.now
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        slow = trainer.global_step in self.slow_steps
+        self.now += self.slow_seconds if slow else self.seconds
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
 
 def budget(**init_args) -> dict:
-    return {"class_path": f"{HERE}.TickingBudget", "init_args": {**BUDGET, **init_args}}
+    return {"class_path": f"{HERE}.SteppedBudget", "init_args": {**BUDGET, **init_args}}
 
 
 def learning_rates(run) -> dict[int, float]:
+    """The learning rate of the first parameter group at every logged step."""
     with open(run / "metrics.csv") as handle:
-        return {int(row["step"]): float(row["lr-AdamW"])
-                for row in csv.DictReader(handle) if row.get("lr-AdamW")}
+        rates = {int(row["step"]): float(row["lr-AdamW/pg1"])
+                 for row in csv.DictReader(handle) if row.get("lr-AdamW/pg1")}
+    assert rates, f"no learning rate in {run / 'metrics.csv'}"
+    return rates
 
 
 def assert_same_weights(run, expected_run) -> None:
@@ -74,8 +88,10 @@ def test_the_planned_run_is_the_fixed_run_of_its_length(runs, capsys):
     root, _ = runs
     assert_same_weights(root / "planned", root / "fixed")
     assert learning_rates(root / "planned") == learning_rates(root / "fixed")
-    assert load(root / "planned" / "checkpoints" / "last.ckpt")["callbacks"][
-        "TickingBudget"] == {"planned_steps": PLANNED, "planned_under": 1000}
+    state = load(root / "planned" / "checkpoints" / "last.ckpt")["callbacks"]["SteppedBudget"]
+    assert state["plans"] == [[3, 60], [15, 60], [30, 60], [45, 60], [54, 60]]
+    assert state["planned_under"] == 1000
+    assert state["trained_s"] == 30.0
 
 
 def test_the_plan_is_said_in_one_line(tmp_path, caplog):
@@ -83,8 +99,35 @@ def test_the_plan_is_said_in_one_line(tmp_path, caplog):
                           val_every=1000)
     assert main(run_args(config, tmp_path, "run")) == 0
     said = [line for line in caplog.messages if "Time budget" in line]
-    assert said == ["Time budget: 0.1 min of training at 2.00 steps/s (measured over steps 1-3)"
+    assert said == ["Time budget: 0.5 min of training at 2.00 steps/s (measured over steps 1-3)"
                     f" -> {PLANNED} steps; the learning rate decays over them."]
+
+
+def test_a_slow_timing_window_is_corrected_with_the_rate_continuous(tmp_path, caplog):
+    """Steps 2-3 take 2 s (a neighbour's job): the first plan is 15 steps; the re-plan at step 7
+    (half of 15) measures 2 steps/s and fills the budget: 54 steps, 30 s. The learning rate
+    never rises after the warmup and ends at its minimum."""
+    config = write_config(tmp_path / "c.yaml", tmp_path / "cache", budget(slow_steps=[2, 3]),
+                          steps=1000, val_every=1000)
+    assert main(run_args(config, tmp_path, "run")) == 0
+    checkpoint = load(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    state = checkpoint["callbacks"]["SteppedBudget"]
+    assert checkpoint["global_step"] == 54
+    assert state["plans"][:2] == [[3, 15], [7, 54]] and state["trained_s"] == 30.0
+    assert any("re-planned at step 7: 2.00 steps/s over steps 3-7" in line
+               and "-> 54 steps (was 15)" in line for line in caplog.messages)
+    rates = [rate for _, rate in sorted(learning_rates(tmp_path / "run").items())]
+    warmup = 5
+    assert all(b <= a for a, b in zip(rates[warmup:], rates[warmup + 1:]))
+    peak, last = rates[warmup], rates[-1]  # the last step's rate is one step above the end
+    assert 0.1 * peak < last < 0.101 * peak  # min_lr_ratio 0.1
+
+
+def test_without_re_plans_the_slow_window_stands(tmp_path):
+    config = write_config(tmp_path / "c.yaml", tmp_path / "cache",
+                          budget(slow_steps=[2, 3], replan_at=[]), steps=1000, val_every=1000)
+    assert main(run_args(config, tmp_path, "run")) == 0
+    assert load(tmp_path / "run" / "checkpoints" / "last.ckpt")["global_step"] == 15
 
 
 def test_the_cap_bounds_the_plan(tmp_path):
@@ -92,6 +135,15 @@ def test_the_cap_bounds_the_plan(tmp_path):
                           val_every=1000)
     assert main(run_args(config, tmp_path, "run")) == 0
     assert load(tmp_path / "run" / "checkpoints" / "last.ckpt")["global_step"] == 7
+
+
+def test_max_steps_before_the_plan_says_the_budget_is_not_applied(tmp_path, caplog):
+    config = write_config(tmp_path / "c.yaml", tmp_path / "cache", budget(), steps=3,
+                          val_every=1000)
+    assert main(run_args(config, tmp_path, "run")) == 0
+    assert [line for line in caplog.messages if "Time budget" in line] == [
+        "Time budget: not applied: max_steps 3 ends the run before step 3, where the budget "
+        "would plan; training to 3."]
 
 
 def test_a_killed_run_resumes_into_its_plan(runs, tmp_path):
@@ -102,26 +154,49 @@ def test_a_killed_run_resumes_into_its_plan(runs, tmp_path):
     assert run.returncode == 17, run.stderr[-2000:]
     resumed = run_in_process([*run_args(planned, tmp_path, "run"), "--ckpt_path=last"])
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "resumed at step 6 of the plan's 11" in resumed.stderr
+    assert f"resumed at step 6 of the plan's {PLANNED}" in resumed.stderr
     assert_same_weights(tmp_path / "run", root / "fixed")
+
+
+def test_a_run_killed_inside_the_timing_window_resumes_and_plans(tmp_path):
+    """Killed at step 5 of a window of steps 1-7 (its checkpoint at step 3, 1.5 s trained): the
+    resumed run times steps 3-9, plans past the warmup (5 steps) with the rate continuous,
+    and fills the 30 s budget: 60 steps."""
+    slow = budget(measure_steps=6)
+    killed = write_config(tmp_path / "killed.yaml", tmp_path / "cache", slow,
+                          callback("KillAtStep", step=5), steps=1000, val_every=1000)
+    assert run_in_process(run_args(killed, tmp_path, "run")).returncode == 17
+    config = write_config(tmp_path / "c.yaml", tmp_path / "cache", slow, steps=1000,
+                          val_every=1000)
+    resumed = run_in_process([*run_args(config, tmp_path, "run"), "--ckpt_path=last"])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "(measured over steps 3-9) -> 60 steps" in resumed.stderr
+    checkpoint = load(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    assert checkpoint["global_step"] == PLANNED
+    assert checkpoint["callbacks"]["SteppedBudget"]["trained_s"] == 30.0
+    rates = [rate for _, rate in sorted(learning_rates(tmp_path / "run").items())]
+    assert all(b <= a for a, b in zip(rates[5:], rates[6:]))
 
 
 def test_a_finished_run_extends_past_its_plan(runs, tmp_path):
     _, planned = runs
     args = run_args(planned, tmp_path, "run")
     assert main(args) == 0
-    assert main([*args, "--ckpt_path=last", "--trainer.max_steps=14"]) == 0
-    assert load(tmp_path / "run" / "checkpoints" / "last.ckpt")["global_step"] == 14
+    assert main([*args, "--ckpt_path=last", f"--trainer.max_steps={PLANNED + 3}"]) == 0
+    checkpoint = load(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    assert checkpoint["global_step"] == PLANNED + 3
+    assert checkpoint["callbacks"]["SteppedBudget"]["plans"] == [[0, PLANNED + 3]]
 
 
-def test_a_plan_after_the_warmup_is_refused(tmp_path, capfd):
-    config = write_config(tmp_path / "c.yaml", tmp_path / "cache", budget(measure_steps=9),
-                          steps=1000)
-    assert main(run_args(config, tmp_path, "run")) != 0
-    assert "past the warmup's 5 steps" in capfd.readouterr().err
-
-
-@pytest.mark.parametrize("minutes", [0, -1.0, float("nan"), "8", True])
+@pytest.mark.parametrize("minutes", [0, -1.0, float("nan"), float("inf"), 1e308, 10**400, "8",
+                                     True])
 def test_a_bad_budget_is_refused(minutes):
     with pytest.raises(UsageError, match="positive number of minutes"):
         TimeBudget(minutes)
+
+
+@pytest.mark.parametrize("shares", [[0.5, 0.25], [0.0, 0.5], [1.0], [float("nan")], "0.5",
+                                    [True]])
+def test_bad_re_plan_shares_are_refused(shares):
+    with pytest.raises(UsageError, match="increasing shares"):
+        TimeBudget(1.0, replan_at=shares)
