@@ -74,7 +74,7 @@ def test_token_cross_entropy_is_token_weighted():
     assert result["bpb"].item() == pytest.approx(12.0 / 5 / math.log(2))
     assert result["ppl"].item() == pytest.approx(math.exp(12.0 / 5))
     assert result["tokens"].item() == 5
-    half = lm_summary(torch.tensor(2.0), torch.tensor(1), bytes_per_token=2.0)
+    half = lm_summary(torch.tensor(2.0), torch.tensor(1), num_bytes=torch.tensor(2))
     assert half["bpb"].item() == pytest.approx(1 / math.log(2))
 
 
