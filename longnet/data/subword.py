@@ -221,3 +221,27 @@ _SAVED_FILES = frozenset({TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, "special_tokens
                           "added_tokens.json", "chat_template.jinja", "vocab.json",
                           "merges.txt"})
 """The tokenizer files of a folder that travel with the data (``save_pretrained``'s)."""
+
+
+def tokenizer_from_files(files: Mapping[str, str], name: str) -> SubwordTokenizer:
+    """The :class:`SubwordTokenizer` whose :attr:`~SubwordTokenizer.files` are ``files`` (a
+    checkpoint's record): ``tokenizer.json`` and the special tokens its
+    ``tokenizer_config.json`` names.
+
+    Raises:
+        UsageError: ``tokenizer.json`` is missing or not a tokenizer.
+    """
+    try:
+        backend = Tokenizer.from_str(files[TOKENIZER_FILE])
+    except Exception as err:  # KeyError, or the library's plain Exception for a bad file
+        raise UsageError(f"tokenizer {name}: no readable {TOKENIZER_FILE} ({err}).") from None
+    options = json.loads(files.get(TOKENIZER_CONFIG_FILE, "{}"))
+    tokens = {key: _token_text(options.get(key)) for key in ("eos_token", "pad_token")}
+    tokenizer = from_backend(backend, name, tokens["eos_token"], tokens["pad_token"])
+    return SubwordTokenizer(tokenizer.backend, tokenizer.eos_id, tokenizer.pad_id, dict(files),
+                            name)
+
+
+def _token_text(value: object) -> str | None:
+    """A special token of ``tokenizer_config.json``: a string or ``{"content": ...}``."""
+    return value.get("content") if isinstance(value, dict) else value
