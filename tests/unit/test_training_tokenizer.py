@@ -15,6 +15,7 @@ from longnet.data import LongDocumentDataModule
 from longnet.data.tokenizer_choice import train_bpe
 from longnet.modeling import LongNetLM
 from longnet.training import CausalLMModule, ExportPretrained
+from longnet.training.checkpoint import export_pretrained
 from longnet.training.vocabulary import TOKENIZER_KEY, check_tokenizer_record, tokenizer_record
 from longnet.validation import UsageError
 
@@ -87,6 +88,8 @@ def test_checkpoints_record_the_tokenizer_and_a_resume_cannot_switch(corpus, tmp
     trainer.save_checkpoint(path)
     record = torch.load(path, weights_only=True)[TOKENIZER_KEY]
     assert record == tokenizer_record(data.tokenizer) and "tokenizer.json" in record["files"]
+    exported = export_pretrained(path, tmp_path / "exported")  # scripts/export_pretrained.py
+    assert (exported / "tokenizer.json").read_text() == record["files"]["tokenizer.json"]
     mine = tmp_path / "mine.json"
     train_bpe(["another corpus, another tokenizer"] * 3, 300).save(str(mine))
     other = _data(corpus, tmp_path / "cache", str(mine))
