@@ -12,6 +12,8 @@ model and a subword model are compared on the same bytes.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor
 from torchmetrics import Metric
@@ -19,18 +21,27 @@ from torchmetrics import Metric
 from longnet.constants import NATS_PER_BIT
 
 
-def lm_summary(loss_sum: Tensor, num_tokens: Tensor, num_bytes: Tensor | None = None) -> dict:
+def lm_summary(loss_sum: Tensor, num_tokens: Tensor, num_bytes: Tensor | None = None,
+               bytes_per_token: float = 1.0) -> dict:
     """``loss`` (nats per token), ``bpb`` (bits per byte) and ``ppl`` (per token) from summed
     CE.
 
     Args:
         loss_sum: summed cross-entropy in nats (scalar or ``(batch,)``).
         num_tokens: number of scored tokens (same shape).
-        num_bytes: UTF-8 bytes of text the scored tokens cover (same shape); None: one per
-            token.
+        num_bytes: UTF-8 bytes of text the scored tokens cover (same shape); None:
+            ``bytes_per_token`` per token. A number here is taken as ``bytes_per_token`` (the
+            third argument before bytes were counted), with a ``FutureWarning``.
+        bytes_per_token: bytes per token when ``num_bytes`` is None.
     """
+    if num_bytes is not None and not isinstance(num_bytes, Tensor):
+        warnings.warn(
+            "lm_summary's third argument is now num_bytes (a tensor of the bytes the scored "
+            f"tokens cover); {num_bytes!r} is taken as bytes_per_token: pass "
+            "bytes_per_token= instead.", FutureWarning, stacklevel=2)
+        num_bytes, bytes_per_token = None, float(num_bytes)
     loss = loss_sum.double() / num_tokens.double().clamp(min=1)
-    covered = num_tokens if num_bytes is None else num_bytes
+    covered = num_tokens * bytes_per_token if num_bytes is None else num_bytes
     return {
         "loss": loss,
         "bpb": loss_sum.double() / NATS_PER_BIT / covered.double().clamp(min=1),
@@ -44,23 +55,29 @@ class TokenCrossEntropy(Metric):
 
     ``update(loss_sum, num_tokens, num_bytes)`` takes the scalar outputs of
     :class:`longnet.modeling.LongNetLM` (``LMOutput.loss_sum`` / ``LMOutput.num_tokens``) for
-    one batch (or one sequence shard) and the UTF-8 bytes its scored tokens cover (None: one
-    per token). States are float64 and reduced with ``sum`` across processes, so sequence
-    shards and data-parallel replicas add up to the exact global value.
+    one batch (or one sequence shard) and the UTF-8 bytes its scored tokens cover (None:
+    ``bytes_per_token`` per token). States are float64 and reduced with ``sum`` across
+    processes, so sequence shards and data-parallel replicas add up to the exact global value.
+
+    Args:
+        bytes_per_token: bytes per token for updates without ``num_bytes``.
     """
 
     full_state_update = False
     higher_is_better = False
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, bytes_per_token: float = 1.0, **kwargs) -> None:
         super().__init__(**kwargs)
+        if not bytes_per_token > 0:
+            raise ValueError(f"bytes_per_token must be positive, got {bytes_per_token!r}.")
+        self.bytes_per_token = float(bytes_per_token)
         for name in ("loss_sum", "num_tokens", "num_bytes"):
             self.add_state(name, torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
 
     def update(self, loss_sum: Tensor, num_tokens: Tensor, num_bytes: Tensor | None = None) -> None:
         self.loss_sum += loss_sum.detach().to(torch.float64)
         self.num_tokens += num_tokens.detach().to(torch.float64)
-        covered = num_tokens if num_bytes is None else num_bytes
+        covered = num_tokens * self.bytes_per_token if num_bytes is None else num_bytes
         self.num_bytes += covered.detach().to(torch.float64)
 
     def compute(self) -> dict:
