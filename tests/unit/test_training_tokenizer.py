@@ -16,6 +16,7 @@ from longnet.data.tokenizer_choice import train_bpe
 from longnet.modeling import LongNetLM
 from longnet.training import CausalLMModule, ExportPretrained
 from longnet.training.checkpoint import export_pretrained
+from longnet.training.sharding import shard_batch
 from longnet.training.vocabulary import TOKENIZER_KEY, check_tokenizer_record, tokenizer_record
 from longnet.validation import UsageError
 
@@ -125,3 +126,17 @@ def test_a_model_trained_on_a_users_tokenizer_json_exports_reloads_and_generates
     native = LongNetLM.from_pretrained(export).eval()
     with torch.no_grad():
         assert torch.equal(native(inputs["input_ids"]).logits, model(**inputs).logits)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_sequence_parallel_shards_cut_label_bytes_with_the_labels(layout):
+    generator = torch.Generator().manual_seed(0)
+    batch = {"input_ids": torch.randint(0, 300, (2, 20), generator=generator),
+             "labels": torch.randint(0, 300, (2, 20), generator=generator),
+             "label_bytes": torch.randint(1, 6, (2, 20), generator=generator)}
+    pattern = CausalLMModule(config=dict(CONFIG)).pattern  # pads 20 up to what fits 4 ranks
+    shards = [shard_batch(batch, rank, 4, pattern=pattern, layout=layout) for rank in range(4)]
+    assert sum(int(s["label_bytes"].sum()) for s in shards) == int(batch["label_bytes"].sum())
+    for shard in shards:
+        assert shard["label_bytes"].shape == shard["labels"].shape
+        assert (shard["label_bytes"][shard["labels"] == -100] == 0).all()
