@@ -105,7 +105,7 @@ class RunConfigSaver(SaveConfigCallback):
         folder = run_dir(trainer)  # on every rank: log_dir is a collective
         if trainer.is_global_zero:
             write_atomic(folder / name, self.parser.dump(self.config, skip_none=False))
-            tokenizer = getattr(trainer.datamodule, "tokenizer", None)
+            tokenizer = getattr(getattr(trainer, "datamodule", None), "tokenizer", None)
             if stage == "fit" and isinstance(tokenizer, SubwordTokenizer):
                 tokenizer.save(folder / TOKENIZER_FOLDER)
         self.already_saved = True

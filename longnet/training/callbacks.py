@@ -300,7 +300,7 @@ class ExportPretrained(L.Callback):
                 export = LongNetLM(model.config)
                 export.load_state_dict(state)
             export.save_pretrained(target)
-            tokenizer = getattr(trainer.datamodule, "tokenizer", None)
+            tokenizer = getattr(getattr(trainer, "datamodule", None), "tokenizer", None)
             if isinstance(tokenizer, SubwordTokenizer):  # byte models carry their files already
                 tokenizer.save(target)
         self.exported = target
