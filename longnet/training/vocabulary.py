@@ -49,21 +49,24 @@ def fitted_overrides(ids: TokenIds, config: LongNetConfig, hparams: Any) -> dict
     """The config overrides that give a fresh model the data's vocabulary and special ids
     (None: the model already has them).
 
+    Pretrained weights keep their config (their EOS id included) when their ``vocab_size`` is
+    the tokenizer's.
+
     Raises:
-        UsageError: ``pretrained`` weights of another vocabulary, or a ``vocab_size`` set in
-            the config or overrides that is smaller than the tokenizer's (each names both
+        UsageError: ``pretrained`` weights of another vocabulary size, or a ``vocab_size`` set
+            in the config or overrides that is smaller than the tokenizer's (each names both
             values and the fix).
     """
     if ids.matches(config):
         return None
-    if hparams.get("pretrained") is not None:
-        if config.vocab_size == ids.vocab_size and config.eos_token_id == ids.eos_id:
+    if hparams.get("pretrained") is not None:  # its weights fix the vocabulary
+        if config.vocab_size == ids.vocab_size:
             return None
         raise UsageError(
             f"the pretrained model {hparams['pretrained']} has vocab_size {config.vocab_size} "
-            f"(eos {config.eos_token_id}) but the data's tokenizer has {ids.vocab_size} (eos "
-            f"{ids.eos_id}); set --data.init_args.tokenizer {hparams['pretrained']} (the "
-            "model's own tokenizer), or train a fresh model (model: instead of pretrained:)."
+            f"but the data's tokenizer has {ids.vocab_size}; set --data.init_args.tokenizer "
+            f"{hparams['pretrained']} (the model's own tokenizer), or train a fresh model "
+            "(model: instead of pretrained:)."
         )
     overrides = dict(hparams.get("overrides") or {})
     fixed = overrides.get("vocab_size", (hparams.get("config") or {}).get("vocab_size"))

@@ -126,6 +126,11 @@ def test_a_model_trained_on_a_users_tokenizer_json_exports_reloads_and_generates
     native = LongNetLM.from_pretrained(export).eval()
     with torch.no_grad():
         assert torch.equal(native(inputs["input_ids"]).logits, model(**inputs).logits)
+    # the export as a tokenizer folder: its pretrained weights fit it, nothing is rebuilt
+    again = CausalLMModule(pretrained=str(export))
+    weights = again.model.lm_head.weight
+    again.fit_tokenizer(_data(corpus, tmp_path / "cache", str(export)))
+    assert again.model.lm_head.weight is weights
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
