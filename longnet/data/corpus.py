@@ -8,11 +8,16 @@ Pipeline (``build_long_document_splits``), every step a ``datasets`` operation:
    document's own ``split`` when the source gives one: packages); empty documents
    and documents shorter than ``min_document_bytes`` are dropped;
 3. keep the first documents (source order) up to ``max_documents`` and until their bytes
-   reach ``max_bytes`` (the last kept document may cross it);
+   reach ``max_bytes`` (the last kept document may cross it); with a subword tokenizer
+   (``tokenizer_choice``), a BPE is then trained on the kept training documents (or loaded
+   from its cache entry) and a second batched ``map`` encodes every document into its ids and
+   the UTF-8 bytes of each token (``encoding.py``);
 4. per split, batched ``map`` into windows (``windows.py``): training windows packed across
    documents (with ``pack_documents``: whole framed documents and their ``document_ids``),
-   evaluation windows inside one document each, tagged with ``doc_id``/``offset``;
-5. ``save_to_disk`` under a cache entry keyed by the file list (sizes, mtimes) and settings.
+   evaluation windows inside one document each, tagged with ``doc_id``/``offset``; subword
+   windows also carry ``label_bytes``;
+5. ``save_to_disk`` under a cache entry keyed by the file list (sizes, mtimes), settings and
+   tokenizer.
 
 A later call with the same files and settings loads the entry (memory-mapped) and runs no map.
 """

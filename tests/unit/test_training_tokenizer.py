@@ -13,6 +13,7 @@ import torch
 
 from longnet.data import LongDocumentDataModule
 from longnet.data.tokenizer_choice import train_bpe
+from longnet.eval import load_model
 from longnet.modeling import LongNetLM
 from longnet.training import CausalLMModule, ExportPretrained
 from longnet.training.checkpoint import export_pretrained
@@ -91,6 +92,9 @@ def test_checkpoints_record_the_tokenizer_and_a_resume_cannot_switch(corpus, tmp
     assert record == tokenizer_record(data.tokenizer) and "tokenizer.json" in record["files"]
     exported = export_pretrained(path, tmp_path / "exported")  # scripts/export_pretrained.py
     assert (exported / "tokenizer.json").read_text() == record["files"]["tokenizer.json"]
+    loaded = load_model(path)  # the evaluation reads the checkpoint's model and tokenizer
+    assert loaded.model.config.vocab_size == 300
+    assert loaded.tokenizer.fingerprint == data.tokenizer.fingerprint
     mine = tmp_path / "mine.json"
     train_bpe(["another corpus, another tokenizer"] * 3, 300).save(str(mine))
     other = _data(corpus, tmp_path / "cache", str(mine))
