@@ -5,10 +5,12 @@ A cell ``(length, depth)`` holds ``num_examples`` prompts from
 (prompt + key), the needle within half a filler period of ``depth`` at a byte drawn per example,
 so that a cell's examples place it at every alignment modulo a dilation rate. The prompt is
 encoded with the model's tokenizer (bytes by default; a subword tokenizer gives fewer tokens,
-counted in ``PasskeyOutcome.prompt_tokens``), the model greedily generates ``num_digits + 1``
-tokens after it, and the decoded text is compared as text: an example is correct when
-``longnet.data.passkey_match`` accepts it (it starts with the key and the character after it is
-not a digit, so a longer number is wrong). Accuracy is the share of correct examples.
+counted in ``PasskeyOutcome.prompt_tokens``, and reads the prompt without its final space,
+which it would join to the key: :func:`prompt_text`), the model greedily generates
+``num_digits + 1`` tokens after it (one more for a subword tokenizer), and the decoded text is
+compared as text: an example is correct when ``longnet.data.passkey_match`` accepts it (it
+starts with the key and the character after it is not a digit, so a longer number is wrong).
+Accuracy is the share of correct examples.
 """
 
 from __future__ import annotations
@@ -109,15 +111,20 @@ def answer_examples(
     model: LongNetLM, examples: Sequence[PasskeyExample], batch_size: int = 1,
     tokenizer: ByteTokenizer | SubwordTokenizer | None = None,
 ) -> list[str]:
-    """Greedy answers: ``len(answer) + 1`` generated tokens per example, decoded to text.
+    """Greedy answers: ``len(answer) + 1`` generated tokens per example (one more for a
+    subword tokenizer), decoded to text.
 
-    Prompts are encoded with ``tokenizer`` (None: bytes); those of equal token length (all of
-    one grid cell for bytes) run ``batch_size`` at a time, in example order within a length.
+    Prompts are encoded with ``tokenizer`` (None: bytes; a subword tokenizer reads them
+    without their trailing spaces, :func:`prompt_text`, and the spaces the model generates
+    first are dropped from its answer); those of equal token length (all of one grid cell for
+    bytes) run ``batch_size`` at a time, in example order within a length.
     """
     check_positive_int("batch_size", batch_size)
     tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
+    extra = 0 if isinstance(tokenizer, ByteTokenizer) else 1
     device = next(model.parameters()).device
-    prompts = [tokenizer.encode(e.prompt) for e in examples]
+    texts = [prompt_text(e.prompt, tokenizer) for e in examples]
+    prompts = [tokenizer.encode(text) for text, _ in texts]
     answers: list[str] = [""] * len(examples)
     by_length: dict[int, list[int]] = {}
     for index, prompt in enumerate(prompts):
@@ -126,11 +133,23 @@ def answer_examples(
         for first in range(0, len(indices), batch_size):
             batch = indices[first:first + batch_size]
             inputs = torch.tensor([prompts[i] for i in batch], device=device)
-            steps = max(len(examples[i].answer) for i in batch) + 1
+            steps = max(len(examples[i].answer) for i in batch) + 1 + extra
             out = model.generate(inputs, steps, temperature=0)
             for i, row in zip(batch, out):
-                answers[i] = tokenizer.decode(row[inputs.shape[1]:].tolist())
+                text, held = tokenizer.decode(row[inputs.shape[1]:].tolist()), texts[i][1]
+                answers[i] = text[len(held):] if held and text.startswith(held) else text
     return answers
+
+
+def prompt_text(prompt: str, tokenizer: ByteTokenizer | SubwordTokenizer) -> tuple[str, str]:
+    """``(text to encode, held back)``: the prompt itself for bytes; for a subword tokenizer
+    the prompt without its trailing spaces, held back because such a tokenizer joins a space
+    to the word after it (GPT-2's pre-tokenization: "is 71432" is "is" + " 71432"), so the
+    prompt ends on a token boundary of the text the model was trained on."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return prompt, ""
+    text = prompt.rstrip(" ")
+    return text, prompt[len(text):]
 
 
 def evaluate_passkey(
@@ -171,7 +190,8 @@ def evaluate_passkey(
         generated = answer_examples(model, examples, batch_size, tokenizer)
         outcomes = tuple(
             PasskeyOutcome(e.answer, text, e.depth, e.needle_distance,
-                           passkey_match(text, e.answer), len(tokenizer.encode(e.prompt)))
+                           passkey_match(text, e.answer),
+                           len(tokenizer.encode(prompt_text(e.prompt, tokenizer)[0])))
             for e, text in zip(examples, generated)
         )
         cells.append(PasskeyCell(length=length, depth=depth, outcomes=outcomes))
