@@ -48,7 +48,8 @@ class LongDocumentDataModule(L.LightningDataModule):
         min_document_bytes: drop documents shorter than this (all splits), e.g. 16384 to train
             and validate a long-context model on long documents only.
         passkey_fraction: share in ``[0, 1)`` of training samples that are passkey examples
-            (drawn on the fly from ``seed``); validation and test stay pure text.
+            (drawn on the fly from ``seed``, in the tokenizer's tokens); validation and test
+            stay pure text.
         passkey_label_mode: ``"all"`` (language modelling on the whole passkey text),
             ``"answer"`` (loss on the key's digits only) or ``"recall"`` (the answer and the
             needle's second copy of the key; ``PasskeyDataset``) for the mixed-in examples.
@@ -86,8 +87,7 @@ class LongDocumentDataModule(L.LightningDataModule):
             names it).
         UsageError: (here) a ``corpus`` distribution that is not installed, not the pinned
             version, or modified since it was installed (files that differ from its RECORD);
-            a ``tokenizer`` that is not one (``tokenizer_choice.parse_tokenizer``), or a
-            subword tokenizer with ``passkey_fraction`` (passkeys are bytes).
+            a ``tokenizer`` that is not one (``tokenizer_choice.parse_tokenizer``).
         UsageError: (in ``prepare_data``/``setup``) data that cannot be used: files that are
             not UTF-8 text, no document, a corpus too small to split (see
             ``build_long_document_splits``).
@@ -152,11 +152,6 @@ class LongDocumentDataModule(L.LightningDataModule):
         )
         self.cache_dir = cache_folder(cache_dir)
         self.tokenizer_choice = parse_tokenizer(tokenizer)
-        if passkey_fraction > 0 and self.tokenizer_choice.kind != BYTES:
-            raise UsageError(
-                f"passkey_fraction {passkey_fraction} needs tokenizer 'bytes' (the mixed-in "
-                f"passkey samples are bytes), got tokenizer {tokenizer!r}; set one of them off."
-            )
         self.tokenizer: Tokenizers | None = self.tokenizer_choice.loaded
         self.splits: LongDocumentSplits | None = None
         self.train_dataset: Dataset | None = None
@@ -202,8 +197,10 @@ class LongDocumentDataModule(L.LightningDataModule):
         if self.passkey_fraction > 0:
             share = self.passkey_fraction
             count = round(len(self.splits.train) * share / (1 - share))
+            subword = None if self.tokenizer_choice.kind == BYTES else self.tokenizer
             passkeys = PasskeyDataset(
-                self.settings.seq_len, count, seed=self.seed, label_mode=self.passkey_label_mode
+                self.settings.seq_len, count, seed=self.seed, label_mode=self.passkey_label_mode,
+                tokenizer=subword,
             )
             self.train_dataset = ConcatDataset([self.splits.train, passkeys])
 

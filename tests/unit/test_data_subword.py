@@ -10,7 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from tokenizers import Tokenizer
+from torch.utils.data import DataLoader
 
 from longnet.constants import IGNORE_INDEX
 from longnet.data import CorpusSettings, LongDocumentDataModule, files_source
@@ -223,6 +225,30 @@ def test_a_changed_bpe_under_its_cache_entry_is_refused(corpus, tmp_path):
         _module(corpus, tmp_path, "bpe:300").setup()
 
 
-def test_passkeys_need_bytes(corpus, tmp_path):
-    with pytest.raises(UsageError, match="passkey_fraction 0.2 needs tokenizer 'bytes'"):
-        _module(corpus, tmp_path, "bpe:300", passkey_fraction=0.2, seq_len=512)
+@pytest.mark.parametrize("label_mode", ["answer", "recall", "all"])
+def test_passkeys_mixed_in_are_in_tokens(corpus, tmp_path, label_mode):
+    long = tmp_path / "long"
+    long.mkdir()
+    for index in range(12):
+        words = np.random.default_rng(index).choice(WORDS, size=400)
+        (long / f"doc{index:02d}.txt").write_text(" ".join(words))
+    module = _module(long, tmp_path, "bpe:300", passkey_fraction=0.2, seq_len=256,
+                     passkey_label_mode=label_mode)
+    module.setup()
+    batch = next(iter(DataLoader(module.train_dataset, batch_size=len(module.train_dataset))))
+    assert set(batch) == {"input_ids", "labels", "label_bytes"}  # corpus and passkeys collate
+    tokenizer = module.tokenizer
+    passkeys = module.train_dataset.datasets[1]
+    sample = passkeys[0]
+    example = passkeys.example(0, len(tokenizer.decode(sample["input_ids"].tolist())) + 6)
+    assert sample["input_ids"].shape == (256,) and sample["label_bytes"].shape == (256,)
+    padded = int((sample["input_ids"] == tokenizer.pad_id).sum())
+    assert padded < 16  # the longest example that fits: a few tokens of padding at most
+    labels = sample["labels"][sample["labels"] != IGNORE_INDEX].tolist()
+    key = example.answer
+    if label_mode == "answer":
+        assert tokenizer.decode(labels).strip() == key + "."
+    if label_mode == "recall":
+        assert tokenizer.decode(labels).replace(" ", "").count(key) == 2
+    assert int(sample["label_bytes"].sum()) == len(tokenizer.decode(labels).encode())
+    assert torch.equal(passkeys[0]["input_ids"], sample["input_ids"])  # deterministic
