@@ -225,6 +225,18 @@ def test_a_changed_bpe_under_its_cache_entry_is_refused(corpus, tmp_path):
         _module(corpus, tmp_path, "bpe:300").setup()
 
 
+def test_a_corpus_entry_of_another_tokenizer_is_refused(corpus, tmp_path):
+    module = _module(corpus, tmp_path, "bpe:300")
+    module.setup()
+    info = module.splits.path / "info.json"
+    record = json.loads(info.read_text())
+    record["tokenizer"]["fingerprint"] = "0123456789abcdef"  # windows of another tokenizer
+    info.write_text(json.dumps(record))
+    with pytest.raises(UsageError, match="built with tokenizer bpe:300 of fingerprint "
+                       "0123456789abcdef.*rm -r"):
+        _module(corpus, tmp_path, "bpe:300").setup()
+
+
 @pytest.mark.parametrize("label_mode", ["answer", "recall", "all"])
 def test_passkeys_mixed_in_are_in_tokens(corpus, tmp_path, label_mode):
     long = tmp_path / "long"
