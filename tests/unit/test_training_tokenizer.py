@@ -17,6 +17,7 @@ from longnet.eval import load_model
 from longnet.modeling import LongNetLM
 from longnet.training import CausalLMModule, ExportPretrained
 from longnet.training.checkpoint import export_pretrained
+from longnet.training.curriculum import split_windows
 from longnet.training.sharding import shard_batch
 from longnet.training.vocabulary import TOKENIZER_KEY, check_tokenizer_record, tokenizer_record
 from longnet.validation import UsageError
@@ -149,3 +150,11 @@ def test_sequence_parallel_shards_cut_label_bytes_with_the_labels(layout):
     for shard in shards:
         assert shard["label_bytes"].shape == shard["labels"].shape
         assert (shard["label_bytes"][shard["labels"] == -100] == 0).all()
+
+
+def test_a_length_curriculum_cuts_label_bytes_with_the_windows():
+    tokens = torch.arange(32).reshape(2, 16)
+    batch = {"input_ids": tokens, "labels": tokens + 1, "label_bytes": tokens % 5}
+    cut = split_windows(dict(batch), 8)
+    assert cut["label_bytes"].shape == cut["labels"].shape == (4, 8)
+    assert torch.equal(cut["label_bytes"].flatten(), batch["label_bytes"].flatten())
