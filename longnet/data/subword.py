@@ -19,6 +19,7 @@ Loading a folder uses ``transformers.AutoTokenizer`` (offline), imported only th
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
@@ -64,7 +65,7 @@ class SubwordTokenizer:
         """Ids are ``0 .. vocab_size - 1`` (added tokens included)."""
         return self.backend.get_vocab_size(with_added_tokens=True)
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> str:
         """16 hex digits of the SHA-256 of the tokenizer (its ``tokenizer.json`` as the
         library writes it) and its special ids: the data's cache key, the checkpoint's record."""
