@@ -28,7 +28,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from longnet.constants import IGNORE_INDEX
 from longnet.data.samples import sample_rng, shifted_sample
+from longnet.data.subword import SubwordTokenizer
 from longnet.data.tokenizer import ByteTokenizer
 from longnet.validation import check_non_negative_int, is_int
 
@@ -150,6 +152,13 @@ class PasskeyDataset(Dataset):
     short-range copy in every sample next to the long-range one (``2 * num_digits + 1``
     positions); ``"all"`` labels every position (language modelling on the whole text, the key
     included).
+
+    With a subword ``tokenizer`` the sample is ``seq_len + 1`` **tokens**: the text is the
+    longest example (in bytes, drawn from the same ``(seed, split, index)``) whose tokens fit,
+    right-padded with the tokenizer's padding id (labels ignored there); the labelled positions
+    are those whose target token covers a byte of the key (and end mark, and second copy); the
+    sample also holds ``"label_bytes"`` ``(seq_len,)``, the UTF-8 bytes of each label's token
+    (0 where not labelled), as the corpus windows of that tokenizer do.
     """
 
     def __init__(
@@ -161,6 +170,7 @@ class PasskeyDataset(Dataset):
         depth: float | None = None,
         num_digits: int = 5,
         label_mode: LabelMode = "answer",
+        tokenizer: SubwordTokenizer | None = None,
     ) -> None:
         if label_mode not in ("answer", "recall", "all"):
             raise ValueError(
@@ -171,19 +181,21 @@ class PasskeyDataset(Dataset):
         sample_rng(seed, split, 0)  # validates seed and split
         self.seq_len, self.size, self.seed, self.split = seq_len, size, seed, split
         self.depth, self.num_digits, self.label_mode = depth, num_digits, label_mode
-        self.tokenizer = ByteTokenizer()
+        self.tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
 
     def __len__(self) -> int:
         return self.size
 
-    def example(self, index: int) -> PasskeyExample:
-        """The text behind sample ``index``."""
+    def example(self, index: int, length: int | None = None) -> PasskeyExample:
+        """The text behind sample ``index`` (``length`` bytes: default ``seq_len``)."""
         if not 0 <= index < self.size:
             raise IndexError(f"index {index} out of range for a dataset of {self.size}.")
         rng = sample_rng(self.seed, self.split, index)
-        return make_passkey_example(self.seq_len, rng, self.depth, self.num_digits)
+        return make_passkey_example(length or self.seq_len, rng, self.depth, self.num_digits)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if isinstance(self.tokenizer, SubwordTokenizer):
+            return self._subword_sample(index)
         example = self.example(index)
         tokens = self.tokenizer.encode_array(example.prompt + example.answer + ANSWER_END)
         if self.label_mode == "all":
@@ -194,3 +206,51 @@ class PasskeyDataset(Dataset):
             copy = example.prompt.find(example.answer, example.prompt.find(example.answer) + 1)
             labelled[copy - 1:copy - 1 + len(example.answer)] = True
         return shifted_sample(tokens, labelled)
+
+    def _subword_sample(self, index: int) -> dict[str, torch.Tensor]:
+        """Sample ``index`` in subword tokens (class docstring)."""
+        example, ids, counts = self._fitting_example(index)
+        ends = np.cumsum(counts)  # byte offset where each token ends
+        starts = ends - counts
+        spans = [(len(example.prompt.encode()), int(ends[-1]))]  # the key and its end mark
+        if self.label_mode == "recall":
+            copy = example.prompt.find(example.answer, example.prompt.find(example.answer) + 1)
+            spans.append((copy, copy + len(example.answer)))  # ASCII: bytes are characters
+        covers = np.zeros(len(ids), dtype=bool)
+        for low, high in spans:
+            covers |= (ends > low) & (starts < high)
+        if self.label_mode == "all":
+            covers[:] = True
+        tokens = np.full(self.seq_len + 1, self.tokenizer.pad_id, dtype=np.int64)
+        tokens[:len(ids)] = ids
+        labelled = np.zeros(self.seq_len, dtype=bool)
+        labelled[:len(ids) - 1] = covers[1:]
+        sample = shifted_sample(tokens, labelled)
+        label_bytes = np.zeros(self.seq_len, dtype=np.int64)
+        label_bytes[:len(ids) - 1] = counts[1:]
+        sample["label_bytes"] = torch.from_numpy(label_bytes)
+        sample["label_bytes"][sample["labels"] == IGNORE_INDEX] = 0
+        return sample
+
+    def _fitting_example(self, index: int) -> tuple[PasskeyExample, np.ndarray, np.ndarray]:
+        """The longest example of ``index`` whose text (answer and end mark included) is at
+        most ``seq_len + 1`` tokens, with its ids and the bytes of each token."""
+        shortest = min_passkey_length(self.num_digits)
+        filler = FILLER * 16  # what a long example is made of: 10 % more bytes than it takes
+        bytes_per_token = len(filler) / len(self.tokenizer.encode(filler))
+        length = max(shortest, int(1.1 * bytes_per_token * (self.seq_len + 1)))
+        while True:
+            example = self.example(index, length)
+            text = example.prompt + example.answer + ANSWER_END
+            ((ids, counts),) = self.tokenizer.encode_documents([text])
+            excess = len(ids) - (self.seq_len + 1)
+            if excess <= 0:
+                return example, ids, counts
+            if length == shortest:
+                raise ValueError(
+                    f"seq_len {self.seq_len} holds no passkey example in the tokens of "
+                    f"{self.tokenizer.name} (the shortest takes {len(ids) - 1} + 1); raise "
+                    "seq_len."
+                )
+            bytes_per_token = len(text.encode()) / len(ids)
+            length = max(shortest, length - max(1, int(excess * bytes_per_token)))

@@ -174,3 +174,47 @@ def test_long_fillers_keep_a_needle_window_of_one_filler_period(budget):
         low, high = needle_window(budget, depth)
         assert high - low == 2 * NEEDLE_JITTER and low >= 0 and high <= budget
         assert low == min(max(0, round(depth * budget) - NEEDLE_JITTER), budget - high + low)
+
+
+class SubwordOracleLM(OracleLM):
+    """The oracle in a subword tokenizer's tokens: it continues the prompt as the text goes on
+    (" <key>." after "The pass key is"), one token of it per step."""
+
+    def __init__(self, tokenizer) -> None:
+        super().__init__()
+        self.tokenizer = tokenizer
+        self.config = LongNetConfig(hidden_size=8, num_layers=1, num_heads=1,
+                                    vocab_size=tokenizer.vocab_size)
+
+    def generate(self, input_ids, max_new_tokens, temperature=1.0, **_):
+        assert temperature == 0
+        rows = []
+        for row in input_ids.tolist():
+            prompt = self.tokenizer.decode(row)
+            assert prompt.endswith("The pass key is")  # read without its final space
+            key = re.search(r"The pass key is (\d+)\. Remember", prompt).group(1)
+            full = self.tokenizer.encode(prompt + f" {key}. The end")
+            rows.append(full[:len(row) + max_new_tokens])
+        return torch.tensor(rows)
+
+
+def test_passkey_with_a_subword_tokenizer_reads_prompts_on_a_token_boundary():
+    from longnet.data.subword import from_backend
+    from longnet.data.tokenizer_choice import train_bpe
+    from longnet.eval.passkey import prompt_text
+
+    examples = passkey_examples(6, 400, 0.5, seed=2)
+    texts = [e.prompt + e.answer + "." for e in examples]
+    numbers = " ".join(str(n) for n in range(10_000, 99_999, 7))  # merges " 5" and the like
+    tokenizer = from_backend(train_bpe([*texts, numbers], 400), "bpe:400")
+    for example in examples:  # the held-back space belongs to the key's first token
+        text, held = prompt_text(example.prompt, tokenizer)
+        assert held == " " and text + held == example.prompt
+        whole = tokenizer.encode(example.prompt + example.answer)
+        assert whole[:len(tokenizer.encode(text))] == tokenizer.encode(text)
+        assert whole[:len(tokenizer.encode(example.prompt))] != tokenizer.encode(example.prompt)
+    (cell,) = evaluate_passkey(SubwordOracleLM(tokenizer), [400], [0.5], num_examples=6,
+                               seed=2, tokenizer=tokenizer)
+    assert cell.accuracy == 1.0
+    assert all(o.generated.startswith(o.answer + ".") for o in cell.outcomes)
+    assert all(o.prompt_tokens < 400 - 5 for o in cell.outcomes)
