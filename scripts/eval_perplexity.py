@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from longnet.data.compressors import MODES
 from longnet.eval import (
     bits_per_byte_rows,
     compressor_baselines,
@@ -47,7 +48,6 @@ from longnet.eval.cli import (
     run_cli,
     stride_argument,
 )
-from longnet.eval.compressors import MODES
 from longnet.eval.reporting import write_run_info
 from longnet.files import check_output_folder
 from longnet.validation import UsageError

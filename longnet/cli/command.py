@@ -42,6 +42,7 @@ from longnet.cli.runs import (
     check_trained_weights,
     checkpoints_hint,
     describe_run,
+    gzip_comparison,
     last_good_checkpoint,
     max_time_cut,
     refuse_earlier_run,
@@ -301,6 +302,10 @@ class LongNetCLI(LightningCLI):
         folder = run_dir(trainer)  # on every rank: log_dir is a collective
         if trainer.is_global_zero:
             print(describe_run(folder, cut is not None))
+            splits = getattr(self.datamodule, "splits", None)
+            comparison = gzip_comparison(folder, getattr(splits, "gzip_bits_per_byte", {}))
+            if comparison is not None:
+                print(comparison)
             if cut is not None:
                 print(cut, file=sys.stderr)
 

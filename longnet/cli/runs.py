@@ -10,6 +10,8 @@ run folder's lock and run ids are ``longnet.training.runs``'s."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -291,3 +293,30 @@ def describe_run(folder: Path, cut: bool = False) -> str:
             lines.append(f"  {str(path) + ('/' if path.is_dir() else ''):<40} "
                          f"{what.format(path=str(path))}")
     return "\n".join(lines)
+
+
+def gzip_comparison(folder: Path, gzip: Mapping[str, float]) -> str | None:
+    """One line: the run's last validation and test bits per byte (``metrics.json``) beside
+    gzip -9's on the same documents (``gzip``: split -> bits per byte, as the data recorded
+    them), and whether the model is below it; None when either side is missing."""
+    path = folder / "metrics.json"
+    if not gzip or not path.is_file():
+        return None
+    metrics = json.loads(path.read_text())
+    parts, below = [], {}
+    sections = (("validate", "validation", "val/bpb"), ("test", "test", "test/bpb"))
+    for section, split, key in sections:
+        value = metrics.get(section, {}).get(key)
+        if isinstance(value, float) and split in gzip:
+            parts.append(f"{split} {value:.3f} (gzip -9: {gzip[split]:.3f})")
+            below[split] = value < gzip[split]
+    if not parts:
+        return None
+    if all(below.values()):
+        verdict = "below gzip"
+    elif any(below.values()):
+        verdict = "below gzip on the " + " and ".join(s for s, b in below.items() if b) + " split"
+    else:
+        verdict = ("not below gzip: train longer (--ckpt_path last --trainer.max_steps N) or "
+                   "on a faster machine")
+    return f"Bits per byte on the held-out documents: {', '.join(parts)}; {verdict}."

@@ -42,6 +42,7 @@ from datasets import Dataset, Features, Sequence, Value, load_from_disk
 
 from longnet.constants import IGNORE_INDEX
 from longnet.data.cache import build_once, cache_folder, fingerprint
+from longnet.data.compressors import compressor_baselines
 from longnet.data.encoding import (
     TOKEN_BYTES_COLUMN,
     describe_documents,
@@ -127,6 +128,9 @@ class LongDocumentSplits:
         built: True when this call processed the data, False when it loaded the cache.
         tokenizer: the tokenizer of the windows (:class:`~longnet.data.ByteTokenizer` or a
             :class:`~longnet.data.subword.SubwordTokenizer`).
+        gzip_bits_per_byte: gzip -9's bits per byte on the ``"validation"`` and ``"test"``
+            documents, each compressed alone (:func:`held_out_gzip`); empty for a cache entry
+            built before it was recorded.
     """
 
     train: Dataset
@@ -136,6 +140,7 @@ class LongDocumentSplits:
     path: Path
     built: bool
     tokenizer: Tokenizers = field(default_factory=ByteTokenizer)
+    gzip_bits_per_byte: dict[str, float] = field(default_factory=dict)
 
 
 def corpus_cache_key(source: DocumentSource, settings: CorpusSettings,
@@ -320,12 +325,14 @@ def _build(source: DocumentSource, settings: CorpusSettings, staging: Path,
         documents = _encode_bytes(documents, settings)
         num_bytes = pc.list_value_length(documents.data.column("tokens")).to_numpy()
         documents = _kept(source, settings, documents, num_bytes)
+        source_documents = documents
         framing = BYTE_FRAMING
     else:
         documents = describe_documents(documents, settings.val_fraction, settings.test_fraction,
                                        settings.min_document_bytes)
         num_bytes = np.asarray(documents["num_bytes"][:], dtype=np.int64)
         documents = _kept(source, settings, documents, num_bytes)
+        source_documents = documents  # their text, before the encoding replaces it
         tokenizer = choice.resolve(lambda: split_texts(documents, "train"),
                                    _bpe_key(source, settings), staging.parent)
         documents, tokens_per_s = encode_documents(documents, tokenizer)
@@ -333,6 +340,7 @@ def _build(source: DocumentSource, settings: CorpusSettings, staging: Path,
         info["tokenizer"] = {"name": tokenizer.name, "fingerprint": tokenizer.fingerprint,
                              "tokens_per_s": round(tokens_per_s)}
     split_column = np.asarray(documents["split"][:])
+    info["gzip_bits_per_byte"] = held_out_gzip(documents, split_column, source_documents)
     subword = choice.kind != BYTES
     counts = {}
     for split in SPLITS:
@@ -367,6 +375,24 @@ def _build(source: DocumentSource, settings: CorpusSettings, staging: Path,
             "settings": asdict(settings), "documents": counts, **info}
     (staging / "info.json").write_text(json.dumps(info, indent=2) + "\n")
     shutil.rmtree(staging / "hf")  # intermediate arrow files are not part of the entry
+
+
+def held_out_gzip(documents: Dataset, split_column: np.ndarray,
+                  source_documents: Dataset) -> dict[str, float]:
+    """gzip -9's bits per byte on the validation and on the test documents, each document
+    compressed alone (as the model scores it): ``{"validation": x, "test": y}``.
+    ``source_documents`` holds the documents' UTF-8 bytes (column ``tokens`` of a byte corpus)
+    or their text (``text``), row for row with ``split_column``."""
+    column = "text" if "text" in source_documents.column_names else "tokens"
+    scores = {}
+    for split in SPLITS[1:]:
+        part = source_documents.select(np.flatnonzero(split_column == split))
+        rows = part.with_format("numpy" if column == "tokens" else None)[column]
+        blobs = [row.encode("utf-8") if isinstance(row, str)
+                 else np.asarray(row, dtype=np.uint8).tobytes() for row in rows]
+        if sum(map(len, blobs)):
+            scores[split] = compressor_baselines(blobs, ["separate"], ["gzip"])[0].bits_per_byte
+    return scores
 
 
 def _build_logged(source: DocumentSource, settings: CorpusSettings, staging: Path,
@@ -420,7 +446,9 @@ def build_long_document_splits(
                             folder)
     if choice.kind != BYTES:
         _check_entry_tokenizer(entry, loaded)
-    return LongDocumentSplits(path=entry, built=built, tokenizer=loaded, **splits)
+    gzip = json.loads((entry / "info.json").read_text()).get("gzip_bits_per_byte", {})
+    return LongDocumentSplits(path=entry, built=built, tokenizer=loaded,
+                              gzip_bits_per_byte=gzip, **splits)
 
 
 def _check_entry_tokenizer(entry: Path, tokenizer: SubwordTokenizer) -> None:

@@ -4,12 +4,12 @@ sliding windows inside documents, compressor baselines, and passkey retrieval gr
 Modules: ``loading`` (zoo names, model folders, and Lightning checkpoints through
 ``longnet.training.checkpoint``), ``documents`` (whole held-out documents), ``sliding`` (the
 sliding-window scorer), ``perplexity`` (rows per model and context length), ``positions`` (bits
-per byte by position in the document), ``compressors``, ``passkey``, ``plotting``,
-``reporting`` (CSV, tables).
+per byte by position in the document), ``passkey``, ``plotting``, ``reporting`` (CSV,
+tables); the compressor baselines come from ``longnet.data.compressors``.
 See ``docs/evaluation.md``.
 """
 
-from longnet.eval.compressors import COMPRESSORS, CompressorBaseline, compressor_baselines
+from longnet.data.compressors import COMPRESSORS, CompressorBaseline, compressor_baselines
 from longnet.eval.documents import EvalDocument, load_eval_documents, tokenize_documents
 from longnet.eval.loading import LoadedModel, load_model, load_models, model_tokenizer
 from longnet.eval.passkey import (

@@ -1,6 +1,7 @@
 """The command with a subword tokenizer: ``--data.init_args.tokenizer bpe:N`` trains, the run
 folder and the export carry the tokenizer, a resume keeps it and cannot switch it;
-configs/quickstart_bpe.yaml gives longnet-tiny's shape the BPE's vocabulary."""
+the main job (configs/quickstart.yaml) gives longnet-tiny's shape the BPE's vocabulary; the
+command's last line compares bits per byte with gzip's on the same documents."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from longnet.modeling import LongNetConfig, resolve_model_dir
 
 REPO = Path(__file__).resolve().parents[2]
 SMOKE = REPO / "configs" / "smoke.yaml"
-QUICKSTART_BPE = REPO / "configs" / "quickstart_bpe.yaml"
+QUICKSTART = REPO / "configs" / "quickstart.yaml"
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -34,7 +35,11 @@ def test_fit_with_a_bpe_carries_it_and_a_resume_cannot_switch(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
     assert main(_args(tmp_path, "--trainer.max_steps=4", "--data.init_args.tokenizer=bpe:400")) \
         == 0
-    assert "Trained a byte-level BPE of" in capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert "Trained a byte-level BPE of" in err
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("Bits per byte on the held-out documents: validation ") and \
+        "(gzip -9: " in last and "; not below gzip: train longer" in last, last
     run = tmp_path / "smoke"
     saved = (run / "tokenizer" / "tokenizer.json").read_text()
     assert (run / "model" / "tokenizer.json").read_text() == saved
@@ -56,8 +61,8 @@ def test_fit_with_a_bpe_carries_it_and_a_resume_cannot_switch(tmp_path, capsys):
     assert "holds a model of another shape" in err and "400" in err and "256" in err, err
 
 
-def test_quickstart_bpe_gives_the_model_the_bpe_vocabulary(tmp_path):
-    cli = LongNetCLI(["--config", str(QUICKSTART_BPE), f"--data.init_args.cache_dir={tmp_path}"],
+def test_the_main_job_gives_the_model_the_bpe_vocabulary(tmp_path):
+    cli = LongNetCLI(["--config", str(QUICKSTART), f"--data.init_args.cache_dir={tmp_path}"],
                      run=False)
     config = cli.model.model.config
     assert (config.vocab_size, config.eos_token_id, config.pad_token_id) == (8192, 0, 1)
