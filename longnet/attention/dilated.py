@@ -134,11 +134,12 @@ def dilated_attention(
         )
     if check_finite:
         _check_finite(q, k, v)
+    pattern = DilatedPattern.coerce(pattern)
     if sequence_parallel is None:
-        layout, transport, world_size = "contiguous", None, 1
-    else:
-        layout, transport = sequence_parallel.layout, sequence_parallel.transport
-        world_size = sequence_parallel.world_size
+        layout, transports, world_size = "contiguous", None, 1
+    else:  # checked on a one-rank group too, where it is not used
+        layout, world_size = sequence_parallel.layout, sequence_parallel.world_size
+        transports = transports_per_branch(sequence_parallel.transport, len(pattern.branches))
     grouped = world_size > 1  # a group of one rank runs as one device
     if document_ids is not None and grouped and layout != "contiguous":
         raise ValueError(
@@ -146,7 +147,6 @@ def dilated_attention(
             f"only (not layout={layout!r} yet); pass SequenceParallel(group, "
             "layout='contiguous')."
         )
-    pattern = DilatedPattern.coerce(pattern)
     scale = float(scale) if scale is not None else q.shape[-1] ** -0.5
     if not grouped:
         documents = None
@@ -161,7 +161,6 @@ def dilated_attention(
         )
         return (out, lse) if return_lse else out
     process_group = sequence_parallel.process_group
-    transports = transports_per_branch(transport, len(pattern.branches))
     budget = default_block_elements(q.device) if block_elements is None else int(block_elements)
     budget = agree_on_call(
         f"shape={tuple(q.shape)} dtype={q.dtype} pattern={pattern.branches} causal={causal} "
