@@ -14,9 +14,11 @@ small enough to commit; ``start`` makes of it a checkpoint with fresh optimizer 
 (``longnet.training.Rewarmup`` ramps the learning rate back up). ``restore`` makes
 ``CHECKPOINT`` the newest of what is there: ``CHECKPOINT`` itself, the full state in
 ``--state``, the handoff in ``--handoff`` (the higher step; at equal steps in that order),
-and says which; with none of them it says so (a new run). ``longnet fit --ckpt_path
-last`` continues from ``<run folder>/checkpoints/last.ckpt``. See docs/long_context_gpu.md.
-Errors end with one line and exit status 2.
+and says which; with none of them it says so (a new run). A folder given must exist, and a
+state or handoff of another run (run id, model shape) is refused: ``CHECKPOINT`` is kept.
+``longnet fit --ckpt_path last`` continues from ``<run folder>/checkpoints/last.ckpt``. See
+docs/long_context_gpu.md. Errors end with two lines (the message, then how ``--verbose``
+shows the traceback) and exit status 2.
 """
 
 from __future__ import annotations

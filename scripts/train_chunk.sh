@@ -8,7 +8,9 @@
 #    installed offline into a temporary folder first;
 # 2. the newest state present becomes <run folder>/checkpoints/last.ckpt: that folder's own, the
 #    full state packed in $STATE (default runs/<name>-state) or the compact handoff in $HANDOFF
-#    (default chunks/<name>/handoff); none of them: a new run (chunk_state.py restore);
+#    (default chunks/<name>/handoff); none of them: a new run (chunk_state.py restore). A
+#    folder set in $STATE or $HANDOFF must exist, a default one is read when present; a state
+#    or handoff of another run (run id, model shape) stops the chunk, the checkpoint kept;
 # 3. chunks/<name>/metrics.csv, if present, is continued, and one chunk trains:
 #    longnet fit --config CONFIG --ckpt_path last (the config's max_time ends it);
 # 4. $OUT (default runs/<name>-out) gets at most 8 files: handoff/ (weights.safetensors,
@@ -56,14 +58,18 @@ EOF
 ) || exit 2
 read -r RUN NAME <<<"$RUN_NAME"
 OUT=${OUT:-runs/$NAME-out}
+STATE_SET=${STATE:-} HANDOFF_SET=${HANDOFF:-}
 STATE=${STATE:-runs/$NAME-state}
 HANDOFF=${HANDOFF:-chunks/$NAME/handoff}
+FROM=()  # what restore reads: a folder set must exist, a default one is read when present
+if [ -n "$STATE_SET" ] || [ -e "$STATE" ]; then FROM+=(--state "$STATE"); fi
+if [ -n "$HANDOFF_SET" ] || [ -e "$HANDOFF" ]; then FROM+=(--handoff "$HANDOFF"); fi
 CKPT=$RUN/checkpoints/last.ckpt
 mkdir -p "$OUT" "$RUN" || exit 2
 exec > >(tee "$OUT/chunk.log") 2>&1
 
-echo "train_chunk.sh: $CONFIG, run folder $RUN, state from $STATE or $HANDOFF, output $OUT"
-"$PY" scripts/chunk_state.py restore "$CKPT" --state "$STATE" --handoff "$HANDOFF" || exit 2
+echo "train_chunk.sh: $CONFIG, run folder $RUN, state from ${FROM[*]:-none}, output $OUT"
+"$PY" scripts/chunk_state.py restore "$CKPT" "${FROM[@]}" || exit 2
 if [ -f "chunks/$NAME/metrics.csv" ] && [ ! -f "$RUN/metrics.csv" ]; then
     cp "chunks/$NAME/metrics.csv" "$RUN/metrics.csv"
 fi

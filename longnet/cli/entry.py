@@ -20,10 +20,10 @@ from longnet.cli.errors import (
     EXPECTED_ERRORS,
     VERBOSE_FLAG,
     error_message,
+    expected_os_error,
     parse_error_message,
 )
 from longnet.denormals import denormals_kept, flushing_denormals
-from longnet.files import NO_ROOM_ERRNOS
 from longnet.training.signals import (
     RERUN_HINT,
     Interrupted,
@@ -86,7 +86,7 @@ def main(args: Sequence[str] | None = None) -> int:
                   + ")", file=sys.stderr)
             return USAGE_EXIT
         except (*EXPECTED_ERRORS, OSError) as err:
-            if isinstance(err, OSError) and err.errno not in NO_ROOM_ERRNOS:
+            if isinstance(err, OSError) and not expected_os_error(err):
                 raise  # a bug or an unexpected fault: its traceback
             if verbose:
                 traceback.print_exc()

@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 
+from longnet.cli.errors import VERBOSE_FLAG, VERBOSE_HINT, error_line, expected_os_error
 from longnet.eval.documents import EVAL_SPLITS, EvalDocument, load_eval_documents
 from longnet.eval.loading import LoadedModel, load_models
 from longnet.eval.perplexity import MIN_CONTEXT, default_context_lengths
@@ -22,7 +24,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch
 
 class ScriptParser(argparse.ArgumentParser):
     """The argument parser of the scripts: a bad argument ends with one line naming it and the
-    reason, and exit status 2, not the usage summary that buries it (``--help`` shows that)."""
+    reason, and exit status 2, not the usage summary that buries it (``--help`` shows that);
+    ``--verbose`` is accepted (:func:`run_cli` reads it)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.add_argument(VERBOSE_FLAG, action="store_true",
+                          help="on an error, show its traceback too")
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"error: {message.rstrip('.')}; see {self.prog} --help.\n")
@@ -230,9 +238,17 @@ def models_from_args(args: argparse.Namespace) -> list[LoadedModel]:
 
 def run_cli(main: Callable[[], int]) -> int:
     """Run a script's ``main``; bad arguments or inputs (``ValueError``, ``FileNotFoundError``)
-    end with their message and exit status 2 instead of a traceback."""
+    and a write the machine refused (``longnet.cli.errors.expected_os_error``: no room, a
+    read-only file system) end as the ``longnet`` command ends them: their message, a line
+    naming ``--verbose`` (given on the command line, it prints the traceback too) and exit
+    status 2. Any other error keeps its traceback."""
     try:
         return main()
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
+    except (ValueError, OSError) as err:
+        if isinstance(err, OSError) and not (isinstance(err, FileNotFoundError)
+                                             or expected_os_error(err)):
+            raise
+        if VERBOSE_FLAG in sys.argv[1:]:
+            traceback.print_exc()
+        print(f"{error_line(err)}\n{VERBOSE_HINT}", file=sys.stderr)
         return 2
