@@ -397,6 +397,16 @@ def test_chunk_state_reports_a_full_disk_or_a_read_only_file_system_in_two_lines
         "(run again with --verbose to see the traceback)"]
 
 
+@pytest.mark.parametrize("argv", [["restore", "last.ckpt", "--state", ""],
+                                  ["unpack", "state", ""], ["pack", "", "state"]])
+def test_chunk_state_refuses_an_empty_path(argv, capsys):
+    """An empty path is the current folder: refused when parsed, naming the argument."""
+    with pytest.raises(SystemExit) as exit_info:
+        load_script("chunk_state").main(argv)
+    assert exit_info.value.code == 2
+    assert "expected a path, got ''" in capsys.readouterr().err
+
+
 def test_the_chunk_script_refuses_a_state_folder_set_but_absent_or_another_runs(runs, tmp_path):
     """``$STATE`` set to a folder that does not exist, or a leftover state of another run in the
     default ``$STATE`` folder, stops the chunk before training (exit 2), the run's checkpoint
