@@ -11,7 +11,8 @@ on a fresh machine, continues from one of two handovers (``docs/long_context_gpu
 - **the compact handoff** (:func:`write_handoff`, :func:`handoff_checkpoint`): the weights in
   bfloat16 (``weights.safetensors``) and ``handoff.json`` (step, data position, learning-rate
   schedule, optimizer hyper-parameters, run id, the callbacks' plain states): small enough to
-  commit (about 2 bytes per parameter). :func:`handoff_checkpoint` turns it into a checkpoint
+  commit (about 2 bytes per parameter); ``handoff.json`` records the weights' size and
+  SHA-256, checked when read. :func:`handoff_checkpoint` turns it into a checkpoint
   that ``--ckpt_path`` resumes with the weights widened back to their dtype and the AdamW
   moments empty; :class:`Rewarmup` then ramps the learning rate back up over a few steps,
   and the schedule and the data order continue from the recorded step.
@@ -35,7 +36,7 @@ import torch
 from safetensors.torch import save
 
 from longnet.files import check_path_given, replace_folder, write_atomic
-from longnet.modeling.serialization import read_safetensors
+from longnet.modeling.serialization import parse_safetensors
 from longnet.training.checkpoint import STATE_DICT, read_checkpoint
 from longnet.training.runs import RUN_ID_KEY, checkpoint_run_id
 from longnet.validation import UsageError, check_non_negative_int, check_positive_int, is_int
@@ -165,10 +166,11 @@ def write_handoff(checkpoint: str | Path, folder: str | Path) -> list[Path]:
                       if not _file_bound(value)},
         "checkpoint": {key: state[key] for key in HANDOFF_ENTRIES if key in state},
     }
+    data = save(weights, metadata={"format": "pt", "library": "longnet"})
+    handoff["weights"] = {"size": len(data), "sha256": _sha256(data)}
     text = _to_json(handoff, checkpoint)
     with replace_folder(folder, owned=old) as temp:
-        (temp / WEIGHTS).write_bytes(save(weights, metadata={"format": "pt",
-                                                             "library": "longnet"}))
+        (temp / WEIGHTS).write_bytes(data)
         (temp / HANDOFF).write_text(text)
     return [Path(folder) / WEIGHTS, Path(folder) / HANDOFF]
 
@@ -183,7 +185,7 @@ def handoff_checkpoint(folder: str | Path, target: str | Path) -> Path:
     Raises:
         FileNotFoundError: no ``handoff.json`` or ``weights.safetensors`` in ``folder``.
         UsageError: ``handoff.json`` is not one :func:`write_handoff` wrote, or the weights
-            do not match its tensor list.
+            are not the ones it records (size, SHA-256) or do not match its tensor list.
     """
     return write_atomic(target, _handoff_bytes(Path(folder)))
 
@@ -191,7 +193,16 @@ def handoff_checkpoint(folder: str | Path, target: str | Path) -> Path:
 def _handoff_bytes(folder: Path) -> bytes:
     """The checkpoint :func:`handoff_checkpoint` writes, as bytes."""
     handoff = _read_handoff(folder)
-    tensors = read_safetensors(folder / WEIGHTS)
+    path = folder / WEIGHTS
+    if not path.is_file():
+        raise FileNotFoundError(f"no {WEIGHTS} in {folder}: copy it next to {HANDOFF}.")
+    data = path.read_bytes()
+    recorded = handoff.get("weights")
+    if recorded is not None and (len(data), _sha256(data)) != (recorded["size"],
+                                                               recorded["sha256"]):
+        raise UsageError(f"{path} is damaged: {len(data):,} bytes with another SHA-256 than "
+                         f"the {recorded['size']:,} bytes {HANDOFF} records. Copy it again.")
+    tensors = parse_safetensors(data, path)
     dtypes = handoff["dtypes"]
     if set(tensors) != set(dtypes):
         missing, extra = sorted(set(dtypes) - set(tensors)), sorted(set(tensors) - set(dtypes))
@@ -381,10 +392,15 @@ def _read_handoff(folder: Path) -> dict[str, Any]:
     read."""
     handoff = _read_json(folder / HANDOFF, HANDOFF_FORMAT, "scripts/chunk_state.py handoff")
     kinds = {"dtypes": dict, "param_groups": list, "callbacks": dict, "checkpoint": dict}
-    checkpoint = handoff.get("checkpoint")
-    step = checkpoint.get("global_step") if isinstance(checkpoint, dict) else None
-    if not all(isinstance(handoff.get(key), kind) for key, kind in kinds.items()) or not (
-            step is None or is_int(step)):
+    checkpoint, weights = handoff.get("checkpoint"), handoff.get("weights")
+    complete = (
+        all(isinstance(handoff.get(key), kind) for key, kind in kinds.items())
+        and (checkpoint.get("global_step") is None or is_int(checkpoint["global_step"]))
+        and (weights is None  # handoffs written before the weights' record
+             or (isinstance(weights, dict) and is_int(weights.get("size"))
+                 and isinstance(weights.get("sha256"), str)))
+    )
+    if not complete:
         raise UsageError(f"{folder / HANDOFF} lacks entries scripts/chunk_state.py handoff "
                          f"writes ({', '.join(kinds)}, with the step): it is damaged. Copy it "
                          "again, or write the handoff again.")

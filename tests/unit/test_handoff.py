@@ -353,6 +353,13 @@ def test_a_damaged_index_or_handoff_record_is_named(runs, tmp_path):
     with pytest.raises(UsageError, match=r"the shards in .*state make [\d,]+ bytes with another "
                        r"SHA-256 than the [\d,]+ bytes of last\.ckpt that index\.json records"):
         unpack_state(tmp_path / "state", tmp_path / "last.ckpt")
+    weights = tmp_path / "handoff" / WEIGHTS
+    intact = weights.read_bytes()
+    weights.write_bytes(intact[:-1] + bytes([intact[-1] ^ 1]))  # one bit flipped in transit
+    with pytest.raises(UsageError, match=r"weights\.safetensors is damaged: [\d,]+ bytes with "
+                       r"another SHA-256 than the [\d,]+ bytes handoff\.json records"):
+        handoff_checkpoint(tmp_path / "handoff", tmp_path / "last.ckpt")
+    weights.write_bytes(intact)
     record = json.loads((tmp_path / "handoff" / HANDOFF).read_text())
     del record["dtypes"]
     (tmp_path / "handoff" / HANDOFF).write_text(json.dumps(record))
