@@ -235,6 +235,21 @@ def test_inputs_eager_mode_refuses_are_refused_in_the_projects_words_when_compil
     torch._dynamo.reset()
 
 
+def test_a_layer_refuses_its_input_in_the_projects_words_when_compiled():
+    layer = MultiheadDilatedAttention(24, 3, BRANCHES, causal=True).double()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    for x, message in ((torch.randn(1, 24, 16, dtype=torch.float64), "embed_dim 24, got"),
+                       (torch.randn(1, 24, 24), "x has dtype torch.float32")):
+        with pytest.raises(torch._dynamo.exc.Unsupported) as info:
+            compiled(x)
+        assert message in "\n".join(str(info.value).splitlines()[:2]), info.value
+    x = torch.randn(1, 24, 24, dtype=torch.float64)
+    with pytest.raises(torch._dynamo.exc.Unsupported) as info:
+        compiled(x, torch.arange(23))
+    assert "position_ids has shape (23,)" in "\n".join(str(info.value).splitlines()[:2])
+    torch._dynamo.reset()
+
+
 def test_the_documented_compile_limits_name_the_supported_way():
     """Raw ``document_ids`` in a fullgraph region and ``LongNetLM`` compiled whole say what to
     do: resolve the documents beforehand; compile the blocks."""
