@@ -11,6 +11,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from lightning.pytorch.plugins.precision import DoublePrecision
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
@@ -217,6 +218,12 @@ class CausalLMModule(L.LightningModule):
             checkpoint[RNG_KEY]["cuda"] = torch.cuda.get_rng_state()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Restore the RNG state; under ``64-true``, make the module float64 first: Lightning
+        loads the weights before it converts the module, and the float32 module it loads them
+        into would round them."""
+        if self._trainer is not None and isinstance(self._trainer.precision_plugin,
+                                                    DoublePrecision):
+            self.double()
         state = checkpoint.get(RNG_KEY)
         if state is None:
             return
