@@ -4,8 +4,8 @@
 #
 #   bash scripts/train_chunk.sh CONFIG [longnet fit options...]
 #
-# 1. longnet must import: if it does not and $WHEELS (default .whl) holds wheels, they are
-#    installed offline into a temporary folder first;
+# 1. longnet must import: if it does not and $WHEELS (default .whl; set, it must be a folder)
+#    holds wheels, they are installed offline into a temporary folder first;
 # 2. the newest state present becomes <run folder>/checkpoints/last.ckpt: that folder's own, the
 #    full state packed in $STATE (default runs/<name>-state) or the compact handoff in $HANDOFF
 #    (default chunks/<name>/handoff); none of them: a new run (chunk_state.py restore). A
@@ -32,6 +32,11 @@ CONFIG=$1
 shift
 
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if [ -n "${WHEELS:-}" ] && [ ! -d "$WHEELS" ]; then
+    echo "train_chunk.sh: WHEELS=$WHEELS is not a folder; give the folder of the wheels or" \
+         "leave WHEELS unset (default .whl)." >&2
+    exit 2
+fi
 WHEELS=${WHEELS:-.whl}
 if ! "$PY" -c "import longnet.cli" 2>/dev/null && compgen -G "$WHEELS/*.whl" >/dev/null; then
     SITE=$(mktemp -d)

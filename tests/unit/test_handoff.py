@@ -415,9 +415,9 @@ def test_chunk_state_refuses_an_empty_path(argv, capsys):
 
 
 def test_the_chunk_script_refuses_a_state_folder_set_but_absent_or_another_runs(runs, tmp_path):
-    """``$STATE`` set to a folder that does not exist, or a leftover state of another run in the
-    default ``$STATE`` folder, stops the chunk before training (exit 2), the run's checkpoint
-    kept; an absent default folder is a new run."""
+    """``$WHEELS`` or ``$STATE`` set to a folder that does not exist, or a leftover state of
+    another run in the default ``$STATE`` folder, stops the chunk before training (exit 2), the
+    run's checkpoint kept."""
     crashed = runs / "crashed" / "checkpoints" / "last.ckpt"
     name = f"chunk-probe-{tmp_path.name}"
     config = yaml.safe_load((REPO / "configs" / "smoke.yaml").read_text())
@@ -430,6 +430,8 @@ def test_the_chunk_script_refuses_a_state_folder_set_but_absent_or_another_runs(
              "--trainer.max_steps=0"], capture_output=True, text=True, timeout=300,
             env={**os.environ, "OUT": str(tmp_path / "out"), **env})
 
+    done = chunk(WHEELS=str(tmp_path / "no-wheels"))
+    assert done.returncode == 2 and "WHEELS=" in done.stderr and "is not a folder" in done.stderr
     done = chunk(STATE=str(tmp_path / "typo"))
     assert done.returncode == 2 and "typo does not exist" in done.stdout, done.stdout
     assert "fit exited" not in done.stdout
