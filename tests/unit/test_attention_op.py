@@ -265,9 +265,12 @@ def test_the_documented_compile_limits_name_the_supported_way():
                                                               document_ids=ids))
     model = LongNetLM(LongNetConfig(vocab_size=40, hidden_size=24, num_layers=1, num_heads=3,
                                     segment_lengths=(4, 8), dilation_rates=(1, 2))).eval()
-    with pytest.raises(torch._dynamo.exc.Unsupported) as info:
-        torch.compile(model, fullgraph=True, backend="aot_eager")(torch.randint(0, 40, (1, 8)))
-    assert "compile the model's blocks" in "\n".join(str(info.value).splitlines()[:2])
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    for ids, message in ((torch.randint(0, 40, (1, 8)), "compile the model's blocks"),
+                         (torch.rand(1, 8), "input_ids must have an integer dtype")):
+        with pytest.raises(torch._dynamo.exc.Unsupported) as info:
+            compiled(ids)
+        assert message in "\n".join(str(info.value).splitlines()[:2]), info.value
     torch._dynamo.reset()
 
 
