@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-from longnet.files import NO_ROOM_ERRNOS
+from longnet.files import NO_ROOM_ERRNOS, REFUSED_WRITE_ERRNOS
 from longnet.validation import UsageError
 
 VERBOSE_FLAG = "--verbose"
@@ -41,6 +41,7 @@ WRITE_FIXES = {**DISK_FIXES, errno.EROFS: "give a path on a writable file system
 """The ``OSError`` s ``main`` and the scripts report in a few lines with exit status 2 (the
 machine's, not a bug: no room, a read-only file system) and what the user can do about each;
 any other is a bug or an unexpected fault and keeps its traceback."""
+assert set(WRITE_FIXES) == REFUSED_WRITE_ERRNOS
 
 
 def undecodable_config(args: Sequence[str], err: UnicodeDecodeError) -> str:
