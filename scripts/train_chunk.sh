@@ -10,7 +10,8 @@
 #    full state packed in $STATE (default runs/<name>-state) or the compact handoff in $HANDOFF
 #    (default chunks/<name>/handoff); none of them: a new run (chunk_state.py restore). A
 #    folder set in $STATE or $HANDOFF must exist, a default one is read when present; a state
-#    or handoff of another run (run id, model shape) stops the chunk, the checkpoint kept;
+#    or handoff of another run (run id, model shape) than the checkpoint or the other folder
+#    stops the chunk, the checkpoint kept;
 # 3. chunks/<name>/metrics.csv, if present, is continued, and one chunk trains:
 #    longnet fit --config CONFIG --ckpt_path last (the config's max_time ends it);
 # 4. $OUT (default runs/<name>-out) gets at most 8 files: handoff/ (weights.safetensors,

@@ -230,8 +230,9 @@ def restore_newest(target: str | Path, state: str | Path | None = None,
     equal steps in that order (the exact ones first). Returns which (``"checkpoint"``,
     ``"state"`` or ``"handoff"``) and its step; None when there is none of them (a new run).
 
-    ``target`` is replaced only by the same run's newer state: a ``state`` or ``handoff`` of
-    another run (another run id or model shape) is refused and ``target`` kept.
+    ``target`` is replaced only by the same run's newer state: a newest ``state`` or
+    ``handoff`` of another run (another run id or model shape) than ``target`` or the other
+    folder given is refused, and ``target`` kept.
 
     Raises:
         FileNotFoundError: ``state`` or ``handoff`` given but absent, or without its
@@ -257,8 +258,11 @@ def restore_newest(target: str | Path, state: str | Path | None = None,
     step, _, kind, source = max(found)
     if kind != "checkpoint":
         data = _state_bytes(source) if kind == "state" else _handoff_bytes(source)
-        if target.is_file():
-            _check_same_run(target, data, source)
+        newest = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        for *_, other_kind, other in found:  # everything else given: the same run
+            if other != source:
+                _check_same_run(source, newest, other, _read_as_checkpoint(other_kind, other),
+                                target)
         write_atomic(target, data)
     return kind, step
 
@@ -335,15 +339,23 @@ def _given_folder(path: str | Path, what: str, writer: str) -> Path:
     return path
 
 
-def _check_same_run(target: Path, data: bytes, source: Path) -> None:
-    """Refuse to replace the checkpoint ``target`` by ``data``, the checkpoint made from
-    ``source``, when the two are different runs: another run id or other tensor shapes."""
-    mine = read_checkpoint(target)
-    theirs = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+def _read_as_checkpoint(kind: str, source: Path) -> Mapping[str, Any]:
+    """The checkpoint ``source`` is or makes (``kind``: as :func:`restore_newest` names it)."""
+    if kind == "checkpoint":
+        return read_checkpoint(source)
+    data = _state_bytes(source) if kind == "state" else _handoff_bytes(source)
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def _check_same_run(source: Path, theirs: Mapping[str, Any], other: Path,
+                    mine: Mapping[str, Any], target: Path) -> None:
+    """Refuse to write at ``target`` the checkpoint ``theirs``, made from ``source``, when
+    ``mine``, the one ``other`` (``target``, or the other folder given) holds, is of another
+    run: another run id or other tensor shapes."""
     differences = []
     ids = checkpoint_run_id(mine), checkpoint_run_id(theirs)
     if None not in ids and ids[0] != ids[1]:
-        differences.append(f"run id {ids[1]} at step {theirs.get('global_step')}, {target} "
+        differences.append(f"run id {ids[1]} at step {theirs.get('global_step')}, {other} "
                            f"run id {ids[0]} at step {mine.get('global_step')}")
     shapes = _shapes(mine), _shapes(theirs)
     changed = sorted(name for name in {*shapes[0], *shapes[1]}
@@ -354,9 +366,9 @@ def _check_same_run(target: Path, data: bytes, source: Path) -> None:
                            f"{shapes[1].get(name)} against {shapes[0].get(name)}")
     if differences:
         raise UsageError(
-            f"{source} holds another run than {target} ({'; '.join(differences)}). Nothing "
-            f"was written: {target} is kept. To start from {source} instead, move {target} "
-            "away first; else give this run's own state or handoff."
+            f"{source} holds another run than {other} ({'; '.join(differences)}). Nothing "
+            f"was written: {target} is kept as it was. To start from {source} instead, move "
+            f"{other} away first; else give this run's own state or handoff."
         )
 
 

@@ -262,12 +262,23 @@ def test_pack_refuses_more_files_than_allowed_and_unpack_names_a_bad_shard(runs,
         INDEX, "state-00001-of-00001.bin"]
 
 
+def edited(source: Path, path: Path, **entries) -> Path:
+    """A copy at ``path`` of the checkpoint ``source`` with ``entries`` replaced (a
+    ``state_dict`` entry: its tensors updated)."""
+    checkpoint = load(source)
+    checkpoint["state_dict"].update(entries.pop("state_dict", {}))
+    checkpoint.update(entries)
+    torch.save(checkpoint, path)
+    return path
+
+
 def test_restore_picks_the_newest_handover_the_exact_one_at_equal_steps(runs, tmp_path):
-    full, crashed = (runs / name / "checkpoints" / "last.ckpt" for name in ("full", "crashed"))
+    full = runs / "full" / "checkpoints" / "last.ckpt"
+    earlier = edited(full, tmp_path / "step4.ckpt", global_step=4)  # the same run, at step 4
     pack_state(full, tmp_path / "state6")
-    pack_state(crashed, tmp_path / "state4")
+    pack_state(earlier, tmp_path / "state4")
     write_handoff(full, tmp_path / "handoff6")
-    write_handoff(crashed, tmp_path / "handoff4")
+    write_handoff(earlier, tmp_path / "handoff4")
     target = tmp_path / "run" / "checkpoints" / "last.ckpt"
     assert restore_newest(target) is None
     assert not target.exists()
@@ -282,20 +293,11 @@ def test_restore_picks_the_newest_handover_the_exact_one_at_equal_steps(runs, tm
     assert load(target)["optimizer_states"][0]["state"] == {}
 
 
-def edited(source: Path, path: Path, **entries) -> Path:
-    """A copy at ``path`` of the checkpoint ``source`` with ``entries`` replaced (a
-    ``state_dict`` entry: its tensors updated)."""
-    checkpoint = load(source)
-    checkpoint["state_dict"].update(entries.pop("state_dict", {}))
-    checkpoint.update(entries)
-    torch.save(checkpoint, path)
-    return path
-
-
 def test_restore_refuses_another_runs_state_or_handoff_and_keeps_the_checkpoint(runs, tmp_path):
     """A leftover state or handoff of another run (another run id, or the same run id with
-    other tensor shapes) at a higher step does not replace the run's only ``last.ckpt``; the
-    same run's newer one does."""
+    other tensor shapes) at a higher step does not replace the run's only ``last.ckpt``, nor,
+    on a fresh machine, win over the other folder given, of another run; the same run's newer
+    one does."""
     full, crashed = (runs / name / "checkpoints" / "last.ckpt" for name in ("full", "crashed"))
     target = tmp_path / "run" / "checkpoints" / "last.ckpt"
     target.parent.mkdir(parents=True)
@@ -317,6 +319,13 @@ def test_restore_refuses_another_runs_state_or_handoff_and_keeps_the_checkpoint(
     with pytest.raises(UsageError, match=rf"1 tensor\(s\) of other shapes, e\.g\. {name}"):
         restore_newest(target, tmp_path / "wider-state")
     assert target.read_bytes() == crashed.read_bytes()
+    target.unlink()  # a fresh machine: the newest folder given must be the other one's run
+    write_handoff(crashed, tmp_path / "crashed-handoff")
+    with pytest.raises(UsageError, match=r"other-state holds another run than .*crashed-handoff"
+                       r" \(run id .*Nothing was written"):
+        restore_newest(target, tmp_path / "other-state", tmp_path / "crashed-handoff")
+    assert not target.exists()
+    target.write_bytes(crashed.read_bytes())
     pack_state(edited(crashed, tmp_path / "newer.ckpt", global_step=6), tmp_path / "newer")
     assert restore_newest(target, tmp_path / "newer") == ("state", 6)
     assert load(target)["global_step"] == 6
