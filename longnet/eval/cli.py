@@ -25,12 +25,20 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch
 class ScriptParser(argparse.ArgumentParser):
     """The argument parser of the scripts: a bad argument ends with one line naming it and the
     reason, and exit status 2, not the usage summary that buries it (``--help`` shows that);
-    ``--verbose`` is accepted (:func:`run_cli` reads it)."""
+    ``--verbose`` is accepted, before or after a subcommand (:func:`run_cli` reads it)."""
+
+    verbose = False
+    """Whether the command line parsed last gave ``--verbose``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.add_argument(VERBOSE_FLAG, action="store_true",
+        self.add_argument(VERBOSE_FLAG, action="store_true", default=argparse.SUPPRESS,
                           help="on an error, show its traceback too")
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        namespace, extras = super().parse_known_args(args, namespace)
+        ScriptParser.verbose = getattr(namespace, "verbose", False)
+        return namespace, extras
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"error: {message.rstrip('.')}; see {self.prog} --help.\n")
@@ -240,15 +248,15 @@ def run_cli(main: Callable[[], int]) -> int:
     """Run a script's ``main``; bad arguments or inputs (``ValueError``, ``FileNotFoundError``)
     and a write the machine refused (``longnet.cli.errors.expected_os_error``: no room, a
     read-only file system) end as the ``longnet`` command ends them: their message, a line
-    naming ``--verbose`` (given on the command line, it prints the traceback too) and exit
-    status 2. Any other error keeps its traceback."""
+    naming ``--verbose`` (given to a :class:`ScriptParser`, it prints the traceback too) and
+    exit status 2. Any other error keeps its traceback."""
     try:
         return main()
     except (ValueError, OSError) as err:
         if isinstance(err, OSError) and not (isinstance(err, FileNotFoundError)
                                              or expected_os_error(err)):
             raise
-        if VERBOSE_FLAG in sys.argv[1:]:
+        if ScriptParser.verbose:
             traceback.print_exc()
         print(f"{error_line(err)}\n{VERBOSE_HINT}", file=sys.stderr)
         return 2
