@@ -11,6 +11,8 @@ torn file or a mix of the two, and a writer killed at any instant leaves a valid
   a concurrent :func:`replace_folder` changes nothing in what they read.
 - :func:`check_output_folder`, :func:`check_replaceable_folder`: before a long computation,
   whether its output can be written.
+- :func:`refused_write_line`: how a write the machine refused (no room, a read-only file
+  system) is reported, by the ``longnet`` command and the scripts alike.
 - :func:`check_path_given`: an empty path is refused, by every function here too
   (``Path("")`` is the current folder, where an empty setting would silently read or write),
   and :func:`replace_folder` never replaces the current folder or a folder holding it.
@@ -60,6 +62,11 @@ NO_ROOM_ERRNOS = frozenset({errno.EFBIG, errno.ENOSPC, errno.EDQUOT})
 """Errors of a write that found no room: the file size limit, a full disk, a quota."""
 REFUSED_WRITE_ERRNOS = NO_ROOM_ERRNOS | {errno.EROFS}
 """Errors of a write the machine refused: no room, or a read-only file system."""
+WRITE_FIXES = {errno.EFBIG: "raise the file size limit (ulimit -f)",
+               errno.ENOSPC: "free space on the disk", errno.EDQUOT: "free space in your quota",
+               errno.EROFS: "give a path on a writable file system"}
+"""What the user can do about each write the machine refused (:data:`REFUSED_WRITE_ERRNOS`)."""
+assert set(WRITE_FIXES) == REFUSED_WRITE_ERRNOS
 _RENAME_EXCHANGE = 2  # linux/fs.h
 _AT_FDCWD = -100
 
@@ -244,6 +251,21 @@ def check_path_given(path: str | os.PathLike[str], what: str) -> Path:
         raise UsageError(f"{what} is empty; give a path (an empty path would be the current "
                          f"folder, {os.getcwd()}).")
     return Path(path)
+
+
+def refused_write(err: BaseException) -> bool:
+    """Whether ``err`` is a write the machine refused (:data:`REFUSED_WRITE_ERRNOS`): the
+    user's to fix, not a bug."""
+    return isinstance(err, OSError) and err.errno in REFUSED_WRITE_ERRNOS
+
+
+def refused_write_line(err: OSError, rerun: str = "") -> str:
+    """``error: a write to <file> failed: <reason> (errno N). <The fix>, then run the command
+    again<rerun>.``: how the ``longnet`` command and the scripts report a
+    :func:`refused_write`."""
+    where = f" to {err.filename}" if err.filename else ""
+    return (f"error: a write{where} failed: {err.strerror} (errno {err.errno}). "
+            f"{WRITE_FIXES[err.errno].capitalize()}, then run the command again{rerun}.")
 
 
 # ---------------------------------------------------------------------- helpers

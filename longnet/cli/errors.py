@@ -8,7 +8,6 @@ the innermost failing key and the reason), of a config file that is not text
 from __future__ import annotations
 
 import difflib
-import errno
 import importlib
 import inspect
 import re
@@ -18,11 +17,8 @@ from pathlib import Path
 import yaml
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-from longnet.files import NO_ROOM_ERRNOS, REFUSED_WRITE_ERRNOS
-from longnet.validation import UsageError
-
-VERBOSE_FLAG = "--verbose"
-VERBOSE_HINT = f"(run again with {VERBOSE_FLAG} to see the traceback)"
+from longnet.files import refused_write, refused_write_line
+from longnet.validation import VERBOSE_HINT, UsageError
 
 
 class ConfigError(Exception):
@@ -30,18 +26,11 @@ class ConfigError(Exception):
 
 
 EXPECTED_ERRORS = (ConfigError, UsageError, MisconfigurationException)
+"""What ``main`` reports in a few lines with exit status 2, as it does a write the machine
+refused (``longnet.files.refused_write``); anything else is a bug and keeps its traceback."""
 UNION_ERROR = "Does not validate against any of the Union subtypes"
 """How jsonargparse starts the error of a value none of a union's types takes (a class whose
 constructor refused its arguments, among them)."""
-DISK_FIXES = {errno.EFBIG: "raise the file size limit (ulimit -f)",
-              errno.ENOSPC: "free space on the disk", errno.EDQUOT: "free space in your quota"}
-"""What the user can do about each write that found no room (:data:`NO_ROOM_ERRNOS`)."""
-assert set(DISK_FIXES) == NO_ROOM_ERRNOS
-WRITE_FIXES = {**DISK_FIXES, errno.EROFS: "give a path on a writable file system"}
-"""The ``OSError`` s ``main`` and the scripts report in a few lines with exit status 2 (the
-machine's, not a bug: no room, a read-only file system) and what the user can do about each;
-any other is a bug or an unexpected fault and keeps its traceback."""
-assert set(WRITE_FIXES) == REFUSED_WRITE_ERRNOS
 
 
 def undecodable_config(args: Sequence[str], err: UnicodeDecodeError) -> str:
@@ -186,29 +175,16 @@ def _with_suggestion(reason: str, class_path: str) -> str:
     return f"{class_path} has no option {match.group(1)!r}{hint}"
 
 
-def expected_os_error(err: BaseException) -> bool:
-    """Whether ``err`` is an ``OSError`` of :data:`WRITE_FIXES`."""
-    return isinstance(err, OSError) and err.errno in WRITE_FIXES
-
-
-def error_line(err: BaseException, rerun: str = "") -> str:
-    """``error: ...``: the line the ``longnet`` command (:func:`error_message`) and the scripts
-    (``longnet.eval.cli.run_cli``) print for an expected error or an
-    :func:`expected_os_error` (``rerun``: how the command continues when run again)."""
-    if expected_os_error(err):
-        where = f" to {err.filename}" if err.filename else ""
-        return (f"error: a write{where} failed: {err.strerror} (errno {err.errno}). "
-                f"{WRITE_FIXES[err.errno].capitalize()}, then run the command again{rerun}.")
-    if isinstance(err, ConfigError):
-        return f"configuration error: {err}"
-    if isinstance(err, MisconfigurationException):
-        return f"Lightning refused the settings: {err}"
-    return f"error: {err}"
-
-
 def error_message(err: BaseException) -> str:
-    """The lines ``main`` prints for an expected error, or for an
-    :func:`expected_os_error`."""
-    what = error_line(err, " (a fit with --ckpt_path last continues from its last complete "
-                           "checkpoint)")
+    """The lines ``main`` prints for an expected error, or for a write the machine refused
+    (``longnet.files.refused_write``: no room, a read-only file system)."""
+    if refused_write(err):
+        what = refused_write_line(err, " (a fit with --ckpt_path last continues from its last "
+                                       "complete checkpoint)")
+    elif isinstance(err, ConfigError):
+        what = f"configuration error: {err}"
+    elif isinstance(err, MisconfigurationException):
+        what = f"Lightning refused the settings: {err}"
+    else:
+        what = f"error: {err}"
     return f"longnet: {what}\n{VERBOSE_HINT}"

@@ -12,12 +12,18 @@ from typing import Any, NoReturn
 
 import torch
 
-from longnet.cli.errors import VERBOSE_FLAG, VERBOSE_HINT, error_line, expected_os_error
 from longnet.eval.documents import EVAL_SPLITS, EvalDocument, load_eval_documents
 from longnet.eval.loading import LoadedModel, load_models
 from longnet.eval.perplexity import MIN_CONTEXT, default_context_lengths
 from longnet.eval.reporting import parse_length
-from longnet.validation import UsageError, check_non_negative_int, check_positive_int
+from longnet.files import refused_write, refused_write_line
+from longnet.validation import (
+    VERBOSE_FLAG,
+    VERBOSE_HINT,
+    UsageError,
+    check_non_negative_int,
+    check_positive_int,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -246,17 +252,18 @@ def models_from_args(args: argparse.Namespace) -> list[LoadedModel]:
 
 def run_cli(main: Callable[[], int]) -> int:
     """Run a script's ``main``; bad arguments or inputs (``ValueError``, ``FileNotFoundError``)
-    and a write the machine refused (``longnet.cli.errors.expected_os_error``: no room, a
-    read-only file system) end as the ``longnet`` command ends them: their message, a line
-    naming ``--verbose`` (given to a :class:`ScriptParser`, it prints the traceback too) and
-    exit status 2. Any other error keeps its traceback."""
+    and a write the machine refused (``longnet.files.refused_write``: no room, a read-only file
+    system) end as the ``longnet`` command ends them: their message, a line naming
+    ``--verbose`` (given to a :class:`ScriptParser`, it prints the traceback too) and exit
+    status 2. Any other error keeps its traceback."""
     try:
         return main()
     except (ValueError, OSError) as err:
         if isinstance(err, OSError) and not (isinstance(err, FileNotFoundError)
-                                             or expected_os_error(err)):
+                                             or refused_write(err)):
             raise
         if ScriptParser.verbose:
             traceback.print_exc()
-        print(f"{error_line(err)}\n{VERBOSE_HINT}", file=sys.stderr)
+        line = refused_write_line(err) if refused_write(err) else f"error: {err}"
+        print(f"{line}\n{VERBOSE_HINT}", file=sys.stderr)
         return 2
