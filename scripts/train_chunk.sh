@@ -39,16 +39,18 @@ if [ -n "${WHEELS:-}" ] && [ ! -d "$WHEELS" ]; then
     exit 2
 fi
 WHEELS=${WHEELS:-.whl}
-if ! "$PY" -c "import longnet.cli" 2>/dev/null && compgen -G "$WHEELS/*.whl" >/dev/null; then
-    SITE=$(mktemp -d)
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/*.whl \
-        || exit 2
-    export PYTHONPATH="$SITE:$PYTHONPATH"
-fi
-if ! "$PY" -c "import longnet.cli"; then
-    echo "train_chunk.sh: longnet does not import with $PY (above: the missing package); put" \
-         "the wheels of what is missing in $WHEELS (docs/long_context_gpu.md)." >&2
-    exit 2
+if ! "$PY" -c "import longnet.cli" 2>/dev/null; then  # checked again after the install
+    if compgen -G "$WHEELS/*.whl" >/dev/null; then
+        SITE=$(mktemp -d)
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" \
+            "$WHEELS"/*.whl || exit 2
+        export PYTHONPATH="$SITE:$PYTHONPATH"
+    fi
+    if ! "$PY" -c "import longnet.cli"; then
+        echo "train_chunk.sh: longnet does not import with $PY (above: the missing package);" \
+             "put the wheels of what is missing in $WHEELS (docs/long_context_gpu.md)." >&2
+        exit 2
+    fi
 fi
 
 RUN_NAME=$("$PY" - "$CONFIG" <<'EOF'
