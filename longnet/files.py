@@ -11,6 +11,8 @@ torn file or a mix of the two, and a writer killed at any instant leaves a valid
   a concurrent :func:`replace_folder` changes nothing in what they read.
 - :func:`check_output_folder`, :func:`check_replaceable_folder`: before a long computation,
   whether its output can be written.
+- :func:`refused_write_line`: how a write the machine refused (no room, a read-only file
+  system) is reported, by the ``longnet`` command and the scripts alike.
 - :func:`check_path_given`: an empty path is refused, by every function here too
   (``Path("")`` is the current folder, where an empty setting would silently read or write),
   and :func:`replace_folder` never replaces the current folder or a folder holding it.
@@ -23,9 +25,10 @@ for the folder itself then finds none), and a kill in between leaves the old ver
 the ``.old-`` name. A kill before the swap leaves a ``.<name>.tmp-<random>``
 folder or file next to the target, ignored by readers, which can be deleted.
 
-A write that finds no room (a full disk, a quota, the file size limit ``ulimit -f``) raises an
-``OSError`` with that errno naming the file or folder being written (also where ``safetensors``
-reports it in its own exception), and leaves the old version.
+A write that finds no room (a full disk, a quota, the file size limit ``ulimit -f``) or a
+read-only file system raises an ``OSError`` with that errno naming the file or folder being
+written (also where ``safetensors`` reports it in its own exception), and leaves the old
+version.
 
 New files and folders get the permission bits of anything created with ``open`` /
 ``mkdir`` (``0o666`` / ``0o777`` less the umask: ``0644`` / ``0755`` under umask ``022``); a
@@ -34,6 +37,7 @@ replaced folder keeps the old one's bits. Reading needs ``dir_fd`` (POSIX system
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import functools
@@ -56,6 +60,13 @@ OPEN_ATTEMPTS = 50
 _RETRY_SECONDS = 0.002
 NO_ROOM_ERRNOS = frozenset({errno.EFBIG, errno.ENOSPC, errno.EDQUOT})
 """Errors of a write that found no room: the file size limit, a full disk, a quota."""
+REFUSED_WRITE_ERRNOS = NO_ROOM_ERRNOS | {errno.EROFS}
+"""Errors of a write the machine refused: no room, or a read-only file system."""
+WRITE_FIXES = {errno.EFBIG: "raise the file size limit (ulimit -f)",
+               errno.ENOSPC: "free space on the disk", errno.EDQUOT: "free space in your quota",
+               errno.EROFS: "give a path on a writable file system"}
+"""What the user can do about each write the machine refused (:data:`REFUSED_WRITE_ERRNOS`)."""
+assert set(WRITE_FIXES) == REFUSED_WRITE_ERRNOS
 _RENAME_EXCHANGE = 2  # linux/fs.h
 _AT_FDCWD = -100
 
@@ -68,8 +79,8 @@ def write_atomic(path: str | Path, data: str | bytes) -> Path:
 
     Raises:
         UsageError: ``path`` is empty.
-        OSError: no room for the file (:data:`NO_ROOM_ERRNOS`, naming ``path``); the old file
-            is kept.
+        OSError: no room for the file or a read-only file system
+            (:data:`REFUSED_WRITE_ERRNOS`, naming ``path``); the old file is kept.
     """
     path = check_path_given(path, "file")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -81,8 +92,9 @@ def write_atomic(path: str | Path, data: str | bytes) -> Path:
             os.fsync(handle.fileno())
         os.replace(temp, path)
     except BaseException as err:
-        temp.unlink(missing_ok=True)
-        _raise_no_room(err, path)
+        with contextlib.suppress(OSError):  # a read-only file system refuses this too
+            temp.unlink(missing_ok=True)
+        _raise_refused_write(err, path)
         raise
     return path
 
@@ -102,7 +114,8 @@ def replace_folder(directory: str | Path, owned: Collection[str] = (),
     Raises:
         UsageError: ``directory`` is empty, a file, the current folder or a folder holding it,
             or its parent cannot be written (before the block runs).
-        OSError: no room for the new version (:data:`NO_ROOM_ERRNOS`, naming ``directory``);
+        OSError: no room for the new version or a read-only file system
+            (:data:`REFUSED_WRITE_ERRNOS`, naming ``directory``);
             the old folder is kept.
     """
     check_replaceable_folder(directory, what)
@@ -126,7 +139,7 @@ def replace_folder(directory: str | Path, owned: Collection[str] = (),
         _fsync(target.parent, os.O_RDONLY | os.O_DIRECTORY)
     except BaseException as err:
         shutil.rmtree(temp, ignore_errors=True)
-        _raise_no_room(err, Path(directory))
+        _raise_refused_write(err, Path(directory))
         raise
 
 
@@ -240,6 +253,21 @@ def check_path_given(path: str | os.PathLike[str], what: str) -> Path:
     return Path(path)
 
 
+def refused_write(err: BaseException) -> bool:
+    """Whether ``err`` is a write the machine refused (:data:`REFUSED_WRITE_ERRNOS`): the
+    user's to fix, not a bug."""
+    return isinstance(err, OSError) and err.errno in REFUSED_WRITE_ERRNOS
+
+
+def refused_write_line(err: OSError, rerun: str = "") -> str:
+    """``error: a write to <file> failed: <reason> (errno N). <The fix>, then run the command
+    again<rerun>.``: how the ``longnet`` command and the scripts report a
+    :func:`refused_write`."""
+    where = f" to {err.filename}" if err.filename else ""
+    return (f"error: a write{where} failed: {err.strerror} (errno {err.errno}). "
+            f"{WRITE_FIXES[err.errno].capitalize()}, then run the command again{rerun}.")
+
+
 # ---------------------------------------------------------------------- helpers
 def _sibling(path: Path, kind: str) -> Path:
     """A fresh name next to ``path``: ``.<name>.<kind>-<random>``."""
@@ -264,16 +292,17 @@ def _check_writable(folder: Path, subject: Path, what: str) -> None:
         )
 
 
-def _raise_no_room(err: BaseException, path: Path) -> None:
-    """Raise ``OSError(errno, strerror, path)`` from ``err`` when ``err`` is a write that found
-    no room (:data:`NO_ROOM_ERRNOS`): an ``OSError`` (Python's own writes name no file), or an
-    error whose message says ``(os error N)`` (``safetensors``' way); else return."""
+def _raise_refused_write(err: BaseException, path: Path) -> None:
+    """Raise ``OSError(errno, strerror, path)`` from ``err`` when ``err`` is a write the machine
+    refused (:data:`REFUSED_WRITE_ERRNOS`): an ``OSError`` (naming no file, or the temporary
+    one), or an error whose message says ``(os error N)`` (``safetensors``' way); else
+    return."""
     if isinstance(err, OSError):
         code = err.errno
     else:
         found = re.search(r"\(os error (\d+)\)", str(err))
         code = int(found[1]) if found else None
-    if code in NO_ROOM_ERRNOS:
+    if code in REFUSED_WRITE_ERRNOS:
         raise OSError(code, os.strerror(code), str(path)) from err
 
 

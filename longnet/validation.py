@@ -22,6 +22,11 @@ class UsageError(ValueError):
     """
 
 
+VERBOSE_FLAG = "--verbose"
+"""What the ``longnet`` command and the scripts take to print an error's traceback too."""
+VERBOSE_HINT = f"(run again with {VERBOSE_FLAG} to see the traceback)"
+
+
 def is_int(value: Any) -> bool:
     """Whether ``value`` is an integer (an ``int``, a NumPy integer such as ``np.int64(8)``:
     any ``numbers.Integral``) and not a ``bool`` (``True`` is an ``int`` in Python, but never

@@ -48,7 +48,9 @@ PACKAGE = Path(longnet.__file__).resolve().parent
 CASES = ROOT / "scripts" / "bad_inputs"
 GOOD = ("clear error", "correct")
 TRACEBACK = "Traceback (most recent call last)"
-FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line \d+')
+FRAME = re.compile(r'^(\[rank\d+\]: )?\s*File "(?P<file>[^"]+)", line \d+')
+"""A traceback frame's line (torch prefixes those of a process in a process group with its
+rank)."""
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,11 @@ small enough to commit; ``start`` makes of it a checkpoint with fresh optimizer 
 (``longnet.training.Rewarmup`` ramps the learning rate back up). ``restore`` makes
 ``CHECKPOINT`` the newest of what is there: ``CHECKPOINT`` itself, the full state in
 ``--state``, the handoff in ``--handoff`` (the higher step; at equal steps in that order),
-and says which; with none of them it says so (a new run). ``longnet fit --ckpt_path
-last`` continues from ``<run folder>/checkpoints/last.ckpt``. See docs/long_context_gpu.md.
-Errors end with one line and exit status 2.
+and says which; with none of them it says so (a new run). A folder given must exist, and a
+state or handoff of another run (run id, model shape) is refused: ``CHECKPOINT`` is kept.
+``longnet fit --ckpt_path last`` continues from ``<run folder>/checkpoints/last.ckpt``. See
+docs/long_context_gpu.md. Errors end with two lines (the message, then how ``--verbose``
+shows the traceback) and exit status 2.
 """
 
 from __future__ import annotations
@@ -24,7 +26,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from longnet.eval.cli import ScriptParser, length_argument, positive_int_argument, run_cli
+from longnet.eval.cli import (
+    ScriptParser,
+    length_argument,
+    path_argument,
+    positive_int_argument,
+    run_cli,
+)
 from longnet.training.handoff import (
     MAX_FILES,
     MAX_SHARD_SIZE,
@@ -59,25 +67,27 @@ def main(argv: list[str] | None = None) -> int:
     parser = ScriptParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     pack = commands.add_parser("pack", help="the full state as shards + index.json")
-    pack.add_argument("checkpoint", type=Path, help="a Lightning checkpoint file (last.ckpt)")
-    pack.add_argument("folder", type=Path, help="where the shards go (replaced)")
+    pack.add_argument("checkpoint", type=path_argument,
+                      help="a Lightning checkpoint file (last.ckpt)")
+    pack.add_argument("folder", type=path_argument, help="where the shards go (replaced)")
     pack.add_argument("--max-shard-size", type=length_argument, default=MAX_SHARD_SIZE,
                       help="bytes per shard, e.g. 16M (default: 16M)")
     pack.add_argument("--max-files", type=positive_int_argument, default=MAX_FILES,
                       help=f"most files written, index included (default: {MAX_FILES})")
     unpack = commands.add_parser("unpack", help="the full state back into a checkpoint")
-    unpack.add_argument("folder", type=Path, help="a folder written by pack")
-    unpack.add_argument("checkpoint", type=Path, help="the checkpoint file to write")
+    unpack.add_argument("folder", type=path_argument, help="a folder written by pack")
+    unpack.add_argument("checkpoint", type=path_argument, help="the checkpoint file to write")
     handoff = commands.add_parser("handoff", help="the compact handoff of a checkpoint")
-    handoff.add_argument("checkpoint", type=Path, help="a Lightning checkpoint file (last.ckpt)")
-    handoff.add_argument("folder", type=Path, help="where the handoff goes (replaced)")
+    handoff.add_argument("checkpoint", type=path_argument,
+                         help="a Lightning checkpoint file (last.ckpt)")
+    handoff.add_argument("folder", type=path_argument, help="where the handoff goes (replaced)")
     start = commands.add_parser("start", help="a checkpoint to start a chunk from a handoff")
-    start.add_argument("folder", type=Path, help="a folder written by handoff")
-    start.add_argument("checkpoint", type=Path, help="the checkpoint file to write")
+    start.add_argument("folder", type=path_argument, help="a folder written by handoff")
+    start.add_argument("checkpoint", type=path_argument, help="the checkpoint file to write")
     newest = commands.add_parser("restore", help="the newest handover present, as checkpoint")
-    newest.add_argument("checkpoint", type=Path, help="<run folder>/checkpoints/last.ckpt")
-    newest.add_argument("--state", type=Path, help="a folder written by pack")
-    newest.add_argument("--handoff", type=Path, help="a folder written by handoff")
+    newest.add_argument("checkpoint", type=path_argument, help="<run folder>/checkpoints/last.ckpt")
+    newest.add_argument("--state", type=path_argument, help="a folder written by pack")
+    newest.add_argument("--handoff", type=path_argument, help="a folder written by handoff")
     args = parser.parse_args(argv)
 
     if args.command == "pack":

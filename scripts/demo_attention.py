@@ -9,13 +9,14 @@ the time with dense ``scaled_dot_product_attention`` on the same inputs.
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
 from longnet.attention import DilatedPattern, dilated_attention
-from longnet.eval.cli import ScriptParser, length_argument, positive_int_argument
+from longnet.eval.cli import ScriptParser, length_argument, positive_int_argument, run_cli
 from longnet.nn import multiplicity_attention
 
 
@@ -38,7 +39,7 @@ def _dense_rows(q, k, v, pattern: DilatedPattern, rows: torch.Tensor) -> torch.T
     return out[0]
 
 
-def main() -> None:
+def main() -> int:
     parser = ScriptParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=length_argument, default=16384,
                         help="tokens, e.g. 4096 or 16K")
@@ -65,7 +66,8 @@ def main() -> None:
         )
     )
     print(f"forward+backward: dilated {ours:.2f} s, dense SDPA {dense:.2f} s ({ours / dense:.2f}x)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(main))

@@ -45,6 +45,7 @@ from longnet.eval.cli import (
     length_argument,
     path_argument,
     positive_int_argument,
+    run_cli,
 )
 from longnet.memory import (
     AttentionSetup,
@@ -404,12 +405,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
+
+    def show() -> int:
         print(report(args))
-    except (ValueError, TypeError, FileNotFoundError) as error:
-        print(f"plan_context: {error}", file=sys.stderr)
-        return 2
-    return 0
+        return 0
+
+    return run_cli(show)
 
 
 if __name__ == "__main__":

@@ -4,11 +4,14 @@
 #
 #   bash scripts/train_chunk.sh CONFIG [longnet fit options...]
 #
-# 1. longnet must import: if it does not and $WHEELS (default .whl) holds wheels, they are
-#    installed offline into a temporary folder first;
+# 1. longnet must import: if it does not and $WHEELS (default .whl; set, it must be a folder)
+#    holds wheels, they are installed offline into a temporary folder first;
 # 2. the newest state present becomes <run folder>/checkpoints/last.ckpt: that folder's own, the
 #    full state packed in $STATE (default runs/<name>-state) or the compact handoff in $HANDOFF
-#    (default chunks/<name>/handoff); none of them: a new run (chunk_state.py restore);
+#    (default chunks/<name>/handoff); none of them: a new run (chunk_state.py restore). A
+#    folder set in $STATE or $HANDOFF must exist, a default one is read when present; a state
+#    or handoff of another run (run id, model shape) than the checkpoint or the other folder
+#    stops the chunk, the checkpoint kept;
 # 3. chunks/<name>/metrics.csv, if present, is continued, and one chunk trains:
 #    longnet fit --config CONFIG --ckpt_path last (the config's max_time ends it);
 # 4. $OUT (default runs/<name>-out) gets at most 8 files: handoff/ (weights.safetensors,
@@ -30,17 +33,24 @@ CONFIG=$1
 shift
 
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-WHEELS=${WHEELS:-.whl}
-if ! "$PY" -c "import longnet.cli" 2>/dev/null && compgen -G "$WHEELS/*.whl" >/dev/null; then
-    SITE=$(mktemp -d)
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/*.whl \
-        || exit 2
-    export PYTHONPATH="$SITE:$PYTHONPATH"
-fi
-if ! "$PY" -c "import longnet.cli"; then
-    echo "train_chunk.sh: longnet does not import with $PY (above: the missing package); put" \
-         "the wheels of what is missing in $WHEELS (docs/long_context_gpu.md)." >&2
+if [ -n "${WHEELS:-}" ] && [ ! -d "$WHEELS" ]; then
+    echo "train_chunk.sh: WHEELS=$WHEELS is not a folder; give the folder of the wheels or" \
+         "leave WHEELS unset (default .whl)." >&2
     exit 2
+fi
+WHEELS=${WHEELS:-.whl}
+if ! "$PY" -c "import longnet.cli" 2>/dev/null; then  # checked again after the install
+    if compgen -G "$WHEELS/*.whl" >/dev/null; then
+        SITE=$(mktemp -d)
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" \
+            "$WHEELS"/*.whl || exit 2
+        export PYTHONPATH="$SITE:$PYTHONPATH"
+    fi
+    if ! "$PY" -c "import longnet.cli"; then
+        echo "train_chunk.sh: longnet does not import with $PY (above: the missing package);" \
+             "put the wheels of what is missing in $WHEELS (docs/long_context_gpu.md)." >&2
+        exit 2
+    fi
 fi
 
 RUN_NAME=$("$PY" - "$CONFIG" <<'EOF'
@@ -56,14 +66,18 @@ EOF
 ) || exit 2
 read -r RUN NAME <<<"$RUN_NAME"
 OUT=${OUT:-runs/$NAME-out}
+STATE_SET=${STATE:-} HANDOFF_SET=${HANDOFF:-}
 STATE=${STATE:-runs/$NAME-state}
 HANDOFF=${HANDOFF:-chunks/$NAME/handoff}
+FROM=()  # what restore reads: a folder set must exist, a default one is read when present
+if [ -n "$STATE_SET" ] || [ -e "$STATE" ]; then FROM+=(--state "$STATE"); fi
+if [ -n "$HANDOFF_SET" ] || [ -e "$HANDOFF" ]; then FROM+=(--handoff "$HANDOFF"); fi
 CKPT=$RUN/checkpoints/last.ckpt
 mkdir -p "$OUT" "$RUN" || exit 2
 exec > >(tee "$OUT/chunk.log") 2>&1
 
-echo "train_chunk.sh: $CONFIG, run folder $RUN, state from $STATE or $HANDOFF, output $OUT"
-"$PY" scripts/chunk_state.py restore "$CKPT" --state "$STATE" --handoff "$HANDOFF" || exit 2
+echo "train_chunk.sh: $CONFIG, run folder $RUN, state from ${FROM[*]:-none}, output $OUT"
+"$PY" scripts/chunk_state.py restore "$CKPT" "${FROM[@]}" || exit 2
 if [ -f "chunks/$NAME/metrics.csv" ] && [ ! -f "$RUN/metrics.csv" ]; then
     cp "chunks/$NAME/metrics.csv" "$RUN/metrics.csv"
 fi

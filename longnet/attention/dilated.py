@@ -32,6 +32,7 @@ from longnet.attention.op import dilated_attention_op, flat_documents
 from longnet.attention.pattern import DilatedPattern
 from longnet.attention.plan import AttentionPlan, default_block_elements, plan_attention
 from longnet.attention.transport import agree_on_call, transports_per_branch
+from longnet.compiled import refuse
 from longnet.distributed.sequence_parallel import SequenceParallel, check_process_group
 from longnet.validation import check_bool, check_positive_float, is_int
 
@@ -134,11 +135,12 @@ def dilated_attention(
         )
     if check_finite:
         _check_finite(q, k, v)
+    pattern = DilatedPattern.coerce(pattern)
     if sequence_parallel is None:
-        layout, transport, world_size = "contiguous", None, 1
-    else:
-        layout, transport = sequence_parallel.layout, sequence_parallel.transport
-        world_size = sequence_parallel.world_size
+        layout, transports, world_size = "contiguous", None, 1
+    else:  # checked on a one-rank group too, where it is not used
+        layout, world_size = sequence_parallel.layout, sequence_parallel.world_size
+        transports = transports_per_branch(sequence_parallel.transport, len(pattern.branches))
     grouped = world_size > 1  # a group of one rank runs as one device
     if document_ids is not None and grouped and layout != "contiguous":
         raise ValueError(
@@ -146,7 +148,6 @@ def dilated_attention(
             f"only (not layout={layout!r} yet); pass SequenceParallel(group, "
             "layout='contiguous')."
         )
-    pattern = DilatedPattern.coerce(pattern)
     scale = float(scale) if scale is not None else q.shape[-1] ** -0.5
     if not grouped:
         documents = None
@@ -161,7 +162,6 @@ def dilated_attention(
         )
         return (out, lse) if return_lse else out
     process_group = sequence_parallel.process_group
-    transports = transports_per_branch(transport, len(pattern.branches))
     budget = default_block_elements(q.device) if block_elements is None else int(block_elements)
     budget = agree_on_call(
         f"shape={tuple(q.shape)} dtype={q.dtype} pattern={pattern.branches} causal={causal} "
@@ -248,42 +248,32 @@ def _sequence_parallel(
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> None:
+    """Refuse inputs the call cannot take (:func:`~longnet.compiled.refuse`: under
+    ``torch.compile`` the message is Dynamo's reason)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
-            raise TypeError(
-                f"dilated_attention: {name} must be a torch.Tensor, got {type(t).__name__}."
-            )
+            refuse(TypeError, f"dilated_attention: {name} must be a torch.Tensor, got "
+                   f"{type(t).__name__}.")
         if not t.is_floating_point():
-            raise TypeError(
-                f"dilated_attention: {name} has dtype {t.dtype}; use a floating dtype "
-                "(float64, float32, bfloat16 or float16)."
-            )
+            refuse(TypeError, f"dilated_attention: {name} has dtype {t.dtype}; use a floating "
+                   "dtype (float64, float32, bfloat16 or float16).")
         if t.dim() != 4:
-            raise ValueError(
-                f"dilated_attention: {name} must be 4-D (batch, seq, heads, head_dim), "
-                f"got shape {tuple(t.shape)}."
-            )
+            refuse(ValueError, f"dilated_attention: {name} must be 4-D (batch, seq, heads, "
+                   f"head_dim), got shape {tuple(t.shape)}.")
     if not (q.shape == k.shape == v.shape):
-        raise ValueError(
-            "dilated_attention: q, k, v must have the same shape (batch, seq, heads, head_dim), "
-            f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; expand grouped "
-            "K/V heads to the query heads before calling."
-        )
+        refuse(ValueError, "dilated_attention: q, k, v must have the same shape (batch, seq, "
+               f"heads, head_dim), got q {tuple(q.shape)}, k {tuple(k.shape)}, v "
+               f"{tuple(v.shape)}; expand grouped K/V heads to the query heads before calling.")
     if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(
-            f"dilated_attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); "
-            "cast them to one dtype."
-        )
+        refuse(TypeError, f"dilated_attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, "
+               f"{v.dtype}); cast them to one dtype.")
     if not (q.device == k.device == v.device):
-        raise ValueError(
-            f"dilated_attention: q, k, v are on different devices ({q.device}, {k.device}, "
-            f"{v.device}); move them to one device."
-        )
+        refuse(ValueError, f"dilated_attention: q, k, v are on different devices ({q.device}, "
+               f"{k.device}, {v.device}); move them to one device.")
     if 0 in q.shape:
-        raise ValueError(
-            f"dilated_attention: q has an empty dimension, shape {tuple(q.shape)}; every "
-            "dimension (batch, seq, heads, head_dim) must be at least 1."
-        )
+        refuse(ValueError, f"dilated_attention: q has an empty dimension, shape "
+               f"{tuple(q.shape)}; every dimension (batch, seq, heads, head_dim) must be at "
+               "least 1.")
     if scale is not None:
         check_positive_float("dilated_attention: scale", scale)
 

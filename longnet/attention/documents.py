@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from longnet.attention.plan import Documents
+from longnet.compiled import host_read
 
 
 def check_document_ids(
@@ -50,6 +51,10 @@ def check_document_ids(
             f"{caller}: document_ids is on {document_ids.device} but {of} on {device}; move it "
             f"to {of}'s device."
         )
+    host_read(f"{caller}: document_ids given as a tensor are read on the host, which a "
+              "torch.compile(fullgraph=True) region cannot hold; resolve them beforehand, "
+              "outside it (longnet.attention.documents.resolve_documents, or call the "
+              "model: LongNetModel resolves them once per forward) and pass the result.")
     ids = document_ids.detach().cpu().long()
     decreasing = (ids[:, 1:] < ids[:, :-1]).nonzero()
     if len(decreasing):

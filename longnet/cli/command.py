@@ -25,7 +25,6 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from longnet.cli.errors import (
     UNION_ERROR,
-    VERBOSE_FLAG,
     ConfigError,
     bad_config_file,
     parse_error_message,
@@ -65,7 +64,7 @@ from longnet.training.runs import (
     run_folder,
 )
 from longnet.training.signals import StopOnSignal
-from longnet.validation import UsageError, check_positive_int, is_real
+from longnet.validation import VERBOSE_FLAG, UsageError, check_positive_int, is_real
 
 TOKENIZER_FOLDER = "tokenizer"
 """The run folder's copy of the data's subword tokenizer (``save_pretrained`` layout)."""

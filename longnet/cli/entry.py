@@ -18,12 +18,11 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from longnet.cli.command import LongNetCLI
 from longnet.cli.errors import (
     EXPECTED_ERRORS,
-    VERBOSE_FLAG,
     error_message,
     parse_error_message,
 )
 from longnet.denormals import denormals_kept, flushing_denormals
-from longnet.files import NO_ROOM_ERRNOS
+from longnet.files import refused_write
 from longnet.training.signals import (
     RERUN_HINT,
     Interrupted,
@@ -31,6 +30,7 @@ from longnet.training.signals import (
     raising_on_signals,
     signal_name,
 )
+from longnet.validation import VERBOSE_FLAG
 
 USAGE_EXIT = 2
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
@@ -86,7 +86,7 @@ def main(args: Sequence[str] | None = None) -> int:
                   + ")", file=sys.stderr)
             return USAGE_EXIT
         except (*EXPECTED_ERRORS, OSError) as err:
-            if isinstance(err, OSError) and err.errno not in NO_ROOM_ERRNOS:
+            if isinstance(err, OSError) and not refused_write(err):
                 raise  # a bug or an unexpected fault: its traceback
             if verbose:
                 traceback.print_exc()

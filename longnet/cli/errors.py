@@ -8,7 +8,6 @@ the innermost failing key and the reason), of a config file that is not text
 from __future__ import annotations
 
 import difflib
-import errno
 import importlib
 import inspect
 import re
@@ -18,10 +17,8 @@ from pathlib import Path
 import yaml
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-from longnet.files import NO_ROOM_ERRNOS
-from longnet.validation import UsageError
-
-VERBOSE_FLAG = "--verbose"
+from longnet.files import refused_write, refused_write_line
+from longnet.validation import VERBOSE_HINT, UsageError
 
 
 class ConfigError(Exception):
@@ -29,15 +26,11 @@ class ConfigError(Exception):
 
 
 EXPECTED_ERRORS = (ConfigError, UsageError, MisconfigurationException)
+"""What ``main`` reports in a few lines with exit status 2, as it does a write the machine
+refused (``longnet.files.refused_write``); anything else is a bug and keeps its traceback."""
 UNION_ERROR = "Does not validate against any of the Union subtypes"
 """How jsonargparse starts the error of a value none of a union's types takes (a class whose
 constructor refused its arguments, among them)."""
-DISK_FIXES = {errno.EFBIG: "raise the file size limit (ulimit -f)",
-              errno.ENOSPC: "free space on the disk", errno.EDQUOT: "free space in your quota"}
-"""What the user can do about each write that found no room (:data:`NO_ROOM_ERRNOS`)."""
-assert set(DISK_FIXES) == NO_ROOM_ERRNOS
-"""What ``main`` reports in a few lines with exit status 2; anything else is a bug and keeps
-its traceback."""
 
 
 def undecodable_config(args: Sequence[str], err: UnicodeDecodeError) -> str:
@@ -183,17 +176,15 @@ def _with_suggestion(reason: str, class_path: str) -> str:
 
 
 def error_message(err: BaseException) -> str:
-    """The lines ``main`` prints for an expected error, or for a write that found no room
-    (:data:`NO_ROOM_ERRNOS`)."""
-    if isinstance(err, OSError) and err.errno in NO_ROOM_ERRNOS:
-        where = f" to {err.filename}" if err.filename else ""
-        what = (f"error: a write{where} failed: {err.strerror} (errno {err.errno}). "
-                f"{DISK_FIXES[err.errno].capitalize()}, then run the command again (a fit "
-                "with --ckpt_path last continues from its last complete checkpoint).")
+    """The lines ``main`` prints for an expected error, or for a write the machine refused
+    (``longnet.files.refused_write``: no room, a read-only file system)."""
+    if refused_write(err):
+        what = refused_write_line(err, " (a fit with --ckpt_path last continues from its last "
+                                       "complete checkpoint)")
     elif isinstance(err, ConfigError):
         what = f"configuration error: {err}"
     elif isinstance(err, MisconfigurationException):
         what = f"Lightning refused the settings: {err}"
     else:
         what = f"error: {err}"
-    return f"longnet: {what}\n(run again with {VERBOSE_FLAG} to see the traceback)"
+    return f"longnet: {what}\n{VERBOSE_HINT}"

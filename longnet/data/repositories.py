@@ -410,12 +410,16 @@ def repository_source(
             "installed distributions such as 'sympy' or 'sympy==1.14.0'."
         )
     found = [package for entry in entries for package in _entry_packages(entry, max_file_bytes)]
+    repeated = [entry for entry, count in Counter(entries).items() if count > 1]
+    if repeated:
+        raise ValueError(f"packages repeats the entry {', '.join(map(repr, repeated))}; list "
+                         "each entry once.")
     twice = sorted(name for name, count in Counter(p.name for p in found).items() if count > 1)
     if twice:
-        raise ValueError(
-            f"packages lists {_listing(twice)} more than once ({INSTALLED_PACKAGES!r} includes "
-            "every installed distribution); list each once."
-        )
+        why = (f" ({INSTALLED_PACKAGES!r} includes every installed distribution)"
+               if INSTALLED_PACKAGES in entries else "")
+        raise ValueError(f"packages lists {len(twice)} package(s) more than once{why}: "
+                         f"{_listing(twice)}; list each once.")
     splits = package_splits([p.name for p in found], held_out, val_fraction, test_fraction)
     found = [replace(package, split=split) for package, split in zip(found, splits)]
     return PackageSource(

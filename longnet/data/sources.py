@@ -93,7 +93,18 @@ class DocumentSource:
     invalid_files: InvalidFiles = "error"
 
     def file_stats(self) -> list[tuple[str, int, int]]:
-        """``(path, size in bytes, mtime in ns)`` of every file: what the cache is keyed by."""
+        """``(path, size in bytes, mtime in ns)`` of every file: what the cache is keyed by.
+
+        Raises:
+            UsageError: a file found when the source was made is gone (deleted or moved).
+        """
+        gone = [path for path in self.files if not path.is_file()]
+        if gone:
+            listed = ", ".join(map(str, gone[:SHOWN_FILES]))
+            more = f" and {len(gone) - SHOWN_FILES} more" if len(gone) > SHOWN_FILES else ""
+            raise UsageError(f"{len(gone)} data file(s) found when the data were set up are "
+                             f"gone now (deleted or moved): {listed}{more}; put them back, or "
+                             "run again to read the files there are.")
         stats = [(str(path), path.stat()) for path in self.files]
         return [(path, stat.st_size, stat.st_mtime_ns) for path, stat in stats]
 

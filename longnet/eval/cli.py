@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 
@@ -15,14 +16,35 @@ from longnet.eval.documents import EVAL_SPLITS, EvalDocument, load_eval_document
 from longnet.eval.loading import LoadedModel, load_models
 from longnet.eval.perplexity import MIN_CONTEXT, default_context_lengths
 from longnet.eval.reporting import parse_length
-from longnet.validation import UsageError, check_non_negative_int, check_positive_int
+from longnet.files import refused_write, refused_write_line
+from longnet.validation import (
+    VERBOSE_FLAG,
+    VERBOSE_HINT,
+    UsageError,
+    check_non_negative_int,
+    check_positive_int,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
 class ScriptParser(argparse.ArgumentParser):
     """The argument parser of the scripts: a bad argument ends with one line naming it and the
-    reason, and exit status 2, not the usage summary that buries it (``--help`` shows that)."""
+    reason, and exit status 2, not the usage summary that buries it (``--help`` shows that);
+    ``--verbose`` is accepted, before or after a subcommand (:func:`run_cli` reads it)."""
+
+    verbose = False
+    """Whether the command line parsed last gave ``--verbose``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.add_argument(VERBOSE_FLAG, action="store_true", default=argparse.SUPPRESS,
+                          help="on an error, show its traceback too")
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        namespace, extras = super().parse_known_args(args, namespace)
+        ScriptParser.verbose = getattr(namespace, "verbose", False)
+        return namespace, extras
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"error: {message.rstrip('.')}; see {self.prog} --help.\n")
@@ -230,9 +252,18 @@ def models_from_args(args: argparse.Namespace) -> list[LoadedModel]:
 
 def run_cli(main: Callable[[], int]) -> int:
     """Run a script's ``main``; bad arguments or inputs (``ValueError``, ``FileNotFoundError``)
-    end with their message and exit status 2 instead of a traceback."""
+    and a write the machine refused (``longnet.files.refused_write``: no room, a read-only file
+    system) end as the ``longnet`` command ends them: their message, a line naming
+    ``--verbose`` (given to a :class:`ScriptParser`, it prints the traceback too) and exit
+    status 2. Any other error keeps its traceback."""
     try:
         return main()
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
+    except (ValueError, OSError) as err:
+        if isinstance(err, OSError) and not (isinstance(err, FileNotFoundError)
+                                             or refused_write(err)):
+            raise
+        if ScriptParser.verbose:
+            traceback.print_exc()
+        line = refused_write_line(err) if refused_write(err) else f"error: {err}"
+        print(f"{line}\n{VERBOSE_HINT}", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from longnet.attention.documents import PackedDocuments, resolve_documents
+from longnet.compiled import host_read, refuse
 from longnet.constants import IGNORE_INDEX
 from longnet.distributed.sequence_parallel import SequenceParallel, call_setting
 from longnet.modeling import generation, pretrained
@@ -87,14 +88,16 @@ def build_block(config: LongNetConfig, causal: bool) -> TransformerBlock:
 def check_input_ids(input_ids: Tensor, vocab_size: int) -> None:
     """``input_ids`` must be a non-empty ``(batch, seq)`` integer tensor of valid token ids."""
     if not isinstance(input_ids, Tensor):
-        raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}.")
+        refuse(TypeError, f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}.")
     if input_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
-        raise TypeError(f"input_ids must have an integer dtype, got {input_ids.dtype}.")
+        refuse(TypeError, f"input_ids must have an integer dtype, got {input_ids.dtype}.")
     if input_ids.dim() != 2 or input_ids.numel() == 0:
-        raise ValueError(
-            f"input_ids must be a non-empty (batch, seq) tensor, got shape "
-            f"{tuple(input_ids.shape)}; add a batch dimension with input_ids[None]."
-        )
+        refuse(ValueError, "input_ids must be a non-empty (batch, seq) tensor, got shape "
+               f"{tuple(input_ids.shape)}; add a batch dimension with input_ids[None].")
+    host_read("input_ids: the token-id check reads the ids on the host, which a "
+              "torch.compile(fullgraph=True) region cannot hold; compile the model's blocks "
+              "(for block in model.model.layers: block.compile(fullgraph=True)) rather than "
+              "the whole model, or compile it without fullgraph.")
     low, high = int(input_ids.min()), int(input_ids.max())
     if low < 0 or high >= vocab_size:
         raise ValueError(

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from longnet.attention import DilatedPattern, dilated_attention
 from longnet.attention.documents import PackedDocuments
+from longnet.compiled import refuse
 from longnet.distributed.halo import previous_rows
 from longnet.distributed.sequence_parallel import SequenceParallel, call_setting
 from longnet.distributed.shards import chunks_per_rank
@@ -361,20 +362,18 @@ class MultiheadDilatedAttention(nn.Module):
         floating dtype under autocast, which casts it)."""
         shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
         if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.embed_dim:
-            raise ValueError(
-                f"MultiheadDilatedAttention: x must be a (batch, seq, embed_dim) tensor with "
-                f"embed_dim {self.embed_dim}, got {shape}; add a batch dimension with x[None] "
-                "or project x to the layer's width."
-            )
+            refuse(ValueError,
+                   f"MultiheadDilatedAttention: x must be a (batch, seq, embed_dim) tensor with "
+                   f"embed_dim {self.embed_dim}, got {shape}; add a batch dimension with x[None] "
+                   "or project x to the layer's width.")
         weight = self.q_proj.weight
         if x.dtype != weight.dtype and not (
             x.is_floating_point() and torch.is_autocast_enabled(x.device.type)
         ):
-            raise TypeError(
-                f"MultiheadDilatedAttention: x has dtype {x.dtype}, the layer's weights "
-                f"{weight.dtype}; cast one to the other (x.to({weight.dtype}) or "
-                f"layer.to({x.dtype}))."
-            )
+            refuse(TypeError,
+                   f"MultiheadDilatedAttention: x has dtype {x.dtype}, the layer's weights "
+                   f"{weight.dtype}; cast one to the other (x.to({weight.dtype}) or "
+                   f"layer.to({x.dtype})).")
 
     def _convolve_kv(
         self,

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from longnet.attention import DilatedPattern
+from longnet.compiled import refuse
 from longnet.distributed.sequence_parallel import check_process_group
 from longnet.distributed.shards import shard_positions
 from longnet.validation import check_positive_float, check_positive_int
@@ -26,19 +27,15 @@ POSITION_ENCODINGS = ("learned", "rope", "xpos", "none")
 def check_position_ids(position_ids: Tensor, batch: int, seq: int) -> Tensor:
     """Validate ``position_ids`` against ``(batch, seq)``; returns them unchanged."""
     if not isinstance(position_ids, Tensor):
-        raise TypeError(
-            f"position_ids must be an integer torch.Tensor, got {type(position_ids).__name__}."
-        )
+        refuse(TypeError, "position_ids must be an integer torch.Tensor, got "
+               f"{type(position_ids).__name__}.")
     if position_ids.is_floating_point() or position_ids.is_complex():
-        raise TypeError(
-            f"position_ids must have an integer dtype, got {position_ids.dtype}; use torch.long."
-        )
+        refuse(TypeError, f"position_ids must have an integer dtype, got {position_ids.dtype}; "
+               "use torch.long.")
     shape = tuple(position_ids.shape)
     if shape not in ((seq,), (batch, seq), (1, seq)):
-        raise ValueError(
-            f"position_ids has shape {shape}, expected ({seq},) or ({batch}, {seq}) for an "
-            f"input of batch {batch} and length {seq}."
-        )
+        refuse(ValueError, f"position_ids has shape {shape}, expected ({seq},) or ({batch}, "
+               f"{seq}) for an input of batch {batch} and length {seq}.")
     return position_ids
 
 

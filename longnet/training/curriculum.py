@@ -124,12 +124,14 @@ class LengthCurriculum(L.Callback):
         self._announced: Stage | None = None
 
     def stage_at(self, step: int) -> Stage:
-        """The stage of optimizer step ``step``."""
+        """The stage of optimizer step ``step`` (an integer >= 0; a ``ValueError`` else)."""
+        check_non_negative_int("LengthCurriculum.stage_at: step", step)
         return [stage for stage in self.stages if stage.step <= step][-1]
 
     def rope_theta_at(self, step: int) -> float | None:
         """The RoPE base of optimizer step ``step``: the last stage's up to it that names one,
         else the model's configured one (None before ``setup``)."""
+        check_non_negative_int("LengthCurriculum.rope_theta_at: step", step)
         named = [s.rope_theta for s in self.stages if s.step <= step and s.rope_theta]
         return named[-1] if named else self._configured_theta
 

@@ -11,7 +11,8 @@ on a fresh machine, continues from one of two handovers (``docs/long_context_gpu
 - **the compact handoff** (:func:`write_handoff`, :func:`handoff_checkpoint`): the weights in
   bfloat16 (``weights.safetensors``) and ``handoff.json`` (step, data position, learning-rate
   schedule, optimizer hyper-parameters, run id, the callbacks' plain states): small enough to
-  commit (about 2 bytes per parameter). :func:`handoff_checkpoint` turns it into a checkpoint
+  commit (about 2 bytes per parameter); ``handoff.json`` records the weights' size and
+  SHA-256, checked when read. :func:`handoff_checkpoint` turns it into a checkpoint
   that ``--ckpt_path`` resumes with the weights widened back to their dtype and the AdamW
   moments empty; :class:`Rewarmup` then ramps the learning rate back up over a few steps,
   and the schedule and the data order continue from the recorded step.
@@ -34,11 +35,11 @@ import lightning as L
 import torch
 from safetensors.torch import save
 
-from longnet.files import replace_folder, write_atomic
-from longnet.modeling.serialization import read_safetensors
+from longnet.files import check_path_given, replace_folder, write_atomic
+from longnet.modeling.serialization import parse_safetensors
 from longnet.training.checkpoint import STATE_DICT, read_checkpoint
-from longnet.training.runs import RUN_ID_KEY
-from longnet.validation import UsageError, check_non_negative_int, check_positive_int
+from longnet.training.runs import RUN_ID_KEY, checkpoint_run_id
+from longnet.validation import UsageError, check_non_negative_int, check_positive_int, is_int
 
 MiB = 1 << 20
 MAX_SHARD_SIZE = 16 * MiB
@@ -105,16 +106,20 @@ def pack_state(checkpoint: str | Path, folder: str | Path, *,
 
 def unpack_state(folder: str | Path, target: str | Path) -> Path:
     """Put the checkpoint packed in ``folder`` (:func:`pack_state`) back together at
-    ``target``, byte for byte (every shard's size and SHA-256 checked); returns ``target``,
-    written whole or not at all.
+    ``target``, byte for byte (every shard's size and SHA-256 checked, and the whole file's);
+    returns ``target``, written whole or not at all.
 
     Raises:
         FileNotFoundError: no ``index.json`` in ``folder``.
         UsageError: the index is not one :func:`pack_state` wrote, or a shard is missing,
-            of another size or damaged (the message names it).
+            of another size or damaged, or the whole is (the message names it).
     """
-    folder = Path(folder)
-    index = _read_json(folder / INDEX, STATE_FORMAT, "scripts/chunk_state.py pack")
+    return write_atomic(target, _state_bytes(Path(folder)))
+
+
+def _state_bytes(folder: Path) -> bytes:
+    """The checkpoint packed in ``folder``, checked (:func:`unpack_state`)."""
+    index = _read_index(folder)
     parts = []
     for shard in index["shards"]:
         path = folder / shard["name"]
@@ -126,7 +131,13 @@ def unpack_state(folder: str | Path, target: str | Path) -> Path:
             raise UsageError(f"{path} is damaged: {len(data):,} bytes with another SHA-256 "
                              f"than the {shard['size']:,} bytes {INDEX} records. Copy it again.")
         parts.append(data)
-    return write_atomic(target, b"".join(parts))
+    data = b"".join(parts)
+    if len(data) != index["size"] or _sha256(data) != index["sha256"]:
+        raise UsageError(f"the shards in {folder} make {len(data):,} bytes with another SHA-256 "
+                         f"than the {index['size']:,} bytes of {index['file']} that {INDEX} "
+                         "records: the shards come from different packs. Copy the folder "
+                         "again, whole.")
+    return data
 
 
 # ---------------------------------------------------------------------- the compact handoff
@@ -155,10 +166,11 @@ def write_handoff(checkpoint: str | Path, folder: str | Path) -> list[Path]:
                       if not _file_bound(value)},
         "checkpoint": {key: state[key] for key in HANDOFF_ENTRIES if key in state},
     }
+    data = save(weights, metadata={"format": "pt", "library": "longnet"})
+    handoff["weights"] = {"size": len(data), "sha256": _sha256(data)}
     text = _to_json(handoff, checkpoint)
     with replace_folder(folder, owned=old) as temp:
-        (temp / WEIGHTS).write_bytes(save(weights, metadata={"format": "pt",
-                                                             "library": "longnet"}))
+        (temp / WEIGHTS).write_bytes(data)
         (temp / HANDOFF).write_text(text)
     return [Path(folder) / WEIGHTS, Path(folder) / HANDOFF]
 
@@ -173,11 +185,24 @@ def handoff_checkpoint(folder: str | Path, target: str | Path) -> Path:
     Raises:
         FileNotFoundError: no ``handoff.json`` or ``weights.safetensors`` in ``folder``.
         UsageError: ``handoff.json`` is not one :func:`write_handoff` wrote, or the weights
-            do not match its tensor list.
+            are not the ones it records (size, SHA-256) or do not match its tensor list.
     """
-    folder = Path(folder)
-    handoff = _read_json(folder / HANDOFF, HANDOFF_FORMAT, "scripts/chunk_state.py handoff")
-    tensors = read_safetensors(folder / WEIGHTS)
+    return write_atomic(target, _handoff_bytes(Path(folder)))
+
+
+def _handoff_bytes(folder: Path) -> bytes:
+    """The checkpoint :func:`handoff_checkpoint` writes, as bytes."""
+    handoff = _read_handoff(folder)
+    path = folder / WEIGHTS
+    if not path.is_file():
+        raise FileNotFoundError(f"no {WEIGHTS} in {folder}: copy it next to {HANDOFF}.")
+    data = path.read_bytes()
+    recorded = handoff.get("weights")
+    if recorded is not None and (len(data), _sha256(data)) != (recorded["size"],
+                                                               recorded["sha256"]):
+        raise UsageError(f"{path} is damaged: {len(data):,} bytes with another SHA-256 than "
+                         f"the {recorded['size']:,} bytes {HANDOFF} records. Copy it again.")
+    tensors = parse_safetensors(data, path)
     dtypes = handoff["dtypes"]
     if set(tensors) != set(dtypes):
         missing, extra = sorted(set(dtypes) - set(tensors)), sorted(set(tensors) - set(dtypes))
@@ -194,40 +219,51 @@ def handoff_checkpoint(folder: str | Path, target: str | Path) -> Path:
     }
     buffer = io.BytesIO()
     torch.save(checkpoint, buffer)
-    return write_atomic(target, buffer.getvalue())
+    return buffer.getvalue()
 
 
 def restore_newest(target: str | Path, state: str | Path | None = None,
                    handoff: str | Path | None = None) -> tuple[str, int] | None:
     """Make the checkpoint file ``target`` the newest handover present: ``target`` itself (a
-    chunk's own ``last.ckpt``), the full state packed in ``state`` (unpacked) or the compact
-    handoff in ``handoff`` (made a checkpoint); the highest step wins, at equal steps in that
-    order (the exact ones first). Returns which (``"checkpoint"``, ``"state"`` or
-    ``"handoff"``) and its step; None when there is none of them (a new run).
+    chunk's own ``last.ckpt``), the full state packed in the folder ``state`` (unpacked) or the
+    compact handoff in the folder ``handoff`` (made a checkpoint); the highest step wins, at
+    equal steps in that order (the exact ones first). Returns which (``"checkpoint"``,
+    ``"state"`` or ``"handoff"``) and its step; None when there is none of them (a new run).
+
+    ``target`` is replaced only by the same run's newer state: a newest ``state`` or
+    ``handoff`` of another run (another run id or model shape) than ``target`` or the other
+    folder given is refused, and ``target`` kept.
 
     Raises:
-        UsageError, FileNotFoundError: as :func:`unpack_state` and :func:`handoff_checkpoint`,
-            or a ``target`` that is not a checkpoint.
+        FileNotFoundError: ``state`` or ``handoff`` given but absent, or without its
+            ``index.json`` / ``handoff.json``.
+        UsageError: ``state`` or ``handoff`` is a file or another run's, as
+            :func:`unpack_state` and :func:`handoff_checkpoint`, or a ``target`` that is not a
+            checkpoint.
     """
     target = Path(target)
     found = []
     if target.is_file():
         step = read_checkpoint(target, tensors=False).get("global_step")
         found.append((step or 0, 2, "checkpoint", target))
-    if state is not None and (Path(state) / INDEX).is_file():
-        index = _read_json(Path(state) / INDEX, STATE_FORMAT, "scripts/chunk_state.py pack")
+    if state is not None:
+        index = _read_index(_given_folder(state, "state folder", "scripts/chunk_state.py pack"))
         found.append((index["global_step"] or 0, 1, "state", Path(state)))
-    if handoff is not None and (Path(handoff) / HANDOFF).is_file():
-        recorded = _read_json(Path(handoff) / HANDOFF, HANDOFF_FORMAT,
-                              "scripts/chunk_state.py handoff")
+    if handoff is not None:
+        recorded = _read_handoff(_given_folder(handoff, "handoff folder",
+                                               "scripts/chunk_state.py handoff"))
         found.append((recorded["checkpoint"]["global_step"] or 0, 0, "handoff", Path(handoff)))
     if not found:
         return None
     step, _, kind, source = max(found)
-    if kind == "state":
-        unpack_state(source, target)
-    elif kind == "handoff":
-        handoff_checkpoint(source, target)
+    if kind != "checkpoint":
+        data = _state_bytes(source) if kind == "state" else _handoff_bytes(source)
+        newest = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        for *_, other_kind, other in found:  # everything else given: the same run
+            if other != source:
+                _check_same_run(source, newest, other, _read_as_checkpoint(other_kind, other),
+                                target)
+        write_atomic(target, data)
     return kind, step
 
 
@@ -289,6 +325,99 @@ def _check_folder(folder: Path, marker: str) -> set[str]:
         raise UsageError(f"{folder} holds other files ({', '.join(sorted(names)[:4])}); give "
                          f"an empty or new folder, or one with an earlier {marker}.")
     return names
+
+
+def _given_folder(path: str | Path, what: str, writer: str) -> Path:
+    """``path``, a folder given as ``what``: refused when absent or a file."""
+    path = check_path_given(path, what)
+    if not path.exists():
+        raise FileNotFoundError(f"{what} {path} does not exist; give the folder written by "
+                                f"{writer}, or leave it out when there is none.")
+    if not path.is_dir():
+        raise UsageError(f"{what} {path} is a file, not a folder; give the folder written by "
+                         f"{writer}.")
+    return path
+
+
+def _read_as_checkpoint(kind: str, source: Path) -> Mapping[str, Any]:
+    """The checkpoint ``source`` is or makes (``kind``: as :func:`restore_newest` names it)."""
+    if kind == "checkpoint":
+        return read_checkpoint(source)
+    data = _state_bytes(source) if kind == "state" else _handoff_bytes(source)
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def _check_same_run(source: Path, theirs: Mapping[str, Any], other: Path,
+                    mine: Mapping[str, Any], target: Path) -> None:
+    """Refuse to write at ``target`` the checkpoint ``theirs``, made from ``source``, when
+    ``mine``, the one ``other`` (``target``, or the other folder given) holds, is of another
+    run: another run id or other tensor shapes."""
+    differences = []
+    ids = checkpoint_run_id(mine), checkpoint_run_id(theirs)
+    if None not in ids and ids[0] != ids[1]:
+        differences.append(f"run id {ids[1]} at step {theirs.get('global_step')}, {other} "
+                           f"run id {ids[0]} at step {mine.get('global_step')}")
+    shapes = _shapes(mine), _shapes(theirs)
+    changed = sorted(name for name in {*shapes[0], *shapes[1]}
+                     if shapes[0].get(name) != shapes[1].get(name))
+    if changed:
+        name = changed[0]
+        differences.append(f"{len(changed)} tensor(s) of other shapes, e.g. {name}: "
+                           f"{shapes[1].get(name)} against {shapes[0].get(name)}")
+    if differences:
+        raise UsageError(
+            f"{source} holds another run than {other} ({'; '.join(differences)}). Nothing "
+            f"was written: {target} is kept as it was. To start from {source} instead, move "
+            f"{other} away first; else give this run's own state or handoff."
+        )
+
+
+def _shapes(checkpoint: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(value.shape) for name, value in checkpoint[STATE_DICT].items()
+            if isinstance(value, torch.Tensor)}
+
+
+def _read_index(folder: Path) -> dict[str, Any]:
+    """``folder``'s ``index.json`` (:func:`pack_state`), checked to hold every entry read."""
+    index = _read_json(folder / INDEX, STATE_FORMAT, "scripts/chunk_state.py pack")
+    shards = index.get("shards")
+    complete = (
+        isinstance(shards, list) and bool(shards)
+        and all(isinstance(shard, dict) and isinstance(shard.get("name"), str)
+                and shard["name"] == Path(shard["name"]).name and is_int(shard.get("size"))
+                and isinstance(shard.get("sha256"), str) for shard in shards)
+        and isinstance(index.get("file"), str) and is_int(index.get("size"))
+        and isinstance(index.get("sha256"), str)
+        and (index.get("global_step") is None or is_int(index["global_step"]))
+    )
+    if not complete:
+        raise UsageError(f"{folder / INDEX} lacks entries scripts/chunk_state.py pack writes "
+                         "(shards, each with name, size and sha256; the file's name, size, "
+                         "sha256 and global_step): it is damaged. Copy it again, or pack the "
+                         "checkpoint again.")
+    index.setdefault("global_step", None)
+    return index
+
+
+def _read_handoff(folder: Path) -> dict[str, Any]:
+    """``folder``'s ``handoff.json`` (:func:`write_handoff`), checked to hold every entry
+    read."""
+    handoff = _read_json(folder / HANDOFF, HANDOFF_FORMAT, "scripts/chunk_state.py handoff")
+    kinds = {"dtypes": dict, "param_groups": list, "callbacks": dict, "checkpoint": dict}
+    checkpoint, weights = handoff.get("checkpoint"), handoff.get("weights")
+    complete = (
+        all(isinstance(handoff.get(key), kind) for key, kind in kinds.items())
+        and (checkpoint.get("global_step") is None or is_int(checkpoint["global_step"]))
+        and (weights is None  # handoffs written before the weights' record
+             or (isinstance(weights, dict) and is_int(weights.get("size"))
+                 and isinstance(weights.get("sha256"), str)))
+    )
+    if not complete:
+        raise UsageError(f"{folder / HANDOFF} lacks entries scripts/chunk_state.py handoff "
+                         f"writes ({', '.join(kinds)}, with the step): it is damaged. Copy it "
+                         "again, or write the handoff again.")
+    handoff["checkpoint"].setdefault("global_step", None)
+    return handoff
 
 
 def _dtype(name: Any, source: Path) -> torch.dtype:

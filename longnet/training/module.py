@@ -10,6 +10,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from lightning.pytorch.plugins.precision import DoublePrecision
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
@@ -260,11 +261,16 @@ class CausalLMModule(L.LightningModule):
             checkpoint[TOKENIZER_KEY] = self._tokenizer_record
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Refuse a checkpoint of another tokenizer than the data's; restore the RNG state."""
+        """Refuse a checkpoint of another tokenizer than the data's; under ``64-true``, make the
+        module float64 first (Lightning loads the weights before it converts the module, and
+        the float32 module it loads them into would round them); restore the RNG state."""
         tokenizer = getattr(self._trainer.datamodule, "tokenizer", None) \
             if self._trainer is not None else None
         if tokenizer is not None:
             check_tokenizer_record(checkpoint.get(TOKENIZER_KEY), tokenizer)
+        if self._trainer is not None and isinstance(self._trainer.precision_plugin,
+                                                    DoublePrecision):
+            self.double()
         state = checkpoint.get(RNG_KEY)
         if state is None:
             return

@@ -204,6 +204,76 @@ def test_check_finite_compiles_and_still_refuses():
     torch._dynamo.reset()
 
 
+def _refused_inputs():
+    q = _inputs(torch.float32)[0]
+    return {
+        "no tokens": ((q[:, :0],) * 3, ValueError, "q has an empty dimension"),
+        "no batch": ((q[:0],) * 3, ValueError, "q has an empty dimension"),
+        "mixed dtypes": ((q, q.double(), q), TypeError, "q, k, v dtypes differ"),
+        "kv of another length": ((q, q[:, :16], q[:, :16]), ValueError, "must have the same shape"),
+        "grouped kv heads": ((q, q[:, :, :1], q[:, :, :1]), ValueError, "expand grouped K/V"),
+        "integers": ((q.long(),) * 3, TypeError, "q has dtype torch.int64; use a floating"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_refused_inputs()))
+def test_inputs_eager_mode_refuses_are_refused_in_the_projects_words_when_compiled(case):
+    """Under ``fullgraph=True`` the project's message is Dynamo's reason (its first lines, not
+    a debug line); a plain compile raises the eager exception itself."""
+    args, error, message = _refused_inputs()[case]
+
+    def attend(q, k, v):
+        return dilated_attention(q, k, v, BRANCHES, causal=True)
+
+    with pytest.raises(error, match=message):
+        attend(*args)
+    with pytest.raises(torch._dynamo.exc.Unsupported) as info:
+        torch.compile(attend, fullgraph=True, backend="aot_eager")(*args)
+    assert message in "\n".join(str(info.value).splitlines()[:2]), info.value
+    with pytest.raises(error, match=message):
+        torch.compile(attend, backend="aot_eager")(*args)
+    torch._dynamo.reset()
+
+
+def test_a_layer_refuses_its_input_in_the_projects_words_when_compiled():
+    layer = MultiheadDilatedAttention(24, 3, BRANCHES, causal=True).double()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    for x, message in ((torch.randn(1, 24, 16, dtype=torch.float64), "embed_dim 24, got"),
+                       (torch.randn(1, 24, 24), "x has dtype torch.float32")):
+        with pytest.raises(torch._dynamo.exc.Unsupported) as info:
+            compiled(x)
+        assert message in "\n".join(str(info.value).splitlines()[:2]), info.value
+    x = torch.randn(1, 24, 24, dtype=torch.float64)
+    with pytest.raises(torch._dynamo.exc.Unsupported) as info:
+        compiled(x, torch.arange(23))
+    assert "position_ids has shape (23,)" in "\n".join(str(info.value).splitlines()[:2])
+    torch._dynamo.reset()
+
+
+def test_the_documented_compile_limits_name_the_supported_way():
+    """Raw ``document_ids`` in a fullgraph region and ``LongNetLM`` compiled whole say what to
+    do: resolve the documents beforehand; compile the blocks."""
+    q = _inputs()[0]
+    ids = document_ids_of(DOCUMENTS)
+    attend = torch.compile(lambda q, ids: dilated_attention(q, q, q, BRANCHES, document_ids=ids),
+                           fullgraph=True, backend="aot_eager")
+    with pytest.raises(torch._dynamo.exc.Unsupported) as info:
+        attend(q, ids)
+    assert "resolve them beforehand" in "\n".join(str(info.value).splitlines()[:2]), info.value
+    resolved = resolve_documents(ids, 2, 24, q.device)
+    assert torch.equal(attend(q, resolved), dilated_attention(q, q, q, BRANCHES,
+                                                              document_ids=ids))
+    model = LongNetLM(LongNetConfig(vocab_size=40, hidden_size=24, num_layers=1, num_heads=3,
+                                    segment_lengths=(4, 8), dilation_rates=(1, 2))).eval()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    for ids, message in ((torch.randint(0, 40, (1, 8)), "compile the model's blocks"),
+                         (torch.rand(1, 8), "input_ids must have an integer dtype")):
+        with pytest.raises(torch._dynamo.exc.Unsupported) as info:
+            compiled(ids)
+        assert message in "\n".join(str(info.value).splitlines()[:2]), info.value
+    torch._dynamo.reset()
+
+
 def test_model_resolves_documents_once(monkeypatch):
     """A forward of ``num_layers`` layers with ``document_ids`` copies the ids to the host
     once (the layers take the resolved documents), and gives what layers resolving the ids

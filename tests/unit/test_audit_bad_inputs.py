@@ -112,3 +112,11 @@ def test_a_case_without_what_it_must_say_is_refused(tmp_path):
     (tmp_path / "t.yaml").write_text("- {id: a, area: t, what: w, run: 'true', expect: error}")
     with pytest.raises(ValueError, match="needs `says`"):
         _script().load_cases(tmp_path)
+
+
+def test_the_innermost_frame_is_read_from_a_traceback_with_rank_prefixes():
+    stderr = ('[rank0]: Traceback (most recent call last):\n'
+              '[rank0]:   File "<string>", line 7, in <module>\n'
+              '[rank0]:   File "/x/longnet/attention/transport.py", line 34, in f\n'
+              '[rank0]: ValueError: one per branch\n')
+    assert _script().raised_in(stderr) == "/x/longnet/attention/transport.py"

@@ -135,14 +135,16 @@ def test_a_data_module_that_refuses_its_arguments_says_why_in_two_lines(tmp_path
 
 def test_a_write_that_finds_no_room_is_a_few_lines_naming_the_fix(tmp_path, capsys,
                                                                    monkeypatch):
-    """A full disk or a file size limit while saving (``OSError`` EFBIG, ENOSPC) says what to
-    free or raise and how to continue; another ``OSError`` keeps its traceback."""
+    """A full disk, a file size limit or a read-only file system while saving (``OSError``
+    EFBIG, ENOSPC, EROFS) says what to do and how to continue; another ``OSError`` keeps its
+    traceback."""
     import errno
 
     import longnet.cli.entry as entry
 
     for code, fix in ((errno.EFBIG, "Raise the file size limit (ulimit -f)"),
-                      (errno.ENOSPC, "Free space on the disk")):
+                      (errno.ENOSPC, "Free space on the disk"),
+                      (errno.EROFS, "Give a path on a writable file system")):
         def full(args, code=code):
             raise OSError(code, "no room", "runs/x/last.ckpt")
 

@@ -126,6 +126,19 @@ def test_demo_refuses_an_empty_sequence():
     assert "argument --seq-len: lengths must be at least 1" in done.stderr
 
 
+def test_a_script_error_is_two_lines_and_verbose_adds_the_traceback(tmp_path: Path):
+    """As the ``longnet`` command: the message and a line naming --verbose; --verbose
+    (anywhere) prints the traceback too."""
+    argv = ["scripts/chunk_state.py", "unpack", str(tmp_path), str(tmp_path / "last.ckpt")]
+    done = run(*argv)
+    assert done.returncode == 2 and done.stderr.splitlines() == [
+        f"error: no index.json in {tmp_path}: not a folder written by scripts/chunk_state.py "
+        "pack.", "(run again with --verbose to see the traceback)"], done.stderr
+    done = run(argv[0], "--verbose", *argv[1:])
+    assert done.returncode == 2 and "Traceback (most recent call last)" in done.stderr
+    assert done.stderr.splitlines()[-2].startswith("error: no index.json")
+
+
 def test_eval_harness_without_lm_eval_says_what_to_install():
     done = run("-c", "import runpy, sys; sys.modules['lm_eval'] = None; "
                "sys.argv = ['eval_harness.py', '--help']; "

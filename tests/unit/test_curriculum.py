@@ -144,6 +144,16 @@ def test_bad_stages_are_refused_naming_the_entry(case):
         LengthCurriculum(stages)
 
 
+@pytest.mark.parametrize("step", [-1, 2.5, "3"])
+def test_a_step_before_the_first_or_not_an_integer_is_refused(step):
+    curriculum = LengthCurriculum([{"step": 0, "seq_len": 16}, {"step": 4, "seq_len": 32}])
+    assert curriculum.stage_at(5).seq_len == 32
+    for method in (curriculum.stage_at, curriculum.rope_theta_at):
+        with pytest.raises(ValueError, match=rf"step must be a non-negative integer, got "
+                           rf"{step!r}"):
+            method(step)
+
+
 def test_a_passkey_window_too_short_for_the_task_is_refused():
     with pytest.raises(ValueError, match="passkey length 16 is too short"):
         LengthCurriculum([{"step": 0, "seq_len": 16}], passkey_fraction=0.1)

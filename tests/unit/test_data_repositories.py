@@ -226,8 +226,12 @@ def test_packed_windows_number_the_packages_they_hold(site: Path, tmp_path: Path
     ("alpha>=1", ValueError, r"packages entry 'alpha>=1' is not 'stdlib', 'installed', "
      r"'<distribution>' or '<distribution>==<version>'"),
     ([], ValueError, r"packages is empty; give 'stdlib', 'installed'"),
-    (["installed", "beta"], ValueError, r"packages lists beta more than once \('installed' "
-     r"includes every installed distribution\); list each once"),
+    (["installed", "beta"], ValueError, r"packages lists 1 package\(s\) more than once "
+     r"\('installed' includes every installed distribution\): beta; list each once"),
+    (["beta", "beta==2.0"], ValueError, r"packages lists 1 package\(s\) more than once: beta; "
+     r"list each once"),
+    (["stdlib", "beta", "stdlib"], ValueError, r"^packages repeats the entry 'stdlib'; list each "
+     r"entry once\.$"),
 ])
 def test_packages_that_cannot_be_read_are_refused(site: Path, packages, error, message) -> None:
     with pytest.raises(error, match=message):

@@ -281,3 +281,18 @@ def test_eval_documents_read_the_corpus(site: Path) -> None:
     assert [d.doc_id for d in documents_from_args(args)] == held_out
     with pytest.raises(ValueError, match="data_files and corpus are both set"):
         load_eval_documents(str(site / "*.py"), corpus=corpus)
+
+
+def test_a_data_file_deleted_after_the_data_module_is_built_is_named(tmp_path: Path) -> None:
+    """The files are found when the module is built and read at ``setup``: one deleted in
+    between is named (a ``UsageError``, which the command reports in a few lines)."""
+    from longnet.data import LongDocumentDataModule
+
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.txt").write_text(name * 5000)
+    module = LongDocumentDataModule(data_files=[str(tmp_path / "*.txt")], seq_len=64,
+                                    batch_size=2, cache_dir=str(tmp_path / "cache"))
+    (tmp_path / "a.txt").unlink()
+    with pytest.raises(UsageError, match=r"1 data file\(s\) found when the data were set up "
+                       r"are gone now \(deleted or moved\): .*a\.txt; put them back"):
+        module.setup("fit")

@@ -6,8 +6,12 @@ the GPU chunk configs run on the CPU."""
 from __future__ import annotations
 
 import csv
+import errno
 import hashlib
 import json
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import lightning as L
@@ -15,6 +19,7 @@ import pytest
 import torch
 import yaml
 
+from longnet import files
 from longnet.cli import main
 from longnet.training.handoff import (
     HANDOFF,
@@ -27,8 +32,10 @@ from longnet.training.handoff import (
     unpack_state,
     write_handoff,
 )
+from longnet.training.runs import RUN_ID_KEY
 from longnet.validation import UsageError
 from tests.gpu_configs import tiny_gpu_config
+from tests.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = "tests.unit.test_handoff"
@@ -256,14 +263,25 @@ def test_pack_refuses_more_files_than_allowed_and_unpack_names_a_bad_shard(runs,
         INDEX, "state-00001-of-00001.bin"]
 
 
+def edited(source: Path, path: Path, **entries) -> Path:
+    """A copy at ``path`` of the checkpoint ``source`` with ``entries`` replaced (a
+    ``state_dict`` entry: its tensors updated)."""
+    checkpoint = load(source)
+    checkpoint["state_dict"].update(entries.pop("state_dict", {}))
+    checkpoint.update(entries)
+    torch.save(checkpoint, path)
+    return path
+
+
 def test_restore_picks_the_newest_handover_the_exact_one_at_equal_steps(runs, tmp_path):
-    full, crashed = (runs / name / "checkpoints" / "last.ckpt" for name in ("full", "crashed"))
+    full = runs / "full" / "checkpoints" / "last.ckpt"
+    earlier = edited(full, tmp_path / "step4.ckpt", global_step=4)  # the same run, at step 4
     pack_state(full, tmp_path / "state6")
-    pack_state(crashed, tmp_path / "state4")
+    pack_state(earlier, tmp_path / "state4")
     write_handoff(full, tmp_path / "handoff6")
-    write_handoff(crashed, tmp_path / "handoff4")
+    write_handoff(earlier, tmp_path / "handoff4")
     target = tmp_path / "run" / "checkpoints" / "last.ckpt"
-    assert restore_newest(target, tmp_path / "absent", tmp_path / "absent") is None
+    assert restore_newest(target) is None
     assert not target.exists()
     assert restore_newest(target, tmp_path / "state6", tmp_path / "handoff4") == ("state", 6)
     assert target.read_bytes() == full.read_bytes()
@@ -274,6 +292,170 @@ def test_restore_picks_the_newest_handover_the_exact_one_at_equal_steps(runs, tm
     target.unlink()
     assert restore_newest(target, tmp_path / "state4", tmp_path / "handoff6") == ("handoff", 6)
     assert load(target)["optimizer_states"][0]["state"] == {}
+
+
+def test_restore_refuses_another_runs_state_or_handoff_and_keeps_the_checkpoint(runs, tmp_path):
+    """A leftover state or handoff of another run (another run id, or the same run id with
+    other tensor shapes) at a higher step does not replace the run's only ``last.ckpt``, nor,
+    on a fresh machine, win over the other folder given, of another run; the same run's newer
+    one does."""
+    full, crashed = (runs / name / "checkpoints" / "last.ckpt" for name in ("full", "crashed"))
+    target = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    target.parent.mkdir(parents=True)
+    target.write_bytes(crashed.read_bytes())  # step 4
+    mine = load(crashed)
+    pack_state(full, tmp_path / "other-state")  # another run id, step 6
+    write_handoff(full, tmp_path / "other-handoff")
+    for option in ("state", "handoff"):
+        with pytest.raises(UsageError, match=rf"other-{option} holds another run than "
+                           rf"{target} \(run id {load(full)[RUN_ID_KEY]} at step 6, .*run id "
+                           rf"{mine[RUN_ID_KEY]} at step 4\)\. Nothing was written: .* is "
+                           "kept.*move .* away first"):
+            restore_newest(target, **{option: tmp_path / f"other-{option}"})
+        assert target.read_bytes() == crashed.read_bytes()
+    name, tensor = next(iter(mine["state_dict"].items()))
+    wider = edited(crashed, tmp_path / "wider.ckpt", global_step=6,
+                   state_dict={name: torch.zeros(*tensor.shape[:-1], tensor.shape[-1] + 1)})
+    pack_state(wider, tmp_path / "wider-state")
+    with pytest.raises(UsageError, match=rf"1 tensor\(s\) of other shapes, e\.g\. {name}"):
+        restore_newest(target, tmp_path / "wider-state")
+    assert target.read_bytes() == crashed.read_bytes()
+    target.unlink()  # a fresh machine: the newest folder given must be the other one's run
+    write_handoff(crashed, tmp_path / "crashed-handoff")
+    with pytest.raises(UsageError, match=r"other-state holds another run than .*crashed-handoff"
+                       r" \(run id .*Nothing was written"):
+        restore_newest(target, tmp_path / "other-state", tmp_path / "crashed-handoff")
+    assert not target.exists()
+    target.write_bytes(crashed.read_bytes())
+    pack_state(edited(crashed, tmp_path / "newer.ckpt", global_step=6), tmp_path / "newer")
+    assert restore_newest(target, tmp_path / "newer") == ("state", 6)
+    assert load(target)["global_step"] == 6
+
+
+def test_restore_refuses_a_given_folder_that_is_absent_a_file_or_not_written_by_pack(
+        runs, tmp_path):
+    target = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "empty").mkdir()
+    for option, writer in (("state", "pack"), ("handoff", "handoff")):
+        with pytest.raises(FileNotFoundError, match=rf"{option} .*no-such does not exist; give "
+                           rf"the folder written by scripts/chunk_state.py {writer}"):
+            restore_newest(target, **{option: tmp_path / "no-such"})
+        with pytest.raises(UsageError, match=rf"{option} .*notes.txt is a file, not a folder"):
+            restore_newest(target, **{option: tmp_path / "notes.txt"})
+        with pytest.raises(FileNotFoundError, match=r"no .*\.json in .*empty: not a folder "
+                           rf"written by scripts/chunk_state.py {writer}"):
+            restore_newest(target, **{option: tmp_path / "empty"})
+    assert not target.exists()
+
+
+def test_a_damaged_index_or_handoff_record_is_named(runs, tmp_path):
+    crashed = runs / "crashed" / "checkpoints" / "last.ckpt"
+    pack_state(crashed, tmp_path / "state", max_shard_size=128 * 1024, max_files=64)
+    write_handoff(crashed, tmp_path / "handoff")
+    index = json.loads((tmp_path / "state" / INDEX).read_text())
+    for key in ("shards", "sha256"):
+        damaged = {k: v for k, v in index.items() if k != key}
+        (tmp_path / "state" / INDEX).write_text(json.dumps(damaged))
+        with pytest.raises(UsageError, match=r"index\.json lacks entries .*pack writes"):
+            unpack_state(tmp_path / "state", tmp_path / "last.ckpt")
+    (tmp_path / "state" / INDEX).write_text(json.dumps({**index, "sha256": "0" * 64}))
+    with pytest.raises(UsageError, match=r"the shards in .*state make [\d,]+ bytes with another "
+                       r"SHA-256 than the [\d,]+ bytes of last\.ckpt that index\.json records"):
+        unpack_state(tmp_path / "state", tmp_path / "last.ckpt")
+    weights = tmp_path / "handoff" / WEIGHTS
+    intact = weights.read_bytes()
+    weights.write_bytes(intact[:-1] + bytes([intact[-1] ^ 1]))  # one bit flipped in transit
+    with pytest.raises(UsageError, match=r"weights\.safetensors is damaged: [\d,]+ bytes with "
+                       r"another SHA-256 than the [\d,]+ bytes handoff\.json records"):
+        handoff_checkpoint(tmp_path / "handoff", tmp_path / "last.ckpt")
+    weights.write_bytes(intact)
+    record = json.loads((tmp_path / "handoff" / HANDOFF).read_text())
+    del record["dtypes"]
+    (tmp_path / "handoff" / HANDOFF).write_text(json.dumps(record))
+    with pytest.raises(UsageError, match=r"handoff\.json lacks entries .*handoff writes"):
+        restore_newest(tmp_path / "last.ckpt", handoff=tmp_path / "handoff")
+    assert not (tmp_path / "last.ckpt").exists()
+
+
+def test_chunk_state_reports_a_full_disk_or_a_read_only_file_system_in_two_lines(
+        runs, tmp_path, monkeypatch, capsys):
+    """The script ends as the ``longnet`` command does: the message naming the file and the
+    fix, a line naming --verbose, exit status 2 (no traceback, no second error from removing
+    the temporary file)."""
+    script = load_script("chunk_state")
+    crashed = runs / "crashed" / "checkpoints" / "last.ckpt"
+    pack_state(crashed, tmp_path / "state")
+
+    def no_room(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Path, "write_bytes", no_room)
+        assert script.run_cli(lambda: script.main(["pack", str(crashed),
+                                                   str(tmp_path / "new")])) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: a write to {tmp_path / 'new'} failed: No space left on device (errno "
+        f"{errno.ENOSPC}). Free space on the disk, then run the command again.",
+        "(run again with --verbose to see the traceback)"]
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    target = tmp_path / "run" / "last.ckpt"
+    with monkeypatch.context() as patch:
+        patch.setattr(files, "open", read_only, raising=False)
+        patch.setattr(Path, "unlink", read_only)
+        assert script.run_cli(lambda: script.main(["restore", str(target), "--state",
+                                                   str(tmp_path / "state")])) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: a write to {target} failed: Read-only file system (errno {errno.EROFS}). "
+        "Give a path on a writable file system, then run the command again.",
+        "(run again with --verbose to see the traceback)"]
+
+
+@pytest.mark.parametrize("argv", [["restore", "last.ckpt", "--state", ""],
+                                  ["unpack", "state", ""], ["pack", "", "state"]])
+def test_chunk_state_refuses_an_empty_path(argv, capsys):
+    """An empty path is the current folder: refused when parsed, naming the argument."""
+    with pytest.raises(SystemExit) as exit_info:
+        load_script("chunk_state").main(argv)
+    assert exit_info.value.code == 2
+    assert "expected a path, got ''" in capsys.readouterr().err
+
+
+def test_the_chunk_script_refuses_a_state_folder_set_but_absent_or_another_runs(runs, tmp_path):
+    """``$WHEELS`` or ``$STATE`` set to a folder that does not exist, or a leftover state of
+    another run in the default ``$STATE`` folder, stops the chunk before training (exit 2), the
+    run's checkpoint kept."""
+    crashed = runs / "crashed" / "checkpoints" / "last.ckpt"
+    name = f"chunk-probe-{tmp_path.name}"
+    config = yaml.safe_load((REPO / "configs" / "smoke.yaml").read_text())
+    config["trainer"]["logger"]["init_args"] = {"save_dir": str(tmp_path / "runs"), "name": name}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+
+    def chunk(**env: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["bash", str(REPO / "scripts" / "train_chunk.sh"), str(tmp_path / "c.yaml"),
+             "--trainer.max_steps=0"], capture_output=True, text=True, timeout=300,
+            env={**os.environ, "OUT": str(tmp_path / "out"), **env})
+
+    done = chunk(WHEELS=str(tmp_path / "no-wheels"))
+    assert done.returncode == 2 and "WHEELS=" in done.stderr and "is not a folder" in done.stderr
+    done = chunk(STATE=str(tmp_path / "typo"))
+    assert done.returncode == 2 and "typo does not exist" in done.stdout, done.stdout
+    assert "fit exited" not in done.stdout
+    target = tmp_path / "runs" / name / "checkpoints" / "last.ckpt"
+    target.parent.mkdir(parents=True)
+    target.write_bytes(crashed.read_bytes())
+    leftover = REPO / "runs" / f"{name}-state"
+    pack_state(runs / "full" / "checkpoints" / "last.ckpt", leftover)
+    try:
+        done = chunk()
+    finally:
+        shutil.rmtree(leftover)
+    assert done.returncode == 2 and "holds another run than" in done.stdout, done.stdout
+    assert target.read_bytes() == crashed.read_bytes()
 
 
 @pytest.fixture(scope="module")

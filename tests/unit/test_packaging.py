@@ -16,11 +16,12 @@ from longnet.modeling import hub
 REPO = Path(__file__).resolve().parents[2]
 
 
-LAYERS = ["constants", "validation", "files", "denormals", "distributed", "attention", "nn",
-          "modeling", "memory", "planning", "data", "training", "eval", "hf", "bench", "cli",
-          "__main__"]
+LAYERS = ["constants", "validation", "files", "denormals", "compiled", "distributed",
+          "attention", "nn", "modeling", "memory", "planning", "data", "training", "eval", "hf",
+          "bench", "cli", "__main__"]
 """``longnet``'s layers from the bottom up: shared constants and validators, atomic file
-writes, the CPU's subnormal-float switch, the process-group launcher, then the library's layers
+writes, the CPU's subnormal-float switch, the refusals under ``torch.compile``, the
+process-group launcher, then the library's layers
 (``memory``: the memory models, over attention and modeling; ``planning``: its deprecated
 alias), the Hugging Face adapters
 (``hf``, on top of evaluation: its lm-eval harness loads models with ``longnet.eval``), the

@@ -107,6 +107,18 @@ def test_a_parallelized_model_on_one_rank_equals_the_plain_model(group):
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
 
 
+def test_a_transport_per_branch_is_checked_against_the_pattern_on_one_rank(group):
+    """One transport per branch: a count that does not match the pattern is refused on a
+    one-rank group too, not first on a multi-rank run."""
+    model = parallelize(make_lm(), SequenceParallel(group, transport=["ring", "allgather",
+                                                                      "ring"]))
+    with pytest.raises(ValueError, match=r"one per branch \(2\), got \('ring', 'allgather', "
+                       "'ring'\\)"):
+        model(torch.randint(0, 256, (1, 16)))
+    parallelize(model, SequenceParallel(group, transport=["ring", "allgather"]))
+    assert model(torch.randint(0, 256, (1, 16))).logits.shape == (1, 16, 256)
+
+
 def test_the_encoder_pools_over_a_parallelized_group(group):
     torch.manual_seed(0)
     encoder = LongNetEncoder(LongNetConfig(**TINY, pooling="last", num_labels=3)).double()

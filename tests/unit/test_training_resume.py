@@ -95,6 +95,17 @@ class SignalAt(L.Callback):
             os.kill(os.getpid(), self.signum)
 
 
+class SaveWeightsAtStart(L.Callback):
+    """Save the module's state dict to ``path`` when training starts (after a resume: the
+    weights restored from the checkpoint)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        torch.save(pl_module.state_dict(), self.path)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():  # module-wide: the uninterrupted run (a module fixture) too
     threads = torch.get_num_threads()
@@ -244,6 +255,25 @@ def assert_complete(run: Path, steps: int) -> None:
         assert torch.equal(value, state[f"model.{key}"]), key
     summary = json.loads((run / "metrics.json").read_text())
     assert summary["validate"]["step"] == summary["test"]["step"] == steps
+
+
+def test_a_float64_run_resumes_with_its_float64_weights(tmp_path):
+    """Under ``precision: 64-true`` the checkpoint's float64 weights are resumed as they are
+    (Lightning loads them before it converts the module: they were rounded to float32)."""
+    config = write_config(tmp_path / "c.yaml", tmp_path / "cache", steps=3, val_every=3,
+                          save_every=3)
+    args = run_args(config, tmp_path, "run", "--trainer.precision=64-true")
+    assert main(args) == 0
+    saved = load(tmp_path / "run" / "checkpoints" / "last.ckpt")["state_dict"]
+    probe = callback("SaveWeightsAtStart", path=str(tmp_path / "restored.pt"))
+    resumed = write_config(tmp_path / "r.yaml", tmp_path / "cache", probe, steps=4, val_every=4,
+                           save_every=4)
+    assert main(run_args(resumed, tmp_path, "run", "--trainer.precision=64-true",
+                         "--ckpt_path=last")) == 0
+    restored = torch.load(tmp_path / "restored.pt", weights_only=True)
+    assert saved["model.lm_head.weight"].dtype == torch.float64
+    assert all(torch.equal(restored[name], value) for name, value in saved.items()), [
+        name for name, value in saved.items() if not torch.equal(restored[name], value)][:3]
 
 
 def test_a_finished_run_is_extended(tmp_path):
