@@ -50,9 +50,9 @@ def test_a_chunk_brings_back_the_handoff_and_the_next_chunk_resumes_from_it(tmp_
     config = tiny_gpu_config("longnet_tiny_64k", tmp_path / "cache", steps=2)
     name = config["trainer"]["logger"]["init_args"]["name"]
     handoff = tmp_path / "chunks" / name / "handoff"  # as committed between the two chunks
-    env = {"STATE": str(tmp_path / "state"), "HANDOFF": str(handoff)}
 
-    def chunk(machine: str, options: list[str], fit_options: list[str]) -> Path:
+    def chunk(machine: str, options: list[str], fit_options: list[str],
+              env: dict[str, str] | None = None) -> Path:
         config["trainer"]["logger"]["init_args"]["save_dir"] = str(tmp_path / machine)
         path = tmp_path / f"{machine}.yaml"
         path.write_text(yaml.safe_dump(config))
@@ -71,7 +71,7 @@ def test_a_chunk_brings_back_the_handoff_and_the_next_chunk_resumes_from_it(tmp_
     for file in ("weights.safetensors", "handoff.json"):
         (handoff / file).write_bytes((first / file).read_bytes())
 
-    second = chunk("machine2", [], ["--trainer.max_steps", "3"])
+    second = chunk("machine2", [], ["--trainer.max_steps", "3"], env={"HANDOFF": str(handoff)})
     assert "step 2, made from the compact handoff" in (second / "chunk.log").read_text()
     rows = list(csv.DictReader((second / "metrics.csv").open()))
     assert {row["run_id"] for row in rows} == {recorded["longnet_run_id"]}
