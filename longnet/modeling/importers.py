@@ -321,14 +321,30 @@ def import_hf_checkpoint(
     folder = Path(folder)
     if data is None:
         data = json.loads((folder / "config.json").read_text())
+    return convert_hf_checkpoint(
+        data, lambda: read_hf_weights(folder), f"Hugging Face checkpoint {folder}", **overrides
+    )
+
+
+def convert_hf_checkpoint(
+    data: dict[str, Any],
+    tensors: dict[str, Tensor] | Callable[[], dict[str, Tensor]],
+    source: str,
+    **overrides: Any,
+) -> tuple[LongNetConfig, dict[str, Tensor]]:
+    """The LongNet config and state dict of a Hugging Face model given as its config ``data``
+    (a parsed ``config.json``) and its state dict in Hugging Face names (or a function that
+    reads it, called once the model type is known to be importable); ``source`` names it in
+    messages."""
     model_type = data.get("model_type")
     if model_type not in IMPORTERS:
         raise ValueError(
-            f"{folder}: cannot import model_type {model_type!r}; supported: "
+            f"{source}: cannot import model_type {model_type!r}; supported: "
             f"{', '.join(sorted(IMPORTERS))} (or a LongNet folder with model_type 'longnet')."
         )
-    source = f"Hugging Face checkpoint {folder}"
-    config, tensors = IMPORTERS[model_type](data, read_hf_weights(folder), source)
+    config, tensors = IMPORTERS[model_type](
+        data, tensors() if callable(tensors) else tensors, source
+    )
     if overrides:
         config = config.replace(**overrides)
     return config, tensors

@@ -17,7 +17,7 @@ from torch import nn
 
 from longnet.files import check_path_given, open_files, replace_folder, write_atomic
 from longnet.modeling.config import CONFIG_NAME, MODEL_TYPE, LongNetConfig, check_saved_fields
-from longnet.modeling.hub import resolve_model_dir
+from longnet.modeling.hub import external_weights_hint, resolve_model_dir
 from longnet.modeling.importers import import_hf_checkpoint, is_hf_config
 from longnet.modeling.serialization import (
     WEIGHTS_NAME,
@@ -34,6 +34,10 @@ from longnet.modeling.tokenizer_files import (
 CARD_NAME = "README.md"
 SAVED_FILES = (CONFIG_NAME, WEIGHTS_NAME, CARD_NAME, TOKENIZER_NAME, TOKENIZER_CONFIG_NAME)
 """The files :func:`save_pretrained` writes (the tokenizer files for byte-level models only)."""
+WEIGHTS_FROM = "weights_from"
+"""The ``config.extra`` key of a zoo entry whose weights come from another installed
+distribution: ``{"distribution": ..., "file": ...}``
+(:func:`longnet.modeling.hub.external_weights_hint`)."""
 MODEL_SOURCE = "model name or folder"
 """What :func:`from_pretrained` calls its ``name_or_dir`` in messages."""
 
@@ -80,9 +84,12 @@ def model_card(
         if config.resolved_num_kv_heads != config.num_heads
         else ""
     )
+    external = config.extra.get(WEIGHTS_FROM)
     weights = (
         f"`{WEIGHTS_NAME}` in this folder."
         if has_weights
+        else f"not in this folder: {external_weights_hint(name, external)}"
+        if external
         else "**No weights exist yet**: this folder holds the configuration only. Build an "
         f'untrained model with `{architecture}(LongNetConfig.from_pretrained("{name}"))`.'
     )
@@ -116,7 +123,7 @@ def model_card(
         *(
             [f"from longnet.modeling import {architecture}",
              f'model = {architecture}.from_pretrained("{name}")']
-            if has_weights
+            if has_weights or external
             else ["from longnet.modeling import LongNetConfig, " + architecture,
                   f'config = LongNetConfig.from_pretrained("{name}")']
         ),
@@ -201,6 +208,10 @@ def from_pretrained(
             source = f"Hugging Face checkpoint {folder}"
         else:
             config = _longnet_config(cls, data, folder, overrides)
+            external = config.extra.get(WEIGHTS_FROM)
+            if WEIGHTS_NAME not in files and external:
+                raise FileNotFoundError(f"{folder} holds no {WEIGHTS_NAME}: "
+                                        f"{external_weights_hint(folder.name, external)}")
             if WEIGHTS_NAME not in files:
                 raise FileNotFoundError(
                     f"{folder} has a config but no {WEIGHTS_NAME} (no trained weights yet). "
