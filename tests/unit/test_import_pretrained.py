@@ -29,7 +29,7 @@ from tests.unit.test_import_hf import (  # noqa: F401 (a fixture)
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
-from longnet.hf import load_tokenizer  # noqa: E402
+from longnet.hf import load_tokenizer, use_dilated_attention  # noqa: E402
 from longnet.hf.pretrained import import_pretrained, materialize  # noqa: E402
 
 F64 = torch.float64
@@ -150,7 +150,8 @@ def _smollm2_gguf():
 def test_smollm2_from_the_installed_wheel(tmp_path, monkeypatch):
     """The zoo entry materialized from the wheel: logits within 1e-3 of ``transformers``' own
     load of the GGUF file (float32, 256 tokens of foreign code), the same token ids, the same
-    64 greedy tokens."""
+    64 greedy tokens; ``transformers``' model with ``attn_implementation="longnet_dilated"``
+    gives the dilated ``LongNetLM``'s logits."""
     path = _smollm2_gguf()
     monkeypatch.setenv("LONGNET_CACHE", str(tmp_path))
     ours = LongNetLM.from_pretrained(materialize("smollm2-135m"))
@@ -169,3 +170,9 @@ def test_smollm2_from_the_installed_wheel(tmp_path, monkeypatch):
     greedy = hf.generate(prompt, max_new_tokens=64, do_sample=False, eos_token_id=None,
                          pad_token_id=ours.config.pad_token_id)
     assert torch.equal(ours.generate(prompt, 64, temperature=0), greedy)
+    # transformers' own model with LongNet's dilated attention is LongNetLM with the pattern.
+    pattern = [(64, 1), (128, 2), (256, 4)]
+    use_dilated_attention(hf, pattern)
+    dilated = LongNetLM.from_pretrained("smollm2-135m", pattern=pattern)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, dilated(x).logits, rtol=0, atol=1e-3)
