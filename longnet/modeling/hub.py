@@ -18,6 +18,7 @@ materializes it once into :func:`materialized_dir` (the user cache, ``$LONGNET_C
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -103,15 +104,25 @@ def resolve_model_dir(name_or_dir: str | os.PathLike) -> Path:
     name = str(name_or_dir)
     candidate = models_dir() / name
     if name and "/" not in name and (candidate / "config.json").is_file():
+        if (candidate / WEIGHTS_NAME).is_file() or not _external(candidate):
+            return candidate
         materialized = materialized_dir(name)
-        if not (candidate / WEIGHTS_NAME).is_file() and (materialized / WEIGHTS_NAME).is_file():
-            return materialized
-        return candidate
+        return materialized if (materialized / WEIGHTS_NAME).is_file() else candidate
     known = list_models()
     raise FileNotFoundError(
         f"{name!r} is neither a model folder nor a known model name. Known models (in "
         f"{models_dir()}): {', '.join(known) if known else 'none'}."
     )
+
+
+def _external(folder: Path) -> bool:
+    """Whether the zoo folder's config names another distribution as its weights' source
+    (``extra.weights_from``)."""
+    try:
+        data = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and bool((data.get("extra") or {}).get("weights_from"))
 
 
 def _instead(path: Path) -> str:

@@ -20,7 +20,8 @@ import tokenize
 import pytest
 import torch
 
-from longnet.modeling import LongNetLM
+from longnet.modeling import LongNetConfig, LongNetLM, models_dir, resolve_model_dir
+from longnet.modeling.hub import materialized_dir
 from tests.scripts import load_script
 from tests.unit.test_import_hf import (  # noqa: F401 (a fixture)
     _llama,
@@ -209,6 +210,21 @@ def test_missing_pieces_are_named(tmp_path, monkeypatch):
         import_pretrained(gguf, tmp_path / "out")
     with pytest.raises(FileNotFoundError, match="neither a Hugging Face checkpoint folder"):
         import_pretrained(tmp_path / "nothing.bin", tmp_path / "out")
+
+
+def test_a_materialized_entry_resolves_to_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("LONGNET_CACHE", str(tmp_path))
+    target = materialized_dir("smollm2-135m")
+    assert target == tmp_path / "models" / "smollm2-135m"
+    assert resolve_model_dir("smollm2-135m") == models_dir() / "smollm2-135m"  # not yet
+    LongNetLM(LongNetConfig(num_layers=1)).save_pretrained(target)  # a stand-in
+    assert resolve_model_dir("smollm2-135m") == target
+    assert materialize("smollm2-135m") == target  # once: not imported again
+    assert LongNetLM.from_pretrained("smollm2-135m").config.num_layers == 1
+    monkeypatch.setenv("LONGNET_CACHE", "")
+    with pytest.raises(ValueError, match="LONGNET_CACHE is set but empty"):
+        LongNetLM.from_pretrained("smollm2-135m")
+    assert resolve_model_dir("longnet-small") == models_dir() / "longnet-small"
 
 
 def _smollm2_gguf():
