@@ -169,6 +169,18 @@ def test_pattern_and_reimport(source, tmp_path):
     assert "vocab.json" not in names and "notes.txt" in names and "tokenizer.json" in names
 
 
+def test_saving_an_imported_model_again_keeps_its_tokenizer(source, tmp_path):
+    _, folder = source
+    out = import_pretrained(folder, tmp_path / "out")
+    tokenizer = (out / "tokenizer.json").read_text()
+    LongNetLM.from_pretrained(out).save_pretrained(out)  # e.g. after fine-tuning
+    assert (out / "tokenizer.json").read_text() == tokenizer
+    assert load_tokenizer(out)(FOREIGN)["input_ids"] == \
+        transformers.AutoTokenizer.from_pretrained(folder)(FOREIGN)["input_ids"]
+    LongNetLM(LongNetConfig(vocab_size=VOCAB + 1)).save_pretrained(out)  # another vocabulary
+    assert not (out / "tokenizer.json").exists()
+
+
 def test_script_imports_a_folder(source, tmp_path, capsys):
     _, folder = source
     script = load_script("import_pretrained")
