@@ -1,7 +1,7 @@
 """``attn_implementation="longnet_dilated"`` in ``transformers``' own Llama (float64).
 
 With one dense branch it equals ``sdpa`` (logits and every gradient); with a dilated pattern it
-equals ``LongNetLM`` with the same weights imported (logits, and greedy generation with
+equals ``LongNetLM`` with the same weights imported (logits, gradients, and greedy generation with
 ``transformers``' KV cache across many segment boundaries). The float32 casts of
 ``transformers``' RMSNorm and RoPE are removed for the comparisons with ``LongNetLM``, which
 computes those in float64 (as in ``test_import_hf.py``).
@@ -53,10 +53,23 @@ def test_pattern_equals_longnet_lm_with_the_same_weights(tmp_path, _llama_withou
     hf = _load(tmp_path, config=config, attn_implementation=ATTENTION_NAME)
     sdpa = _load(tmp_path, attn_implementation="sdpa")
     x = _tokens(2, 90)  # segments of 32 cut it at 32 and 64; the last is shorter
+    expected = lm(x).logits
+    logits = hf(x).logits
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-10)
     with torch.no_grad():
-        expected = lm(x).logits
-        torch.testing.assert_close(hf(x).logits, expected, rtol=0, atol=1e-10)
         assert (sdpa(x).logits - expected).abs().max() > 1e-2  # the pattern does change it
+    upstream = torch.randn(logits.shape, generator=torch.Generator().manual_seed(3), dtype=F64)
+    (expected * upstream).sum().backward()
+    (logits * upstream).sum().backward()
+    ours = dict(lm.named_parameters())
+    names = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "o_proj": "out_proj"}
+    for layer in range(2):
+        for theirs, own in names.items():
+            a = ours[f"model.layers.{layer}.attn.{own}.weight"].grad
+            b = hf.model.layers[layer].self_attn.get_submodule(theirs).weight.grad
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-10)
+    torch.testing.assert_close(hf.model.embed_tokens.weight.grad,
+                               ours["model.embed_tokens.weight"].grad, rtol=0, atol=1e-10)
     hf.save_pretrained(tmp_path / "saved")  # the pattern is saved with the model
     again = _load(tmp_path / "saved", attn_implementation=ATTENTION_NAME)
     assert again.config.longnet_pattern == [list(b) for b in PATTERN]
