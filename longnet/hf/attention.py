@@ -141,7 +141,8 @@ def _check_positions(position_ids: Tensor | None, first: int, length: int) -> No
         raise ValueError(
             f"attn_implementation={ATTENTION_NAME!r} lays the keys out from position 0 of each "
             f"row: the queries must have positions {first}..{first + length - 1} (an unpadded "
-            "batch, one sequence per row); packed sequences and other positions are refused."
+            "batch, one sequence per row); packed sequences and other positions are refused, "
+            "and so are caches with empty slots (StaticCache: use the default DynamicCache)."
         )
 
 

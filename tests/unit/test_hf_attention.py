@@ -104,6 +104,9 @@ def test_what_it_cannot_run_is_refused(tmp_path):
         model(x, attention_mask=mask)
     with pytest.raises(ValueError, match="packed sequences and other positions are refused"):
         model(x, position_ids=torch.arange(20).repeat(2, 1) + 5)
+    with pytest.raises(ValueError, match="StaticCache: use the default DynamicCache"):
+        model.generate(x[:1], max_new_tokens=3, do_sample=False, pad_token_id=0,
+                       cache_implementation="static")
     for layer in model.model.layers:  # what the config's attention_dropout sets
         layer.self_attn.attention_dropout = 0.1
     with pytest.raises(ValueError, match="set the config's attention_dropout to 0"):
