@@ -27,12 +27,13 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from longnet.files import check_path_given, replace_folder
+from longnet.files import check_path_given, replace_folder, write_atomic
 from longnet.modeling import LongNetConfig, LongNetLM, models_dir, resolve_model_dir
 from longnet.modeling.hub import external_weights_hint, materialized_dir
 from longnet.modeling.importers import convert_hf_checkpoint, import_hf_checkpoint
-from longnet.modeling.pretrained import SAVED_FILES, WEIGHTS_FROM
+from longnet.modeling.pretrained import CARD_NAME, SAVED_FILES, WEIGHTS_FROM, model_card
 from longnet.modeling.serialization import load_state_checked
+from longnet.modeling.zoo import ZOO
 
 GGUF_SUFFIX = ".gguf"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -86,7 +87,8 @@ def import_pretrained(
 
 def materialize(name: str, *, force: bool = False) -> Path:
     """The folder of the zoo entry ``name`` whose weights come from an installed
-    distribution, imported into the user cache on the first call (or with ``force``).
+    distribution, imported into the user cache on the first call (or with ``force``), with
+    the entry's card.
 
     Raises:
         ValueError: ``name`` is no such zoo entry.
@@ -103,7 +105,10 @@ def materialize(name: str, *, force: bool = False) -> Path:
     target = materialized_dir(name)
     if (target / "model.safetensors").is_file() and not force:
         return target
-    return import_pretrained(distribution_file(name, external), target, expected=config)
+    import_pretrained(distribution_file(name, external), target, expected=config)
+    card = model_card(config, name, has_weights=True, description=ZOO[name].description)
+    write_atomic(target / CARD_NAME, card)
+    return target
 
 
 def resolve_or_materialize(name_or_dir: str | Path) -> Path:
