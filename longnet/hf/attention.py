@@ -122,9 +122,10 @@ def _pattern(config: Any) -> DilatedPattern:
     if value is None:
         raise ValueError(
             f"attn_implementation={ATTENTION_NAME!r} needs the dilated pattern in the model "
-            f"config: pass {PATTERN_ATTRIBUTE}=[[2048, 1], [4096, 2], ...] to from_pretrained "
-            f"(or set config.{PATTERN_ATTRIBUTE}); [[n, 1]] is dense attention over segments "
-            "of n tokens."
+            "config: call longnet.hf.use_dilated_attention(model, [(2048, 1), (4096, 2), "
+            f"...]), or set config.{PATTERN_ATTRIBUTE} = [[2048, 1], [4096, 2], ...] and pass "
+            "that config to from_pretrained; [[n, 1]] is dense attention over segments of n "
+            "tokens."
         )
     try:
         return DilatedPattern.coerce([tuple(branch) for branch in value])

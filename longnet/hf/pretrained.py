@@ -156,7 +156,7 @@ def _read_gguf(path: Path, overrides: dict[str, Any]) -> tuple[LongNetConfig, di
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     )
     data = hf.config.to_dict()
-    tensors = {name: t.detach().clone() for name, t in hf.state_dict().items()}
+    tensors = {name: t.detach() for name, t in hf.state_dict().items()}
     return convert_hf_checkpoint(data, tensors, f"GGUF file {path}", **overrides)
 
 
