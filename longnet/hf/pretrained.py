@@ -29,9 +29,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from longnet.files import check_path_given, replace_folder, write_atomic
 from longnet.modeling import LongNetConfig, LongNetLM, models_dir, resolve_model_dir
-from longnet.modeling.hub import external_weights_hint, materialized_dir
+from longnet.modeling.hub import WEIGHTS_FROM, external_weights_hint, materialized_dir
 from longnet.modeling.importers import convert_hf_checkpoint, import_hf_checkpoint
-from longnet.modeling.pretrained import CARD_NAME, SAVED_FILES, WEIGHTS_FROM, model_card
+from longnet.modeling.pretrained import CARD_NAME, SAVED_FILES, model_card
 from longnet.modeling.serialization import load_state_checked
 from longnet.modeling.zoo import ZOO
 

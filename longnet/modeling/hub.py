@@ -26,6 +26,9 @@ from longnet.modeling.serialization import WEIGHTS_NAME
 from longnet.validation import UsageError
 
 MODELS_DIR_ENV = "LONGNET_MODELS_DIR"
+WEIGHTS_FROM = "weights_from"
+"""The ``config.extra`` key of a zoo entry whose weights come from another installed
+distribution: ``{"distribution": ..., "file": ...}`` (:func:`external_weights_hint`)."""
 CACHE_ENV = "LONGNET_CACHE"
 """The user cache folder's variable (the one the data cache reads too)."""
 PACKAGED_ZOO = "_zoo"
@@ -122,7 +125,7 @@ def _external(folder: Path) -> bool:
         data = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(data, dict) and bool((data.get("extra") or {}).get("weights_from"))
+    return isinstance(data, dict) and bool((data.get("extra") or {}).get(WEIGHTS_FROM))
 
 
 def _instead(path: Path) -> str:

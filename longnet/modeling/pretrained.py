@@ -17,7 +17,7 @@ from torch import nn
 
 from longnet.files import check_path_given, open_files, replace_folder, write_atomic
 from longnet.modeling.config import CONFIG_NAME, MODEL_TYPE, LongNetConfig, check_saved_fields
-from longnet.modeling.hub import external_weights_hint, resolve_model_dir
+from longnet.modeling.hub import WEIGHTS_FROM, external_weights_hint, resolve_model_dir
 from longnet.modeling.importers import import_hf_checkpoint, is_hf_config
 from longnet.modeling.serialization import (
     WEIGHTS_NAME,
@@ -35,10 +35,6 @@ from longnet.modeling.tokenizer_files import (
 CARD_NAME = "README.md"
 SAVED_FILES = (CONFIG_NAME, WEIGHTS_NAME, CARD_NAME, TOKENIZER_NAME, TOKENIZER_CONFIG_NAME)
 """The files :func:`save_pretrained` writes (the tokenizer files for byte-level models only)."""
-WEIGHTS_FROM = "weights_from"
-"""The ``config.extra`` key of a zoo entry whose weights come from another installed
-distribution: ``{"distribution": ..., "file": ...}``
-(:func:`longnet.modeling.hub.external_weights_hint`)."""
 MODEL_SOURCE = "model name or folder"
 """What :func:`from_pretrained` calls its ``name_or_dir`` in messages."""
 

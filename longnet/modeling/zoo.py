@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from longnet.modeling.config import LongNetConfig
-from longnet.modeling.hub import models_dir
-from longnet.modeling.pretrained import CARD_NAME, WEIGHTS_FROM, write_model_folder
+from longnet.modeling.hub import WEIGHTS_FROM, models_dir
+from longnet.modeling.pretrained import CARD_NAME, write_model_folder
 from longnet.modeling.serialization import WEIGHTS_NAME, save_weights
 
 RESULTS_HEADING = "## Training and measured results"
