@@ -148,13 +148,14 @@ class TimeBudget(L.Callback):
                 f"{planned:,} steps (was {before:,}){capped}.")
 
     def _start_window(self, step: int, now: float | None = None) -> None:
-        """Time the steps from ``step`` for the next re-plan, at the next share of the plan
-        past ``step`` (none left: never)."""
+        """Time the steps from ``step`` for the next re-plan, at the next share of the plan at
+        least ``measure_steps`` past ``step`` (a shorter window would time a patch; none
+        left: never)."""
         self._window_from = step
         self._window_start = self.clock() if now is None else now
         shares = () if self.extended else self.replan_at
         points = [math.floor(share * self.planned_steps) for share in shares]
-        self._plan_at = min((p for p in points if p > step), default=-1)
+        self._plan_at = min((p for p in points if p >= step + self.measure_steps), default=-1)
 
     def state_dict(self) -> dict[str, Any]:
         trained = self.trained_s if self._train_start is None else self.clock() - self._train_start

@@ -200,3 +200,15 @@ def test_a_bad_budget_is_refused(minutes):
 def test_bad_re_plan_shares_are_refused(shares):
     with pytest.raises(UsageError, match="increasing shares"):
         TimeBudget(1.0, replan_at=shares)
+
+
+def test_a_re_plan_times_at_least_measure_steps():
+    """The next share of a 494-step plan after a plan at step 359 is 370 (75 %), 11 steps on:
+    too short a window; 444 (90 %) is the first at least 60 steps on."""
+    budget = TimeBudget(6, skip_steps=40, measure_steps=60)
+    budget.plans = [(100, 1436), (359, 494)]
+    budget._start_window(359, now=0.0)
+    assert budget._plan_at == 444
+    budget.plans.append((444, 460))
+    budget._start_window(444, now=0.0)
+    assert budget._plan_at == -1  # 90 % of 460 is 414: no share left
