@@ -284,6 +284,7 @@ def describe_run(folder: Path, cut: bool = False) -> str:
         ("metrics.json", "final validation and test metrics"),
         ("metrics.csv", "every logged value"),
         ("config.yaml", "the resolved config"),
+        ("tokenizer/", "the tokenizer the data and the model use (model/ holds it too)"),
         ("checkpoints/", "Lightning checkpoints (fit --ckpt_path last resumes)"),
     )
     lines = [f"Run folder {folder}:"]
