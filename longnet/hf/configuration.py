@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedConfig
 
+from longnet.hf.pretrained import resolve_or_materialize
 from longnet.modeling import LongNetConfig, list_models, resolve_model_dir
 from longnet.modeling.config import MODEL_TYPE
 from longnet.validation import check_bool
@@ -122,7 +123,9 @@ def local_model_dir(source: str | os.PathLike, subfolder: str = "") -> Path | No
     ``from_pretrained``: an existing path, checked by
     :func:`longnet.modeling.resolve_model_dir` (a folder without ``config.json``, such as a
     training run's, or a ``.ckpt`` file raise ``FileNotFoundError`` saying what to load
-    instead), or a zoo name's folder; None for a name that is neither (a Hub id) and for a
+    instead), or a zoo name's folder (materialized on first use for an entry whose weights
+    come from an installed distribution: :func:`longnet.hf.pretrained.materialize`); None
+    for a name that is neither (a Hub id) and for a
     ``.json`` file (a config file, which ``transformers`` reads as one), left to
     ``transformers``."""
     path = Path(source, subfolder)
@@ -131,5 +134,5 @@ def local_model_dir(source: str | os.PathLike, subfolder: str = "") -> Path | No
     if path.exists():
         return resolve_model_dir(path)
     if not subfolder and str(source) in list_models():
-        return resolve_model_dir(source)
+        return resolve_or_materialize(source)
     return None

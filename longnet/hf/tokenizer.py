@@ -14,7 +14,8 @@ from typing import Any
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from longnet.modeling import LongNetConfig, resolve_model_dir
+from longnet.hf.pretrained import resolve_or_materialize
+from longnet.modeling import LongNetConfig
 from longnet.modeling.tokenizer_files import (
     TOKENIZER_CONFIG_NAME,
     TOKENIZER_NAME,
@@ -44,7 +45,7 @@ def load_tokenizer(name_or_dir: str | Path) -> PreTrainedTokenizerBase:
         FileNotFoundError: no such model, or its folder lacks ``tokenizer.json`` /
             ``tokenizer_config.json`` (the message says how to write them).
     """
-    folder = resolve_model_dir(name_or_dir)
+    folder = resolve_or_materialize(name_or_dir)
     check_tokenizer_files(folder)
     return AutoTokenizer.from_pretrained(folder)
 

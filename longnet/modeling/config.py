@@ -17,6 +17,7 @@ from longnet.modeling.hub import resolve_model_dir
 from longnet.nn.feedforward import ACTIVATIONS, FFN_KINDS
 from longnet.nn.norm import check_norm
 from longnet.nn.positional import POSITION_ENCODINGS
+from longnet.nn.rope_extension import check_rope_extension
 from longnet.nn.short_conv import check_kv_conv_size
 from longnet.validation import (
     UsageError,
@@ -78,6 +79,11 @@ class LongNetConfig:
         position_encoding: ``"xpos"`` (the LongNet paper's), ``"rope"``, ``"learned"``
             (absolute, GPT-2) or ``"none"``.
         rope_theta: base of the rotary frequencies (RoPE and xPos).
+        rope_extension: RoPE context extension, ``transformers``' ``rope_scaling`` keys:
+            ``{"rope_type": "linear", "factor": s}`` (position interpolation) or
+            ``{"rope_type": "yarn", "factor": s, "original_max_position_embeddings": L, ...}``
+            (:mod:`longnet.nn.rope_extension`); None (default): plain RoPE. Only with
+            ``position_encoding="rope"``.
         xpos_scale_base: xPos decay length (gamma in the paper, 512).
     Training:
         dropout: residual dropout: on the embeddings, on each attention layer's output
@@ -113,6 +119,7 @@ class LongNetConfig:
     kv_conv_size: int = 0
     position_encoding: str = "xpos"
     rope_theta: float = 10000.0
+    rope_extension: dict[str, Any] | None = None
     xpos_scale_base: float = 512.0
     dropout: float = 0.0
     initializer_range: float = 0.02
@@ -129,6 +136,7 @@ class LongNetConfig:
             self.segment_lengths = _int_tuple("segment_lengths", self.segment_lengths)
         if self.dilation_rates is not None:
             self.dilation_rates = _int_tuple("dilation_rates", self.dilation_rates)
+        self.rope_extension = check_rope_extension(self.rope_extension)
         self.validate()
         for f in dataclasses.fields(self):  # NumPy numbers as int/float: config.json holds them
             value = getattr(self, f.name)
@@ -183,6 +191,13 @@ class LongNetConfig:
         for name in ("rope_theta", "xpos_scale_base", "initializer_range"):
             check_positive_float(name, getattr(self, name))
         check_dropout("dropout", self.dropout)
+        check_rope_extension(self.rope_extension)
+        if self.rope_extension is not None and self.position_encoding != "rope":
+            raise ValueError(
+                f"rope_extension is set ({self.rope_extension['rope_type']}) but "
+                f"position_encoding is {self.position_encoding!r}; it extends RoPE only: set "
+                "position_encoding='rope' or rope_extension=None."
+            )
         if self.head_dim is None and self.hidden_size % self.num_heads:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) is not divisible by num_heads "

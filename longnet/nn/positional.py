@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from longnet.attention import DilatedPattern
 from longnet.distributed.sequence_parallel import check_process_group
 from longnet.distributed.shards import shard_positions
+from longnet.nn.rope_extension import check_rope_extension, extended_frequencies
 from longnet.validation import check_positive_float, check_positive_int
 
 POSITION_ENCODINGS = ("learned", "rope", "xpos", "none")
@@ -78,32 +79,47 @@ class RotaryEmbedding(nn.Module):
     ``position * inv_freq[i]``.  (The interleaved layout of other codebases is the same map
     up to a fixed permutation of the q/k projection rows.)
 
+    ``extension``: RoPE context extension, linear position interpolation or YaRN
+    (:mod:`longnet.nn.rope_extension`; None: plain RoPE).
+
     Shapes: ``q`` ``(batch, seq, heads, head_dim)``, ``k`` ``(batch, seq, kv_heads, head_dim)``,
     ``position_ids`` ``(seq,)`` or ``(batch, seq)``; returns rotated ``q, k`` of the same shapes.
     """
 
-    def __init__(self, head_dim: int, theta: float = 10000.0) -> None:
+    def __init__(
+        self, head_dim: int, theta: float = 10000.0, extension: dict | None = None
+    ) -> None:
         super().__init__()
         head_dim = check_positive_int("head_dim", head_dim)
         if head_dim % 2:
             raise ValueError(f"rotary embedding: head_dim must be even, got {head_dim}.")
         self.head_dim = head_dim
         self.theta = check_positive_float("theta", theta)
+        self.extension = check_rope_extension(extension)
+
+    def frequencies(self, device: torch.device) -> tuple[Tensor, float]:
+        """The inverse frequencies ``(head_dim / 2,)`` (float32) and the factor cos and sin
+        are multiplied by (YaRN's attention factor; 1 otherwise)."""
+        plain = rotary_inverse_frequencies(self.head_dim, self.theta, device)
+        return extended_frequencies(plain, self.head_dim, self.theta, self.extension)
 
     def cos_sin(self, position_ids: Tensor) -> tuple[Tensor, Tensor]:
         """``cos, sin`` of shape ``(..., seq, head_dim)`` in float64 (float32 on MPS)."""
         dtype = _angle_dtype(position_ids.device)
-        inv_freq = rotary_inverse_frequencies(self.head_dim, self.theta, position_ids.device)
+        inv_freq, factor = self.frequencies(position_ids.device)
         angles = position_ids.to(dtype)[..., None] * inv_freq.to(dtype)
         angles = torch.cat((angles, angles), dim=-1)
-        return angles.cos(), angles.sin()
+        if factor == 1.0:
+            return angles.cos(), angles.sin()
+        return angles.cos() * factor, angles.sin() * factor
 
     def forward(self, q: Tensor, k: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
         cos, sin = self.cos_sin(position_ids)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, theta={self.theta}"
+        extension = f", extension={self.extension}" if self.extension else ""
+        return f"head_dim={self.head_dim}, theta={self.theta}{extension}"
 
 
 class XPos(RotaryEmbedding):

@@ -321,8 +321,12 @@ def test_tokenizer_json_is_what_the_tokenizers_library_builds():
     assert sorted(byte_characters()) == sorted(pre_tokenizers.ByteLevel.alphabet())
 
 
-def test_every_zoo_folder_ships_the_tokenizer(tmp_path):
+def test_every_byte_level_zoo_folder_ships_the_tokenizer(tmp_path):
+    """(An entry of another vocabulary gets its own tokenizer when it is imported:
+    test_import_pretrained.py.)"""
     for name in list_models():
+        if LongNetConfig.from_pretrained(name).vocab_size != 256:
+            continue
         (tmp_path / name).mkdir()
         written = write_tokenizer_files(tmp_path / name, LongNetConfig.from_pretrained(name))
         assert len(written) == 2

@@ -478,8 +478,10 @@ def test_corrupt_weights_file_gives_clear_error(tmp_path):
 
 # ---------------------------------------------------------------------- the zoo
 ZOO = ["longnet-base", "longnet-small", "longnet-tiny", "longnet-tiny-16k",
-       "longnet-tiny-16k-dense", "longnet-tiny-dense"]
+       "longnet-tiny-16k-dense", "longnet-tiny-dense", "smollm2-135m"]
 TRAINED = ["longnet-tiny", "longnet-tiny-16k", "longnet-tiny-16k-dense", "longnet-tiny-dense"]
+EXTERNAL = ["smollm2-135m"]
+"""Entries whose weights come from another installed distribution (test_import_pretrained.py)."""
 
 
 def test_zoo_names_resolve_and_unknown_names_list_them(tmp_path):
@@ -516,7 +518,8 @@ def test_zoo_card_is_current(name):
     config = LongNetConfig.from_dict(data)
     assert f"{count_parameters(config):,}" in card
     trained = name in TRAINED
-    assert ("No weights exist yet" in card) != trained
+    assert ("No weights exist yet" in card) == (name not in TRAINED + EXTERNAL)
+    assert ("pip install --no-deps" in card) == (name in EXTERNAL)
     assert (folder / "model.safetensors").is_file() == trained
     details = card_results(folder)
     assert bool(details) == trained

@@ -1,0 +1,168 @@
+"""LongNet dilated attention in ``transformers``' models: ``attn_implementation="longnet_dilated"``.
+
+Importing ``longnet.hf`` registers :func:`longnet_dilated_attention` in ``transformers``'
+``AttentionInterface`` and a mask function in ``AttentionMaskInterface`` under
+:data:`ATTENTION_NAME`. A model whose attention layers call the interface (Llama, Mistral,
+Qwen2, SmolLM2, ... loaded by ``transformers``) then runs the exact dilated attention of
+``longnet.attention`` in place of dense attention, in the user's own training or inference
+stack; nothing else of the model changes::
+
+    from longnet.hf import use_dilated_attention  # registers "longnet_dilated"
+
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    use_dilated_attention(model, [(2048, 1), (4096, 2), (8192, 4)])
+
+    # or, equivalently, through the config:
+    config = AutoConfig.from_pretrained(folder)
+    config.longnet_pattern = [[2048, 1], [4096, 2], [8192, 4]]
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, config=config, attn_implementation="longnet_dilated")
+
+**The pattern** is the model config's attribute :data:`PATTERN_ATTRIBUTE`, a list of
+``[segment_length, dilation_rate]`` pairs, saved in ``config.json`` with the model (a
+``config.json`` holding it loads with it). :func:`use_dilated_attention` sets it and the
+implementation on a loaded model; a model without it is refused, saying how to set it. One
+dense branch ``[[n, 1]]`` with ``n`` at least the sequence length is ``sdpa``'s function.
+
+**Positions.** Queries and keys are laid out by their place in the sequence, as
+``LongNetLM`` lays them out: the keys are the cache's plus the new ones, from position 0.
+A call with as many queries as keys (training, scoring, a prefill) is one
+``dilated_attention``. A call with fewer queries (decoding against ``transformers``' KV cache,
+which keeps every key) is the definition written out for those queries,
+``softmax(q k^T * scale + log C) v`` over the keys some branch gives them (the same exact
+path ``LongNetLM.generate`` takes: ``longnet.nn.attention.multiplicity_attention``), so each
+new token costs O(largest segment). Padded batches (a mask with zeros), packed sequences or
+positions that are not ``0, 1, ...`` are refused (the pattern's segments start at position
+0 of each row); so are attention-probability dropout and sliding windows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from longnet.attention import DilatedPattern, dilated_attention
+from longnet.nn.attention import multiplicity_attention
+
+ATTENTION_NAME = "longnet_dilated"
+PATTERN_ATTRIBUTE = "longnet_pattern"
+
+
+def longnet_dilated_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    *,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """``transformers``' attention-function signature (module docstring): ``query`` ``(batch,
+    heads, q, head_dim)``, ``key``/``value`` ``(batch, kv_heads, k, head_dim)`` (all keys so
+    far, ``q <= k``); returns ``(batch, q, heads, head_dim)`` and no weights.
+
+    Raises:
+        ValueError: no pattern in the config, padding, unusual positions, dropout or a
+            sliding window (the message says what to change).
+    """
+    pattern = _pattern(module.config)
+    if attention_mask is not None:
+        raise ValueError(
+            f"attn_implementation={ATTENTION_NAME!r} runs unpadded rows only (its segments "
+            "start at each row's first token); this batch is padded: run rows of different "
+            "lengths as separate calls, or use a LongNetForCausalLM (longnet.hf), which "
+            "groups left-padded rows."
+        )
+    if dropout:
+        raise ValueError(
+            f"attn_implementation={ATTENTION_NAME!r} has no attention-probability dropout "
+            f"(got {dropout}); set the config's attention_dropout to 0."
+        )
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError(f"attn_implementation={ATTENTION_NAME!r} replaces dense attention; "
+                         "a sliding-window layer cannot use it.")
+    groups = query.shape[1] // key.shape[1]
+    q = query.transpose(1, 2)
+    k = key.repeat_interleave(groups, dim=1).transpose(1, 2)
+    v = value.repeat_interleave(groups, dim=1).transpose(1, 2)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    queries, keys = q.shape[1], k.shape[1]
+    _check_positions(kwargs.get("position_ids"), keys - queries, queries)
+    if queries == keys:
+        out = dilated_attention(q, k, v, pattern, causal=True, scale=scale)
+        return out, None
+    first = keys - queries
+    start = min((first // w) * w for w in pattern.segment_lengths)
+    device = q.device
+    out = multiplicity_attention(
+        q, k[:, start:], v[:, start:],
+        torch.arange(first, keys, device=device), torch.arange(start, keys, device=device),
+        pattern, causal=True, scale=scale,
+    )
+    return out, None
+
+
+def longnet_dilated_mask(*args: Any, attention_mask: Tensor | None = None,
+                         **kwargs: Any) -> Tensor | None:
+    """The mask ``transformers`` hands :func:`longnet_dilated_attention`: None when no row is
+    padded, else the 2D padding mask (which the attention refuses)."""
+    if attention_mask is None or bool(attention_mask.all()):
+        return None
+    return attention_mask
+
+
+def _pattern(config: Any) -> DilatedPattern:
+    value = getattr(config, PATTERN_ATTRIBUTE, None)
+    if value is None:
+        raise ValueError(
+            f"attn_implementation={ATTENTION_NAME!r} needs the dilated pattern in the model "
+            "config: call longnet.hf.use_dilated_attention(model, [(2048, 1), (4096, 2), "
+            f"...]), or set config.{PATTERN_ATTRIBUTE} = [[2048, 1], [4096, 2], ...] and pass "
+            "that config to from_pretrained; [[n, 1]] is dense attention over segments of n "
+            "tokens."
+        )
+    try:
+        return DilatedPattern.coerce([tuple(branch) for branch in value])
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"config.{PATTERN_ATTRIBUTE} = {value!r}: {err}") from None
+
+
+def _check_positions(position_ids: Tensor | None, first: int, length: int) -> None:
+    """Refuse ``position_ids`` other than ``first .. first + length - 1`` in every row."""
+    if position_ids is None:
+        return
+    expected = torch.arange(first, first + length, device=position_ids.device)
+    if not bool((position_ids == expected).all()):
+        raise ValueError(
+            f"attn_implementation={ATTENTION_NAME!r} lays the keys out from position 0 of each "
+            f"row: the queries must have positions {first}..{first + length - 1} (an unpadded "
+            "batch, one sequence per row); packed sequences and other positions are refused, "
+            "and so are caches with empty slots (StaticCache: use the default DynamicCache)."
+        )
+
+
+def use_dilated_attention(model: nn.Module, pattern: Any) -> nn.Module:
+    """Make the ``transformers`` model ``model`` run :data:`ATTENTION_NAME` with ``pattern``
+    (``[(segment_length, dilation_rate), ...]`` or a ``DilatedPattern``): sets
+    ``model.config.longnet_pattern`` (saved with the model) and the attention
+    implementation; returns ``model``.
+
+    Raises:
+        ValueError: an invalid pattern.
+    """
+    pattern = DilatedPattern.coerce(pattern)
+    setattr(model.config, PATTERN_ATTRIBUTE, [list(branch) for branch in pattern.branches])
+    model.set_attn_implementation(ATTENTION_NAME)
+    return model
+
+
+def register() -> None:
+    """Register :data:`ATTENTION_NAME` with ``transformers`` (done on ``import longnet.hf``)."""
+    AttentionInterface.register(ATTENTION_NAME, longnet_dilated_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, longnet_dilated_mask)
