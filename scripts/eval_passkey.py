@@ -4,14 +4,16 @@
         --depths 0 0.25 0.5 0.75 1 --num-examples 10 --out runs/eval/passkey
 
 For every cell, ``--num-examples`` prompts of exactly that many bytes hide a ``--num-digits``
-key at that depth (longnet.data.passkey_examples, seeded by ``--seed``); the model greedily
-generates ``num_digits + 1`` bytes and an example is correct when they start with the key and
-no further digit follows (longnet.data.passkey_match). Writes ``passkey.csv`` (one row per
+key at that depth (longnet.data.passkey_examples, seeded by ``--seed``); the prompt is read in
+the model's own tokenizer (bytes, or the BPE its folder or checkpoint carries; the
+``context_tokens`` column gives the lengths in tokens), the model greedily generates
+``num_digits + 1`` tokens and an example is correct when their text starts with the key and no
+further digit follows (longnet.data.passkey_match). Writes ``passkey.csv`` (one row per
 model, length and depth), ``passkey_generations.csv`` (every example), ``passkey.png`` (a
 depth-by-length heatmap per model, cells annotated with accuracy) and ``run.json``; for every
-dilated model, ``passkey_alignment.csv``: accuracy per length and needle alignment (the needle's
-distance from the end of the prompt modulo the model's largest dilation rate), over the needles
-beyond its rate-1 segment (longnet.eval.accuracy_by_alignment).
+dilated byte model, ``passkey_alignment.csv``: accuracy per length and needle alignment (the
+needle's distance from the end of the prompt modulo the model's largest dilation rate), over
+the needles beyond its rate-1 segment (longnet.eval.accuracy_by_alignment).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import sys
 import numpy as np
 
 from longnet.data.passkey import min_passkey_length, needle_window
+from longnet.data.tokenizer import VOCAB_SIZE
 from longnet.eval import (
     accuracy_by_alignment,
     check_context_length,
@@ -102,26 +105,32 @@ def main(argv: list[str] | None = None) -> int:
             item.model, lengths, depths, num_examples=args.num_examples, seed=args.seed,
             num_digits=args.num_digits, batch_size=args.batch_size,
             progress=False if args.no_progress else f"passkey {item.label}",
+            tokenizer=item.tokenizer,
         )
         accuracy = np.full((len(depths), len(lengths)), np.nan)
         for cell in cells:
             accuracy[depths.index(cell.depth), lengths.index(cell.length)] = cell.accuracy
             rows.append({
-                "model": item.label, "context_length": cell.length, "depth": cell.depth,
-                "mean_depth": cell.mean_depth, "examples": cell.num_examples,
+                "model": item.label, "context_length": cell.length,
+                "context_tokens": round(sum(o.prompt_tokens for o in cell.outcomes)
+                                        / cell.num_examples) + args.num_digits,
+                "depth": cell.depth, "mean_depth": cell.mean_depth, "examples": cell.num_examples,
                 "correct": cell.num_correct, "accuracy": cell.accuracy,
             })
             example_rows += [
                 {"model": item.label, "context_length": cell.length, "depth": cell.depth,
                  "index": index, "actual_depth": o.depth,
                  "needle_distance": o.needle_distance, "answer": o.answer,
-                 "generated": o.generated, "correct": o.correct}
+                 "generated": o.generated, "correct": o.correct,
+                 "prompt_tokens": o.prompt_tokens}
                 for index, o in enumerate(cell.outcomes)
             ]
         grids[item.label] = (lengths, depths, accuracy)
         branches = item.model.config.pattern.branches  # dense (n, 1) when no pattern is set
         rate = max(r for _, r in branches)
-        if rate > 1:  # needles within a rate-1 segment are seen at every alignment
+        # needles within a rate-1 segment are seen at every alignment; alignments are in
+        # bytes, so only for a byte model
+        if rate > 1 and item.model.config.vocab_size == VOCAB_SIZE:
             dense_reach = max((w for w, r in branches if r == 1), default=0)
             alignment_rows += [
                 {"model": item.label, "rate": rate, **row}

@@ -3,8 +3,11 @@
     python scripts/eval_perplexity.py --models longnet-tiny runs/tiny last.ckpt \
         --context-lengths 1K 2K 4K 8K 16K --stride 0.5 --out runs/eval/perplexity
 
-Every byte of every document (and each closing EOS) is scored exactly once with sliding
-windows that stay inside their document (longnet.eval.sliding). Writes ``perplexity.csv``
+Every token of every document (and each closing EOS) is scored exactly once with sliding
+windows that stay inside their document (longnet.eval.sliding), in each model's own tokenizer
+(bytes, or the BPE its folder or checkpoint carries); bits per byte divide by the documents'
+UTF-8 bytes, so every model is compared on the same bytes. Context lengths are in tokens
+(the ``context_bytes`` column gives them in bytes). Writes ``perplexity.csv``
 (one row per model and context length), ``compressors.csv`` (gzip/bzip2/xz bits per byte of
 the same documents, each document compressed separately and all concatenated),
 ``perplexity.png`` (one line per model, compressors as horizontal lines) and ``run.json``.
@@ -101,15 +104,15 @@ def main(argv: list[str] | None = None) -> int:
         progress=not args.no_progress,
     )
     rows = bits_per_byte_rows(scores, args.score_from)
-    baselines = compressor_baselines([doc.tokens for doc in documents])
+    baselines = compressor_baselines([doc.utf8 for doc in documents])
     base_rows = [
         {"compressor": b.compressor, "mode": b.mode, "raw_bytes": b.raw_bytes,
          "compressed_bytes": b.compressed_bytes, "bits_per_byte": b.bits_per_byte}
         for b in baselines
     ]
     by_position = position_rows(scores, position_buckets(longest - 1)) if args.by_position else []
-    columns = ["model", "context_length", "stride", "windows", "longest_window",
-               "bits_per_byte", "perplexity", "seconds"]
+    columns = ["model", "context_length", "context_bytes", "stride", "windows",
+               "longest_window", "bits_per_byte", "perplexity", "seconds"]
     if args.score_from is not None:
         columns[-1:-1] = ["scored_bytes", "scored_bits_per_byte"]
     if by_position:

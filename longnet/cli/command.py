@@ -47,6 +47,7 @@ from longnet.cli.runs import (
     refuse_earlier_run,
     run_last_checkpoint,
 )
+from longnet.data.subword import SubwordTokenizer
 from longnet.files import write_atomic
 from longnet.training import CausalLMModule
 from longnet.training.callbacks import PredictionsWriter, ValidateLastStep, run_dir
@@ -64,6 +65,9 @@ from longnet.training.runs import (
 )
 from longnet.training.signals import StopOnSignal
 from longnet.validation import UsageError, check_positive_int, is_real
+
+TOKENIZER_FOLDER = "tokenizer"
+"""The run folder's copy of the data's subword tokenizer (``save_pretrained`` layout)."""
 
 
 def check_trainer_values(config: dict[str, Any]) -> None:
@@ -90,7 +94,8 @@ def check_trainer_values(config: dict[str, Any]) -> None:
 
 class RunConfigSaver(SaveConfigCallback):
     """Save the resolved config as ``config.yaml`` (fit) or ``config-<stage>.yaml``, written
-    whole or not at all (:func:`longnet.files.write_atomic`)."""
+    whole or not at all (:func:`longnet.files.write_atomic`), and for ``fit`` the data's
+    subword tokenizer as ``tokenizer/`` (``tokenizer.json``, ``tokenizer_config.json``)."""
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self.already_saved:
@@ -100,6 +105,9 @@ class RunConfigSaver(SaveConfigCallback):
         folder = run_dir(trainer)  # on every rank: log_dir is a collective
         if trainer.is_global_zero:
             write_atomic(folder / name, self.parser.dump(self.config, skip_none=False))
+            tokenizer = getattr(getattr(trainer, "datamodule", None), "tokenizer", None)
+            if stage == "fit" and isinstance(tokenizer, SubwordTokenizer):
+                tokenizer.save(folder / TOKENIZER_FOLDER)
         self.already_saved = True
 
 
@@ -168,6 +176,8 @@ class LongNetCLI(LightningCLI):
         file. A checkpoint whose tensors have other shapes is refused by ``_run_folder``."""
 
     def instantiate_classes(self) -> None:
+        """Lightning's, then the model fitted to the data's tokenizer
+        (:meth:`CausalLMModule.fit_tokenizer`), before any checkpoint is compared with it."""
         try:
             super().instantiate_classes()
         except (ValueError, TypeError, KeyError, FileNotFoundError) as err:
@@ -175,6 +185,8 @@ class LongNetCLI(LightningCLI):
             if message.startswith(UNION_ERROR):  # a class's own error among the alternatives
                 raise ConfigError(parse_error_message(message)) from err
             raise ConfigError(f"{type(err).__name__}: {message}") from err
+        if isinstance(self.model, CausalLMModule):
+            self.model.fit_tokenizer(self.datamodule)
 
     def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:
         """Lightning's, plus :class:`RunId` first among the callbacks,

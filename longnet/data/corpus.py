@@ -8,11 +8,16 @@ Pipeline (``build_long_document_splits``), every step a ``datasets`` operation:
    document's own ``split`` when the source gives one: packages); empty documents
    and documents shorter than ``min_document_bytes`` are dropped;
 3. keep the first documents (source order) up to ``max_documents`` and until their bytes
-   reach ``max_bytes`` (the last kept document may cross it);
+   reach ``max_bytes`` (the last kept document may cross it); with a subword tokenizer
+   (``tokenizer_choice``), a BPE is then trained on the kept training documents (or loaded
+   from its cache entry) and a second batched ``map`` encodes every document into its ids and
+   the UTF-8 bytes of each token (``encoding.py``);
 4. per split, batched ``map`` into windows (``windows.py``): training windows packed across
    documents (with ``pack_documents``: whole framed documents and their ``document_ids``),
-   evaluation windows inside one document each, tagged with ``doc_id``/``offset``;
-5. ``save_to_disk`` under a cache entry keyed by the file list (sizes, mtimes) and settings.
+   evaluation windows inside one document each, tagged with ``doc_id``/``offset``; subword
+   windows also carry ``label_bytes``;
+5. ``save_to_disk`` under a cache entry keyed by the file list (sizes, mtimes), settings and
+   tokenizer.
 
 A later call with the same files and settings loads the entry (memory-mapped) and runs no map.
 """
@@ -25,7 +30,9 @@ import math
 import os
 import shutil
 import sys
-from dataclasses import asdict, dataclass
+import tempfile
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import datasets
@@ -33,16 +40,36 @@ import numpy as np
 import pyarrow.compute as pc
 from datasets import Dataset, Features, Sequence, Value, load_from_disk
 
+from longnet.constants import IGNORE_INDEX
 from longnet.data.cache import build_once, cache_folder, fingerprint
+from longnet.data.encoding import (
+    TOKEN_BYTES_COLUMN,
+    describe_documents,
+    encode_documents,
+    split_texts,
+)
 from longnet.data.sources import DocumentSource
 from longnet.data.splits import SPLITS, check_fractions, document_hash, split_of
+from longnet.data.subword import SubwordTokenizer
 from longnet.data.tokenizer import ByteTokenizer
-from longnet.data.windows import document_windows, packed_document_windows, packed_windows
+from longnet.data.tokenizer_choice import BYTES, TokenizerChoice, Tokenizers, parse_tokenizer
+from longnet.data.windows import (
+    BYTE_FRAMING,
+    Framing,
+    document_windows,
+    packed_document_windows,
+    packed_windows,
+)
 from longnet.validation import UsageError, check_positive_int
 
 CORPUS_FORMAT_VERSION = 1
 SAMPLE_COLUMNS = ["input_ids", "labels"]
 DOCUMENT_COLUMN = "document_ids"
+LABEL_BYTES_COLUMN = "label_bytes"
+"""Per label, the UTF-8 bytes of the original text its target token covers (0 for EOS and
+ignored labels); stored for subword tokenizers (for bytes: 1 per scored byte, computed)."""
+COUNT_FRAMING = Framing(eos_id=0, pad_id=0, dtype=np.int32, label_dtype=np.int32)
+"""Framing of a stream of per-token byte counts: EOS and padding cover no byte."""
 
 
 @dataclass(frozen=True)
@@ -95,9 +122,11 @@ class LongDocumentSplits:
             columns ``doc_id`` (the document's hash) and ``offset`` (of the window's first input
             in ``[EOS] + document + [EOS]``) are readable through ``.with_format(None)``.
         documents: one row per kept document in stream order: ``doc_id``, ``split``,
-            ``num_bytes``.
+            ``num_bytes`` (and ``num_tokens`` for a subword tokenizer).
         path: the cache entry.
         built: True when this call processed the data, False when it loaded the cache.
+        tokenizer: the tokenizer of the windows (:class:`~longnet.data.ByteTokenizer` or a
+            :class:`~longnet.data.subword.SubwordTokenizer`).
     """
 
     train: Dataset
@@ -106,16 +135,39 @@ class LongDocumentSplits:
     documents: Dataset
     path: Path
     built: bool
+    tokenizer: Tokenizers = field(default_factory=ByteTokenizer)
 
 
-def corpus_cache_key(source: DocumentSource, settings: CorpusSettings) -> str:
-    """The cache key of ``source`` processed with ``settings``."""
+def corpus_cache_key(source: DocumentSource, settings: CorpusSettings,
+                     tokenizer: TokenizerChoice | None = None) -> str:
+    """The cache key of ``source`` processed with ``settings`` and ``tokenizer`` (bytes when
+    None: left out of the key, so byte entries keep their key)."""
     fields = asdict(settings)
     if not settings.pack_documents:  # off: left out, so unpacked cache entries keep their key
         del fields["pack_documents"]
+    extra = {} if tokenizer is None or tokenizer.kind == BYTES else \
+        {"tokenizer": _tokenizer_key(source, settings, tokenizer)}
     return fingerprint({
-        "version": CORPUS_FORMAT_VERSION, **source.cache_fields(), "settings": fields,
+        "version": CORPUS_FORMAT_VERSION, **source.cache_fields(), "settings": fields, **extra,
     })
+
+
+def _bpe_key(source: DocumentSource, settings: CorpusSettings) -> dict:
+    """What a BPE trained on the training split depends on: the documents and the settings
+    that choose them (not the window length)."""
+    chosen = {name: getattr(settings, name) for name in (
+        "val_fraction", "test_fraction", "max_documents", "max_bytes", "min_document_bytes")}
+    return {"source": source.name, **source.cache_fields(), "documents": chosen}
+
+
+def _tokenizer_key(source: DocumentSource, settings: CorpusSettings,
+                   tokenizer: TokenizerChoice) -> dict:
+    """The tokenizer's part of the corpus key: a loaded tokenizer's fingerprint; for a BPE
+    still to be trained, its size and what it is trained on (the same data give the same
+    BPE)."""
+    if tokenizer.loaded is not None:
+        return {"fingerprint": tokenizer.loaded.fingerprint}
+    return {"bpe": tokenizer.bpe_vocab_size, "on": fingerprint(_bpe_key(source, settings))}
 
 
 def _encode_batch(
@@ -135,25 +187,34 @@ def _encode_batch(
     return out
 
 
-def _pack_batch(
-    batch: dict[str, list], seq_len: int, pack_documents: bool
-) -> dict[str, np.ndarray]:
+def _pack_batch(batch: dict[str, list], seq_len: int, pack_documents: bool,
+                framing: Framing = BYTE_FRAMING) -> dict[str, np.ndarray]:
+    windows = packed_document_windows if pack_documents else packed_windows
+    parts = windows(list(batch["tokens"]), seq_len, framing)
+    out = {"input_ids": parts[0], "labels": parts[1]}
     if pack_documents:
-        inputs, labels, document_ids = packed_document_windows(list(batch["tokens"]), seq_len)
-        return {"input_ids": inputs, "labels": labels, DOCUMENT_COLUMN: document_ids}
-    inputs, labels = packed_windows(list(batch["tokens"]), seq_len)
-    return {"input_ids": inputs, "labels": labels}
+        out[DOCUMENT_COLUMN] = parts[2]
+    if TOKEN_BYTES_COLUMN in batch:
+        counts = windows(list(batch[TOKEN_BYTES_COLUMN]), seq_len, COUNT_FRAMING)[1]
+        out[LABEL_BYTES_COLUMN] = np.where(out["labels"] == IGNORE_INDEX, 0, counts)
+    return out
 
 
-def _document_batch(batch: dict[str, list], seq_len: int) -> dict[str, np.ndarray]:
-    parts = [document_windows(tokens, seq_len) for tokens in batch["tokens"]]
+def _document_batch(batch: dict[str, list], seq_len: int,
+                    framing: Framing = BYTE_FRAMING) -> dict[str, np.ndarray]:
+    parts = [document_windows(tokens, seq_len, framing) for tokens in batch["tokens"]]
     counts = [len(offsets) for _, _, offsets in parts]
-    return {
+    out = {
         "input_ids": np.concatenate([inputs for inputs, _, _ in parts]),
         "labels": np.concatenate([labels for _, labels, _ in parts]),
         "doc_id": np.repeat(np.asarray(batch["doc_id"], dtype=object), counts),
         "offset": np.concatenate([offsets for _, _, offsets in parts]),
     }
+    if TOKEN_BYTES_COLUMN in batch:
+        label_bytes = np.concatenate([document_windows(values, seq_len, COUNT_FRAMING)[1]
+                                      for values in batch[TOKEN_BYTES_COLUMN]])
+        out[LABEL_BYTES_COLUMN] = np.where(out["labels"] == IGNORE_INDEX, 0, label_bytes)
+    return out
 
 
 def _documents_kept(num_bytes: np.ndarray, settings: CorpusSettings) -> int:
@@ -168,16 +229,26 @@ def _documents_kept(num_bytes: np.ndarray, settings: CorpusSettings) -> int:
     return count
 
 
-def _window_features(seq_len: int, with_document: bool, pack_documents: bool) -> Features:
+def _window_features(seq_len: int, with_document: bool, pack_documents: bool,
+                     framing: Framing = BYTE_FRAMING, label_bytes: bool = False) -> Features:
     columns = {
-        "input_ids": Sequence(Value("uint8"), length=seq_len),
-        "labels": Sequence(Value("int16"), length=seq_len),
+        "input_ids": Sequence(Value(np.dtype(framing.dtype).name), length=seq_len),
+        "labels": Sequence(Value(np.dtype(framing.label_dtype).name), length=seq_len),
     }
     if with_document:
         columns |= {"doc_id": Value("string"), "offset": Value("int64")}
     if pack_documents:
         columns[DOCUMENT_COLUMN] = Sequence(Value("int32"), length=seq_len)
+    if label_bytes:
+        columns[LABEL_BYTES_COLUMN] = Sequence(Value("int32"), length=seq_len)
     return Features(columns)
+
+
+def subword_framing(tokenizer: SubwordTokenizer) -> Framing:
+    """How a subword tokenizer's windows are stored: its EOS and padding ids, uint16 inputs
+    when every id fits, else int32; int32 labels."""
+    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.int32
+    return Framing(tokenizer.eos_id, tokenizer.pad_id, dtype, np.int32)
 
 
 def documents_needed(val_fraction: float, test_fraction: float, chance: float = 0.95) -> int:
@@ -219,9 +290,8 @@ def _check_splits(source: DocumentSource, settings: CorpusSettings, split_column
     )
 
 
-def _build(source: DocumentSource, settings: CorpusSettings, staging: Path) -> None:
-    documents = source.read_documents(staging / "hf")
-    documents = documents.map(
+def _encode_bytes(documents: Dataset, settings: CorpusSettings) -> Dataset:
+    return documents.map(
         _encode_batch,
         batched=True,
         remove_columns=documents.column_names,
@@ -232,10 +302,38 @@ def _build(source: DocumentSource, settings: CorpusSettings, staging: Path) -> N
         }),
         desc="encode documents",
     )
-    num_bytes = pc.list_value_length(documents.data.column("tokens")).to_numpy()
+
+
+def _kept(source: DocumentSource, settings: CorpusSettings, documents: Dataset,
+          num_bytes: np.ndarray) -> Dataset:
+    """The first documents the limits keep, every split checked to have one."""
     documents = documents.select(range(_documents_kept(num_bytes, settings)))
+    _check_splits(source, settings, np.asarray(documents["split"][:]), available=len(num_bytes))
+    return documents
+
+
+def _build(source: DocumentSource, settings: CorpusSettings, staging: Path,
+           choice: TokenizerChoice) -> None:
+    documents = source.read_documents(staging / "hf")
+    info: dict = {}
+    if choice.kind == BYTES:
+        documents = _encode_bytes(documents, settings)
+        num_bytes = pc.list_value_length(documents.data.column("tokens")).to_numpy()
+        documents = _kept(source, settings, documents, num_bytes)
+        framing = BYTE_FRAMING
+    else:
+        documents = describe_documents(documents, settings.val_fraction, settings.test_fraction,
+                                       settings.min_document_bytes)
+        num_bytes = np.asarray(documents["num_bytes"][:], dtype=np.int64)
+        documents = _kept(source, settings, documents, num_bytes)
+        tokenizer = choice.resolve(lambda: split_texts(documents, "train"),
+                                   _bpe_key(source, settings), staging.parent)
+        documents, tokens_per_s = encode_documents(documents, tokenizer)
+        framing = subword_framing(tokenizer)
+        info["tokenizer"] = {"name": tokenizer.name, "fingerprint": tokenizer.fingerprint,
+                             "tokens_per_s": round(tokens_per_s)}
     split_column = np.asarray(documents["split"][:])
-    _check_splits(source, settings, split_column, available=len(num_bytes))
+    subword = choice.kind != BYTES
     counts = {}
     for split in SPLITS:
         part = documents.select(np.flatnonzero(split_column == split)).with_format("numpy")
@@ -247,8 +345,9 @@ def _build(source: DocumentSource, settings: CorpusSettings, staging: Path) -> N
             batched=True,
             batch_size=None if train else 256,
             remove_columns=part.column_names,
-            fn_kwargs={"seq_len": settings.seq_len} | ({"pack_documents": packs} if train else {}),
-            features=_window_features(settings.seq_len, not train, packs),
+            fn_kwargs={"seq_len": settings.seq_len, "framing": framing}
+            | ({"pack_documents": packs} if train else {}),
+            features=_window_features(settings.seq_len, not train, packs, framing, subword),
             desc=f"{split} windows",
         )
         if len(windows) == 0:
@@ -258,52 +357,95 @@ def _build(source: DocumentSource, settings: CorpusSettings, staging: Path) -> N
                 "raise max_documents/max_bytes."
             )
         windows.save_to_disk(str(staging / split))
-    index = documents.remove_columns("tokens").add_column("num_bytes", num_bytes[:len(documents)])
+    index = documents.select_columns(["doc_id", "split"])
+    index = index.add_column("num_bytes", num_bytes[:len(documents)])
+    if subword:
+        index = index.add_column(
+            "num_tokens", pc.list_value_length(documents.data.column("tokens")).to_numpy())
     index.save_to_disk(str(staging / "documents"))
     info = {"source": source.name, "format": source.format, "files": len(source.files),
-            "settings": asdict(settings), "documents": counts}
+            "settings": asdict(settings), "documents": counts, **info}
     (staging / "info.json").write_text(json.dumps(info, indent=2) + "\n")
     shutil.rmtree(staging / "hf")  # intermediate arrow files are not part of the entry
 
 
-def _build_logged(source: DocumentSource, settings: CorpusSettings, staging: Path) -> None:
+def _build_logged(source: DocumentSource, settings: CorpusSettings, staging: Path,
+                  choice: TokenizerChoice) -> None:
     """``_build``, with ``datasets``' progress bars only when stderr is a terminal (in a log
     file every bar is a run of carriage-return updates); off a terminal one line says what is
     being built."""
     if sys.stderr.isatty() or not datasets.is_progress_bar_enabled():
-        _build(source, settings, staging)
+        _build(source, settings, staging, choice)
         return
     print(f"Building the {source.name} corpus ({len(source.files)} files) in {staging.parent}.",
           file=sys.stderr, flush=True)
     datasets.disable_progress_bars()
     try:
-        _build(source, settings, staging)
+        _build(source, settings, staging, choice)
     finally:
         datasets.enable_progress_bars()
 
 
 def build_long_document_splits(
-    source: DocumentSource, settings: CorpusSettings, cache_dir: str | Path
+    source: DocumentSource, settings: CorpusSettings, cache_dir: str | Path,
+    tokenizer: TokenizerChoice | str | None = None,
 ) -> LongDocumentSplits:
     """Process ``source`` into train/validation/test windows, or load them from the cache.
 
     The cache entry is ``<cache_dir>/<source.name>-<corpus_cache_key>`` (``cache_dir`` as
     ``cache.cache_folder`` reads it: ``~`` expanded, an empty string refused); it is rebuilt
-    when the files (list, sizes, mtimes) or the settings change.
+    when the files (list, sizes, mtimes), the settings or the tokenizer change.
+
+    Args:
+        tokenizer: a :class:`~longnet.data.tokenizer_choice.TokenizerChoice` or the option it
+            parses (``"bytes"``, ``"bpe:8192"``, a path, a model name); None is bytes. A
+            subword tokenizer's windows also hold ``label_bytes`` (``LABEL_BYTES_COLUMN``).
 
     Raises:
         UsageError: (a ``ValueError``; the message names the files or setting and the fix)
             text files that are not UTF-8 or unreadable rows (``source.read_documents``), no
             document, a split without documents (the message says how many are needed), or
-            no full training window.
+            no full training window; a BPE cache entry changed since it was built.
     """
-    entry = cache_folder(cache_dir) / f"{source.name}-{corpus_cache_key(source, settings)}"
-    built = build_once(entry, lambda staging: _build_logged(source, settings, staging))
+    choice = tokenizer if isinstance(tokenizer, TokenizerChoice) else parse_tokenizer(tokenizer)
+    folder = cache_folder(cache_dir)
+    entry = folder / f"{source.name}-{corpus_cache_key(source, settings, choice)}"
+    built = build_once(entry, lambda staging: _build_logged(source, settings, staging, choice))
     splits = {name: _load_entry_part(entry, name) for name in (*SPLITS, "documents")}
     for split in SPLITS:
-        packed = [DOCUMENT_COLUMN] if DOCUMENT_COLUMN in splits[split].column_names else []
-        splits[split].set_format("torch", columns=SAMPLE_COLUMNS + packed)
-    return LongDocumentSplits(path=entry, built=built, **splits)
+        extra = [column for column in (DOCUMENT_COLUMN, LABEL_BYTES_COLUMN)
+                 if column in splits[split].column_names]
+        splits[split].set_format("torch", columns=SAMPLE_COLUMNS + extra)
+    loaded = choice.resolve(lambda: _training_texts(source, settings), _bpe_key(source, settings),
+                            folder)
+    if choice.kind != BYTES:
+        _check_entry_tokenizer(entry, loaded)
+    return LongDocumentSplits(path=entry, built=built, tokenizer=loaded, **splits)
+
+
+def _check_entry_tokenizer(entry: Path, tokenizer: SubwordTokenizer) -> None:
+    """Refuse a corpus entry whose windows were made by another tokenizer than ``tokenizer``
+    (a tokenizer changed in place under the same name)."""
+    recorded = json.loads((entry / "info.json").read_text()).get("tokenizer", {})
+    if recorded.get("fingerprint") != tokenizer.fingerprint:
+        raise UsageError(
+            f"the corpus cache entry {entry} was built with tokenizer {recorded.get('name')} of "
+            f"fingerprint {recorded.get('fingerprint')}, but {tokenizer.name} now has "
+            f"{tokenizer.fingerprint}; delete the entry (rm -r {entry}) and run again to "
+            "rebuild it with this tokenizer."
+        )
+
+
+def _training_texts(source: DocumentSource, settings: CorpusSettings) -> Iterator[str]:
+    """The texts of the training split, read again (a BPE cache entry deleted while its
+    corpus entry stayed)."""
+    with tempfile.TemporaryDirectory(prefix="longnet-bpe-") as scratch:
+        documents = describe_documents(source.read_documents(Path(scratch)),
+                                       settings.val_fraction, settings.test_fraction,
+                                       settings.min_document_bytes)
+        num_bytes = np.asarray(documents["num_bytes"][:], dtype=np.int64)
+        yield from split_texts(documents.select(range(_documents_kept(num_bytes, settings))),
+                               "train")
 
 
 def _load_entry_part(entry: Path, name: str) -> Dataset:

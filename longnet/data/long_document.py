@@ -12,18 +12,21 @@ from longnet.data.loaders import check_loader_args, make_loader
 from longnet.data.passkey import LabelMode, PasskeyDataset
 from longnet.data.repositories import check_package_options, repository_source
 from longnet.data.sources import InvalidFiles, select_source
-from longnet.data.tokenizer import ByteTokenizer
+from longnet.data.tokenizer_choice import BYTES, Tokenizers, parse_tokenizer
 from longnet.validation import UsageError
 
 
 class LongDocumentDataModule(L.LightningDataModule):
-    """Byte-level windows of long documents (see ``data/README.md`` for the recipe).
+    """Windows of long documents in tokens of a chosen tokenizer, bytes by default (see
+    ``data/README.md`` for the recipe).
 
     Samples are ``{"input_ids": (seq_len,), "labels": (seq_len,)}`` int64 with shifted labels;
     batches stack them to ``(batch_size, seq_len)``. Training windows are packed across
     documents and shuffled; validation/test windows lie inside one document each, the last
     window of a document padded (labels ``-100``), in document order. With
-    ``pack_documents`` training samples also hold ``"document_ids"`` ``(seq_len,)``.
+    ``pack_documents`` training samples also hold ``"document_ids"`` ``(seq_len,)``; with a
+    subword tokenizer every sample also holds ``"label_bytes"`` ``(seq_len,)``: the UTF-8
+    bytes of the text each label's token covers (0 where none), what bits per byte divide by.
 
     Args:
         seq_len: tokens per sample.
@@ -69,13 +72,22 @@ class LongDocumentDataModule(L.LightningDataModule):
             whole into the split its name hashes to (``val_fraction``/``test_fraction``).
         held_out: with ``packages``, the held-out packages instead of the hash:
             ``{"validation": [...], "test": [...]}``, every other package in train.
+        tokenizer: ``"bytes"`` (default: one token per UTF-8 byte, vocabulary 256),
+            ``"bpe:<vocab size>"`` (a byte-level BPE trained on the training split with the
+            ``tokenizers`` library, cached), a ``tokenizer.json`` path, a Hugging Face
+            tokenizer folder, or a model folder or zoo name (its tokenizer files, read with
+            ``AutoTokenizer`` offline); ``longnet.data.tokenizer_choice``. The model takes its
+            ``vocab_size`` and special ids from it (:attr:`vocab_size`, :attr:`eos_id`,
+            :attr:`pad_id`); :attr:`tokenizer` is the tokenizer itself after ``setup``.
 
     Raises:
         FileNotFoundError: a ``data_files`` pattern matches nothing (raised here, before work).
         ValueError: an argument is out of range or a ``corpus`` entry is malformed (the message
             names it).
         UsageError: (here) a ``corpus`` distribution that is not installed, not the pinned
-            version, or modified since it was installed (files that differ from its RECORD).
+            version, or modified since it was installed (files that differ from its RECORD);
+            a ``tokenizer`` that is not one (``tokenizer_choice.parse_tokenizer``), or a
+            subword tokenizer with ``passkey_fraction`` (passkeys are bytes).
         UsageError: (in ``prepare_data``/``setup``) data that cannot be used: files that are
             not UTF-8 text, no document, a corpus too small to split (see
             ``build_long_document_splits``).
@@ -103,6 +115,7 @@ class LongDocumentDataModule(L.LightningDataModule):
         pack_documents: bool = False,
         packages: str | list[str] | None = None,
         held_out: dict[str, list[str]] | None = None,
+        tokenizer: str = BYTES,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -138,7 +151,13 @@ class LongDocumentDataModule(L.LightningDataModule):
             else repository_source(packages, held_out, val_fraction, test_fraction)
         )
         self.cache_dir = cache_folder(cache_dir)
-        self.tokenizer = ByteTokenizer()
+        self.tokenizer_choice = parse_tokenizer(tokenizer)
+        if passkey_fraction > 0 and self.tokenizer_choice.kind != BYTES:
+            raise UsageError(
+                f"passkey_fraction {passkey_fraction} needs tokenizer 'bytes' (the mixed-in "
+                f"passkey samples are bytes), got tokenizer {tokenizer!r}; set one of them off."
+            )
+        self.tokenizer: Tokenizers | None = self.tokenizer_choice.loaded
         self.splits: LongDocumentSplits | None = None
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
@@ -146,8 +165,18 @@ class LongDocumentDataModule(L.LightningDataModule):
 
     @property
     def vocab_size(self) -> int:
-        """Token ids are bytes: 256."""
-        return self.tokenizer.vocab_size
+        """The model's vocabulary: 256 for bytes, the BPE's size asked, else the tokenizer's."""
+        return self.tokenizer_choice.vocab_size
+
+    @property
+    def eos_id(self) -> int:
+        """The id that frames every document (end of document)."""
+        return self.tokenizer_choice.eos_id
+
+    @property
+    def pad_id(self) -> int:
+        """The id that pads evaluation windows (labels ignored there)."""
+        return self.tokenizer_choice.pad_id
 
     @property
     def pack_documents(self) -> bool:
@@ -156,13 +185,16 @@ class LongDocumentDataModule(L.LightningDataModule):
 
     def prepare_data(self) -> None:
         """Build the processed corpus in the cache (once per node; a no-op when cached)."""
-        build_long_document_splits(self.source, self.settings, self.cache_dir)
+        build_long_document_splits(self.source, self.settings, self.cache_dir,
+                                   self.tokenizer_choice)
 
     def setup(self, stage: str | None = None) -> None:
         """Load the splits from the cache (building them if ``prepare_data`` did not run)."""
         if self.splits is not None:
             return
-        self.splits = build_long_document_splits(self.source, self.settings, self.cache_dir)
+        self.splits = build_long_document_splits(self.source, self.settings, self.cache_dir,
+                                                 self.tokenizer_choice)
+        self.tokenizer = self.splits.tokenizer
         if not self.settings.pack_documents:  # packing several documents is then the point
             _check_window_fits_a_document(self.splits, self.settings.seq_len)
         self.train_dataset = self.splits.train
@@ -192,12 +224,14 @@ class LongDocumentDataModule(L.LightningDataModule):
 
 def _check_window_fits_a_document(splits: LongDocumentSplits, seq_len: int) -> None:
     """Refuse windows longer than every document: each would pack several documents and no
-    window would hold one context of ``seq_len`` bytes."""
-    sizes = splits.documents["num_bytes"]
+    window would hold one context of ``seq_len`` tokens."""
+    unit = "num_tokens" if "num_tokens" in splits.documents.column_names else "num_bytes"
+    sizes = splits.documents[unit]
     longest = max(sizes) if len(sizes) else 0
     if longest + 1 < seq_len:  # a window may hold the document and its closing EOS
         raise UsageError(
             f"seq_len {seq_len} is longer than every document of the corpus (longest: {longest} "
-            f"bytes at {splits.path}): each window would pack several short documents. Lower "
-            f"seq_len to at most {longest + 1}, or give data_files with longer documents."
+            f"{unit.removeprefix('num_')} at {splits.path}): each window would pack several "
+            f"short documents. Lower seq_len to at most {longest + 1}, or give data_files with "
+            "longer documents."
         )

@@ -10,8 +10,8 @@ See ``docs/evaluation.md``.
 """
 
 from longnet.eval.compressors import COMPRESSORS, CompressorBaseline, compressor_baselines
-from longnet.eval.documents import EvalDocument, load_eval_documents
-from longnet.eval.loading import LoadedModel, load_model, load_models
+from longnet.eval.documents import EvalDocument, load_eval_documents, tokenize_documents
+from longnet.eval.loading import LoadedModel, load_model, load_models, model_tokenizer
 from longnet.eval.passkey import (
     PasskeyCell,
     PasskeyOutcome,
@@ -74,6 +74,7 @@ __all__ = [
     "load_lightning_checkpoint",
     "load_model",
     "load_models",
+    "model_tokenizer",
     "parse_length",
     "plan_windows",
     "position_buckets",
@@ -85,5 +86,6 @@ __all__ = [
     "resolve_stride",
     "score_documents",
     "score_models",
+    "tokenize_documents",
     "write_csv",
 ]

@@ -4,7 +4,9 @@ The same documents as the evaluation windows of ``longnet.data``: a source's doc
 read with the data layer's reader, encoded as UTF-8 bytes, empty ones dropped, the first
 ``max_documents`` kept (source order), and assigned to a split by the hash of their bytes
 (``longnet.data.splits``), so ``split="test"`` gives exactly the documents of
-``LongDocumentDataModule(...).test_dataset`` with the same fractions.
+``LongDocumentDataModule(...).test_dataset`` with the same fractions, whatever the tokenizer.
+:func:`tokenize_documents` gives the same documents in a subword tokenizer's tokens, each
+token with the UTF-8 bytes it covers.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numpy as np
 
 from longnet.data.sources import load_documents, select_source
 from longnet.data.splits import SPLITS, check_fractions, document_hash, split_of
+from longnet.data.subword import SubwordTokenizer
 from longnet.data.tokenizer import ByteTokenizer
 from longnet.validation import check_non_negative_int, check_positive_int
 
@@ -34,15 +37,39 @@ class EvalDocument:
 
     Attributes:
         doc_id: BLAKE2b-64 hash of its bytes (the ``doc_id`` of the data layer's windows).
-        tokens: ``(num_bytes,)`` uint8 byte ids.
+        tokens: ``(num_tokens,)`` ids: uint8 bytes, or a subword tokenizer's int64 ids.
+        token_bytes: ``(num_tokens,)`` UTF-8 bytes each token covers; None for bytes (one).
+        data: ``(num_bytes,)`` uint8 UTF-8 bytes of the text; None when ``tokens`` are them.
     """
 
     doc_id: str
     tokens: np.ndarray
+    token_bytes: np.ndarray | None = None
+    data: np.ndarray | None = None
+
+    @property
+    def utf8(self) -> np.ndarray:
+        """``(num_bytes,)`` uint8: the document's UTF-8 bytes (what compressors read)."""
+        return self.tokens if self.data is None else self.data
 
     @property
     def num_bytes(self) -> int:
+        return int(self.utf8.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
         return int(self.tokens.shape[0])
+
+
+def tokenize_documents(documents: Sequence[EvalDocument],
+                       tokenizer: ByteTokenizer | SubwordTokenizer) -> list[EvalDocument]:
+    """``documents`` (bytes) in the tokens of ``tokenizer``, with the bytes each token covers;
+    unchanged for the byte tokenizer."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return list(documents)
+    texts = [doc.utf8.tobytes().decode("utf-8") for doc in documents]
+    return [EvalDocument(doc.doc_id, ids, counts, doc.utf8)
+            for doc, (ids, counts) in zip(documents, tokenizer.encode_documents(texts))]
 
 
 def load_eval_documents(

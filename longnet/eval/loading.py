@@ -9,13 +9,17 @@ config is rebuilt from the stored hyper-parameters by the training's model build
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from longnet.data.subword import SubwordTokenizer, load_tokenizer_folder, tokenizer_from_files
+from longnet.data.tokenizer import VOCAB_SIZE, ByteTokenizer
 from longnet.modeling import LongNetLM, resolve_model_dir
-from longnet.training.checkpoint import load_lightning_checkpoint
+from longnet.training.checkpoint import load_lightning_checkpoint, read_checkpoint
+from longnet.training.vocabulary import TOKENIZER_KEY
+from longnet.validation import UsageError
 
 CHECKPOINT_SUFFIXES = (".ckpt",)
 
@@ -29,12 +33,15 @@ class LoadedModel:
         model: the LM in eval mode on the requested device and dtype.
         source: what was loaded (zoo folder, model folder or checkpoint path).
         kind: ``"zoo"``, ``"folder"`` or ``"checkpoint"``.
+        tokenizer: the model's tokenizer (:func:`model_tokenizer`): bytes for a byte-level
+            model, else the folder's tokenizer files or the checkpoint's record.
     """
 
     label: str
     model: LongNetLM
     source: str
     kind: str
+    tokenizer: ByteTokenizer | SubwordTokenizer = field(default_factory=ByteTokenizer)
 
     @property
     def training_length(self) -> int:
@@ -74,7 +81,32 @@ def load_model(
         model = LongNetLM.from_pretrained(folder, dtype=dtype)
         source, default_label = str(folder), (_folder_label(path) if path.is_dir() else str(spec))
     model = model.to(device).eval()
-    return LoadedModel(label=label or default_label, model=model, source=source, kind=kind)
+    return LoadedModel(label=label or default_label, model=model, source=source, kind=kind,
+                       tokenizer=model_tokenizer(model, source, kind))
+
+
+def model_tokenizer(model: LongNetLM, source: str,
+                    kind: str) -> ByteTokenizer | SubwordTokenizer:
+    """The tokenizer of a model loaded from ``source``: bytes when its ``vocab_size`` is 256,
+    else the tokenizer files of its folder (``AutoTokenizer``) or the tokenizer a checkpoint
+    recorded.
+
+    Raises:
+        UsageError: a folder without tokenizer files, or a checkpoint without a tokenizer
+            record (the message says what to do).
+    """
+    if model.config.vocab_size == VOCAB_SIZE:
+        return ByteTokenizer()
+    if kind != "checkpoint":
+        return load_tokenizer_folder(source)
+    record = read_checkpoint(source, tensors=False).get(TOKENIZER_KEY) or {}
+    if "files" not in record:
+        raise UsageError(
+            f"{source}: the checkpoint of a model of vocab_size {model.config.vocab_size} "
+            "records no tokenizer; export it (scripts/export_pretrained.py), write its tokenizer "
+            "files into the export (tokenizer.save_pretrained) and evaluate that folder."
+        )
+    return tokenizer_from_files(record["files"], f"{source} ({record.get('name')})")
 
 
 def load_models(

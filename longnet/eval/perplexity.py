@@ -7,8 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from longnet.data import ByteTokenizer
-from longnet.eval.documents import EvalDocument
+from longnet.eval.documents import EvalDocument, tokenize_documents
 from longnet.eval.loading import LoadedModel
 from longnet.eval.positions import bits_by_position, bits_from_position
 from longnet.eval.reporting import powers_of_two
@@ -49,25 +48,23 @@ def score_models(
     progress: bool = False,
 ) -> list[ContextScore]:
     """Score every document with every model at every context length (models outer), keeping
-    the per-target NLLs. Every length is checked against every model before any work."""
+    the per-target NLLs. ``documents`` are bytes (``load_eval_documents``); each model reads
+    them in its own tokenizer's tokens (``LoadedModel.tokenizer``), so every model is scored
+    on the same bytes. Every length is checked against every model before any work."""
     if not context_lengths:
         raise ValueError("give at least one context length.")
     for item in models:
-        if item.model.config.vocab_size != ByteTokenizer.vocab_size:
-            raise ValueError(
-                f"{item.label}: the documents are bytes (vocab 256) but the model has "
-                f"vocab_size {item.model.config.vocab_size}; evaluate a byte-level model."
-            )
         for length in context_lengths:
             check_context_length(length, item.model)
             resolve_stride(length, stride)
     scores = []
     for item in models:
+        tokenized = tokenize_documents(documents, item.tokenizer)
         for length in context_lengths:
             started = time.perf_counter()
             result = score_documents(
                 item.model,
-                documents,
+                tokenized,
                 length,
                 stride,
                 batch_size=batch_size,
@@ -83,10 +80,12 @@ def bits_per_byte_rows(
 ) -> list[dict[str, Any]]:
     """One row per score.
 
-    Row keys: ``model``, ``training_length`` (``max_positions``), ``context_length``,
-    ``stride``, ``documents``, ``bytes``, ``tokens`` (scored targets: bytes + one EOS per
-    document), ``windows``, ``longest_window``, ``nll_nats`` (summed), ``bits_per_byte``,
-    ``bits_per_token``, ``perplexity`` (per token), ``seconds`` (wall time of the scoring);
+    Row keys: ``model``, ``training_length`` (``max_positions``), ``context_length`` (tokens),
+    ``context_bytes`` (the same in bytes: ``context_length * bytes_per_token``), ``stride``,
+    ``documents``, ``bytes``, ``tokens`` (scored targets: the documents' tokens + one EOS per
+    document), ``bytes_per_token``, ``windows``, ``longest_window``, ``nll_nats`` (summed),
+    ``bits_per_byte`` (``nll_nats / ln 2 / bytes``), ``bits_per_token``, ``perplexity`` (per
+    token), ``seconds`` (wall time of the scoring);
     with ``score_from`` also ``scored_from``, ``scored_bytes`` and ``scored_bits_per_byte``:
     the bytes at document positions ``>= score_from`` only, the same bytes for every context
     length (see :mod:`longnet.eval.positions`).
@@ -98,10 +97,12 @@ def bits_per_byte_rows(
             "model": score.model.label,
             "training_length": score.model.training_length,
             "context_length": result.context_length,
+            "context_bytes": round(result.context_bytes),
             "stride": result.stride,
             "documents": result.num_documents,
             "bytes": result.num_bytes,
             "tokens": result.num_tokens,
+            "bytes_per_token": round(result.bytes_per_token, 4),
             "windows": result.num_windows,
             "longest_window": result.longest_window,
             "nll_nats": result.nll_sum,
@@ -111,7 +112,7 @@ def bits_per_byte_rows(
             "seconds": score.seconds,
         }
         if score_from is not None:
-            scored = bits_from_position(result.token_nll, score_from)
+            scored = bits_from_position(result.token_nll, score_from, result.token_bytes)
             row |= {"scored_from": score_from, "scored_bytes": scored.num_bytes,
                     "scored_bits_per_byte": scored.bits_per_byte}
         rows.append(row)
@@ -129,7 +130,7 @@ def position_rows(
          "start": bucket.start, "end": bucket.end, "bytes": bucket.num_bytes,
          "bits_per_byte": bucket.bits_per_byte}
         for score in scores
-        for bucket in bits_by_position(score.result.token_nll, buckets)
+        for bucket in bits_by_position(score.result.token_nll, buckets, score.result.token_bytes)
     ]
 
 

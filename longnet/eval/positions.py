@@ -2,9 +2,12 @@
 scored bytes.
 
 Both read the per-target negative log-likelihoods of a sliding-window scoring
-(``score_documents(..., return_token_nll=True)``): per document an array of ``num_bytes + 1``
-NLLs in nats, entry ``p`` being the NLL of the document's byte ``p`` (the last entry is the
-closing EOS, which is not a byte and is left out here).
+(``score_documents(..., return_token_nll=True)``): per document an array of ``num_tokens + 1``
+NLLs in nats, entry ``p`` being the NLL of the document's token ``p`` (the last entry is the
+closing EOS, which covers no byte and is left out here). For bytes, token ``p`` is byte ``p``;
+for a subword tokenizer (``token_bytes``: the UTF-8 bytes each target covers) a token sits at
+the byte position where it starts and counts its bytes, so positions are in bytes for every
+tokenizer.
 
 - **By position**: the mean bits of the bytes whose index in their document lies in a bucket
   ``[start, end)``; buckets double in length (``[0, 512)``, ``[512, 1K)``, ``[1K, 2K)``, ...).
@@ -57,54 +60,71 @@ def position_buckets(limit: int, first: int = FIRST_BUCKET) -> list[tuple[int, i
     return list(zip(edges[:-1], edges[1:]))
 
 
-def _byte_nll(token_nll: Sequence[np.ndarray]) -> list[np.ndarray]:
-    """The byte targets of each document (the closing EOS dropped), checked complete."""
+def _document_targets(
+    token_nll: Sequence[np.ndarray], token_bytes: Sequence[np.ndarray] | None
+) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per document ``(nll, starts, counts)`` of its tokens (the closing EOS dropped): NLLs,
+    the byte position each token starts at and the bytes it covers; checked complete."""
     if not token_nll:
         raise ValueError("token_nll is empty: score at least one document.")
+    if token_bytes is not None and len(token_bytes) != len(token_nll):
+        raise ValueError(f"token_bytes has {len(token_bytes)} documents, token_nll "
+                         f"{len(token_nll)}; pass both of one scoring.")
     out = []
     for index, values in enumerate(token_nll):
         values = np.asarray(values, dtype=np.float64)
         if values.ndim != 1 or len(values) < 1:
-            raise ValueError(f"document {index}: expected a (num_bytes + 1,) array of NLLs.")
+            raise ValueError(f"document {index}: expected a (num_tokens + 1,) array of NLLs.")
         if np.isnan(values).any():
             raise ValueError(f"document {index}: some targets were not scored (NaN).")
-        out.append(values[:-1])
+        counts = (np.ones(len(values) - 1, dtype=np.int64) if token_bytes is None
+                  else np.asarray(token_bytes[index], dtype=np.int64)[:-1])
+        if len(counts) != len(values) - 1:
+            raise ValueError(f"document {index}: token_bytes and token_nll differ in length.")
+        starts = np.cumsum(counts) - counts
+        out.append((values[:-1], starts, counts))
     return out
 
 
 def bits_by_position(
-    token_nll: Sequence[np.ndarray], buckets: Sequence[tuple[int, int]]
+    token_nll: Sequence[np.ndarray], buckets: Sequence[tuple[int, int]],
+    token_bytes: Sequence[np.ndarray] | None = None,
 ) -> list[PositionBucket]:
-    """Mean bits per byte of the bytes in each position bucket, over all documents.
+    """Mean bits per byte of the bytes in each position bucket, over all documents: the NLL
+    of the tokens starting in the bucket over the bytes they cover (``token_bytes``: per
+    document the ``(num_tokens + 1,)`` bytes of each target, as ``score_documents`` returns
+    them; None: bytes, one each).
 
     A bucket no document reaches has ``num_bytes == 0`` and ``bits_per_byte`` NaN.
     """
-    documents = _byte_nll(token_nll)
+    documents = _document_targets(token_nll, token_bytes)
     out = []
     for start, end in buckets:
         if not 0 <= start < end:
             raise ValueError(f"bucket ({start}, {end}) must satisfy 0 <= start < end.")
-        parts = [values[start:end] for values in documents]
-        count = sum(len(part) for part in parts)
-        total = sum(float(part.sum()) for part in parts)
+        inside = [(starts >= start) & (starts < end) for _, starts, _ in documents]
+        count = sum(int(counts[mask].sum()) for (_, _, counts), mask in zip(documents, inside))
+        total = sum(float(values[mask].sum()) for (values, _, _), mask in zip(documents, inside))
         bits = total / LN2 / count if count else math.nan
         out.append(PositionBucket(start, end, count, bits))
     return out
 
 
-def bits_from_position(token_nll: Sequence[np.ndarray], start: int) -> PositionBucket:
-    """Mean bits per byte of every byte at document position ``>= start``.
+def bits_from_position(token_nll: Sequence[np.ndarray], start: int,
+                       token_bytes: Sequence[np.ndarray] | None = None) -> PositionBucket:
+    """Mean bits per byte of every byte at document position ``>= start`` (tokens as in
+    :func:`bits_by_position`).
 
     Raises:
         ValueError: no document is longer than ``start`` bytes.
     """
     start = check_non_negative_int("start", start)
-    documents = _byte_nll(token_nll)
-    longest = max(len(values) for values in documents)
+    documents = _document_targets(token_nll, token_bytes)
+    longest = max(int(counts.sum()) for _, _, counts in documents)
     if longest <= start:
         raise ValueError(
             f"no byte at position >= {start}: the longest document has {longest} bytes; lower "
             "the start or evaluate longer documents."
         )
-    (bucket,) = bits_by_position(token_nll, [(start, longest)])
+    (bucket,) = bits_by_position(token_nll, [(start, longest)], token_bytes)
     return bucket

@@ -1,10 +1,12 @@
 """Sliding-window scoring of whole documents: every token scored exactly once, no window
 crossing a document boundary.
 
-A document of ``n`` bytes is framed as in training, ``[EOS] bytes [EOS]`` (``n + 2`` tokens,
-:func:`longnet.data.windows.frame_document`).
-Input position ``p`` (``0 <= p <= n``) predicts token ``p + 1``, so a document has
-``n + 1`` targets: its bytes and the closing EOS.
+A document of ``n`` tokens (bytes, or a subword tokenizer's) is framed as in training,
+``[EOS] tokens [EOS]`` (``n + 2`` tokens, :func:`longnet.data.windows.frame_document`, with the
+model's ``eos_token_id``). Input position ``p`` (``0 <= p <= n``) predicts token ``p + 1``, so
+a document has ``n + 1`` targets: its tokens and the closing EOS. Bits per byte divide the
+summed NLL of all targets by the document's UTF-8 bytes (each token's, from the tokenizer's
+offsets; the EOS covers none), so models of any tokenizer are compared on the same bytes.
 
 For a window (context length) ``C`` and stride ``S <= C``, windows end at input positions
 ``C, C + S, C + 2S, ...`` (the last one clipped to ``n + 1``) and each spans the ``C``
@@ -30,7 +32,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from longnet.constants import NATS_PER_BIT
-from longnet.data.tokenizer import PAD_ID
+from longnet.data.tokenizer import EOS_ID, PAD_ID
 from longnet.data.windows import frame_document
 from longnet.eval.documents import EvalDocument
 from longnet.modeling import LongNetLM
@@ -62,14 +64,18 @@ class SlidingWindowResult:
 
     Attributes:
         context_length, stride: the window and its step, in tokens.
-        num_documents, num_bytes: documents and their bytes (EOS excluded).
-        num_tokens: scored targets, ``num_bytes + num_documents`` (each closing EOS).
+        num_documents, num_bytes: documents and their UTF-8 bytes (EOS excluded).
+        num_tokens: scored targets, the documents' tokens + ``num_documents`` (each closing
+            EOS); equal to ``num_bytes + num_documents`` for bytes.
         nll_sum: summed negative log-likelihood of the scored targets, in nats.
         num_windows: forward passes (rows) run.
         longest_window: the longest window actually used (``< context_length`` when every
             document is shorter than the context).
-        token_nll: with ``return_token_nll``, per document the ``(num_bytes + 1,)`` float64
+        token_nll: with ``return_token_nll``, per document the ``(num_tokens + 1,)`` float64
             NLL of each target in nats; otherwise None.
+        token_bytes: with ``return_token_nll`` and subword documents, per document the
+            ``(num_tokens + 1,)`` UTF-8 bytes each target covers (0 for the EOS); None for
+            bytes (one per target but the EOS).
     """
 
     context_length: int
@@ -81,6 +87,12 @@ class SlidingWindowResult:
     num_windows: int
     longest_window: int
     token_nll: list[np.ndarray] | None = None
+    token_bytes: list[np.ndarray] | None = None
+
+    @property
+    def bytes_per_token(self) -> float:
+        """UTF-8 bytes per document token (the EOS left out): 1 for bytes."""
+        return self.num_bytes / max(self.num_tokens - self.num_documents, 1)
 
     @property
     def bits_per_byte(self) -> float:
@@ -91,6 +103,11 @@ class SlidingWindowResult:
     def bits_per_token(self) -> float:
         """Mean bits per scored target (bytes and EOS)."""
         return self.nll_sum / NATS_PER_BIT / self.num_tokens
+
+    @property
+    def context_bytes(self) -> float:
+        """The context length in bytes: ``context_length * bytes_per_token``."""
+        return self.context_length * self.bytes_per_token
 
     @property
     def perplexity(self) -> float:
@@ -168,13 +185,14 @@ def score_documents(
 ) -> SlidingWindowResult:
     """Score every target of every document once with sliding windows (module docstring).
 
-    Windows are sorted by length and run ``batch_size`` at a time, right-padded with
-    ``PAD_ID`` to the longest in the batch; with causal attention padding after a position
-    never changes it, so the result does not depend on the batching.
+    Windows are sorted by length and run ``batch_size`` at a time, right-padded with the
+    model's ``pad_token_id`` (else ``PAD_ID``) to the longest in the batch; with causal
+    attention padding after a position never changes it, so the result does not depend on
+    the batching.
 
     Args:
         model: a causal LM (eval mode is set here); inputs go to its device.
-        documents: the documents (uint8 byte tokens).
+        documents: the documents in the model's tokens (``documents.tokenize_documents``).
         context_length: the window length ``C`` in tokens.
         stride: see :func:`resolve_stride` (default: ``C``).
         batch_size: windows per forward pass.
@@ -191,7 +209,9 @@ def score_documents(
         raise ValueError("documents is empty; give at least one document to score.")
     model.eval()
     device = next(model.parameters()).device
-    framed = [frame_document(doc.tokens, np.int64) for doc in documents]
+    eos = EOS_ID if model.config.eos_token_id is None else model.config.eos_token_id
+    framed = [frame_document(doc.tokens, np.int64, eos) for doc in documents]
+    _check_ids(framed, model.config.vocab_size)
     windows = [
         window
         for index, tokens in enumerate(framed)
@@ -214,20 +234,37 @@ def score_documents(
                 if not np.isnan(slot).all():
                     raise AssertionError(f"a target was scored twice in {window}")  # a bug
                 slot[:] = values
-    num_bytes = sum(doc.num_bytes for doc in documents)
-    if scored != num_bytes + len(documents):
-        raise AssertionError(f"scored {scored} targets, expected {num_bytes + len(documents)}")
+    num_tokens = sum(doc.num_tokens for doc in documents) + len(documents)
+    if scored != num_tokens:
+        raise AssertionError(f"scored {scored} targets, expected {num_tokens}")
+    token_bytes = None
+    if return_token_nll and any(doc.token_bytes is not None for doc in documents):
+        token_bytes = [np.append(doc.token_bytes if doc.token_bytes is not None
+                                 else np.ones(doc.num_tokens, np.int64), 0)
+                       for doc in documents]
     return SlidingWindowResult(
         context_length=context_length,
         stride=step,
         num_documents=len(documents),
-        num_bytes=num_bytes,
-        num_tokens=num_bytes + len(documents),
+        num_bytes=sum(doc.num_bytes for doc in documents),
+        num_tokens=num_tokens,
         nll_sum=nll_sum,
         num_windows=len(windows),
         longest_window=max(w.length for w in windows),
         token_nll=token_nll,
+        token_bytes=token_bytes,
     )
+
+
+def _check_ids(framed: Sequence[np.ndarray], vocab_size: int) -> None:
+    """Refuse token ids the model has no row for (documents of another tokenizer)."""
+    largest = max(int(tokens.max()) for tokens in framed)
+    if largest >= vocab_size:
+        raise ValueError(
+            f"the documents hold token id {largest} but the model has vocab_size {vocab_size}: "
+            "they are in another tokenizer's tokens; tokenize them with the model's tokenizer "
+            "(longnet.eval.tokenize_documents(documents, loaded.tokenizer))."
+        )
 
 
 def _score_batch(
@@ -235,7 +272,8 @@ def _score_batch(
 ) -> list[np.ndarray]:
     """Per window, the float64 NLL ``(num_scored,)`` of its scored targets."""
     length = max(w.length for w in batch)
-    inputs = np.full((len(batch), length), PAD_ID, dtype=np.int64)
+    pad = PAD_ID if model.config.pad_token_id is None else model.config.pad_token_id
+    inputs = np.full((len(batch), length), pad, dtype=np.int64)
     targets = np.zeros((len(batch), length), dtype=np.int64)
     scored = np.zeros((len(batch), length), dtype=bool)
     for row, w in enumerate(batch):

@@ -45,7 +45,15 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 from transformers import AutoTokenizer
 
-from longnet.eval import EvalDocument, LoadedModel, bits_from_position, score_documents
+from longnet.data.subword import SubwordTokenizer
+from longnet.data.tokenizer import ByteTokenizer
+from longnet.eval import (
+    EvalDocument,
+    LoadedModel,
+    bits_from_position,
+    score_documents,
+    tokenize_documents,
+)
 from longnet.hf.modeling import LongNetForCausalLM
 from longnet.modeling import LongNetLM, write_tokenizer_files
 
@@ -57,20 +65,26 @@ filler paragraph; distractor needles). ``niah_single_2``/``_3``, ``niah_multikey
 Hub and cannot run offline."""
 
 
-def tokenizer_folder(model: LongNetLM, directory: str | Path) -> Path:
-    """Write the byte tokenizer of ``model`` into ``directory`` (lm-eval's RULER tasks load
-    their tokenizer by path, so even a Lightning checkpoint's model needs one on disk).
+def tokenizer_folder(model: LongNetLM, directory: str | Path,
+                     tokenizer: SubwordTokenizer | None = None) -> Path:
+    """Write the tokenizer of ``model`` into ``directory``: the byte tokenizer's files for a
+    byte-level model, else ``tokenizer``'s (``LoadedModel.tokenizer``: its folder's or its
+    checkpoint's). lm-eval's RULER tasks load their tokenizer by path, so even a Lightning
+    checkpoint's model needs one on disk.
 
     Raises:
-        ValueError: the model is not byte-level.
+        ValueError: a model that is not byte-level and no subword ``tokenizer``.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    if not write_tokenizer_files(directory, model.config):
+    if write_tokenizer_files(directory, model.config):
+        return directory
+    if not isinstance(tokenizer, SubwordTokenizer):
         raise ValueError(
             f"lm-eval needs a tokenizer: the byte tokenizer serves vocab_size 256, this model "
-            f"has {model.config.vocab_size}."
+            f"has {model.config.vocab_size} and no tokenizer was given."
         )
+    tokenizer.save(directory)
     return directory
 
 
@@ -103,7 +117,7 @@ def write_bpb_task(
     data = directory / f"{task}.jsonl"
     with data.open("w", encoding="utf-8") as out:
         for doc in documents:
-            text = doc.tokens.tobytes().decode("utf-8")
+            text = doc.utf8.tobytes().decode("utf-8")
             out.write(json.dumps({"doc_id": doc.doc_id, "text": text}) + "\n")
     metrics = "".join(
         f"  - metric: {name}\n    aggregation: {aggregation}\n    higher_is_better: false\n"
@@ -171,15 +185,16 @@ def _no_download(*args: Any, **kwargs: Any) -> bool:
 
 def sliding_bits_per_byte(
     model: LongNetLM, documents: Sequence[EvalDocument], context_length: int,
-    batch_size: int = 1,
+    batch_size: int = 1, tokenizer: ByteTokenizer | SubwordTokenizer | None = None,
 ) -> float:
     """Bits per byte of the documents' bytes (closing EOS left out) with sliding windows of
-    ``context_length`` and stride ``context_length``: what ``scripts/eval_perplexity.py
-    --stride 1.0 --score-from 0`` reports as ``scored_bits_per_byte``, and what the
-    bits-per-byte task measures (module docstring)."""
-    result = score_documents(model, documents, context_length, 1.0, batch_size=batch_size,
+    ``context_length`` tokens of ``tokenizer`` (None: bytes) and stride ``context_length``:
+    what ``scripts/eval_perplexity.py --stride 1.0 --score-from 0`` reports as
+    ``scored_bits_per_byte``, and what the bits-per-byte task measures (module docstring)."""
+    tokenized = tokenize_documents(documents, tokenizer or ByteTokenizer())
+    result = score_documents(model, tokenized, context_length, 1.0, batch_size=batch_size,
                              return_token_nll=True)
-    return bits_from_position(result.token_nll, 0).bits_per_byte
+    return bits_from_position(result.token_nll, 0, result.token_bytes).bits_per_byte
 
 
 def evaluate_model(
@@ -209,7 +224,7 @@ def evaluate_model(
     work_dir = Path(work_dir)
     model = loaded.model
     context = context_length or model.config.max_positions
-    tokenizer_dir = tokenizer_folder(model, work_dir / "tokenizer")
+    tokenizer_dir = tokenizer_folder(model, work_dir / "tokenizer", loaded.tokenizer)
     rows: list[dict[str, Any]] = []
 
     def row(task: str, length: int, examples: int, metric: str, value: float,
@@ -227,7 +242,8 @@ def evaluate_model(
             row(BPB_TASK, context, len(documents), metric, result[f"{metric},none"], started)
         if compare:
             started = time.perf_counter()
-            value = sliding_bits_per_byte(model, documents, context, batch_size)
+            value = sliding_bits_per_byte(model, documents, context, batch_size,
+                                          loaded.tokenizer)
             row("eval_perplexity", context, len(documents), "scored_bits_per_byte", value,
                 started)
     for task in niah_tasks:

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from longnet.data.subword import SubwordTokenizer
 from longnet.files import check_output_folder, check_replaceable_folder, write_atomic
 from longnet.modeling import LongNetLM
 from longnet.training.checkpoint import (
@@ -226,7 +227,10 @@ def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
 
 class ExportPretrained(L.Callback):
     """At the end of ``fit``, write the model with ``save_pretrained`` (config.json,
-    model.safetensors, README.md card), loadable with ``LongNetLM.from_pretrained(dirpath)``.
+    model.safetensors, README.md card), loadable with ``LongNetLM.from_pretrained(dirpath)``,
+    and the data's tokenizer files (``tokenizer.json``, ``tokenizer_config.json``: a byte
+    model's own, else the datamodule's subword tokenizer), so that
+    ``AutoTokenizer.from_pretrained(dirpath)`` reads the same ids.
 
     A destination that cannot be written (a file, a folder that is not writable, or a parent
     that cannot be created or written) stops ``fit`` when it starts (``setup``), before any
@@ -296,6 +300,9 @@ class ExportPretrained(L.Callback):
                 export = LongNetLM(model.config)
                 export.load_state_dict(state)
             export.save_pretrained(target)
+            tokenizer = getattr(getattr(trainer, "datamodule", None), "tokenizer", None)
+            if isinstance(tokenizer, SubwordTokenizer):  # byte models carry their files already
+                tokenizer.save(target)
         self.exported = target
         trainer.strategy.barrier("ExportPretrained")
 

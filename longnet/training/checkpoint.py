@@ -35,9 +35,11 @@ from torch.distributed.checkpoint.format_utils import (
 )
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from longnet.files import write_atomic
 from longnet.modeling import LongNetConfig, LongNetLM, WeightsMismatchError
 from longnet.modeling.serialization import load_state_checked, unique_state_dict
 from longnet.training.builder import MODEL_SOURCES, lm_config
+from longnet.training.vocabulary import TOKENIZER_KEY
 from longnet.validation import UsageError
 
 LM_HEAD = "lm_head.weight"
@@ -255,7 +257,11 @@ def last_checkpoint(folder: str | Path, name: str = "last.ckpt") -> Path | None:
 
 def export_pretrained(checkpoint: str | Path, target: str | Path) -> Path:
     """Write the model of a Lightning checkpoint (file or folder of shards) to ``target``
-    with ``save_pretrained``; returns ``target``."""
+    with ``save_pretrained``, and the tokenizer files the checkpoint recorded (a subword
+    tokenizer's; a byte model's are written by ``save_pretrained``); returns ``target``."""
     model = load_lightning_checkpoint(checkpoint)
     model.save_pretrained(target)
+    record = read_checkpoint(checkpoint, tensors=False).get(TOKENIZER_KEY) or {}
+    for name, text in sorted(record.get("files", {}).items()):
+        write_atomic(Path(target) / name, text)
     return Path(target)

@@ -24,6 +24,14 @@ from longnet.training.metrics import TokenAccuracy, TokenCrossEntropy, lm_summar
 from longnet.training.optim import build_optimizer, parameter_groups
 from longnet.training.sharding import check_window_shards
 from longnet.training.strategy import SequenceParallelLayout
+from longnet.training.vocabulary import (
+    TOKENIZER_KEY,
+    check_tokenizer_record,
+    data_token_ids,
+    fitted_overrides,
+    scored_bytes,
+    tokenizer_record,
+)
 from longnet.validation import UsageError, check_non_negative_int, check_positive_int
 
 Batch = dict[str, Tensor]
@@ -73,8 +81,14 @@ class CausalLMModule(L.LightningModule):
 
     Logged: ``train/loss`` (nats/token, global batch), ``train/bpb``, ``train/tokens_per_s``
     (scored tokens of the global batch per second of training step);
-    ``val/loss``, ``val/bpb``, ``val/ppl``, ``val/accuracy`` (and ``test/...``) over the whole
-    split, exact across ranks (summed cross-entropy and token counts).
+    ``val/loss``, ``val/bpb``, ``val/ppl`` (per token), ``val/accuracy`` (and ``test/...``)
+    over the whole split, exact across ranks (summed cross-entropy, token and byte counts).
+    Bits per byte divide by the UTF-8 bytes the scored tokens cover (the batch's
+    ``"label_bytes"`` ``(batch, seq)``, else one per scored label other than EOS).
+
+    The tokenizer: a datamodule that chooses one (``LongDocumentDataModule(tokenizer=...)``)
+    gives a fresh model its ``vocab_size`` and EOS/padding ids (:meth:`fit_tokenizer`, in
+    :meth:`setup`); every checkpoint records it and a resume with another is refused.
 
     Args:
         model: zoo name or model folder to build a freshly initialised model from.
@@ -90,7 +104,8 @@ class CausalLMModule(L.LightningModule):
             ``estimated_stepping_batches`` (``max_steps`` when set).
         min_lr_ratio: the cosine ends at ``learning_rate * min_lr_ratio``.
         gradient_checkpointing: recompute each block in backward (saves activation memory).
-        bytes_per_token: text bytes per token, for bits per byte (1 for byte-level models).
+        bytes_per_token: bytes per scored token other than EOS for batches without
+            ``"label_bytes"`` (1: byte text; synthetic tasks).
         resumable_data: attach :class:`~longnet.training.ResumableDataOrder` (deterministic,
             resumable, exact-evaluation data order); turn off to keep Lightning's loaders.
         loss_reduction: ``"token"`` (mean over scored tokens) or ``"sample"`` (mean over
@@ -127,13 +142,15 @@ class CausalLMModule(L.LightningModule):
         if gradient_checkpointing:
             self.model.set_gradient_checkpointing(True)
         self.bytes_per_token = bytes_per_token
-        self.val_ce = TokenCrossEntropy(bytes_per_token)
+        self.val_ce = TokenCrossEntropy()
         self.val_acc = TokenAccuracy()
-        self.test_ce = TokenCrossEntropy(bytes_per_token)
+        self.test_ce = TokenCrossEntropy()
         self.test_acc = TokenAccuracy()
         self._step_started: float | None = None
         self._step_tokens: Tensor | None = None
         self._step_loss: Tensor | None = None
+        self._tokenizer_record: dict[str, Any] | None = None
+        self._eos_id: int | None = self.model.config.eos_token_id  # the data's, from setup
 
     # ------------------------------------------------------------------ model facts
     # ``pattern`` and ``pad_token_id`` make this a ``SequenceParallelModule``: what both
@@ -179,10 +196,35 @@ class CausalLMModule(L.LightningModule):
         )
         return [] if present else [ResumableDataOrder()]
 
+    def fit_tokenizer(self, datamodule: Any) -> None:
+        """Give a fresh model the vocabulary and EOS/padding ids of ``datamodule``'s tokenizer
+        (rebuilt with them as ``overrides``, also in the saved hyper-parameters); nothing for a
+        datamodule without a tokenizer choice or a model that has them already.
+
+        Raises:
+            UsageError: pretrained weights of another vocabulary, or a config ``vocab_size``
+                below the tokenizer's (``vocabulary.fitted_overrides``).
+        """
+        ids = data_token_ids(datamodule)
+        overrides = None if ids is None else fitted_overrides(ids, self.model.config,
+                                                              self.hparams)
+        if overrides is None:
+            return
+        hp = self.hparams
+        self.model = build_lm(hp.model, config=hp.config, overrides=overrides)
+        if hp.gradient_checkpointing:
+            self.model.set_gradient_checkpointing(True)
+        self.hparams["overrides"] = overrides
+
     def setup(self, stage: str) -> None:
-        """Refuse a datamodule the model cannot read, before any work."""
+        """Fit the model to the data's tokenizer (:meth:`fit_tokenizer`), then refuse a
+        datamodule the model cannot read, before any work."""
         datamodule = self._trainer.datamodule if self._trainer is not None else None
+        self.fit_tokenizer(datamodule)
+        tokenizer = getattr(datamodule, "tokenizer", None)
+        self._tokenizer_record = None if tokenizer is None else tokenizer_record(tokenizer)
         config = self.model.config
+        self._eos_id = getattr(datamodule, "eos_id", config.eos_token_id)
         vocab = getattr(datamodule, "vocab_size", None)
         if isinstance(vocab, int) and vocab > config.vocab_size:
             raise UsageError(
@@ -214,8 +256,15 @@ class CausalLMModule(L.LightningModule):
         checkpoint[RNG_KEY] = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             checkpoint[RNG_KEY]["cuda"] = torch.cuda.get_rng_state()
+        if self._tokenizer_record is not None:
+            checkpoint[TOKENIZER_KEY] = self._tokenizer_record
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Refuse a checkpoint of another tokenizer than the data's; restore the RNG state."""
+        tokenizer = getattr(self._trainer.datamodule, "tokenizer", None) \
+            if self._trainer is not None else None
+        if tokenizer is not None:
+            check_tokenizer_record(checkpoint.get(TOKENIZER_KEY), tokenizer)
         state = checkpoint.get(RNG_KEY)
         if state is None:
             return
@@ -235,15 +284,16 @@ class CausalLMModule(L.LightningModule):
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         out = self(batch)
         world = self.trainer.world_size
-        # one all-reduce gives the global summed CE (for logging) and scored-token count
-        stats = torch.stack((out.loss_sum.detach().double(), out.num_tokens.double()))
+        # one all-reduce gives the global summed CE (for logging), scored tokens and bytes
+        stats = torch.stack((out.loss_sum.detach().double(), out.num_tokens.double(),
+                             self._scored_bytes(batch).sum().double()))
         if world > 1 and dist.is_available() and dist.is_initialized():
             dist.all_reduce(stats)
         if self.hparams.loss_reduction == "sample":
             loss = self._sample_mean_loss(out.logits, _labels(batch), world)
         else:
             loss = out.loss_sum * (world / stats[1].clamp(min=1)).to(out.loss_sum.dtype)
-        summary = lm_summary(stats[0], stats[1], self.bytes_per_token)
+        summary = lm_summary(stats[0], stats[1], stats[2])
         self.log("train/loss", summary["loss"].float(), prog_bar=True)
         self.log("train/bpb", summary["bpb"].float())
         self._step_tokens = stats[1]
@@ -301,19 +351,22 @@ class CausalLMModule(L.LightningModule):
         self._eval_log("test", self.test_ce, self.test_acc)
 
     def predict_step(self, batch: Batch, batch_idx: int) -> dict[str, Tensor]:
-        """Per-sample summed CE, scored tokens and bits per byte (whole sequences, also under
-        sequence parallelism): ``{"loss_sum", "num_tokens", "bpb"}`` each ``(batch,)``."""
+        """Per-sample summed CE, scored tokens, the bytes they cover and bits per byte (whole
+        sequences, also under sequence parallelism): ``{"loss_sum", "num_tokens",
+        "num_bytes", "bpb"}`` each ``(batch,)``."""
         out = self.model(
             batch["input_ids"], position_ids=batch.get("position_ids"),
             document_ids=batch.get("document_ids"),
         )
         ce_sums, counts = _per_sample_ce(out.logits, _labels(batch))
-        stats = torch.stack((ce_sums.double(), counts.double()))
+        stats = torch.stack((ce_sums.double(), counts.double(),
+                             self._scored_bytes(batch).double()))
         group = self.sequence_parallel_group()
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(stats, group=group)
-        summary = lm_summary(stats[0], stats[1], self.bytes_per_token)
-        return {"loss_sum": stats[0], "num_tokens": stats[1], "bpb": summary["bpb"]}
+        summary = lm_summary(stats[0], stats[1], stats[2])
+        return {"loss_sum": stats[0], "num_tokens": stats[1], "num_bytes": stats[2],
+                "bpb": summary["bpb"]}
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
@@ -362,6 +415,10 @@ class CausalLMModule(L.LightningModule):
         scheduler.step()
 
     # ------------------------------------------------------------------ helpers
+    def _scored_bytes(self, batch: Batch) -> Tensor:
+        """``(batch,)`` UTF-8 bytes the scored labels of each sample cover."""
+        return scored_bytes(batch, _labels(batch), self._eos_id, self.bytes_per_token)
+
     def _sample_mean_loss(self, logits: Tensor, labels: Tensor, world: int) -> Tensor:
         """``sum_b (sum_t CE[b, t] / n_b) * world / S``: ``n_b`` the scored tokens of sample
         ``b`` over all its shards, ``S`` the samples with a scored token in the global batch;
@@ -384,7 +441,7 @@ class CausalLMModule(L.LightningModule):
         out = self(batch)
         labels = _labels(batch)
         correct = ((out.logits.argmax(-1) == labels) & (labels != IGNORE_INDEX)).sum()
-        ce.update(out.loss_sum, out.num_tokens)
+        ce.update(out.loss_sum, out.num_tokens, self._scored_bytes(batch).sum())
         acc.update(correct, out.num_tokens)
 
     def _eval_log(self, prefix: str, ce: TokenCrossEntropy, acc: TokenAccuracy) -> None:
@@ -398,6 +455,7 @@ class CausalLMModule(L.LightningModule):
             f"{prefix}/ppl": result["ppl"],
             f"{prefix}/accuracy": accuracy,
             f"{prefix}/tokens": result["tokens"],
+            f"{prefix}/bytes": result["bytes"],
         }
         # identical on every rank already; "max" keeps them bit-exact (a mean could round)
         self.log_dict({k: v.float() for k, v in values.items()}, sync_dist=True, reduce_fx="max")

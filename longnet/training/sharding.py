@@ -20,15 +20,15 @@ from longnet.modeling.model import document_labels
 from longnet.nn import document_position_ids
 from longnet.validation import UsageError
 
-SEQUENCE_KEYS = ("input_ids", "labels", "position_ids", "document_ids")
+SEQUENCE_KEYS = ("input_ids", "labels", "position_ids", "document_ids", "label_bytes")
 
 
 def pad_sequences(
     batch: Mapping[str, Any], length: int, pad_token_id: int
 ) -> dict[str, Any]:
     """Right-pad ``input_ids`` (with ``pad_token_id``), ``labels`` (with -100),
-    ``position_ids`` (continuing the count) and ``document_ids`` (continuing the last
-    document) to ``length`` tokens.
+    ``label_bytes`` (with 0), ``position_ids`` (continuing the count) and ``document_ids``
+    (continuing the last document) to ``length`` tokens.
 
     Padding at the end is exact for a causal LM: no real position attends to a later one and
     padded labels are ignored.
@@ -40,7 +40,7 @@ def pad_sequences(
         raise ValueError(f"cannot pad a sequence of {seq_len} tokens to {length}.")
     if extra == 0:
         return out
-    fills = {"input_ids": pad_token_id, "labels": IGNORE_INDEX}
+    fills = {"input_ids": pad_token_id, "labels": IGNORE_INDEX, "label_bytes": 0}
     for key, fill in fills.items():
         if key in batch:
             tensor: Tensor = batch[key]

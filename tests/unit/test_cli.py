@@ -76,7 +76,9 @@ def test_fit_then_test_in_one_command(tmp_path, data_cache, capsys):
     assert summary["validate"]["step"] == 30 and summary["test"]["step"] == 30
     for key in ("test/loss", "test/bpb", "test/ppl", "test/accuracy"):
         assert math_ok(summary["test"][key]), summary
-    assert summary["test"]["test/bpb"] == pytest.approx(summary["test"]["test/loss"] / 0.6931472)
+    test = summary["test"]  # bits per byte: over the bytes, not the tokens (each EOS)
+    assert test["test/bpb"] == pytest.approx(
+        test["test/loss"] * test["test/tokens"] / test["test/bytes"] / 0.6931472, rel=1e-5)
     assert summary["validate"]["val/bpb"] < 8.0  # below the uniform 8 bits per byte
 
     # the resolved config, checkpoints and the save_pretrained export are in the run folder

@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from longnet.data import passkey_examples
+from longnet.data.subword import from_backend
+from longnet.data.tokenizer_choice import train_bpe
 from longnet.modeling import LongNetConfig, LongNetLM
 
 REPO = Path(__file__).resolve().parents[2]
@@ -227,3 +229,51 @@ def test_eval_passkey_refuses_depths_a_length_cannot_tell_apart(tmp_path: Path, 
     assert module.main(argv + ["--num-examples", "2"]) == 0
     means = [float(row["mean_depth"]) for row in read_csv(tmp_path / "out" / "passkey.csv")]
     assert means[0] < 0.25 < means[1] < 0.75 < means[2]
+
+
+@pytest.fixture
+def bpe_model(tmp_path: Path) -> Path:
+    """A tiny model of a BPE trained here, saved with its tokenizer files."""
+    texts = [f"def f{i}(x):\n    return x * {i}  # é東\n" * 4 for i in range(20)]
+    tokenizer = from_backend(train_bpe(texts, 320), "bpe:320")
+    torch.manual_seed(0)
+    model = LongNetLM(LongNetConfig(
+        vocab_size=tokenizer.vocab_size, hidden_size=32, num_layers=2, num_heads=2,
+        max_positions=32, segment_lengths=(8, 16, 32), dilation_rates=(1, 2, 4),
+        eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
+    ))
+    folder = model.save_pretrained(tmp_path / "bpe")
+    tokenizer.save(folder)
+    return folder
+
+
+def test_eval_scripts_score_a_bpe_model_and_a_byte_model_on_the_same_bytes(
+        tmp_path: Path, tiny_model: Path, bpe_model: Path):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for index in range(3):
+        (docs / f"d{index}.txt").write_text(f"def f{index}(x):\n    return x * 2  # é\n" * 6)
+    out = tmp_path / "out"
+    code = script("eval_perplexity").main([
+        "--models", str(tiny_model), str(bpe_model), "--data-files", str(docs / "*.txt"),
+        "--split", "all", "--context-lengths", "32", "--out", str(out), "--no-progress",
+        "--by-position",
+    ])
+    assert code == 0
+    byte_row, bpe_row = read_csv(out / "perplexity.csv")
+    num_bytes = sum(len(p.read_bytes()) for p in docs.iterdir())
+    assert byte_row["bytes"] == bpe_row["bytes"] == str(num_bytes)
+    assert int(bpe_row["tokens"]) < int(byte_row["tokens"]) == num_bytes + 3
+    assert byte_row["context_bytes"] == "32" and int(bpe_row["context_bytes"]) > 32
+    assert float(bpe_row["bytes_per_token"]) > 1.5
+    positions = [r for r in read_csv(out / "positions.csv") if r["model"] == "bpe"]
+    assert sum(int(r["bytes"]) for r in positions) == num_bytes
+    out = tmp_path / "passkey"
+    code = script("eval_passkey").main([
+        "--models", str(bpe_model), "--lengths", "240", "--depths", "0.5",
+        "--num-examples", "2", "--out", str(out), "--no-progress",
+    ])
+    assert code == 0
+    (row,) = read_csv(out / "passkey.csv")
+    assert 5 < int(row["context_tokens"]) < 240  # fewer tokens than bytes
+    assert not (out / "passkey_alignment.csv").exists()

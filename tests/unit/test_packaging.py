@@ -135,8 +135,12 @@ def test_the_cycle_check_finds_a_type_only_cycle(tmp_path):
     assert _imported(tmp_path / "m.py") == ["longnet.attention.plan"]
 
 
-HF_ONLY = ("transformers", "tokenizers", "lm_eval")
-"""Packages of the optional extras ``hf`` / ``eval-harness``, imported by ``longnet.hf`` only."""
+HF_ONLY = ("transformers", "lm_eval")
+"""Packages of the optional extras ``hf`` / ``eval-harness``, imported by ``longnet.hf`` only
+(``tokenizers`` is a dependency of the core: ``longnet.data`` trains BPEs with it)."""
+LAZY_TRANSFORMERS = "longnet/data/subword.py"
+"""The one module outside ``longnet.hf`` that imports ``transformers``, inside the function
+that reads a Hugging Face tokenizer folder (``AutoTokenizer``), so the core runs without it."""
 
 
 def test_only_longnet_hf_imports_the_hugging_face_extras():
@@ -144,7 +148,13 @@ def test_only_longnet_hf_imports_the_hugging_face_extras():
     for path in sorted(REPO.glob("longnet/**/*.py")):
         if path.relative_to(REPO).parts[1] == "hf":
             continue
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        if str(path.relative_to(REPO)) == LAZY_TRANSFORMERS:
+            offending += [f"{path.name} imports transformers at module level"
+                          for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
+                          and "transformers" in ast.unparse(node)]
+            continue
+        for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module:

@@ -74,8 +74,15 @@ def test_token_cross_entropy_is_token_weighted():
     assert result["bpb"].item() == pytest.approx(12.0 / 5 / math.log(2))
     assert result["ppl"].item() == pytest.approx(math.exp(12.0 / 5))
     assert result["tokens"].item() == 5
-    half = lm_summary(torch.tensor(2.0), torch.tensor(1), bytes_per_token=2.0)
+    half = lm_summary(torch.tensor(2.0), torch.tensor(1), num_bytes=torch.tensor(2))
     assert half["bpb"].item() == pytest.approx(1 / math.log(2))
+    assert lm_summary(torch.tensor(2.0), torch.tensor(1), bytes_per_token=2.0)["bpb"] == half["bpb"]
+    with pytest.warns(FutureWarning, match="third argument is now num_bytes"):
+        assert lm_summary(torch.tensor(2.0), torch.tensor(1), 2.0)["bpb"] == half["bpb"]
+    counted = TokenCrossEntropy()
+    counted.update(torch.tensor(10.0), torch.tensor(4), torch.tensor(12))
+    counted.update(torch.tensor(2.0), torch.tensor(1))  # no count: one byte per token
+    assert counted.compute()["bpb"].item() == pytest.approx(12.0 / 13 / math.log(2))
 
 
 # ---------------------------------------------------------------------- sharding

@@ -1,0 +1,247 @@
+"""Subword tokenizers (BPE and any ``tokenizers``-library tokenizer) as the data reads them.
+
+A :class:`SubwordTokenizer` is a ``tokenizers.Tokenizer`` with an end-of-document id and a
+padding id, and the Hugging Face files that describe it (``tokenizer.json`` and
+``tokenizer_config.json``: the layout of ``save_pretrained``), so that a run folder, a
+checkpoint and an export carry exactly the tokenizer the data was built with and
+``transformers.AutoTokenizer.from_pretrained`` of that folder encodes the same ids.
+
+Encoding returns, next to the ids, the UTF-8 bytes of the original text each token covers,
+read from the tokenizer's offsets (never from decoded text): the bytes of a document sum to
+``len(text.encode())``. A character split over several byte-level tokens counts for the first
+of them; the bytes a token's trimmed offsets leave out (spaces) count for the next token that
+ends after them, the text's last bytes for its last token. Bits per byte divide by these
+counts, so a byte model and a subword model are compared on the same bytes.
+
+Loading a folder uses ``transformers.AutoTokenizer`` (offline), imported only then (the
+``hf`` extra); the other forms need only ``tokenizers``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from longnet.files import write_atomic
+from longnet.validation import UsageError
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "<|im_end|>")
+"""Special tokens taken as the end of a document, in this order, when a ``tokenizer.json``
+alone is given (a folder's ``tokenizer_config.json`` names its own)."""
+PAD_NAMES = ("<|pad|>", "<pad>", "[PAD]", "<|padding|>")
+
+
+@dataclass(frozen=True)
+class SubwordTokenizer:
+    """A tokenizer of the ``tokenizers`` library with its special ids and files.
+
+    Attributes:
+        backend: the tokenizer (``encode_batch`` with offsets).
+        eos_id: the id framing documents (``[EOS] + tokens + [EOS]``).
+        pad_id: the id filling inputs past a document's end (labels ignored there); the EOS id
+            when the tokenizer has no padding token.
+        files: file name -> text of the ``save_pretrained`` layout (``tokenizer.json``,
+            ``tokenizer_config.json``, and whatever else a folder brought).
+        name: what was asked for, for messages (``"bpe:8192"``, a path).
+    """
+
+    backend: Tokenizer = field(repr=False)
+    eos_id: int
+    pad_id: int
+    files: Mapping[str, str] = field(repr=False)
+    name: str
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids are ``0 .. vocab_size - 1`` (added tokens included)."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def fingerprint(self) -> str:
+        """16 hex digits of the SHA-256 of the tokenizer (its ``tokenizer.json`` as the
+        library writes it) and its special ids: the data's cache key, the checkpoint's record."""
+        payload = json.dumps({"tokenizer": json.loads(self.backend.to_str()),
+                              "eos_id": self.eos_id, "pad_id": self.pad_id}, sort_keys=True)
+        return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:16]
+
+    def encode_documents(self, texts: Sequence[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per text ``(ids, token_bytes)``: ``(n,)`` int64 ids and the ``(n,)`` int64 UTF-8
+        bytes each token covers (summing to the text's UTF-8 length; module docstring).
+
+        Lone surrogates, which UTF-8 cannot encode, are read as ``?`` (as
+        :class:`~longnet.data.ByteTokenizer` does).
+        """
+        texts = [_encodable(text or "") for text in texts]
+        encodings = self.backend.encode_batch(texts, add_special_tokens=False)
+        return [(np.asarray(encoding.ids, dtype=np.int64), _token_bytes(text, encoding.offsets))
+                for text, encoding in zip(texts, encodings)]
+
+    def encode(self, text: str) -> list[int]:
+        """``text``'s ids (no special tokens added)."""
+        return self.backend.encode(_encodable(text), add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Ids back to text, special tokens left out."""
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def save(self, folder: str | Path) -> list[Path]:
+        """Write :attr:`files` into ``folder`` (created), each whole or not at all; returns
+        the paths written."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        return [write_atomic(folder / name, text) for name, text in sorted(self.files.items())]
+
+
+def _encodable(text: str) -> str:
+    """``text`` with lone surrogates replaced by ``?`` (the tokenizer refuses them)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", errors="replace").decode("utf-8")
+    return text
+
+
+def _token_bytes(text: str, offsets: Sequence[tuple[int, int]]) -> np.ndarray:
+    """UTF-8 bytes covered by each token of ``text`` from its character ``offsets``."""
+    if not offsets:
+        return np.zeros(0, dtype=np.int64)
+    points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+    widths = 1 + (points >= 0x80) + (points >= 0x800) + (points >= 0x10000)
+    byte_at = np.concatenate([[0], np.cumsum(widths, dtype=np.int64)])  # char -> byte offset
+    ends = byte_at[np.asarray([end for _, end in offsets], dtype=np.int64)]
+    ends = np.maximum.accumulate(ends)
+    ends[-1] = byte_at[-1]
+    return np.diff(ends, prepend=0)
+
+
+def tokenizer_config(eos_token: str, pad_token: str) -> dict[str, object]:
+    """The ``tokenizer_config.json`` of a tokenizer written here: ``PreTrainedTokenizerFast``
+    with these special tokens (what ``AutoTokenizer`` reads)."""
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos_token,
+            "pad_token": pad_token, "clean_up_tokenization_spaces": False,
+            "model_input_names": ["input_ids", "attention_mask"]}
+
+
+def from_backend(backend: Tokenizer, name: str, eos_token: str | None = None,
+                 pad_token: str | None = None) -> SubwordTokenizer:
+    """A :class:`SubwordTokenizer` of ``backend``, its files written here; the special tokens
+    given, else the first of :data:`EOS_NAMES` / :data:`PAD_NAMES` it has (no padding token:
+    the EOS pads).
+
+    Raises:
+        UsageError: the tokenizer has no end-of-document token (the message lists what was
+            looked for and how to add one).
+    """
+    vocab = backend.get_vocab(with_added_tokens=True)
+    eos_token = eos_token or next((token for token in EOS_NAMES if token in vocab), None)
+    if eos_token is None or eos_token not in vocab:
+        raise UsageError(
+            f"tokenizer {name}: no end-of-document token (looked for {eos_token or EOS_NAMES}); "
+            "add one as a special token (tokenizers: tokenizer.add_special_tokens(['<|endoftext|>'"
+            "]), then save it) or give a Hugging Face tokenizer folder whose "
+            f"{TOKENIZER_CONFIG_FILE} names its eos_token."
+        )
+    pad_token = pad_token or next((token for token in PAD_NAMES if token in vocab), eos_token)
+    files = {TOKENIZER_FILE: backend.to_str(pretty=True) + "\n",
+             TOKENIZER_CONFIG_FILE: json.dumps(tokenizer_config(eos_token, pad_token),
+                                               indent=2) + "\n"}
+    return SubwordTokenizer(backend, vocab[eos_token], vocab[pad_token], files, name)
+
+
+def load_tokenizer_json(path: str | Path) -> SubwordTokenizer:
+    """A ``tokenizer.json`` file of the ``tokenizers`` library.
+
+    Raises:
+        UsageError: the file is not a tokenizer (the message names it and the library's
+            complaint), or it has no end-of-document token (:func:`from_backend`).
+    """
+    path = Path(path)
+    try:
+        backend = Tokenizer.from_file(str(path))
+    except Exception as err:  # the library raises a plain Exception for any bad file
+        raise UsageError(
+            f"tokenizer {path} is not a tokenizer.json of the tokenizers library ({err}); give "
+            "a file written by Tokenizer.save(path), a Hugging Face tokenizer folder, 'bytes' "
+            "or 'bpe:<vocabulary size>'."
+        ) from None
+    return from_backend(backend, str(path))
+
+
+def load_tokenizer_folder(folder: str | Path) -> SubwordTokenizer:
+    """A Hugging Face tokenizer folder (``save_pretrained``: ``tokenizer.json`` and
+    ``tokenizer_config.json``), read with ``AutoTokenizer`` offline.
+
+    Raises:
+        UsageError: a file is missing, ``transformers`` is not installed, the folder holds no
+            fast tokenizer, or it names no end-of-document token.
+    """
+    folder = Path(folder)
+    missing = [name for name in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)
+               if not (folder / name).is_file()]
+    if missing:
+        raise UsageError(
+            f"tokenizer folder {folder} lacks {' and '.join(missing)}; give a folder written "
+            "by tokenizer.save_pretrained(folder) (a model folder of longnet or transformers "
+            "with its tokenizer), or the tokenizer.json file itself."
+        )
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise UsageError(
+            f"reading the tokenizer folder {folder} needs transformers: pip install "
+            "'longnet[hf]', or give its tokenizer.json file instead."
+        ) from None
+    try:
+        loaded = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError, TypeError) as err:
+        raise UsageError(f"tokenizer folder {folder} cannot be read by AutoTokenizer: {err}") \
+            from None
+    backend = getattr(loaded, "backend_tokenizer", None)
+    if backend is None or loaded.eos_token_id is None:
+        what = "no fast tokenizer" if backend is None else "no eos_token"
+        raise UsageError(
+            f"tokenizer folder {folder} has {what}; longnet needs a fast (tokenizers) tokenizer "
+            f"with an eos_token in {TOKENIZER_CONFIG_FILE}."
+        )
+    files = {path.name: path.read_text(encoding="utf-8") for path in sorted(folder.iterdir())
+             if path.is_file() and path.name in _SAVED_FILES}
+    pad = loaded.pad_token_id if loaded.pad_token_id is not None else loaded.eos_token_id
+    return SubwordTokenizer(backend, loaded.eos_token_id, pad, files, str(folder))
+
+
+_SAVED_FILES = frozenset({TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, "special_tokens_map.json",
+                          "added_tokens.json", "chat_template.jinja", "vocab.json",
+                          "merges.txt"})
+"""The tokenizer files of a folder that travel with the data (``save_pretrained``'s)."""
+
+
+def tokenizer_from_files(files: Mapping[str, str], name: str) -> SubwordTokenizer:
+    """The :class:`SubwordTokenizer` whose :attr:`~SubwordTokenizer.files` are ``files`` (a
+    checkpoint's record): ``tokenizer.json`` and the special tokens its
+    ``tokenizer_config.json`` names.
+
+    Raises:
+        UsageError: ``tokenizer.json`` is missing or not a tokenizer.
+    """
+    try:
+        backend = Tokenizer.from_str(files[TOKENIZER_FILE])
+    except Exception as err:  # KeyError, or the library's plain Exception for a bad file
+        raise UsageError(f"tokenizer {name}: no readable {TOKENIZER_FILE} ({err}).") from None
+    options = json.loads(files.get(TOKENIZER_CONFIG_FILE, "{}"))
+    tokens = {key: _token_text(options.get(key)) for key in ("eos_token", "pad_token")}
+    tokenizer = from_backend(backend, name, tokens["eos_token"], tokens["pad_token"])
+    return SubwordTokenizer(tokenizer.backend, tokenizer.eos_id, tokenizer.pad_id, dict(files),
+                            name)
+
+
+def _token_text(value: object) -> str | None:
+    """A special token of ``tokenizer_config.json``: a string or ``{"content": ...}``."""
+    return value.get("content") if isinstance(value, dict) else value
