@@ -29,6 +29,7 @@ from longnet.training.lora import (
 )
 from longnet.training.optim import parameter_groups
 from longnet.validation import UsageError
+from tests.gpu_configs import REPO, tiny_pretrained_config
 from tests.unit.test_handoff import CrashAtStep, Probe, fit, load, probed  # noqa: F401
 
 pytest.importorskip("peft")
@@ -73,7 +74,7 @@ def test_only_the_adapters_and_norms_train_and_the_function_starts_unchanged(bas
               "down_proj": (40, 32)}
     adapters = sum(p.numel() for n, p in tuned.named_parameters() if ".lora_" in n)
     assert adapters == 2 * sum(4 * (i + o) for i, o in shapes.values())  # r (in + out)
-    assert set(tuned.state_dict()) == {f"{n}" for n in trainable}  # the delta alone
+    assert set(tuned.state_dict()) == trainable  # the delta alone
     optimized = [p for group in parameter_groups(tuned.model, 0.1) for p in group["params"]]
     assert {id(p) for p in optimized} == {id(p) for p in tuned.parameters() if p.requires_grad}
     frozen = dict(tuned.model.named_parameters())
@@ -233,3 +234,27 @@ def test_the_export_is_the_delta_and_merges_into_a_loadable_model(base, runs, tm
         runs / "full" / "checkpoints" / "last.ckpt", tmp_path / "exact")).eval()
     with torch.no_grad():
         torch.testing.assert_close(exact(x).logits, logits, rtol=0, atol=0)
+
+
+def test_the_smollm2_32k_recipe_runs_on_the_cpu_at_tiny_size(base, tmp_path):
+    """``configs/gpu/smollm2_135m_32k.yaml`` at 1/128 of its lengths (``tiny_pretrained_config``:
+    the tiny imported Llama as the base, its BPE as the tokenizer, the standard library's
+    packages): 3 LoRA steps, one per curriculum stage, then the test and the delta export."""
+    recipe = yaml.safe_load((REPO / "configs" / "gpu" / "smollm2_135m_32k.yaml").read_text())
+    model, data = recipe["model"]["init_args"], recipe["data"]["init_args"]
+    assert model["pretrained"] == data["tokenizer"] == "smollm2-135m"
+    assert model["overrides"]["segment_lengths"][-1] == data["seq_len"] == 32768
+    assert model["overrides"]["dilation_rates"][0] == 1  # the first branch sees every token
+    config = tiny_pretrained_config("smollm2_135m_32k", tmp_path / "cache", base)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert fit(path, tmp_path, "run") == 0
+
+    checkpoint = load(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    assert checkpoint["global_step"] == 3
+    assert all(".lora_" in n or "norm" in n for n in checkpoint["state_dict"])
+    record, _ = read_delta(tmp_path / "run" / "model")
+    assert record["overrides"]["rope_extension"]["rope_type"] == "yarn"
+    assert record["lora"]["target_modules"] == model["lora"]["target_modules"]
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["test"]["step"] == 3 and metrics["test"]["test/bpb"] > 0
