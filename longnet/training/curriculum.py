@@ -101,8 +101,9 @@ class LengthCurriculum(L.Callback):
     Raises:
         ValueError: (here) malformed stages or passkey settings, naming the entry.
         UsageError: (``setup``) a stage length that does not divide the datamodule's, data
-            with its own passkey examples, passkeys with a subword tokenizer (they are bytes), a RoPE base for a model without rotary positions,
-            or a sequence-parallel strategy (its batches are shards).
+            with its own passkey examples, passkeys with a subword tokenizer (they are
+            bytes), a RoPE base for a model without rotary positions, or a sequence-parallel
+            strategy (its batches are shards).
     """
 
     def __init__(
