@@ -24,12 +24,12 @@ from longnet.training.lora import (
     DELTA_CONFIG,
     DELTA_WEIGHTS,
     LoraSettings,
-    merge_delta,
     read_delta,
 )
 from longnet.training.optim import parameter_groups
 from longnet.validation import UsageError
 from tests.gpu_configs import REPO, tiny_pretrained_config
+from tests.scripts import load_script
 from tests.unit.test_handoff import CrashAtStep, Probe, fit, load, probed  # noqa: F401
 
 pytest.importorskip("peft")
@@ -217,7 +217,9 @@ def test_the_export_is_the_delta_and_merges_into_a_loadable_model(base, runs, tm
     trained = load_lightning_checkpoint(runs / "full" / "checkpoints" / "last.ckpt")
     assert not any("lora" in name for name in trained.state_dict())  # merged
     x = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(2))
-    merged = LongNetLM.from_pretrained(merge_delta(exported, tmp_path / "merged")).eval()
+    script = load_script("export_pretrained")
+    assert script.main([str(exported), str(tmp_path / "merged")]) == 0  # merge_delta
+    merged = LongNetLM.from_pretrained(tmp_path / "merged").eval()
     assert (tmp_path / "merged" / "tokenizer.json").read_text() == (
         exported / "tokenizer.json").read_text()
     assert list(merged.config.segment_lengths) == PATTERN["segment_lengths"]
