@@ -248,7 +248,7 @@ def load_lightning_checkpoint(
 
 
 def merged_lora_model(hparams: Mapping[str, Any], state_dict: Mapping[str, Tensor], *,
-                      source: str, prefix: str = "model.") -> LongNetLM:
+                      source: str, prefix: str = MODEL_PREFIX) -> LongNetLM:
     """The model of a LoRA fine-tune: its ``pretrained`` base (with ``overrides``) and the
     delta under ``prefix`` in ``state_dict`` merged into it."""
     base = build_lm(pretrained=hparams["pretrained"], overrides=hparams.get("overrides"))

@@ -100,6 +100,9 @@ def test_bad_lora_settings_and_a_missing_peft_are_refused(base, monkeypatch):
         LoraSettings.from_mapping({"rank": 4})
     with pytest.raises(ValueError, match="lora.dropout must be in \\[0, 1\\), got 1.0"):
         LoraSettings.from_mapping({"dropout": 1.0})
+    with pytest.raises(UsageError, match=r"the checkpoint does not fit the model's LoRA "
+                                         r"adapters: missing \['model.model.final_norm.weight'"):
+        module(base).load_state_dict(module(base, train_norms=False).state_dict())
     monkeypatch.setitem(sys.modules, "peft", None)
     with pytest.raises(ImportError, match="needs the peft package: pip install peft"):
         module(base)
