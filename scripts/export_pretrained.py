@@ -4,9 +4,11 @@
 
 ``CHECKPOINT``: a ``.ckpt`` file (one process, ``SequenceParallelStrategy``) or a folder of
 shards (``ShardedSequenceParallelStrategy``, written by every rank; read here on one process,
-whatever the world size that wrote it). ``OUTPUT`` gets ``config.json``, ``model.safetensors``
-and a card, loadable with ``LongNetLM.from_pretrained(OUTPUT)``; an existing ``OUTPUT`` folder
-is replaced in one step (``save_pretrained`` is atomic); an empty ``OUTPUT``, the current
+whatever the world size that wrote it), or the LoRA delta folder a LoRA fine-tune exports
+(``lora.json``; a LoRA checkpoint too is written merged into its base). ``OUTPUT`` gets
+``config.json``, ``model.safetensors`` and a card (and a delta folder's tokenizer files),
+loadable with ``LongNetLM.from_pretrained(OUTPUT)``; an existing ``OUTPUT`` folder is
+replaced in one step (``save_pretrained`` is atomic); an empty ``OUTPUT``, the current
 folder and a folder holding it are refused. ``OUTPUT`` is checked before the checkpoint is
 read; errors end with a message and exit status 2.
 """
@@ -14,20 +16,26 @@ read; errors end with a message and exit status 2.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from longnet.eval.cli import ScriptParser, run_cli
 from longnet.files import check_path_given, check_replaceable_folder
 from longnet.training.checkpoint import export_pretrained
+from longnet.training.lora import DELTA_CONFIG, merge_delta
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = ScriptParser(description=__doc__.splitlines()[0])
-    parser.add_argument("checkpoint", help="a .ckpt file or a folder of shards")
+    parser.add_argument("checkpoint", help="a .ckpt file, a folder of shards or a LoRA delta "
+                        "folder")
     parser.add_argument("output", help="destination folder")
     args = parser.parse_args(argv)  # strings: an empty one is refused, not taken as "."
     check_replaceable_folder(args.output, what="OUTPUT")
     check_path_given(args.checkpoint, "CHECKPOINT")
-    print(export_pretrained(args.checkpoint, args.output))
+    if (Path(args.checkpoint) / DELTA_CONFIG).is_file():
+        print(merge_delta(args.checkpoint, args.output))
+    else:
+        print(export_pretrained(args.checkpoint, args.output))
     return 0
 
 

@@ -31,3 +31,23 @@ def tiny_gpu_config(name: str, cache_dir: Path, steps: int = 3) -> dict:
                 packages=["stdlib"],
                 held_out={"validation": ["stdlib/json"], "test": ["stdlib/email"]})
     return config
+
+
+def tiny_pretrained_config(name: str, cache_dir: Path, base: Path, steps: int = 3) -> dict:
+    """:func:`tiny_gpu_config` of a recipe that fine-tunes a pretrained model, with ``base``
+    (a small imported model folder with its tokenizer) in place of its ``pretrained`` model
+    and tokenizer, the pattern, positions and RoPE extension at 1/128 of their lengths, and
+    LoRA of rank 4."""
+    config = tiny_gpu_config(name, cache_dir, steps)
+    model = config["model"]["init_args"]
+    overrides = model["overrides"]
+    overrides.update(max_positions=overrides["max_positions"] // SHRINK,
+                     segment_lengths=[n // SHRINK for n in overrides["segment_lengths"]])
+    extension = overrides.get("rope_extension")
+    if extension:
+        extension["original_max_position_embeddings"] //= SHRINK
+    model["pretrained"] = str(base)
+    if model.get("lora"):
+        model["lora"] = {**model["lora"], "r": 4, "alpha": 8.0}
+    config["data"]["init_args"]["tokenizer"] = str(base)
+    return config

@@ -23,6 +23,7 @@ from longnet.training.curves import TrainingCurves, plot_training_curves, read_c
 from longnet.training.handoff import Rewarmup
 from longnet.training.loaders import EpochIndexSampler, EpochLoader, ResumableDataOrder
 from longnet.training.logger import RunLogger
+from longnet.training.lora import LoraSettings, merge_delta
 from longnet.training.metrics import TokenAccuracy, TokenCrossEntropy, lm_summary
 from longnet.training.module import CausalLMModule, TrainingDiverged
 from longnet.training.optim import parameter_groups, warmup_cosine
@@ -48,6 +49,7 @@ __all__ = [
     "LastCheckpoint",
     "LengthCurriculum",
     "LineProgressBar",
+    "LoraSettings",
     "MetricsSummary",
     "PredictionsWriter",
     "RankMemory",
@@ -73,6 +75,7 @@ __all__ = [
     "checkpoint_config",
     "lm_summary",
     "load_lightning_checkpoint",
+    "merge_delta",
     "pad_sequences",
     "parameter_groups",
     "plot_training_curves",

@@ -24,15 +24,16 @@ from longnet.data.subword import SubwordTokenizer
 from longnet.files import check_output_folder, check_replaceable_folder, write_atomic
 from longnet.modeling import LongNetLM
 from longnet.training.checkpoint import (
+    MODEL_PREFIX,
     SHARDED_META,
+    STATE_DICT,
     load_lightning_checkpoint,
     read_checkpoint,
 )
+from longnet.training.lora import save_delta
 from longnet.training.runs import RUN_ID_KEY
 from longnet.training.strategy import SequenceParallelLayout
 from longnet.validation import UsageError, check_positive_int
-
-MODEL_PREFIX = "model."
 
 
 def run_dir(trainer: L.Trainer) -> Path:
@@ -240,6 +241,11 @@ class ExportPretrained(L.Callback):
     ``max_epochs: 0``, stopped before the first step) has no trained weights: nothing is
     written, with a warning.
 
+    A LoRA fine-tune (``CausalLMModule(lora=...)``) is exported as its delta folder (the
+    adapters and norms in bfloat16, ``lora.json`` naming the base:
+    :func:`~longnet.training.lora.save_delta`) with the tokenizer files;
+    :func:`~longnet.training.lora.merge_delta` makes it a full model folder.
+
     Under ``ShardedSequenceParallelStrategy`` the final weights are gathered from every
     rank's shards, and the best checkpoint is a folder of shards read on rank 0
     (:func:`~longnet.training.read_checkpoint`).
@@ -292,14 +298,24 @@ class ExportPretrained(L.Callback):
                 )
             return
         use_best = self.weights == "best" and bool(best)
-        state = None if use_best else full_state_dict(model)  # on every rank: may gather
+        lora = getattr(pl_module, "lora", None)
+        # on every rank: may gather
+        state = None if use_best or lora is not None else full_state_dict(model)
         if trainer.is_global_zero:
-            if use_best:
-                export = load_lightning_checkpoint(best, config=model.config, prefix=MODEL_PREFIX)
+            if lora is not None:
+                delta = read_checkpoint(best)[STATE_DICT] if use_best else pl_module.state_dict()
+                hp = pl_module.hparams
+                save_delta(target, {name[len(MODEL_PREFIX):]: tensor
+                                    for name, tensor in delta.items()},
+                           base=hp["pretrained"], settings=lora, overrides=hp.get("overrides"))
             else:
-                export = LongNetLM(model.config)
-                export.load_state_dict(state)
-            export.save_pretrained(target)
+                if use_best:
+                    export = load_lightning_checkpoint(best, config=model.config,
+                                                       prefix=MODEL_PREFIX)
+                else:
+                    export = LongNetLM(model.config)
+                    export.load_state_dict(state)
+                export.save_pretrained(target)
             tokenizer = getattr(getattr(trainer, "datamodule", None), "tokenizer", None)
             if isinstance(tokenizer, SubwordTokenizer):  # byte models carry their files already
                 tokenizer.save(target)

@@ -38,7 +38,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from longnet.files import write_atomic
 from longnet.modeling import LongNetConfig, LongNetLM, WeightsMismatchError
 from longnet.modeling.serialization import load_state_checked, unique_state_dict
-from longnet.training.builder import MODEL_SOURCES, lm_config
+from longnet.training.builder import MODEL_SOURCES, build_lm, lm_config
+from longnet.training.lora import LoraSettings, merged_model
 from longnet.training.vocabulary import TOKENIZER_KEY
 from longnet.validation import UsageError
 
@@ -47,6 +48,7 @@ EMBEDDINGS = "model.embed_tokens.weight"
 SHARDED_INDEX = ".metadata"  # torch.distributed.checkpoint's index of a folder's shards
 SHARDED_META = "meta.pt"  # Lightning's non-tensor state (loops, callbacks, hyper-parameters)
 STATE_DICT = "state_dict"
+MODEL_PREFIX = "model."  # CausalLMModule's attribute that holds the LM
 
 
 def is_sharded_checkpoint(path: str | Path) -> bool:
@@ -204,7 +206,9 @@ def load_lightning_checkpoint(
     config: LongNetConfig | None = None,
     prefix: str | None = None,
 ) -> LongNetLM:
-    """The :class:`LongNetLM` inside a Lightning checkpoint, in eval mode on the CPU.
+    """The :class:`LongNetLM` inside a Lightning checkpoint, in eval mode on the CPU; that of
+    a LoRA fine-tune (a ``lora`` hyper-parameter, the checkpoint holding the delta) is its
+    ``pretrained`` base with the delta merged (:func:`~longnet.training.lora.merged_model`).
 
     Args:
         path: the ``.ckpt`` file or folder of shards (read by :func:`read_checkpoint`).
@@ -221,6 +225,11 @@ def load_lightning_checkpoint(
     """
     path = Path(path)
     checkpoint = read_checkpoint(path)
+    hparams = checkpoint.get("hyper_parameters") or {}
+    if hparams.get("lora") is not None:
+        model = merged_lora_model(hparams, checkpoint[STATE_DICT], source=str(path),
+                                  prefix=MODEL_PREFIX if prefix is None else prefix)
+        return (model if dtype is None else model.to(dtype)).eval()
     origin = "config given by the caller"
     if config is None:
         config = checkpoint_config(checkpoint, source=str(path))
@@ -236,6 +245,16 @@ def load_lightning_checkpoint(
     except WeightsMismatchError as err:
         raise WeightsMismatchError(f"{err} ({origin})") from None
     return model.eval()
+
+
+def merged_lora_model(hparams: Mapping[str, Any], state_dict: Mapping[str, Tensor], *,
+                      source: str, prefix: str = MODEL_PREFIX) -> LongNetLM:
+    """The model of a LoRA fine-tune: its ``pretrained`` base (with ``overrides``) and the
+    delta under ``prefix`` in ``state_dict`` merged into it."""
+    base = build_lm(pretrained=hparams["pretrained"], overrides=hparams.get("overrides"))
+    delta = {name[len(prefix):]: tensor for name, tensor in state_dict.items()
+             if name.startswith(prefix)}
+    return merged_model(base, LoraSettings.from_mapping(hparams["lora"]), delta, source=source)
 
 
 def last_checkpoint(folder: str | Path, name: str = "last.ckpt") -> Path | None:

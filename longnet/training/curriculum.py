@@ -23,6 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
 from longnet.data.passkey import LabelMode, PasskeyDataset
+from longnet.data.tokenizer_choice import BYTES
 from longnet.nn.positional import RotaryEmbedding
 from longnet.training.module import _datamodule_seq_len
 from longnet.training.strategy import SequenceParallelLayout
@@ -100,8 +101,9 @@ class LengthCurriculum(L.Callback):
     Raises:
         ValueError: (here) malformed stages or passkey settings, naming the entry.
         UsageError: (``setup``) a stage length that does not divide the datamodule's, data
-            with its own passkey examples, a RoPE base for a model without rotary positions,
-            or a sequence-parallel strategy (its batches are shards).
+            with its own passkey examples, passkeys with a subword tokenizer (they are
+            bytes), a RoPE base for a model without rotary positions, or a sequence-parallel
+            strategy (its batches are shards).
     """
 
     def __init__(
@@ -154,6 +156,12 @@ class LengthCurriculum(L.Callback):
                 "LengthCurriculum: the data mixes in passkey examples of its seq_len "
                 f"({length}), which the shorter stages would cut; set the data's "
                 "passkey_fraction to 0 and LengthCurriculum's passkey_fraction instead.")
+        choice = getattr(datamodule, "tokenizer_choice", None)
+        if self.passkey_fraction and getattr(choice, "kind", BYTES) != BYTES:
+            raise UsageError(
+                f"LengthCurriculum: passkey examples are bytes, but the data's tokenizer is "
+                f"{choice.kind} ({getattr(datamodule, 'hparams', {}).get('tokenizer')}); set "
+                "passkey_fraction to 0 or train on bytes (tokenizer: bytes).")
         if isinstance(trainer.strategy, SequenceParallelLayout):
             raise UsageError("LengthCurriculum works on whole windows: not with a "
                              "sequence-parallel strategy, whose batches are shards.")

@@ -21,6 +21,7 @@ from longnet.modeling import LMOutput
 from longnet.modeling.model import document_labels
 from longnet.training.builder import build_lm
 from longnet.training.loaders import ResumableDataOrder
+from longnet.training.lora import LoraSettings, apply_lora, check_delta_names, trainable_names
 from longnet.training.metrics import TokenAccuracy, TokenCrossEntropy, lm_summary
 from longnet.training.optim import build_optimizer, parameter_groups
 from longnet.training.sharding import check_window_shards
@@ -111,6 +112,14 @@ class CausalLMModule(L.LightningModule):
             resumable, exact-evaluation data order); turn off to keep Lightning's loaders.
         loss_reduction: ``"token"`` (mean over scored tokens) or ``"sample"`` (mean over
             samples of their mean over scored tokens); see above.
+        lora: fine-tune ``pretrained`` weights with LoRA adapters (``peft``):
+            ``{r: 16, alpha: 32, dropout: 0.0, target_modules: [q_proj, k_proj, v_proj,
+            out_proj, gate_proj, up_proj, down_proj], train_norms: true}``
+            (:class:`~longnet.training.lora.LoraSettings`). The base weights are frozen; only
+            the adapters (and the norms with ``train_norms``) are trained, optimized and kept
+            in checkpoints (the delta: a resume rebuilds the base from ``pretrained``), and
+            :class:`~longnet.training.ExportPretrained` writes the delta folder
+            (:mod:`longnet.training.lora`).
     """
 
     def __init__(
@@ -130,6 +139,7 @@ class CausalLMModule(L.LightningModule):
         bytes_per_token: float = 1.0,
         resumable_data: bool = True,
         loss_reduction: Literal["token", "sample"] = "token",
+        lora: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         _check_hparams(learning_rate, weight_decay, betas, eps, warmup_steps, total_steps,
@@ -138,10 +148,16 @@ class CausalLMModule(L.LightningModule):
             raise ValueError(
                 f"loss_reduction must be 'token' or 'sample', got {loss_reduction!r}."
             )
+        self.lora = None if lora is None else LoraSettings.from_mapping(lora)
+        if self.lora is not None and pretrained is None:
+            raise UsageError("lora fine-tunes pretrained weights: give pretrained (a zoo name "
+                             "or model folder) with it, not model or config.")
         self.save_hyperparameters()
         self.model = build_lm(model, pretrained=pretrained, config=config, overrides=overrides)
         if gradient_checkpointing:
             self.model.set_gradient_checkpointing(True)
+        if self.lora is not None:
+            apply_lora(self.model, self.lora)
         self.bytes_per_token = bytes_per_token
         self.val_ce = TokenCrossEntropy()
         self.val_acc = TokenAccuracy()
@@ -250,6 +266,29 @@ class CausalLMModule(L.LightningModule):
     def teardown(self, stage: str) -> None:
         """Run the model on one device again, which also lets its process group go."""
         parallelize(self.model, None)
+
+    def state_dict(self, *, destination: dict[str, Any] | None = None, prefix: str = "",
+                   keep_vars: bool = False) -> dict[str, Any]:
+        """The module's tensors; with ``lora`` its trainable ones alone (the delta), which is
+        what checkpoints and handoffs keep: the frozen base comes from ``pretrained``."""
+        state = super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if self.lora is not None:
+            kept = {prefix + name for name in trainable_names(self)}
+            for name in [name for name in state if name.startswith(prefix)
+                         and name not in kept]:
+                del state[name]
+        return state
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load tensors; with ``lora`` a delta (:meth:`state_dict`) over the base weights the
+        module holds, every trainable tensor required under ``strict``."""
+        if self.lora is None:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        if strict:
+            check_delta_names(set(state_dict), trainable_names(self), "the checkpoint")
+        full = super().state_dict()
+        full.update(state_dict)
+        return super().load_state_dict(full, strict=strict, assign=assign)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Keep the RNG state (dropout) so a resumed run draws what the uninterrupted one

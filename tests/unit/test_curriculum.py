@@ -160,11 +160,11 @@ def test_a_passkey_window_too_short_for_the_task_is_refused():
 
 
 def setup_with(data: dict, position_encoding: str = "xpos",
-               stages: list | None = None) -> LengthCurriculum:
+               stages: list | None = None, passkey_fraction: float = 0.0) -> LengthCurriculum:
     config = LongNetConfig(vocab_size=256, hidden_size=16, num_layers=1, num_heads=2,
                            max_positions=64, segment_lengths=(64,), dilation_rates=(1,),
                            position_encoding=position_encoding)
-    curriculum = LengthCurriculum(stages or STAGES)
+    curriculum = LengthCurriculum(stages or STAGES, passkey_fraction=passkey_fraction)
     trainer = SimpleNamespace(datamodule=SimpleNamespace(**data), strategy=None)
     curriculum.setup(trainer, SimpleNamespace(model=LongNetLM(config)), "fit")
     return curriculum
@@ -177,6 +177,13 @@ def test_settings_the_curriculum_cannot_use_are_refused_at_setup():
         setup_with({"seq_len": 48})
     with pytest.raises(UsageError, match="passkey examples .* set the data's passkey_fraction"):
         setup_with({"seq_len": 64, "passkey_fraction": 0.5})
+    subword = {"seq_len": 512, "tokenizer_choice": SimpleNamespace(kind="bpe"),
+               "hparams": {"tokenizer": "bpe:300"}}
+    with pytest.raises(UsageError, match=r"passkey examples are bytes, but the data's "
+                                         r"tokenizer is bpe \(bpe:300\); set passkey_fraction"):
+        setup_with(subword, stages=[{"step": 0, "seq_len": 256}], passkey_fraction=0.1)
+    setup_with({**subword, "tokenizer_choice": SimpleNamespace(kind="bytes")},
+               stages=[{"step": 0, "seq_len": 256}], passkey_fraction=0.1)
     with pytest.raises(UsageError, match="position_encoding is 'learned'"):
         setup_with({"seq_len": 64}, position_encoding="learned")
     with pytest.raises(UsageError, match="needs a datamodule with a seq_len"):
