@@ -215,9 +215,10 @@ def test_missing_pieces_are_named(tmp_path, monkeypatch):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
     real_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "gguf" else real_spec(name, *a))
-    with pytest.raises(ImportError, match="needs the packages gguf: pip install "
+    monkeypatch.setattr(importlib.util, "find_spec",  # both absent, as in CI's environment
+                        lambda name, *a: None if name in ("gguf", "accelerate")
+                        else real_spec(name, *a))
+    with pytest.raises(ImportError, match="needs the packages gguf, accelerate: pip install "
                        "'longnet\\[pretrained\\]'"):
         import_pretrained(gguf, tmp_path / "out")
     with pytest.raises(FileNotFoundError, match="neither a Hugging Face checkpoint folder"):

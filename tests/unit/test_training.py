@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-import gc
 import json
 import math
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -30,6 +33,8 @@ from longnet.training import (
 )
 from longnet.training.sharding import check_window_shards
 from longnet.validation import UsageError
+
+REPO = Path(__file__).resolve().parents[2]
 
 TINY = {
     "hidden_size": 32,
@@ -438,12 +443,22 @@ class Allocates(L.LightningModule):
         return DataLoader(range(1), batch_size=1)
 
 
-def test_rank_memory_records_the_peak_a_step_adds(tmp_path):
-    gc.collect()  # garbage of earlier tests freed during fit would lower the RSS under the start
+def fit_allocating(mib: int, root: str) -> None:
+    """One step of :class:`Allocates` with :class:`RankMemory`, writing ``root/memory.json``."""
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False,
-                        default_root_dir=tmp_path, callbacks=[RankMemory()])
-    trainer.fit(Allocates(mib=384))
+                        default_root_dir=root, callbacks=[RankMemory()])
+    trainer.fit(Allocates(mib=mib))
+
+
+def test_rank_memory_records_the_peak_a_step_adds(tmp_path):
+    """In a process of its own: memory that earlier tests free during the fit would lower the
+    resident size under the start and hide the step's 384 MiB."""
+    script = ("from tests.unit.test_training import fit_allocating; "
+              f"fit_allocating(384, {str(tmp_path)!r})")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr[-2000:]
     memory = json.loads((tmp_path / "memory.json").read_text())
     assert memory["device"] == "cpu" and memory["step"] == 1
     (rank,) = memory["ranks"]
