@@ -47,10 +47,11 @@ from longnet.data.encoding import (
     TOKEN_BYTES_COLUMN,
     describe_documents,
     encode_documents,
+    kept_documents,
     split_texts,
 )
 from longnet.data.sources import DocumentSource
-from longnet.data.splits import SPLITS, check_fractions, document_hash, split_of
+from longnet.data.splits import SPLITS, check_fractions
 from longnet.data.subword import SubwordTokenizer
 from longnet.data.tokenizer import ByteTokenizer
 from longnet.data.tokenizer_choice import BYTES, TokenizerChoice, Tokenizers, parse_tokenizer
@@ -178,17 +179,12 @@ def _tokenizer_key(source: DocumentSource, settings: CorpusSettings,
 def _encode_batch(
     batch: dict[str, list], val_fraction: float, test_fraction: float, min_document_bytes: int
 ) -> dict[str, list]:
-    tokenizer = ByteTokenizer()
     out: dict[str, list] = {"tokens": [], "doc_id": [], "split": []}
-    given = batch["split"] if "split" in batch else [None] * len(batch["text"])
-    for text, split in zip(batch["text"], given):
-        tokens = tokenizer.encode_array(text or "")
-        if len(tokens) < min_document_bytes:
-            continue
-        doc_id = document_hash(tokens)
-        out["tokens"].append(tokens)
+    for _, data, doc_id, split in kept_documents(batch, val_fraction, test_fraction,
+                                                 min_document_bytes):
+        out["tokens"].append(data)
         out["doc_id"].append(doc_id)
-        out["split"].append(split or split_of(doc_id, val_fraction, test_fraction))
+        out["split"].append(split)
     return out
 
 

@@ -28,19 +28,28 @@ from longnet.data.tokenizer import ByteTokenizer
 TOKEN_BYTES_COLUMN = "token_bytes"
 
 
-def _describe_batch(batch: dict[str, list], val_fraction: float, test_fraction: float,
-                    min_document_bytes: int) -> dict[str, list]:
+def kept_documents(batch: dict[str, list], val_fraction: float, test_fraction: float,
+                   min_document_bytes: int) -> Iterator[tuple[str, np.ndarray, str, str]]:
+    """``(text, UTF-8 bytes (n,) uint8, doc_id, split)`` of each document of a batch of rows
+    ``text`` (and ``split``, else the hash split) with at least ``min_document_bytes`` bytes."""
     encoder = ByteTokenizer()
-    out: dict[str, list] = {"text": [], "doc_id": [], "split": [], "num_bytes": []}
     given = batch["split"] if "split" in batch else [None] * len(batch["text"])
     for text, split in zip(batch["text"], given):
         data = encoder.encode_array(text or "")
         if len(data) < min_document_bytes:
             continue
         doc_id = document_hash(data)
-        out["text"].append(text or "")
+        yield text or "", data, doc_id, split or split_of(doc_id, val_fraction, test_fraction)
+
+
+def _describe_batch(batch: dict[str, list], val_fraction: float, test_fraction: float,
+                    min_document_bytes: int) -> dict[str, list]:
+    out: dict[str, list] = {"text": [], "doc_id": [], "split": [], "num_bytes": []}
+    for text, data, doc_id, split in kept_documents(batch, val_fraction, test_fraction,
+                                                    min_document_bytes):
+        out["text"].append(text)
         out["doc_id"].append(doc_id)
-        out["split"].append(split or split_of(doc_id, val_fraction, test_fraction))
+        out["split"].append(split)
         out["num_bytes"].append(len(data))
     return out
 
