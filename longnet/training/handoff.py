@@ -39,6 +39,7 @@ from longnet.files import check_path_given, replace_folder, write_atomic
 from longnet.modeling.serialization import parse_safetensors
 from longnet.training.checkpoint import STATE_DICT, read_checkpoint
 from longnet.training.runs import RUN_ID_KEY, checkpoint_run_id
+from longnet.training.vocabulary import TOKENIZER_KEY
 from longnet.validation import UsageError, check_non_negative_int, check_positive_int, is_int
 
 MiB = 1 << 20
@@ -53,10 +54,12 @@ STATE_FORMAT = "longnet-chunk-state"
 HANDOFF_FORMAT = "longnet-handoff"
 HANDOFF_ENTRIES = ("epoch", "global_step", "pytorch-lightning_version", "loops",
                    "lr_schedulers", "hparams_name", "hyper_parameters",
-                   "datamodule_hparams_name", "datamodule_hyper_parameters", RUN_ID_KEY)
+                   "datamodule_hparams_name", "datamodule_hyper_parameters", RUN_ID_KEY,
+                   TOKENIZER_KEY)
 """The checkpoint entries a compact handoff keeps as they are (plain values): what Lightning
 needs to resume ``fit`` at the recorded step (loops with the data position, schedulers), the
-module's and datamodule's hyper-parameters and the run id."""
+module's and datamodule's hyper-parameters, the run id and the tokenizer (its fingerprint,
+checked on resume, and its files, which exports write: 3.4 MB of JSON for SmolLM2's)."""
 
 
 # ---------------------------------------------------------------------- the full state
@@ -265,6 +268,26 @@ def restore_newest(target: str | Path, state: str | Path | None = None,
                                 target)
         write_atomic(target, data)
     return kind, step
+
+
+def restart_clock(checkpoint: str | Path) -> float:
+    """Zero the training time that Lightning's ``Timer`` (``trainer.max_time``) recorded in
+    the checkpoint file ``checkpoint``, so that the next fit's ``max_time`` counts that fit
+    alone. Lightning adds the recorded time on a resume: a chunk of ``max_time`` resumed from
+    one that used up ``max_time`` would stop after its first step. Returns the seconds
+    removed; 0.0 leaves the file as it was (no ``Timer`` state, or no time recorded).
+    """
+    path = Path(checkpoint)
+    state = read_checkpoint(path)
+    elapsed = ((state.get("callbacks") or {}).get("Timer") or {}).get("time_elapsed") or {}
+    seconds = float(elapsed.get("train") or 0.0)
+    if seconds == 0.0:
+        return 0.0
+    elapsed["train"] = 0.0
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    write_atomic(path, buffer.getvalue())
+    return seconds
 
 
 class Rewarmup(L.Callback):

