@@ -9,9 +9,10 @@ from torch.utils.data import ConcatDataset, DataLoader, Dataset
 from longnet.data.cache import cache_folder
 from longnet.data.corpus import CorpusSettings, LongDocumentSplits, build_long_document_splits
 from longnet.data.loaders import check_loader_args, make_loader
-from longnet.data.passkey import LabelMode, PasskeyDataset
+from longnet.data.passkey import LabelMode, PasskeyDataset, check_passkey_options
 from longnet.data.repositories import check_package_options, repository_source
 from longnet.data.sources import InvalidFiles, select_source
+from longnet.data.subword import SubwordTokenizer
 from longnet.data.tokenizer_choice import BYTES, Tokenizers, parse_tokenizer
 from longnet.validation import UsageError
 
@@ -48,8 +49,9 @@ class LongDocumentDataModule(L.LightningDataModule):
         min_document_bytes: drop documents shorter than this (all splits), e.g. 16384 to train
             and validate a long-context model on long documents only.
         passkey_fraction: share in ``[0, 1)`` of training samples that are passkey examples
-            (drawn on the fly from ``seed``, in the tokenizer's tokens); validation and test
-            stay pure text.
+            (drawn on the fly from ``seed``, in the tokenizer's tokens: ``seq_len`` must hold
+            the shortest, ``min_passkey_length`` bytes or ``min_passkey_tokens`` tokens);
+            validation and test stay pure text.
         passkey_label_mode: ``"all"`` (language modelling on the whole passkey text),
             ``"answer"`` (loss on the key's digits only) or ``"recall"`` (the answer and the
             needle's second copy of the key; ``PasskeyDataset``) for the mixed-in examples.
@@ -84,7 +86,8 @@ class LongDocumentDataModule(L.LightningDataModule):
     Raises:
         FileNotFoundError: a ``data_files`` pattern matches nothing (raised here, before work).
         ValueError: an argument is out of range or a ``corpus`` entry is malformed (the message
-            names it).
+            names it); with a BPE to train, a ``seq_len`` too short for its passkey examples
+            is found in ``setup``.
         UsageError: (here) a ``corpus`` distribution that is not installed, not the pinned
             version, or modified since it was installed (files that differ from its RECORD);
             a ``tokenizer`` that is not one (``tokenizer_choice.parse_tokenizer``).
@@ -140,8 +143,8 @@ class LongDocumentDataModule(L.LightningDataModule):
                 "pack_documents cannot be combined with passkey_fraction > 0 yet (passkey "
                 "samples have no document_ids); set one of them off."
             )
-        if passkey_fraction > 0:  # checks seq_len, seed and label mode for passkeys here
-            PasskeyDataset(seq_len, 0, seed=seed, label_mode=passkey_label_mode)
+        if passkey_fraction > 0:  # seq_len: below, in the tokenizer's tokens
+            check_passkey_options(passkey_label_mode, seed=seed)
         self.passkey_fraction, self.passkey_label_mode, self.seed = (
             passkey_fraction, passkey_label_mode, seed
         )
@@ -152,6 +155,9 @@ class LongDocumentDataModule(L.LightningDataModule):
         )
         self.cache_dir = cache_folder(cache_dir)
         self.tokenizer_choice = parse_tokenizer(tokenizer)
+        if passkey_fraction > 0 and self.tokenizer_choice.loaded is not None:  # a BPE: setup
+            PasskeyDataset(seq_len, 0, seed=seed, label_mode=passkey_label_mode,
+                           tokenizer=self._passkey_tokenizer(self.tokenizer_choice.loaded))
         self.tokenizer: Tokenizers | None = self.tokenizer_choice.loaded
         self.splits: LongDocumentSplits | None = None
         self.train_dataset: Dataset | None = None
@@ -197,12 +203,15 @@ class LongDocumentDataModule(L.LightningDataModule):
         if self.passkey_fraction > 0:
             share = self.passkey_fraction
             count = round(len(self.splits.train) * share / (1 - share))
-            subword = None if self.tokenizer_choice.kind == BYTES else self.tokenizer
             passkeys = PasskeyDataset(
                 self.settings.seq_len, count, seed=self.seed, label_mode=self.passkey_label_mode,
-                tokenizer=subword,
+                tokenizer=self._passkey_tokenizer(self.tokenizer),
             )
             self.train_dataset = ConcatDataset([self.splits.train, passkeys])
+
+    def _passkey_tokenizer(self, tokenizer: Tokenizers | None) -> SubwordTokenizer | None:
+        """What ``PasskeyDataset`` counts in: None for bytes, else the data's tokenizer."""
+        return None if self.tokenizer_choice.kind == BYTES else tokenizer
 
     def _loader(self, dataset: Dataset | None, batch_size: int, shuffle: bool) -> DataLoader:
         if dataset is None:

@@ -17,6 +17,9 @@ and no leading zero. The prompt is everything before the key, so an evaluator fe
 greedily generates ``num_digits`` bytes (``passkey_examples`` + ``passkey_match``).
 Training samples (``PasskeyDataset``) append ``ANSWER_END`` (a full stop) to the key, so a
 model learns where the answer stops; ``passkey_match`` rejects an answer followed by a digit.
+With a subword tokenizer the same text (the evaluation's prompt format) is counted in that
+tokenizer's tokens: ``PasskeyDataset(..., tokenizer=...)``, whose shortest sample is
+``min_passkey_tokens(tokenizer, num_digits)`` tokens.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
 QUESTION = "\nWhat is the pass key? The pass key is "
 ANSWER_END = "."
 NEEDLE_JITTER = len(FILLER) // 2
+PASSKEY_PROBE_KEYS = 32  # examples min_passkey_tokens measures
 LabelMode = Literal["answer", "recall", "all"]
 
 
@@ -72,6 +76,20 @@ class PasskeyExample:
 def min_passkey_length(num_digits: int = 5) -> int:
     """The shortest sample (bytes, answer included) with ``num_digits`` digits and no filler."""
     return len(TASK) + len(NEEDLE.format(key="0" * num_digits)) + len(QUESTION) + num_digits
+
+
+def min_passkey_tokens(tokenizer: SubwordTokenizer, num_digits: int = 5) -> int:
+    """The shortest ``seq_len`` (tokens) of a ``PasskeyDataset`` sample in ``tokenizer``'s
+    tokens: the text of an example without filler (answer and end mark included) less one
+    token (samples are shifted), the most over ``PASSKEY_PROBE_KEYS`` drawn keys (a key's
+    digits may take more or fewer tokens). A rarer key that takes more still raises when its
+    sample is drawn, naming its own count."""
+    check_passkey_options(num_digits=num_digits)
+    shortest = min_passkey_length(num_digits)
+    examples = [make_passkey_example(shortest, np.random.default_rng([num_digits, probe]), 0.0,
+                                     num_digits) for probe in range(PASSKEY_PROBE_KEYS)]
+    texts = [e.prompt + e.answer + ANSWER_END for e in examples]
+    return max(len(ids) for ids, _ in tokenizer.encode_documents(texts)) - 1
 
 
 def make_passkey_example(
@@ -110,15 +128,29 @@ def needle_window(budget: int, depth: float) -> tuple[int, int]:
 
 
 def _check_passkey_args(length: int, depth: float | None, num_digits: int) -> None:
-    if not is_int(num_digits) or not 1 <= num_digits <= 18:
-        raise ValueError(f"num_digits must be an integer in [1, 18], got {num_digits!r}.")
+    check_passkey_options(depth=depth, num_digits=num_digits)
     if length < min_passkey_length(num_digits):
         raise ValueError(
             f"passkey length {length} is too short: the task, needle and question need "
             f"{min_passkey_length(num_digits)} bytes with num_digits={num_digits}; raise seq_len."
         )
+
+
+def check_passkey_options(
+    label_mode: LabelMode = "answer", depth: float | None = None, num_digits: int = 5,
+    seed: int = 0, split: str = "train",
+) -> None:
+    """Raise ``ValueError`` for a passkey setting no length makes right (everything
+    ``PasskeyDataset`` checks but ``seq_len``, which depends on the tokenizer)."""
+    if label_mode not in ("answer", "recall", "all"):
+        raise ValueError(
+            f"label_mode must be 'answer', 'recall' or 'all', got {label_mode!r}."
+        )
+    if not is_int(num_digits) or not 1 <= num_digits <= 18:
+        raise ValueError(f"num_digits must be an integer in [1, 18], got {num_digits!r}.")
     if depth is not None and not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1] or None (random), got {depth!r}.")
+    sample_rng(seed, split, 0)  # validates seed and split
 
 
 def passkey_examples(
@@ -156,9 +188,17 @@ class PasskeyDataset(Dataset):
     With a subword ``tokenizer`` the sample is ``seq_len + 1`` **tokens**: the text is the
     longest example (in bytes, drawn from the same ``(seed, split, index)``) whose tokens fit,
     right-padded with the tokenizer's padding id (labels ignored there); the labelled positions
-    are those whose target token covers a byte of the key (and end mark, and second copy); the
-    sample also holds ``"label_bytes"`` ``(seq_len,)``, the UTF-8 bytes of each label's token
-    (0 where not labelled), as the corpus windows of that tokenizer do.
+    are those whose target token covers a byte of the answer as the evaluation reads it (the
+    prompt's final space, which it holds back, the key and the end mark; in ``"recall"`` also
+    the digits of the second copy); the sample also holds ``"label_bytes"`` ``(seq_len,)``,
+    the UTF-8 bytes of each label's token (0 where not labelled), as the corpus windows of
+    that tokenizer do. The text is the one the evaluation prompts with
+    (``longnet.eval.passkey``), so a model trained on these samples is asked in the format it
+    learned; ``seq_len`` must be at least ``min_passkey_tokens(tokenizer, num_digits)``.
+
+    Raises:
+        ValueError: a bad label mode, depth, number of digits, seed, split or size, or a
+            ``seq_len`` too short for the task (naming the minimum, in bytes or in tokens).
     """
 
     def __init__(
@@ -172,13 +212,18 @@ class PasskeyDataset(Dataset):
         label_mode: LabelMode = "answer",
         tokenizer: SubwordTokenizer | None = None,
     ) -> None:
-        if label_mode not in ("answer", "recall", "all"):
-            raise ValueError(
-                f"label_mode must be 'answer', 'recall' or 'all', got {label_mode!r}."
-            )
+        check_passkey_options(label_mode, depth, num_digits, seed, split)
         check_non_negative_int("size", size)
-        _check_passkey_args(seq_len, depth, num_digits)
-        sample_rng(seed, split, 0)  # validates seed and split
+        if isinstance(tokenizer, SubwordTokenizer):
+            shortest = min_passkey_tokens(tokenizer, num_digits)
+            if not is_int(seq_len) or seq_len < shortest:
+                raise ValueError(
+                    f"passkey seq_len {seq_len!r} is too short for the tokens of "
+                    f"{tokenizer.name}: the task, needle, question and answer take at least "
+                    f"{shortest} tokens with num_digits={num_digits}; raise seq_len."
+                )
+        else:
+            _check_passkey_args(seq_len, depth, num_digits)
         self.seq_len, self.size, self.seed, self.split = seq_len, size, seed, split
         self.depth, self.num_digits, self.label_mode = depth, num_digits, label_mode
         self.tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
@@ -187,7 +232,10 @@ class PasskeyDataset(Dataset):
         return self.size
 
     def example(self, index: int, length: int | None = None) -> PasskeyExample:
-        """The text behind sample ``index`` (``length`` bytes: default ``seq_len``)."""
+        """The text behind sample ``index``: ``length`` bytes, by default ``seq_len`` bytes, or
+        with a subword tokenizer the example whose tokens make the sample."""
+        if length is None and isinstance(self.tokenizer, SubwordTokenizer):
+            return self._fitting_example(index)[0]
         if not 0 <= index < self.size:
             raise IndexError(f"index {index} out of range for a dataset of {self.size}.")
         rng = sample_rng(self.seed, self.split, index)
@@ -212,7 +260,9 @@ class PasskeyDataset(Dataset):
         example, ids, counts = self._fitting_example(index)
         ends = np.cumsum(counts)  # byte offset where each token ends
         starts = ends - counts
-        spans = [(len(example.prompt.encode()), int(ends[-1]))]  # the key and its end mark
+        # the answer as the evaluation asks for it: the prompt's final space (held back, as
+        # a subword tokenizer joins it to the key or keeps it alone), the key, its end mark
+        spans = [(len(example.prompt.rstrip(" ").encode()), int(ends[-1]))]
         if self.label_mode == "recall":
             copy = example.prompt.find(example.answer, example.prompt.find(example.answer) + 1)
             spans.append((copy, copy + len(example.answer)))  # ASCII: bytes are characters
@@ -248,9 +298,9 @@ class PasskeyDataset(Dataset):
                 return example, ids, counts
             if length == shortest:
                 raise ValueError(
-                    f"seq_len {self.seq_len} holds no passkey example in the tokens of "
-                    f"{self.tokenizer.name} (the shortest takes {len(ids) - 1} + 1); raise "
-                    "seq_len."
+                    f"passkey seq_len {self.seq_len} is too short for example {index} in the "
+                    f"tokens of {self.tokenizer.name}: without filler it takes {len(ids) - 1} "
+                    "tokens (task, needle, question and answer); raise seq_len."
                 )
             bytes_per_token = len(text.encode()) / len(ids)
             length = max(shortest, length - max(1, int(excess * bytes_per_token)))

@@ -7,9 +7,9 @@ split so is the stream cut every ``L`` tokens: the same windows as a datamodule 
 ``seq_len: L`` (with ``pack_documents``, the same ``document_ids``), ``batch_size * T / L`` of
 them per step, so the tokens per step stay equal and the data order, its position in the
 checkpoint and the learning-rate schedule are the run's, whatever the stage. The stage, the
-RoPE base and the passkey examples are functions of the optimizer step alone: nothing is
-saved, and a resumed run (``--ckpt_path``, a full chunk state, a compact handoff) continues
-the curriculum where it was, bit-exactly across a switch.
+RoPE base and the passkey examples (in the data's tokens) are functions of the optimizer step
+alone: nothing is saved, and a resumed run (``--ckpt_path``, a full chunk state, a compact
+handoff) continues the curriculum where it was, bit-exactly across a switch.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import numpy as np
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
-from longnet.data.passkey import LabelMode, PasskeyDataset
+from longnet.data.passkey import LabelMode, PasskeyDataset, check_passkey_options
+from longnet.data.subword import SubwordTokenizer
 from longnet.data.tokenizer_choice import BYTES
 from longnet.nn.positional import RotaryEmbedding
 from longnet.training.module import _datamodule_seq_len
@@ -93,17 +94,20 @@ class LengthCurriculum(L.Callback):
             datamodule's.
         passkey_fraction: share in ``[0, 1)`` of each step's windows replaced by passkey
             examples of the stage's length (which windows: drawn from ``seed`` and the step;
-            their ``document_ids`` are 0). The datamodule's own ``passkey_fraction`` must be 0
-            (its examples are as long as its ``seq_len`` and would be cut).
+            their ``document_ids`` are 0), in the data's tokens: bytes, or a subword
+            tokenizer's (``PasskeyDataset(tokenizer=...)``; the rows' ``label_bytes`` too).
+            The datamodule's own ``passkey_fraction`` must be 0 (its examples are as long as
+            its ``seq_len`` and would be cut).
         passkey_label_mode: what the examples label (``PasskeyDataset``'s ``label_mode``).
         seed: seed of the examples and of the windows they replace.
 
     Raises:
         ValueError: (here) malformed stages or passkey settings, naming the entry.
         UsageError: (``setup``) a stage length that does not divide the datamodule's, data
-            with its own passkey examples, passkeys with a subword tokenizer (they are
-            bytes), a RoPE base for a model without rotary positions, or a sequence-parallel
-            strategy (its batches are shards).
+            with its own passkey examples, passkeys in a stage too short for them (naming the
+            shortest length, in the data's tokens), a subword tokenizer not loaded yet, a
+            RoPE base for a model without rotary positions, or a sequence-parallel strategy
+            (its batches are shards).
     """
 
     def __init__(
@@ -116,12 +120,12 @@ class LengthCurriculum(L.Callback):
         self.stages = _check_stages(stages)
         if not 0.0 <= passkey_fraction < 1.0:
             raise ValueError(f"passkey_fraction must be in [0, 1), got {passkey_fraction!r}.")
-        shortest = min(stage.seq_len for stage in self.stages)
-        if passkey_fraction > 0:  # validates the label mode and seed, and the shortest length
-            PasskeyDataset(shortest, 0, seed=seed, label_mode=passkey_label_mode)
+        if passkey_fraction > 0:  # the stages' lengths at setup, in the data's tokens
+            check_passkey_options(passkey_label_mode, seed=seed)
         self.passkey_fraction, self.passkey_label_mode, self.seed = (
             passkey_fraction, passkey_label_mode, check_non_negative_int("seed", seed))
         self._passkeys: dict[int, PasskeyDataset] = {}
+        self._tokenizer: SubwordTokenizer | None = None
         self._configured_theta: float | None = None
         self._announced: Stage | None = None
 
@@ -156,12 +160,8 @@ class LengthCurriculum(L.Callback):
                 "LengthCurriculum: the data mixes in passkey examples of its seq_len "
                 f"({length}), which the shorter stages would cut; set the data's "
                 "passkey_fraction to 0 and LengthCurriculum's passkey_fraction instead.")
-        choice = getattr(datamodule, "tokenizer_choice", None)
-        if self.passkey_fraction and getattr(choice, "kind", BYTES) != BYTES:
-            raise UsageError(
-                f"LengthCurriculum: passkey examples are bytes, but the data's tokenizer is "
-                f"{choice.kind} ({getattr(datamodule, 'hparams', {}).get('tokenizer')}); set "
-                "passkey_fraction to 0 or train on bytes (tokenizer: bytes).")
+        if self.passkey_fraction:
+            self._passkey_setup(datamodule)
         if isinstance(trainer.strategy, SequenceParallelLayout):
             raise UsageError("LengthCurriculum works on whole windows: not with a "
                              "sequence-parallel strategy, whose batches are shards.")
@@ -191,17 +191,45 @@ class LengthCurriculum(L.Callback):
             self._announced = stage
         pl_module.log("train/seq_len", float(stage.seq_len))
 
-    def _mix_passkeys(self, batch: dict[str, Any], step: int, seq_len: int) -> None:
-        """Replace the windows drawn for ``step`` by passkey examples of ``seq_len`` tokens."""
-        rows = batch["input_ids"].shape[0]
-        draws = np.random.default_rng([self.seed, step]).random(rows)
+    def _passkey_setup(self, datamodule: Any) -> None:
+        """Take the data's subword tokenizer (None: bytes) and build every stage's examples,
+        refusing a stage too short for them."""
+        choice = getattr(datamodule, "tokenizer_choice", None)
+        tokenizer = getattr(datamodule, "tokenizer", None)
+        if getattr(choice, "kind", BYTES) != BYTES and not isinstance(tokenizer,
+                                                                      SubwordTokenizer):
+            raise UsageError(
+                f"LengthCurriculum: the data's tokenizer ({choice.kind}) is not loaded, so "
+                "its passkey examples cannot be counted in its tokens; set the datamodule up "
+                "before the trainer's setup, or set passkey_fraction to 0.")
+        self._tokenizer = tokenizer if isinstance(tokenizer, SubwordTokenizer) else None
+        self._passkeys = {}
+        for entry in self.stages:
+            try:
+                self._passkey_examples(entry.seq_len)
+            except ValueError as err:
+                raise UsageError(f"LengthCurriculum: the stage at step {entry.step} has "
+                                 f"passkey_fraction {self.passkey_fraction}: {err}") from None
+
+    def _passkey_examples(self, seq_len: int) -> PasskeyDataset:
+        """The passkey examples of ``seq_len`` tokens (in the data's tokens after ``setup``)."""
         if seq_len not in self._passkeys:
             self._passkeys[seq_len] = PasskeyDataset(
-                seq_len, PASSKEY_POOL, seed=self.seed, label_mode=self.passkey_label_mode)
+                seq_len, PASSKEY_POOL, seed=self.seed, label_mode=self.passkey_label_mode,
+                tokenizer=self._tokenizer)
+        return self._passkeys[seq_len]
+
+    def _mix_passkeys(self, batch: dict[str, Any], step: int, seq_len: int) -> None:
+        """Replace the windows drawn for ``step`` by passkey examples of ``seq_len`` tokens
+        (with a subword tokenizer, their ``label_bytes`` too)."""
+        rows = batch["input_ids"].shape[0]
+        draws = np.random.default_rng([self.seed, step]).random(rows)
+        examples = self._passkey_examples(seq_len)
         for row in np.flatnonzero(draws < self.passkey_fraction):
-            sample = self._passkeys[seq_len][step * rows + int(row)]
-            for key in ("input_ids", "labels"):
-                batch[key][row] = sample[key]
+            sample = examples[step * rows + int(row)]
+            for key in ("input_ids", "labels", "label_bytes"):
+                if key in batch and key in sample:
+                    batch[key][row] = sample[key]
             if "document_ids" in batch:
                 batch["document_ids"][row] = 0
 

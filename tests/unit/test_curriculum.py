@@ -155,8 +155,12 @@ def test_a_step_before_the_first_or_not_an_integer_is_refused(step):
 
 
 def test_a_passkey_window_too_short_for_the_task_is_refused():
-    with pytest.raises(ValueError, match="passkey length 16 is too short"):
-        LengthCurriculum([{"step": 0, "seq_len": 16}], passkey_fraction=0.1)
+    with pytest.raises(UsageError, match="the stage at step 0 has passkey_fraction 0.1: "
+                                         "passkey length 16 is too short.* need 237 bytes"):
+        setup_with({"seq_len": 64}, stages=[{"step": 0, "seq_len": 16}], passkey_fraction=0.1)
+    with pytest.raises(ValueError, match="label_mode must be"):
+        LengthCurriculum([{"step": 0, "seq_len": 16}], passkey_fraction=0.1,
+                         passkey_label_mode="answers")
 
 
 def setup_with(data: dict, position_encoding: str = "xpos",
@@ -178,9 +182,8 @@ def test_settings_the_curriculum_cannot_use_are_refused_at_setup():
     with pytest.raises(UsageError, match="passkey examples .* set the data's passkey_fraction"):
         setup_with({"seq_len": 64, "passkey_fraction": 0.5})
     subword = {"seq_len": 512, "tokenizer_choice": SimpleNamespace(kind="bpe"),
-               "hparams": {"tokenizer": "bpe:300"}}
-    with pytest.raises(UsageError, match=r"passkey examples are bytes, but the data's "
-                                         r"tokenizer is bpe \(bpe:300\); set passkey_fraction"):
+               "tokenizer": None}  # a BPE not trained yet: its tokens cannot be counted
+    with pytest.raises(UsageError, match=r"the data's tokenizer \(bpe\) is not loaded"):
         setup_with(subword, stages=[{"step": 0, "seq_len": 256}], passkey_fraction=0.1)
     setup_with({**subword, "tokenizer_choice": SimpleNamespace(kind="bytes")},
                stages=[{"step": 0, "seq_len": 256}], passkey_fraction=0.1)
