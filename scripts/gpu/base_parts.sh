@@ -16,14 +16,16 @@
 #   outside the repository, where it waits for the next calls.
 # join: puts the parts of $KEEP and .base/ together, checks the whole wheel's SHA-256 and
 #   writes it into $WHEELS (default .whl), where chunk.sh installs it with the others.
-# Exit status 1 when a part is missing or damaged (named), 2 on a usage error.
+# $BASE (default .base, ignored by git) holds the parts here; $CALL_BYTES (default 64 MiB) is
+# what a call carries in all. Exit status 1 when a part is missing or damaged (named), 2 on a
+# usage error.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
-BASE=.base
+BASE=${BASE:-.base}
 KEEP=${KEEP:-/tmp/longnet-base}
 WHEELS=${WHEELS:-.whl}
-LIMIT=$((64 * 1024 * 1024))
+LIMIT=${CALL_BYTES:-$((64 * 1024 * 1024))}
 MARGIN=$((1024 * 1024))
 
 usage() {

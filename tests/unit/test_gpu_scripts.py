@@ -1,7 +1,8 @@
 """The GPU device-call scripts (``scripts/gpu/``) on the CPU: ``chunk.sh`` trains a tiny chunk
 of a GPU config and brings back exactly the files the next chunk needs, and a second chunk on a
 fresh machine resumes from them (``slow``: the dry run before a GPU session); bad arguments are
-refused before any work; ``core.sh`` passes gpu_check.py's refusal through."""
+refused before any work; ``core.sh`` passes gpu_check.py's refusal through; ``base_parts.sh``
+cuts a wheel into parts that fit a call beside the tree and puts them back together there."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import yaml
 from tests.gpu_configs import REPO, tiny_gpu_config
 
 CHUNK, CORE = REPO / "scripts" / "gpu" / "chunk.sh", REPO / "scripts" / "gpu" / "core.sh"
+PARTS = REPO / "scripts" / "gpu" / "base_parts.sh"
 BROUGHT_BACK = {"weights.safetensors", "handoff.json", "metrics.csv", "chunk.log"}
 
 
@@ -82,3 +84,54 @@ def test_core_passes_gpu_checks_refusal_through(tmp_path):
     done = run(CORE, "--only", "environment", cwd=REPO, out=tmp_path / "out")
     assert done.returncode == 2
     assert "no CUDA device is visible" in done.stderr
+
+
+def tree_bytes() -> int:
+    """What every device call sends: tracked files and untracked files git does not ignore."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others",
+                             "--exclude-standard"], cwd=REPO, capture_output=True, check=True)
+    paths = [REPO / name.decode() for name in listed.stdout.split(b"\0") if name]
+    return sum(path.stat().st_size for path in paths if path.is_file())
+
+
+def test_base_parts_fit_a_call_beside_the_tree_and_join_back_byte_for_byte(tmp_path):
+    """A 5 MB "wheel" with 2 MB of room per call beside the tree: three parts, each checked on
+    arrival (``keep`` into a folder outside the repository, call by call) and joined into the
+    wheels folder with the whole file's SHA-256; a part never kept, or damaged on the way, is
+    named and nothing is joined."""
+    wheel = tmp_path / "base-1.0-py3-none-any.whl"
+    wheel.write_bytes(os.urandom(5_000_000))
+    base, keep, wheels = tmp_path / "base", tmp_path / "keep", tmp_path / "wheels"
+    env = {"BASE": str(base), "KEEP": str(keep), "WHEELS": str(wheels),
+           "CALL_BYTES": str(tree_bytes() + 2**20 + 2_000_000)}
+    done = run(PARTS, "split", str(wheel), cwd=REPO, out=tmp_path / "out", env=env)
+    assert done.returncode == 0, done.stderr
+    parts = sorted(base.glob("part-*"))
+    assert [p.name for p in parts] == ["part-1", "part-2", "part-3"]
+    assert all(p.stat().st_size <= 2_000_000 for p in parts)
+    assert "call 4: carry" in done.stdout and "join && bash scripts/gpu/chunk.sh" in done.stdout
+
+    arrived = tmp_path / "arrived"  # the repository copy on the machine: one part a call
+    for part in parts:
+        arrived.mkdir(exist_ok=True)
+        for old in arrived.glob("part-*"):
+            old.unlink()
+        (arrived / part.name).write_bytes(part.read_bytes())
+        (arrived / "SHA256SUMS").write_bytes((base / "SHA256SUMS").read_bytes())
+        done = run(PARTS, "keep", cwd=REPO, out=tmp_path / "out",
+                   env={**env, "BASE": str(arrived)})
+        assert done.returncode == 0, done.stderr
+    missing = run(PARTS, "join", cwd=REPO, out=tmp_path / "out",
+                  env={**env, "BASE": str(arrived), "KEEP": str(tmp_path / "nothing")})
+    assert missing.returncode == 1 and "part-1 is neither in" in missing.stderr
+    assert not (wheels / wheel.name).exists()
+    done = run(PARTS, "join", cwd=REPO, out=tmp_path / "out", env={**env, "BASE": str(arrived)})
+    assert done.returncode == 0, done.stderr
+    assert (wheels / wheel.name).read_bytes() == wheel.read_bytes()
+
+    damaged = bytearray(parts[1].read_bytes())
+    damaged[7] ^= 1
+    (arrived / "part-2").write_bytes(damaged)
+    done = run(PARTS, "keep", cwd=REPO, out=tmp_path / "out", env={**env, "BASE": str(arrived)})
+    assert done.returncode == 1 and "part-2 arrived damaged" in done.stderr
+    assert run(PARTS, "bogus", cwd=REPO, out=tmp_path / "out").returncode == 2
