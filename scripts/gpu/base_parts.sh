@@ -11,11 +11,12 @@
 # split: cuts the wheel into equal parts that each fit one call beside the working tree (64 MiB
 #   in all, less the tree, less 1 MiB), writes .base/SHA256SUMS (each part and the whole wheel)
 #   and prints one line per call: what it carries and runs. The last call carries the other
-#   wheels, .whl (scripts/gpu/fetch_wheels.sh --pretrained), instead of a part.
+#   wheels, .whl-pretrained (scripts/gpu/fetch_wheels.sh --pretrained), instead of a part.
 # keep: checks each carried part's SHA-256 and copies it to $KEEP (default /tmp/longnet-base),
 #   outside the repository, where it waits for the next calls.
 # join: puts the parts of $KEEP and .base/ together, checks the whole wheel's SHA-256 and
-#   writes it into $WHEELS (default .whl), where chunk.sh installs it with the others.
+#   writes it into $WHEELS (default .whl-pretrained), where chunk.sh installs it with the
+#   others (WHEELS=.whl-pretrained bash scripts/gpu/chunk.sh ...).
 # $BASE (default .base, ignored by git) holds the parts here; $CALL_BYTES (default 64 MiB) is
 # what a call carries in all. Exit status 1 when a part is missing or damaged (named), 2 on a
 # usage error.
@@ -24,7 +25,7 @@ ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
 BASE=${BASE:-.base}
 KEEP=${KEEP:-/tmp/longnet-base}
-WHEELS=${WHEELS:-.whl}
+WHEELS=${WHEELS:-.whl-pretrained}
 LIMIT=${CALL_BYTES:-$((64 * 1024 * 1024))}
 MARGIN=$((1024 * 1024))
 
@@ -73,7 +74,7 @@ split_wheel() {
              "command: bash scripts/gpu/base_parts.sh keep"
     done
     echo "  call $((count + 1)): carry [\"$WHEELS\", \"$BASE/SHA256SUMS\"], command:" \
-         "bash scripts/gpu/base_parts.sh join && bash scripts/gpu/chunk.sh CONFIG"
+         "bash scripts/gpu/base_parts.sh join && WHEELS=$WHEELS bash scripts/gpu/chunk.sh CONFIG"
 }
 
 keep_parts() {

@@ -2,25 +2,30 @@
 # The wheels a GPU machine's image lacks, fetched here (where pip reaches the package index) into
 # a folder that travels with the working tree to the GPU machine (docs/long_context_gpu.md):
 #
-#   bash scripts/gpu/fetch_wheels.sh [--pretrained] [FOLDER]   # default .whl (ignored; carry it)
+#   bash scripts/gpu/fetch_wheels.sh [--pretrained] [FOLDER]
 #
+# FOLDER: default .whl, with --pretrained .whl-pretrained (both ignored by git; carry it).
 # The GPU image has torch, lightning, transformers, tokenizers, pyarrow, pandas, xxhash, fsspec,
 # huggingface-hub, PyYAML, einops, safetensors, matplotlib, tqdm and torchmetrics, but not
 # datasets (with dill and multiprocess) nor jsonargparse (with docstring-parser and
 # typeshed-client). With --pretrained, also what a fine-tune of an imported base needs:
 # transformers at CI's version (the image's 5.17 converts the SmolLM2 GGUF's tokenizer into
-# another tokenizer.json: byte fallback, untrimmed offsets), gguf and peft (14.5 MB more).
+# another tokenizer.json: byte fallback, untrimmed offsets), gguf and peft (14.5 MB more), in
+# a folder of their own: the GPU configs that read `packages: [installed]` read the wheels a
+# call installs too, so .whl stays the same six for every chunk of those.
 # Their versions are those of .ci/constraints.txt (the set CI tests), for CPython 3.12 on
 # x86-64 Linux (the image's Python), without dependencies (the image has them).
 # Prints each wheel fetched with its size, and the total. Exit status 1 when one is not found.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 PACKAGES=(datasets dill multiprocess jsonargparse docstring_parser typeshed_client)
+FOLDER=$ROOT/.whl
 if [ "${1:-}" = --pretrained ]; then
     PACKAGES+=(transformers gguf peft)
+    FOLDER=$ROOT/.whl-pretrained
     shift
 fi
-FOLDER=${1:-$ROOT/.whl}
+FOLDER=${1:-$FOLDER}
 
 pins=()
 for package in "${PACKAGES[@]}"; do
