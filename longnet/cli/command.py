@@ -49,6 +49,7 @@ from longnet.cli.runs import (
 )
 from longnet.data.subword import SubwordTokenizer
 from longnet.files import write_atomic
+from longnet.modeling.hub import register_materializer
 from longnet.training import CausalLMModule
 from longnet.training.callbacks import PredictionsWriter, ValidateLastStep, run_dir
 from longnet.training.checkpoint import is_sharded_checkpoint, read_checkpoint
@@ -68,6 +69,20 @@ from longnet.validation import VERBOSE_FLAG, UsageError, check_positive_int, is_
 
 TOKENIZER_FOLDER = "tokenizer"
 """The run folder's copy of the data's subword tokenizer (``save_pretrained`` layout)."""
+
+
+def _materialize_pretrained(name: str) -> Path:
+    """``longnet.hf.materialize``, imported only when a zoo entry whose weights come from an
+    installed distribution is first used (it needs ``transformers`` and ``gguf``)."""
+    try:
+        from longnet.hf.pretrained import materialize
+    except ImportError as error:
+        raise ImportError(f"importing {name!r} needs the pretrained extra: pip install "
+                          f"'longnet[pretrained]' ({error})") from error
+    return materialize(name)
+
+
+register_materializer(_materialize_pretrained)
 
 
 def check_trainer_values(config: dict[str, Any]) -> None:

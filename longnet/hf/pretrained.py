@@ -29,7 +29,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from longnet.files import check_path_given, replace_folder, write_atomic
 from longnet.modeling import LongNetConfig, LongNetLM, models_dir, resolve_model_dir
-from longnet.modeling.hub import WEIGHTS_FROM, external_weights_hint, materialized_dir
+from longnet.modeling.hub import (
+    WEIGHTS_FROM,
+    external_weights_hint,
+    materialized_dir,
+    register_materializer,
+)
 from longnet.modeling.importers import convert_hf_checkpoint, import_hf_checkpoint
 from longnet.modeling.pretrained import CARD_NAME, SAVED_FILES, model_card
 from longnet.modeling.serialization import load_state_checked
@@ -178,3 +183,6 @@ def _as_expected(config: LongNetConfig, expected: LongNetConfig, source: Path) -
                         for n in differ) + "."
         )
     return expected
+
+
+register_materializer(materialize)

