@@ -26,6 +26,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from longnet.modeling.serialization import WEIGHTS_NAME
 from longnet.validation import UsageError
@@ -123,12 +124,13 @@ def resolve_model_dir(name_or_dir: str | os.PathLike) -> Path:
     name = str(name_or_dir)
     candidate = models_dir() / name
     if name and "/" not in name and (candidate / "config.json").is_file():
-        if (candidate / WEIGHTS_NAME).is_file() or not _external(candidate):
+        source = None if (candidate / WEIGHTS_NAME).is_file() else _weights_source(candidate)
+        if not source:
             return candidate
         materialized = materialized_dir(name)
         if (materialized / WEIGHTS_NAME).is_file():
             return materialized
-        return _materialized_on_first_use(name, candidate)
+        return _materialized_on_first_use(name, candidate, source)
     known = list_models()
     raise FileNotFoundError(
         f"{name!r} is neither a model folder nor a known model name. Known models (in "
@@ -136,12 +138,12 @@ def resolve_model_dir(name_or_dir: str | os.PathLike) -> Path:
     )
 
 
-def _materialized_on_first_use(name: str, candidate: Path) -> Path:
+def _materialized_on_first_use(name: str, candidate: Path, source: Any) -> Path:
     """The zoo entry ``name`` imported into :func:`materialized_dir` now, by the registered
     materializer (:func:`register_materializer`), when the distribution its weights come from
-    is installed; else its zoo folder ``candidate``, whose loading then says what to do."""
-    source = json.loads((candidate / "config.json").read_text())["extra"][WEIGHTS_FROM]
-    if _materializer is None:
+    (``source``, its config's ``extra.weights_from``) is installed; else its zoo folder
+    ``candidate``, whose loading then says what to do."""
+    if _materializer is None or not isinstance(source, dict) or "distribution" not in source:
         return candidate
     try:
         importlib.metadata.distribution(source["distribution"])
@@ -152,14 +154,14 @@ def _materialized_on_first_use(name: str, candidate: Path) -> Path:
     return _materializer(name)
 
 
-def _external(folder: Path) -> bool:
-    """Whether the zoo folder's config names another distribution as its weights' source
-    (``extra.weights_from``)."""
+def _weights_source(folder: Path) -> Any:
+    """The zoo folder's ``extra.weights_from`` (the other distribution its weights come from),
+    None when its config names none or cannot be read."""
     try:
         data = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
-        return False
-    return isinstance(data, dict) and bool((data.get("extra") or {}).get(WEIGHTS_FROM))
+        return None
+    return (data.get("extra") or {}).get(WEIGHTS_FROM) if isinstance(data, dict) else None
 
 
 def _instead(path: Path) -> str:
