@@ -28,6 +28,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import longnet.cli.command  # noqa: F401 - a zoo model's first use imports it, as under `longnet`
 from longnet.eval.cli import (
     ScriptParser,
     length_argument,

@@ -16,7 +16,8 @@
 #    longnet fit --config CONFIG --ckpt_path last (the config's max_time ends it);
 # 4. $OUT (default runs/<name>-out) gets at most 8 files: handoff/ (weights.safetensors,
 #    handoff.json), state/ (the full state: index.json and at most 3 shards of 16 MiB, left out
-#    when larger), metrics.csv and chunk.log (everything printed).
+#    when larger), metrics.csv, chunk.log (everything printed) and, from a config with a
+#    longnet.training.StepProfiler, profile.txt (what one training step costs).
 # <run folder> is the config's trainer.logger save_dir/name, <name> its name. Exit status: the
 # fit's (0 also when max_time ended the chunk), 2 when nothing could be trained.
 set -uo pipefail
@@ -82,6 +83,7 @@ if [ -f "chunks/$NAME/metrics.csv" ] && [ ! -f "$RUN/metrics.csv" ]; then
     cp "chunks/$NAME/metrics.csv" "$RUN/metrics.csv"
 fi
 
+rm -f "$RUN/profile.txt"  # written again by a StepProfiler in the config
 "$PY" -m longnet fit --config "$CONFIG" --ckpt_path last "$@"
 status=$?
 
@@ -91,6 +93,7 @@ if [ -f "$CKPT" ]; then
         || echo "train_chunk.sh: the full state is left out; the compact handoff carries the run on."
 fi
 [ -f "$RUN/metrics.csv" ] && cp "$RUN/metrics.csv" "$OUT/metrics.csv"
+[ -f "$RUN/profile.txt" ] && cp "$RUN/profile.txt" "$OUT/profile.txt"
 echo "train_chunk.sh: fit exited $status. Keep $OUT/handoff/* in chunks/$NAME/handoff/ and" \
      "$OUT/metrics.csv in chunks/$NAME/ (commit them), and $OUT/state/* in $STATE/ (carry it" \
      "to the next chunk where it fits)."

@@ -14,8 +14,9 @@ SHRINK = 128
 def tiny_gpu_config(name: str, cache_dir: Path, steps: int = 3) -> dict:
     """``configs/gpu/<name>.yaml`` on the CPU in float32 at 1/128 of its lengths: ``steps``
     steps, the curriculum's stages at steps 0, 1, 2 (the last from step 2 on), validation and
-    test of one batch, no passkeys (too short for the task), and the standard library's
-    packages alone (two of them held out) in place of every installed one."""
+    test of one batch, no passkeys (too short for the task), a ``StepProfiler`` on step 1, and
+    the standard library's packages alone (two of them held out) in place of every installed
+    one."""
     config = yaml.safe_load((REPO / "configs" / "gpu" / f"{name}.yaml").read_text())
     trainer = config["trainer"]
     trainer.update(accelerator="cpu", precision="32-true", max_steps=steps,
@@ -26,6 +27,9 @@ def tiny_gpu_config(name: str, cache_dir: Path, steps: int = 3) -> dict:
     for step, stage in enumerate(curriculum["stages"]):
         stage.update(step=step, seq_len=stage["seq_len"] // SHRINK)
     curriculum["passkey_fraction"] = 0.0
+    for callback in trainer["callbacks"]:  # a profile of step 1, inside the short fit
+        if isinstance(callback, dict) and callback["class_path"].endswith("StepProfiler"):
+            callback["init_args"].update(start=1, steps=1)
     data = config["data"]["init_args"]
     data.update(seq_len=data["seq_len"] // SHRINK, cache_dir=str(cache_dir),
                 packages=["stdlib"],

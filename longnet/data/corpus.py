@@ -31,6 +31,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -395,17 +396,20 @@ def _build_logged(source: DocumentSource, settings: CorpusSettings, staging: Pat
                   choice: TokenizerChoice) -> None:
     """``_build``, with ``datasets``' progress bars only when stderr is a terminal (in a log
     file every bar is a run of carriage-return updates); off a terminal one line says what is
-    being built."""
+    being built and one how long it took."""
     if sys.stderr.isatty() or not datasets.is_progress_bar_enabled():
         _build(source, settings, staging, choice)
         return
     print(f"Building the {source.name} corpus ({len(source.files)} files) in {staging.parent}.",
           file=sys.stderr, flush=True)
     datasets.disable_progress_bars()
+    started = time.perf_counter()
     try:
         _build(source, settings, staging, choice)
     finally:
         datasets.enable_progress_bars()
+    print(f"Built the {source.name} corpus in {time.perf_counter() - started:.0f} s.",
+          file=sys.stderr, flush=True)
 
 
 def build_long_document_splits(

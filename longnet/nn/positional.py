@@ -93,12 +93,20 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.theta = check_positive_float("theta", theta)
         self.extension = check_rope_extension(extension)
+        self._frequencies: dict[tuple, tuple[Tensor, float]] = {}
 
     def frequencies(self, device: torch.device) -> tuple[Tensor, float]:
         """The inverse frequencies ``(head_dim / 2,)`` (float32) and the factor cos and sin
-        are multiplied by (YaRN's attention factor; 1 otherwise)."""
-        plain = rotary_inverse_frequencies(self.head_dim, self.theta, device)
-        return extended_frequencies(plain, self.head_dim, self.theta, self.extension)
+        are multiplied by (YaRN's attention factor; 1 otherwise). Kept per device and
+        setting: every layer and step would otherwise build them again (a few dozen small
+        kernels under YaRN), and a length curriculum may change ``theta`` between stages."""
+        extension = tuple(sorted(self.extension.items())) if self.extension else None
+        key = (device, self.head_dim, self.theta, extension)
+        if key not in self._frequencies:
+            plain = rotary_inverse_frequencies(self.head_dim, self.theta, device)
+            self._frequencies[key] = extended_frequencies(plain, self.head_dim, self.theta,
+                                                          self.extension)
+        return self._frequencies[key]
 
     def cos_sin(self, position_ids: Tensor) -> tuple[Tensor, Tensor]:
         """``cos, sin`` of shape ``(..., seq, head_dim)`` in float64 (float32 on MPS)."""

@@ -28,6 +28,7 @@ from longnet.training.metrics import TokenAccuracy, TokenCrossEntropy, lm_summar
 from longnet.training.module import CausalLMModule, TrainingDiverged
 from longnet.training.optim import parameter_groups, warmup_cosine
 from longnet.training.precision import AutoPrecisionTrainer
+from longnet.training.profiling import StepProfiler
 from longnet.training.progress import LineProgressBar, StepProgressBar
 from longnet.training.rank_memory import RankMemory
 from longnet.training.runs import RunId, RunLock
@@ -63,6 +64,7 @@ __all__ = [
     "SequenceParallelStrategy",
     "ShardedModule",
     "ShardedSequenceParallelStrategy",
+    "StepProfiler",
     "StepProgressBar",
     "StopOnSignal",
     "TimeBudget",

@@ -39,7 +39,7 @@ from longnet.files import check_path_given, replace_folder, write_atomic
 from longnet.modeling.serialization import parse_safetensors
 from longnet.training.checkpoint import STATE_DICT, read_checkpoint
 from longnet.training.runs import RUN_ID_KEY, checkpoint_run_id
-from longnet.training.vocabulary import TOKENIZER_KEY
+from longnet.training.vocabulary import TOKENIZER_KEY, record_by_name, record_with_files
 from longnet.validation import UsageError, check_non_negative_int, check_positive_int, is_int
 
 MiB = 1 << 20
@@ -59,7 +59,8 @@ HANDOFF_ENTRIES = ("epoch", "global_step", "pytorch-lightning_version", "loops",
 """The checkpoint entries a compact handoff keeps as they are (plain values): what Lightning
 needs to resume ``fit`` at the recorded step (loops with the data position, schedulers), the
 module's and datamodule's hyper-parameters, the run id and the tokenizer (its fingerprint,
-checked on resume, and its files, which exports write: 3.4 MB of JSON for SmolLM2's)."""
+checked on resume, and its files, which exports write; a zoo tokenizer's files are left out
+and read back from the zoo entry by name: 3.4 MB of JSON for SmolLM2's)."""
 
 
 # ---------------------------------------------------------------------- the full state
@@ -169,6 +170,8 @@ def write_handoff(checkpoint: str | Path, folder: str | Path) -> list[Path]:
                       if not _file_bound(value)},
         "checkpoint": {key: state[key] for key in HANDOFF_ENTRIES if key in state},
     }
+    if TOKENIZER_KEY in handoff["checkpoint"]:
+        handoff["checkpoint"][TOKENIZER_KEY] = record_by_name(state[TOKENIZER_KEY])
     data = save(weights, metadata={"format": "pt", "library": "longnet"})
     handoff["weights"] = {"size": len(data), "sha256": _sha256(data)}
     text = _to_json(handoff, checkpoint)
@@ -187,8 +190,10 @@ def handoff_checkpoint(folder: str | Path, target: str | Path) -> Path:
 
     Raises:
         FileNotFoundError: no ``handoff.json`` or ``weights.safetensors`` in ``folder``.
-        UsageError: ``handoff.json`` is not one :func:`write_handoff` wrote, or the weights
-            are not the ones it records (size, SHA-256) or do not match its tensor list.
+        UsageError: ``handoff.json`` is not one :func:`write_handoff` wrote, the weights
+            are not the ones it records (size, SHA-256) or do not match its tensor list, or
+            the zoo tokenizer it names cannot be read here as recorded
+            (``vocabulary.record_with_files``).
     """
     return write_atomic(target, _handoff_bytes(Path(folder)))
 
@@ -214,6 +219,9 @@ def _handoff_bytes(folder: Path) -> bytes:
                          "from different handoffs.")
     checkpoint = {
         **handoff["checkpoint"],
+        **({TOKENIZER_KEY: record_with_files(handoff["checkpoint"][TOKENIZER_KEY],
+                                             str(folder / HANDOFF))}
+           if TOKENIZER_KEY in handoff["checkpoint"] else {}),
         STATE_DICT: {name: tensor.to(_dtype(dtypes[name], folder / HANDOFF))
                      for name, tensor in tensors.items()},
         "optimizer_states": [{"state": {}, "param_groups": groups}

@@ -11,10 +11,11 @@ import torch
 from torch import Tensor
 
 from longnet.constants import IGNORE_INDEX
-from longnet.data.subword import SubwordTokenizer
+from longnet.data.subword import SubwordTokenizer, load_tokenizer_folder
 from longnet.data.tokenizer import ByteTokenizer
 from longnet.data.tokenizer_choice import BYTES
 from longnet.modeling import LongNetConfig
+from longnet.modeling.hub import list_models, resolve_model_dir
 from longnet.validation import UsageError
 
 TOKENIZER_KEY = "longnet_tokenizer"
@@ -87,6 +88,56 @@ def tokenizer_record(tokenizer: ByteTokenizer | SubwordTokenizer) -> dict[str, A
         return {"name": "bytes"}
     return {"name": tokenizer.name, "fingerprint": tokenizer.fingerprint,
             "files": dict(tokenizer.files)}
+
+
+def record_by_name(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` without its ``files`` when its name alone gives them back: a zoo name (the
+    zoo's ``list_models``) whose tokenizer here has the recorded fingerprint. Any other
+    record (bytes, a path, a zoo tokenizer that differs) is returned as it is.
+    :func:`record_with_files` is the inverse."""
+    name = record.get("name")
+    if "files" not in record or name not in list_models():
+        return record
+    try:
+        fingerprint = _zoo_tokenizer(name).fingerprint
+    except (FileNotFoundError, UsageError):  # not readable here: the files stay
+        return record
+    if fingerprint != record.get("fingerprint"):
+        return record
+    return {key: value for key, value in record.items() if key != "files"}
+
+
+def record_with_files(record: dict[str, Any], source: str) -> dict[str, Any]:
+    """``record`` with the ``files`` :func:`record_by_name` left out, read back from the zoo
+    tokenizer it names (``source``: what holds the record, for messages); a record with its
+    files is returned as it is.
+
+    Raises:
+        UsageError: the named tokenizer cannot be read here, or its fingerprint is not the
+            recorded one (each message names both and the fix).
+    """
+    if "files" in record or record.get("name") in (None, "bytes"):
+        return record
+    name, recorded = record["name"], record.get("fingerprint")
+    try:
+        tokenizer = _zoo_tokenizer(name)
+    except (FileNotFoundError, UsageError) as err:
+        raise UsageError(f"{source} records its tokenizer by the zoo name {name!r} "
+                         f"(fingerprint {recorded}), which cannot be read here: {err}") from None
+    if tokenizer.fingerprint != recorded:
+        raise UsageError(
+            f"{source} records the tokenizer {name!r} with fingerprint {recorded}, but {name!r} "
+            f"here has fingerprint {tokenizer.fingerprint}; the zoo entry was made with other "
+            "versions (transformers writes its tokenizer.json): install the versions the run "
+            "trained with."
+        )
+    return {**record, "files": dict(tokenizer.files)}
+
+
+def _zoo_tokenizer(name: str) -> SubwordTokenizer:
+    """The tokenizer of the zoo entry ``name`` (materialized on its first use where its
+    weights come from an installed distribution and a materializer is registered)."""
+    return load_tokenizer_folder(resolve_model_dir(name))
 
 
 def check_tokenizer_record(record: dict[str, Any] | None,

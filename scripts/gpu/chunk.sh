@@ -15,8 +15,9 @@
 #    cache, so configs with the same data build it once;
 # 3. $OUT (the device machine sets it; default runs/gpu-chunk-out) gets 4 files per config, in
 #    $OUT/<run name>/: weights.safetensors and handoff.json (the compact handoff), metrics.csv
-#    and chunk.log. Two configs fill the 8 files a device call brings back; the full state
-#    (37 MiB, 3 shards) does not come back.
+#    and chunk.log, and a fifth, profile.txt, from a config with a StepProfiler (the smollm2
+#    recipe). Two configs without one fill the 8 files a device call brings back; the full
+#    state (37 MiB, 3 shards) does not come back.
 # Exit status: 0 when every chunk's fit exited 0, else the last failure's; 2 on a usage error.
 set -uo pipefail
 
@@ -88,7 +89,8 @@ for config in "${CONFIGS[@]}"; do
     fit_status=$?
     [ $fit_status -eq 0 ] || status=$fit_status
     mkdir -p "$OUT/$name"
-    for file in handoff/weights.safetensors handoff/handoff.json metrics.csv chunk.log; do
+    for file in handoff/weights.safetensors handoff/handoff.json metrics.csv chunk.log \
+            profile.txt; do
         [ -f "$WORK/out/$name/$file" ] && cp "$WORK/out/$name/$file" "$OUT/$name/"
     done
     echo "chunk.sh: $config: fit exited $fit_status after $(( $(date +%s) - started )) s;" \

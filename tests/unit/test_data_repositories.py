@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
+import re
 import sysconfig
 from pathlib import Path
 
@@ -170,6 +171,17 @@ def test_splits_hold_whole_packages_the_same_on_every_build(site: Path, tmp_path
     assert np.array_equal(inputs, again.train[:]["input_ids"].numpy())
     text = bytes(inputs.astype(np.uint8).ravel()).decode("latin-1")
     assert "# file: alpha/a.py" in text and "beta/" not in text and "gamma/" not in text
+
+
+def test_a_build_off_a_terminal_says_what_it_builds_and_how_long_it_took(
+        site: Path, tmp_path: Path, capsys) -> None:
+    source = repository_source(list(NAMES), HELD_OUT)
+    build_long_document_splits(source, CorpusSettings(seq_len=64), tmp_path)
+    lines = capsys.readouterr().err.splitlines()
+    assert f"Building the {source.name} corpus ({len(source.files)} files) in {tmp_path}." \
+        in lines
+    assert any(re.fullmatch(rf"Built the {re.escape(source.name)} corpus in \d+ s\.", line)
+               for line in lines)
 
 
 def test_a_split_by_name_survives_a_changed_package(site: Path) -> None:

@@ -244,7 +244,8 @@ def test_the_export_is_the_delta_and_merges_into_a_loadable_model(base, runs, tm
 def test_the_smollm2_32k_recipe_runs_on_the_cpu_at_tiny_size(base, tmp_path):
     """``configs/gpu/smollm2_135m_32k.yaml`` at 1/128 of its lengths (``tiny_pretrained_config``:
     the tiny imported Llama as the base, its BPE as the tokenizer, the standard library's
-    packages): 3 LoRA steps, one per curriculum stage, then the test and the delta export."""
+    packages): 3 LoRA steps, one per curriculum stage (the second profiled), then the test and
+    the delta export."""
     recipe = yaml.safe_load((REPO / "configs" / "gpu" / "smollm2_135m_32k.yaml").read_text())
     model, data = recipe["model"]["init_args"], recipe["data"]["init_args"]
     assert model["pretrained"] == data["tokenizer"] == "smollm2-135m"
@@ -263,3 +264,5 @@ def test_the_smollm2_32k_recipe_runs_on_the_cpu_at_tiny_size(base, tmp_path):
     assert record["lora"]["target_modules"] == model["lora"]["target_modules"]
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert metrics["test"]["step"] == 3 and metrics["test"]["test/bpb"] > 0
+    profile = (tmp_path / "run" / "profile.txt").read_text()
+    assert profile.startswith("Profile of training step 1 on cpu")

@@ -120,3 +120,29 @@ def test_config_round_trip_fills_yarn_defaults(tmp_path):
     }
     config.save(tmp_path)
     assert LongNetConfig.load(tmp_path) == config
+
+
+def test_frequencies_are_built_once_per_setting(monkeypatch):
+    """Every layer and step reads the same frequencies: built on the first call of a setting
+    (device, theta, extension) and kept; a changed theta (a length curriculum's stage) or
+    extension builds its own, equal to a fresh module's."""
+    import longnet.nn.positional as positional
+
+    built = []
+    real = positional.extended_frequencies
+    monkeypatch.setattr(positional, "extended_frequencies",
+                        lambda *args: built.append(args[2]) or real(*args))
+    extension = EXTENSIONS[2]
+    rope = RotaryEmbedding(64, 1e5, extension)
+    positions = torch.arange(16)
+    first = rope.cos_sin(positions)
+    for _ in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(rope.cos_sin(positions), first))
+    assert built == [1e5]
+    rope.theta = 5e5
+    changed = rope.cos_sin(positions)
+    fresh = RotaryEmbedding(64, 5e5, extension).cos_sin(positions)
+    assert all(torch.equal(a, b) for a, b in zip(changed, fresh))
+    rope.extension = {**rope.extension, "factor": 8.0}
+    rope.cos_sin(positions)
+    assert built == [1e5, 5e5, 5e5, 5e5]  # theta changed, the fresh module, the new extension
