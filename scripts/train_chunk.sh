@@ -79,13 +79,17 @@ exec > >(tee "$OUT/chunk.log") 2>&1
 
 echo "train_chunk.sh: $CONFIG, run folder $RUN, state from ${FROM[*]:-none}, output $OUT"
 "$PY" scripts/chunk_state.py restore "$CKPT" "${FROM[@]}" || exit 2
+echo "train_chunk.sh: restored in $SECONDS s."
 if [ -f "chunks/$NAME/metrics.csv" ] && [ ! -f "$RUN/metrics.csv" ]; then
     cp "chunks/$NAME/metrics.csv" "$RUN/metrics.csv"
 fi
 
 rm -f "$RUN/profile.txt"  # written again by a StepProfiler in the config
+started=$SECONDS
 "$PY" -m longnet fit --config "$CONFIG" --ckpt_path last "$@"
 status=$?
+echo "train_chunk.sh: fit took $((SECONDS - started)) s."
+started=$SECONDS
 
 if [ -f "$CKPT" ]; then
     "$PY" scripts/chunk_state.py handoff "$CKPT" "$OUT/handoff"
@@ -94,6 +98,7 @@ if [ -f "$CKPT" ]; then
 fi
 [ -f "$RUN/metrics.csv" ] && cp "$RUN/metrics.csv" "$OUT/metrics.csv"
 [ -f "$RUN/profile.txt" ] && cp "$RUN/profile.txt" "$OUT/profile.txt"
+echo "train_chunk.sh: handoff and state written in $((SECONDS - started)) s."
 echo "train_chunk.sh: fit exited $status. Keep $OUT/handoff/* in chunks/$NAME/handoff/ and" \
      "$OUT/metrics.csv in chunks/$NAME/ (commit them), and $OUT/state/* in $STATE/ (carry it" \
      "to the next chunk where it fits)."

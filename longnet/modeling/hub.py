@@ -24,6 +24,7 @@ import importlib.metadata
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -151,7 +152,11 @@ def _materialized_on_first_use(name: str, candidate: Path, source: Any) -> Path:
         return candidate
     print(f"longnet: importing {name} from {source['distribution']} into "
           f"{materialized_dir(name)} (once).", file=sys.stderr, flush=True)
-    return _materializer(name)
+    started = time.perf_counter()
+    folder = _materializer(name)
+    print(f"longnet: imported {name} in {time.perf_counter() - started:.0f} s.",
+          file=sys.stderr, flush=True)
+    return folder
 
 
 def _weights_source(folder: Path) -> Any:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -74,7 +75,10 @@ def test_a_chunk_brings_back_the_handoff_and_the_next_chunk_resumes_from_it(tmp_
         (handoff / file).write_bytes((first / file).read_bytes())
 
     second = chunk("machine2", [], ["--trainer.max_steps", "3"], env={"HANDOFF": str(handoff)})
-    assert "step 2, made from the compact handoff" in (second / "chunk.log").read_text()
+    log = (second / "chunk.log").read_text()
+    assert "step 2, made from the compact handoff" in log
+    for phase in ("restored in", "fit took", "handoff and state written in"):
+        assert re.search(rf"train_chunk.sh: {phase} \d+ s\.", log), phase
     rows = list(csv.DictReader((second / "metrics.csv").open()))
     assert {row["run_id"] for row in rows} == {recorded["longnet_run_id"]}
     assert max(int(row["step"]) for row in rows) == 3
