@@ -194,14 +194,17 @@ def load_tokenizer_folder(folder: str | Path) -> SubwordTokenizer:
             "with its tokenizer), or the tokenizer.json file itself."
         )
     try:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer, PreTrainedConfig
     except ImportError:
         raise UsageError(
             f"reading the tokenizer folder {folder} needs transformers: pip install "
             "'longnet[hf]', or give its tokenizer.json file instead."
         ) from None
+    # a longnet model folder: transformers does not know its model_type and would warn while
+    # reading config.json, which it reads only for a tokenizer class tokenizer_config.json names
+    blank = {"config": PreTrainedConfig()} if _model_type(folder) == "longnet" else {}
     try:
-        loaded = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        loaded = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, **blank)
     except (OSError, ValueError, TypeError) as err:
         raise UsageError(f"tokenizer folder {folder} cannot be read by AutoTokenizer: {err}") \
             from None
@@ -222,6 +225,15 @@ _SAVED_FILES = frozenset({TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, "special_tokens
                           "added_tokens.json", "chat_template.jinja", "vocab.json",
                           "merges.txt"})
 """The tokenizer files of a folder that travel with the data (``save_pretrained``'s)."""
+
+
+def _model_type(folder: Path) -> str | None:
+    """The ``model_type`` of the folder's ``config.json``; None without a readable one."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config.get("model_type") if isinstance(config, dict) else None
 
 
 def tokenizer_from_files(files: Mapping[str, str], name: str) -> SubwordTokenizer:

@@ -17,7 +17,13 @@ from torch.utils.data import DataLoader
 from longnet.constants import IGNORE_INDEX
 from longnet.data import CorpusSettings, LongDocumentDataModule, files_source
 from longnet.data.corpus import build_long_document_splits, corpus_cache_key
-from longnet.data.subword import SubwordTokenizer, _token_bytes, load_tokenizer_json
+from longnet.data.subword import (
+    SubwordTokenizer,
+    _token_bytes,
+    from_backend,
+    load_tokenizer_folder,
+    load_tokenizer_json,
+)
 from longnet.data.tokenizer_choice import (
     EOS_TOKEN,
     MAX_VOCAB,
@@ -25,6 +31,7 @@ from longnet.data.tokenizer_choice import (
     parse_tokenizer,
     train_bpe,
 )
+from longnet.modeling import LongNetConfig, LongNetLM
 from longnet.validation import UsageError
 
 SETTINGS = CorpusSettings(seq_len=32, val_fraction=0.25, test_fraction=0.25)
@@ -264,3 +271,17 @@ def test_passkeys_mixed_in_are_in_tokens(corpus, tmp_path, label_mode):
         assert tokenizer.decode(labels).replace(" ", "").count(key) == 2
     assert int(sample["label_bytes"].sum()) == len(tokenizer.decode(labels).encode())
     assert torch.equal(passkeys[0]["input_ids"], sample["input_ids"])  # deterministic
+
+
+def test_a_longnet_folder_s_tokenizer_loads_without_transformers_model_type_warning(
+        tmp_path, caplog):
+    """transformers does not know ``model_type: longnet``; the tokenizer of such a folder is
+    read without its config (tokenizer_config.json names the class), the same tokenizer."""
+    model, alone = tmp_path / "model", tmp_path / "tokenizer"
+    LongNetLM(LongNetConfig(num_layers=1)).save_pretrained(model)
+    for folder in (model, alone):
+        from_backend(train_bpe([" ".join(WORDS)] * 20, 300), "bpe:300").save(folder)
+    with caplog.at_level("WARNING"):
+        loaded = load_tokenizer_folder(model)
+    assert not [r for r in caplog.records if "model of type" in r.getMessage()]
+    assert loaded.fingerprint == load_tokenizer_folder(alone).fingerprint

@@ -117,3 +117,4 @@ def test_chunk_state_materializes_a_zoo_model_on_first_use():
                           text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-1] == "longnet.cli.command._materialize_pretrained"
+
