@@ -19,7 +19,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -115,7 +115,9 @@ def parse_tokenizer(value: str | None) -> TokenizerChoice:
                 f"tokenizer {value!r} is not 'bytes', 'bpe:<vocab size>', a tokenizer.json, a "
                 f"tokenizer folder or a model: {err}"
             ) from None
-        choice = TokenizerChoice("folder", path=folder, loaded=load_tokenizer_folder(folder))
+        # named as asked: a zoo name, which checkpoints can record instead of its files
+        choice = TokenizerChoice("folder", path=folder,
+                                 loaded=replace(load_tokenizer_folder(folder), name=value))
     if choice.vocab_size > MAX_VOCAB:
         raise UsageError(f"tokenizer {value}: {choice.vocab_size} ids, above the {MAX_VOCAB} "
                          "the data stores; use a smaller vocabulary.")

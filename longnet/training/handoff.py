@@ -217,11 +217,11 @@ def _handoff_bytes(folder: Path) -> bytes:
         raise UsageError(f"{folder / WEIGHTS} does not hold the tensors {HANDOFF} lists "
                          f"(missing: {missing[:3]}, unknown: {extra[:3]}): the two files come "
                          "from different handoffs.")
+    entries = dict(handoff["checkpoint"])
+    if TOKENIZER_KEY in entries:
+        entries[TOKENIZER_KEY] = record_with_files(entries[TOKENIZER_KEY], str(folder / HANDOFF))
     checkpoint = {
-        **handoff["checkpoint"],
-        **({TOKENIZER_KEY: record_with_files(handoff["checkpoint"][TOKENIZER_KEY],
-                                             str(folder / HANDOFF))}
-           if TOKENIZER_KEY in handoff["checkpoint"] else {}),
+        **entries,
         STATE_DICT: {name: tensor.to(_dtype(dtypes[name], folder / HANDOFF))
                      for name, tensor in tensors.items()},
         "optimizer_states": [{"state": {}, "param_groups": groups}

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from longnet.data.subword import from_backend, load_tokenizer_folder
-from longnet.data.tokenizer_choice import train_bpe
+from longnet.data.tokenizer_choice import parse_tokenizer, train_bpe
 from longnet.modeling import LongNetConfig, LongNetLM, hub
 from longnet.modeling.hub import materialized_dir
 from longnet.training.handoff import HANDOFF, handoff_checkpoint, write_handoff
@@ -52,6 +52,14 @@ def zoo_tokenizer(tmp_path, monkeypatch):
 
 def zoo_record(tokenizer):
     return {**tokenizer_record(tokenizer), "name": ZOO_NAME}
+
+
+def test_the_data_s_zoo_tokenizer_is_named_as_asked(zoo_tokenizer):
+    """``tokenizer: smollm2-135m`` is recorded under that name, not its cache folder's path
+    (which another machine does not have)."""
+    loaded = parse_tokenizer(ZOO_NAME).loaded
+    assert loaded.name == ZOO_NAME and loaded.fingerprint == zoo_tokenizer.fingerprint
+    assert tokenizer_record(loaded) == zoo_record(zoo_tokenizer)
 
 
 def test_a_zoo_tokenizer_is_recorded_by_name_and_read_back_whole(zoo_tokenizer):
