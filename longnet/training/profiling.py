@@ -33,8 +33,8 @@ class StepProfiler(L.Callback):
     first steps' one-off costs (allocator growth, kernel selection, the data loader's
     workers starting) stay out of the window. A fit that ends before the window closes writes
     what it recorded; one that ends before it opens writes nothing and says so. The profile
-    is a measurement beside the training: a failure to write it is a warning, never the end
-    of the run.
+    is a measurement beside the training: a profiler that fails to start or to write is a
+    warning, never the end of the run. ``row_limit``: rows of each table of operations.
     """
 
     def __init__(self, start: int = 20, steps: int = 3, filename: str = "profile.txt",
