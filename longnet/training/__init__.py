@@ -4,7 +4,7 @@ The ``longnet`` command (``longnet.cli``) drives these from YAML configs in ``co
 see ``docs/training.md``.
 """
 
-from longnet.training.budget import TimeBudget
+from longnet.training.budget import TimeBudget, TrainingDeadline
 from longnet.training.builder import build_lm
 from longnet.training.callbacks import (
     ExportPretrained,
@@ -71,6 +71,7 @@ __all__ = [
     "TokenAccuracy",
     "TokenCrossEntropy",
     "TrainingCurves",
+    "TrainingDeadline",
     "TrainingDiverged",
     "ValidateLastStep",
     "build_lm",

@@ -173,6 +173,34 @@ class TimeBudget(L.Callback):
         self.extended = bool(state_dict.get("extended", False))
 
 
+class TrainingDeadline(L.Callback):
+    """Stop training after the first optimizer step that ends past the wall-clock time ``at``
+    (UNIX seconds, as ``time.time()`` gives them), as ``trainer.max_time`` stops it: the
+    final validation, the test and the export still run.
+
+    For a job whose whole wall clock is bounded, such as a device call with a timeout:
+    ``at`` is its start plus its limit, less what must run after training. Whatever the
+    steps before training took (imports, the data build), training then ends in time; a
+    fixed ``max_time`` would have to assume the slowest start. With several ranks, rank 0's
+    clock decides for all.
+    """
+
+    def __init__(self, at: float) -> None:
+        if not is_real(at) or not math.isfinite(at) or at <= 0:
+            raise UsageError(f"TrainingDeadline: at must be a time in UNIX seconds (as "
+                             f"time.time() gives it, e.g. $(date +%s) + 480), got {at!r}.")
+        self.at = float(at)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                           outputs: Any, batch: Any, batch_idx: int) -> None:
+        late = trainer.strategy.broadcast(time.time() >= self.at)
+        if late and not trainer.should_stop:
+            clock = time.strftime("%H:%M:%S", time.localtime(self.at))
+            rank_zero_info(f"TrainingDeadline: past {clock}, training stops after step "
+                           f"{trainer.global_step}.")
+            trainer.should_stop = True
+
+
 def _budget_seconds(training_minutes: object) -> float:
     """``training_minutes`` in seconds; ``UsageError`` unless a positive number whose seconds
     are finite (``1e308`` minutes overflow)."""

@@ -2,7 +2,13 @@
 # One GPU device call: a training chunk of each config given, each for the same training time,
 # and what the next chunk needs brought back (docs/long_context_gpu.md):
 #
-#   bash scripts/gpu/chunk.sh [--seconds S] CONFIG [CONFIG ...] [-- longnet fit options...]
+#   bash scripts/gpu/chunk.sh [--seconds S] [--train-until T] CONFIG [CONFIG ...] [-- longnet fit options...]
+#
+# --seconds S: each config trains for S seconds (trainer.max_time). --train-until T (one config
+# only): training also stops once T seconds have passed since chunk.sh started
+# (longnet.training.TrainingDeadline), whatever the imports and the data build took before it;
+# for a call with a timeout, T is the timeout less what runs after training (the final
+# validation and test, the export, the handoff).
 #
 # e.g. the dilated model and its dense twin for 150 s of training each:
 #   bash scripts/gpu/chunk.sh --seconds 150 configs/gpu/longnet_tiny_64k.yaml \
@@ -24,14 +30,17 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT" || exit 2
 PY=${PYTHON:-python3}
+STARTED=$(date +%s)
 SECONDS_EACH=""
+TRAIN_UNTIL=""
 CONFIGS=()
 while [ $# -gt 0 ]; do
     case $1 in
         --seconds) SECONDS_EACH=${2:-}; shift 2 || shift ;;
+        --train-until) TRAIN_UNTIL=${2:-}; shift 2 || shift ;;
         --) shift; break ;;
-        -*) echo "chunk.sh: unknown option $1 (give --seconds S, configs, then -- and fit" \
-                 "options)." >&2; exit 2 ;;
+        -*) echo "chunk.sh: unknown option $1 (give --seconds S, --train-until T, configs," \
+                 "then -- and fit options)." >&2; exit 2 ;;
         *) CONFIGS+=("$1"); shift ;;
     esac
 done
@@ -51,6 +60,21 @@ if [ -n "$SECONDS_EACH" ]; then
     fi
     FIT_OPTIONS=(--trainer.max_time "$(printf '00:%02d:%02d:%02d' $((SECONDS_EACH / 3600)) \
         $((SECONDS_EACH % 3600 / 60)) $((SECONDS_EACH % 60)))" "${FIT_OPTIONS[@]}")
+fi
+
+if [ -n "$TRAIN_UNTIL" ]; then
+    if ! [[ $TRAIN_UNTIL =~ ^[1-9][0-9]*$ ]] || [ "$TRAIN_UNTIL" -ge 86400 ]; then
+        echo "chunk.sh: --train-until must be a whole number of seconds from 1 to 86399, got" \
+             "'$TRAIN_UNTIL'." >&2
+        exit 2
+    fi
+    if [ ${#CONFIGS[@]} -ne 1 ]; then
+        echo "chunk.sh: --train-until takes one config (configs of one call share its clock)," \
+             "got ${#CONFIGS[@]}; give each config its --seconds instead." >&2
+        exit 2
+    fi
+    FIT_OPTIONS+=(--trainer.callbacks+=longnet.training.TrainingDeadline
+                  "--trainer.callbacks.at=$((STARTED + TRAIN_UNTIL))")
 fi
 
 OUT=${OUT:-runs/gpu-chunk-out}

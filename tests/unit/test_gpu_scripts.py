@@ -11,6 +11,7 @@ import json
 import os
 import re
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,8 @@ def run(script: Path, *args: str, cwd: Path, out: Path,
     (("--seconds", "0", "x.yaml"), "--seconds must be a whole number"),
     (("--seconds", "2m", "x.yaml"), "--seconds must be a whole number"),
     (("--bogus",), "unknown option --bogus"),
+    (("--train-until", "0", "x.yaml"), "--train-until must be a whole number"),
+    (("--train-until", "60", "x.yaml", "x.yaml"), "--train-until takes one config"),
 ])
 def test_chunk_refuses_bad_arguments_before_any_work(args, message, tmp_path):
     (tmp_path / "x.yaml").write_text("{}")  # paths are read from the checkout's root
@@ -65,9 +68,13 @@ def test_a_chunk_brings_back_the_handoff_and_the_next_chunk_resumes_from_it(tmp_
         assert {p.name for p in (out / name).iterdir()} == BROUGHT_BACK
         return out / name
 
-    first = chunk("machine1", ["--seconds", "3600"], [])
+    started = time.time()
+    first = chunk("machine1", ["--seconds", "3600", "--train-until", "3600"], [])
     resolved = yaml.safe_load((tmp_path / "machine1" / name / "config.yaml").read_text())
     assert resolved["trainer"]["max_time"] == "00:01:00:00"
+    (deadline,) = [c["init_args"]["at"] for c in resolved["trainer"]["callbacks"]
+                   if c["class_path"] == "longnet.training.TrainingDeadline"]
+    assert started + 3600 - 2 <= deadline <= time.time() + 3600
     recorded = json.loads((first / "handoff.json").read_text())["checkpoint"]
     assert recorded["global_step"] == 2
     handoff.mkdir(parents=True)
