@@ -30,6 +30,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from longnet.files import write_atomic
+from longnet.modeling.config import CONFIG_NAME, MODEL_TYPE
 from longnet.validation import UsageError
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -202,7 +203,7 @@ def load_tokenizer_folder(folder: str | Path) -> SubwordTokenizer:
         ) from None
     # a longnet model folder: transformers does not know its model_type and would warn while
     # reading config.json, which it reads only for a tokenizer class tokenizer_config.json names
-    blank = {"config": PreTrainedConfig()} if _model_type(folder) == "longnet" else {}
+    blank = {"config": PreTrainedConfig()} if _model_type(folder) == MODEL_TYPE else {}
     try:
         loaded = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, **blank)
     except (OSError, ValueError, TypeError) as err:
@@ -230,7 +231,7 @@ _SAVED_FILES = frozenset({TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, "special_tokens
 def _model_type(folder: Path) -> str | None:
     """The ``model_type`` of the folder's ``config.json``; None without a readable one."""
     try:
-        config = json.loads((folder / "config.json").read_text())
+        config = json.loads((folder / CONFIG_NAME).read_text())
     except (OSError, ValueError):
         return None
     return config.get("model_type") if isinstance(config, dict) else None

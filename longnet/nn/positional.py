@@ -101,7 +101,7 @@ class RotaryEmbedding(nn.Module):
         setting: every layer and step would otherwise build them again (a few dozen small
         kernels under YaRN), and a length curriculum may change ``theta`` between stages."""
         extension = tuple(sorted(self.extension.items())) if self.extension else None
-        key = (device, self.head_dim, self.theta, extension)
+        key = (device, self.theta, extension)
         if key not in self._frequencies:
             plain = rotary_inverse_frequencies(self.head_dim, self.theta, device)
             self._frequencies[key] = extended_frequencies(plain, self.head_dim, self.theta,

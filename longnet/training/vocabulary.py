@@ -116,7 +116,7 @@ def record_with_files(record: dict[str, Any], source: str) -> dict[str, Any]:
         UsageError: the named tokenizer cannot be read here, or its fingerprint is not the
             recorded one (each message names both and the fix).
     """
-    if "files" in record or record.get("name") in (None, "bytes"):
+    if "files" in record or record.get("name") in (None, BYTES):
         return record
     name, recorded = record["name"], record.get("fingerprint")
     try:

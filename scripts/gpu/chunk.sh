@@ -52,22 +52,20 @@ fi
 for config in "${CONFIGS[@]}"; do
     [ -f "$config" ] || { echo "chunk.sh: no config file $config." >&2; exit 2; }
 done
-if [ -n "$SECONDS_EACH" ]; then
-    if ! [[ $SECONDS_EACH =~ ^[1-9][0-9]*$ ]] || [ "$SECONDS_EACH" -ge 86400 ]; then
-        echo "chunk.sh: --seconds must be a whole number of seconds from 1 to 86399, got" \
-             "'$SECONDS_EACH'." >&2
+whole_seconds() {  # OPTION VALUE: refuse a VALUE that is not 1 .. 86399 whole seconds
+    if ! [[ $2 =~ ^[1-9][0-9]*$ ]] || [ "$2" -ge 86400 ]; then
+        echo "chunk.sh: $1 must be a whole number of seconds from 1 to 86399, got '$2'." >&2
         exit 2
     fi
+}
+if [ -n "$SECONDS_EACH" ]; then
+    whole_seconds --seconds "$SECONDS_EACH"
     FIT_OPTIONS=(--trainer.max_time "$(printf '00:%02d:%02d:%02d' $((SECONDS_EACH / 3600)) \
         $((SECONDS_EACH % 3600 / 60)) $((SECONDS_EACH % 60)))" "${FIT_OPTIONS[@]}")
 fi
 
 if [ -n "$TRAIN_UNTIL" ]; then
-    if ! [[ $TRAIN_UNTIL =~ ^[1-9][0-9]*$ ]] || [ "$TRAIN_UNTIL" -ge 86400 ]; then
-        echo "chunk.sh: --train-until must be a whole number of seconds from 1 to 86399, got" \
-             "'$TRAIN_UNTIL'." >&2
-        exit 2
-    fi
+    whole_seconds --train-until "$TRAIN_UNTIL"
     if [ ${#CONFIGS[@]} -ne 1 ]; then
         echo "chunk.sh: --train-until takes one config (configs of one call share its clock)," \
              "got ${#CONFIGS[@]}; give each config its --seconds instead." >&2
