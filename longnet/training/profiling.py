@@ -3,9 +3,10 @@
 :class:`StepProfiler` records a few consecutive training steps with ``torch.profiler`` once
 the run has warmed up, and writes ``<run folder>/profile.txt``: the wall time of a step (the
 device synchronized at both ends of the window), the summed time of the device's kernels in
-it, how many kernels and host-side ATen ops one step launches, and the ops that take the
-most device and host time. Kernel time far below the wall time means the step waits on the
-host (Python and op dispatch, kernel launches, synchronizations), not on the device's math.
+it, how many kernels and host-side ATen ops one step launches, the batches the steps trained
+on (rows x tokens, documents per row), and the ops that take the most device and host time.
+Kernel time far below the wall time means the step waits on the host (Python and op
+dispatch, kernel launches, synchronizations), not on the device's math.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import Tensor
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
@@ -35,6 +37,11 @@ class StepProfiler(L.Callback):
     what it recorded; one that ends before it opens writes nothing and says so. The profile
     is a measurement beside the training: a profiler that fails to start or to write is a
     warning, never the end of the run. ``row_limit``: rows of each table of operations.
+
+    The report names each profiled batch's shape and, with packed documents, how many
+    documents each row held (the attention's kernel calls grow with them), as the batch
+    reaches this callback: list it after a :class:`~longnet.training.LengthCurriculum`,
+    which cuts the batch in place.
     """
 
     def __init__(self, start: int = 20, steps: int = 3, filename: str = "profile.txt",
@@ -47,6 +54,7 @@ class StepProfiler(L.Callback):
         self._window: tuple[int, float] | None = None  # (first profiled step, start time)
         self._profile: profile | None = None
         self._path: Path | None = None
+        self._batches: list[tuple[tuple[int, ...], Tensor | None]] = []
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._first_step = trainer.global_step
@@ -59,6 +67,8 @@ class StepProfiler(L.Callback):
             self._begin(trainer, pl_module)
         elif self._profile is not None and done == self.start + self.steps:
             self._finish(trainer, pl_module)
+        if self._profile is not None:
+            self._batches.append(batch_layout(batch))
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._profile is not None:
@@ -92,7 +102,8 @@ class StepProfiler(L.Callback):
             recorded.stop()
             if trainer.is_global_zero and steps > 0:
                 report = step_report(recorded.key_averages(), steps, seconds, first,
-                                     _device_name(pl_module.device), self.row_limit)
+                                     _device_name(pl_module.device), self.row_limit,
+                                     describe_batches(self._batches))
                 self._path.parent.mkdir(parents=True, exist_ok=True)
                 self._path.write_text(report)
                 rank_zero_info(f"StepProfiler: {steps} step(s) from step {first} profiled, "
@@ -102,10 +113,35 @@ class StepProfiler(L.Callback):
                            f"{error}); the training goes on.")
 
 
+def batch_layout(batch: Any) -> tuple[tuple[int, ...], Tensor | None]:
+    """A training batch's ``input_ids`` shape and, with ``document_ids`` ``(rows, tokens)``,
+    the number of documents of each row, ``(rows,)`` on the batch's device (not read here:
+    reading it would wait for the device inside the profiled window; counting them adds three
+    small kernels to the step). ``((), None)`` for a batch without ``input_ids``."""
+    if not isinstance(batch, dict) or not isinstance(batch.get("input_ids"), Tensor):
+        return (), None
+    ids = batch.get("document_ids")
+    documents = None
+    if isinstance(ids, Tensor) and ids.dim() == 2:
+        documents = 1 + (ids[:, 1:] != ids[:, :-1]).sum(dim=1)
+    return tuple(batch["input_ids"].shape), documents
+
+
+def describe_batches(batches: list[tuple[tuple[int, ...], Tensor | None]]) -> list[str]:
+    """One line per profiled batch: ``rows x tokens``, and the documents of each row."""
+    lines = []
+    for shape, documents in batches:
+        size = " x ".join(f"{n:,}" for n in shape) or "no input_ids"
+        lines.append(size if documents is None else
+                     f"{size}, documents per row {documents.tolist()}")
+    return lines
+
+
 def step_report(events: Any, steps: int, seconds: float, first_step: int, device: str,
-                row_limit: int) -> str:
+                row_limit: int, batches: list[str] | None = None) -> str:
     """The text of ``profile.txt`` from ``events`` (``profile.key_averages()``) of ``steps``
-    steps from ``first_step`` on that took ``seconds`` of wall time on ``device``."""
+    steps from ``first_step`` on that took ``seconds`` of wall time on ``device``; ``batches``:
+    a line for each step's batch (:func:`describe_batches`)."""
     kernels = [e for e in events if e.device_type != DeviceType.CPU]
     kernel_seconds = sum(e.self_device_time_total for e in kernels) / 1e6
     launches = sum(e.count for e in kernels)
@@ -125,8 +161,10 @@ def step_report(events: Any, steps: int, seconds: float, first_step: int, device
             f"({100 * kernel_seconds / seconds:.1f} % of the wall time; kernels summed)",
             f"device kernels per step:       {launches / steps:,.0f}",
         ]
-    lines += [f"host ATen ops per step:        {host_ops / steps:,.0f} (nested ones included)",
-              ""]
+    lines += [f"host ATen ops per step:        {host_ops / steps:,.0f} (nested ones included)"]
+    lines += [f"{f'batch of step {first_step + i}:':<31}{line}"
+              for i, line in enumerate(batches or [])]
+    lines += [""]
     if kernels:
         lines += ["By device time (self):",
                   events.table(sort_by="self_device_time_total", row_limit=row_limit), ""]

@@ -59,6 +59,37 @@ def test_the_window_holds_exactly_its_steps(tmp_path):
     assert "device kernel time" not in report  # no device on the CPU: not reported as zero
 
 
+class PackedBatches(MarksSteps):
+    """Batches of packed documents: step ``i``'s batch has rows of ``i % 3 + 1`` and one
+    documents."""
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch["input_ids"].float()).square().mean()
+
+    def train_dataloader(self):
+        batches = []
+        for i in range(16):
+            first = torch.arange(6) * (i % 3 + 1) // 6  # i % 3 + 1 runs of equal ids
+            ids = torch.stack([first, torch.full((6,), 7)])
+            batches.append({"input_ids": torch.zeros(2, 6, 4), "document_ids": ids})
+        return DataLoader(batches, batch_size=None)
+
+
+def test_the_report_names_the_batches_of_its_steps(tmp_path):
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path,
+                        callbacks=[StepProfiler(start=2, steps=3)])
+    trainer.fit(PackedBatches())
+    report = (tmp_path / "profile.txt").read_text()
+    lines = [line for line in report.splitlines() if line.startswith("batch of step")]
+    assert lines == [
+        "batch of step 2:               2 x 6 x 4, documents per row [3, 1]",
+        "batch of step 3:               2 x 6 x 4, documents per row [1, 1]",
+        "batch of step 4:               2 x 6 x 4, documents per row [2, 1]",
+    ]
+
+
 class Events(list):
     """Stand-ins for ``key_averages()`` of a GPU step: rows and their tables."""
 
