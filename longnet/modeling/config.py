@@ -13,7 +13,7 @@ from typing import Any
 
 from longnet.attention import DilatedPattern
 from longnet.files import write_atomic
-from longnet.modeling.hub import resolve_model_dir
+from longnet.modeling.hub import CONFIG_NAME, resolve_model_dir
 from longnet.nn.feedforward import ACTIVATIONS, FFN_KINDS
 from longnet.nn.norm import check_norm
 from longnet.nn.positional import POSITION_ENCODINGS
@@ -30,7 +30,6 @@ from longnet.validation import (
     is_real,
 )
 
-CONFIG_NAME = "config.json"
 MODEL_TYPE = "longnet"
 POOLINGS = ("mean", "first", "last")
 COMPUTATION_FIELDS = (

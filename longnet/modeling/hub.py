@@ -32,6 +32,8 @@ from typing import Any
 from longnet.modeling.serialization import WEIGHTS_NAME
 from longnet.validation import UsageError
 
+CONFIG_NAME = "config.json"
+"""The file that makes a folder a model folder (``LongNetConfig`` saved as JSON)."""
 MODELS_DIR_ENV = "LONGNET_MODELS_DIR"
 WEIGHTS_FROM = "weights_from"
 """The ``config.extra`` key of a zoo entry whose weights come from another installed
@@ -106,7 +108,7 @@ def list_models() -> list[str]:
     if not root.is_dir():
         return []
     return sorted(p.name for p in root.iterdir()
-                  if not p.name.startswith(".") and (p / "config.json").is_file())
+                  if not p.name.startswith(".") and (p / CONFIG_NAME).is_file())
 
 
 def resolve_model_dir(name_or_dir: str | os.PathLike) -> Path:
@@ -116,15 +118,15 @@ def resolve_model_dir(name_or_dir: str | os.PathLike) -> Path:
         FileNotFoundError: anything else, saying what to pass instead (:func:`_instead`).
     """
     path = Path(name_or_dir)
-    if path.is_dir() and not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} has no config.json; {_instead(path)}")
+    if path.is_dir() and not (path / CONFIG_NAME).is_file():
+        raise FileNotFoundError(f"{path} has no {CONFIG_NAME}; {_instead(path)}")
     if path.is_dir():
         return path
     if path.is_file():
         raise FileNotFoundError(f"{path} is a file, not a model folder; {_instead(path)}")
     name = str(name_or_dir)
     candidate = models_dir() / name
-    if name and "/" not in name and (candidate / "config.json").is_file():
+    if name and "/" not in name and (candidate / CONFIG_NAME).is_file():
         source = None if (candidate / WEIGHTS_NAME).is_file() else _weights_source(candidate)
         if not source:
             return candidate
@@ -163,7 +165,7 @@ def _weights_source(folder: Path) -> Any:
     """The zoo folder's ``extra.weights_from`` (the other distribution its weights come from),
     None when its config names none or cannot be read."""
     try:
-        data = json.loads((folder / "config.json").read_text())
+        data = json.loads((folder / CONFIG_NAME).read_text())
     except (OSError, ValueError):
         return None
     return (data.get("extra") or {}).get(WEIGHTS_FROM) if isinstance(data, dict) else None
@@ -173,14 +175,14 @@ def _instead(path: Path) -> str:
     """What to load in place of ``path``, an existing file or folder without ``config.json``:
     a training run's ``model/`` export, a Lightning checkpoint exported, the folder of a file
     of a model folder."""
-    if (path / "model" / "config.json").is_file():
+    if (path / "model" / CONFIG_NAME).is_file():
         return (f"it is a training run's folder: load {path / 'model'}, the run's "
                 "save_pretrained export.")
     if path.suffix == ".ckpt":
         return ("it is a Lightning checkpoint: export its model with python "
                 f"scripts/export_pretrained.py {path} OUTPUT and load OUTPUT (a save_pretrained "
                 "folder).")
-    if (path.parent / "config.json").is_file():
+    if (path.parent / CONFIG_NAME).is_file():
         return f"load the model folder that holds it, {path.parent}."
     return ("give a folder written by save_pretrained, a Hugging Face checkpoint folder, or a "
             "zoo name.")
