@@ -119,6 +119,21 @@ def test_sliding_windows_score_each_target_once_with_its_window_context(stride):
     )
 
 
+@pytest.mark.parametrize("scored_rows", [1, 3, 50])
+def test_logits_in_chunks_of_scored_rows_give_the_same_scores(monkeypatch, scored_rows):
+    """The LM head runs on the scored positions only, ``SCORED_ROWS`` at a time: any chunk
+    size, across windows of a batch and across its padding, gives the one-pass scores."""
+    monkeypatch.setattr("longnet.eval.sliding.SCORED_ROWS", scored_rows)
+    model = tiny_lm()
+    documents = docs(40, 9, 23, seed=2)
+    result = score_documents(model, documents, 16, 0.5, batch_size=3, return_token_nll=True)
+    for index, doc in enumerate(documents):
+        for w in plan_windows(doc.num_bytes + 1, 16, resolve_stride(16, 0.5)):
+            expected = reference_nll(model, doc.tokens, w.start, w.end)[w.score_from - w.start:]
+            np.testing.assert_allclose(result.token_nll[index][w.score_from:w.end], expected,
+                                       rtol=1e-10, atol=1e-10)
+
+
 def test_more_context_changes_scores_but_not_the_token_count():
     model = tiny_lm()
     documents = docs(60, seed=2)
