@@ -7,6 +7,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from longnet.nn.attention import KVCache
 from longnet.validation import check_bool, check_number, check_positive_int, describe, is_int
 
 
@@ -91,7 +92,7 @@ def generate(
         if max_new_tokens == 0:
             return tokens
         cache = model.new_cache() if use_cache else None
-        logits = model(tokens, cache=cache).logits[:, -1]
+        logits = _last_logits(model, tokens, cache)
         finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
         for step in range(max_new_tokens):
             next_ids = sample_next(logits, temperature, top_k, generator)
@@ -101,10 +102,15 @@ def generate(
             tokens = torch.cat((tokens, next_ids[:, None].to(tokens.dtype)), dim=1)
             if step == max_new_tokens - 1 or bool(finished.all()):
                 break
-            if use_cache:
-                logits = model(tokens[:, -1:], cache=cache).logits[:, -1]
-            else:
-                logits = model(tokens).logits[:, -1]
+            logits = (_last_logits(model, tokens[:, -1:], cache) if use_cache
+                      else _last_logits(model, tokens, None))
         return tokens
     finally:
         model.train(was_training)
+
+
+def _last_logits(model: nn.Module, tokens: Tensor, cache: KVCache | None) -> Tensor:
+    """``(batch, vocab)`` logits of the last position of ``tokens`` ``(batch, seq)`` (after
+    ``cache``, which it extends): the LM head runs on that position alone, so a long prompt's
+    logits never exist whole (32K positions of a 49,152-id vocabulary are 6.4 GB in float32)."""
+    return model.lm_head(model.model(tokens, cache=cache)[:, -1])
