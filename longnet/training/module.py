@@ -164,6 +164,7 @@ class CausalLMModule(L.LightningModule):
         self.test_ce = TokenCrossEntropy()
         self.test_acc = TokenAccuracy()
         self._step_started: float | None = None
+        self._step_ended: float | None = None
         self._step_tokens: Tensor | None = None
         self._step_loss: Tensor | None = None
         self._tokenizer_record: dict[str, Any] | None = None
@@ -375,12 +376,22 @@ class CausalLMModule(L.LightningModule):
         )
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self._step_started = time.perf_counter()
+        self._step_started = self._step_ended = time.perf_counter()
+
+    def on_after_backward(self) -> None:
+        self._step_ended = time.perf_counter()  # a batch that accumulates gradients ends here
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        super().optimizer_step(*args, **kwargs)
+        self._step_ended = time.perf_counter()
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Log ``train/tokens_per_s`` over the step itself: from the batch's start to the end
+        of its backward and optimizer step, leaving out what callbacks do at the batch's end
+        (a checkpoint saved, a profile written), which runs before this hook."""
         if self._step_started is None or self._step_tokens is None:
             return
-        elapsed = time.perf_counter() - self._step_started
+        elapsed = self._step_ended - self._step_started
         self.log("train/tokens_per_s", float(self._step_tokens) / max(elapsed, 1e-9))
 
     def validation_step(self, batch: Batch, batch_idx: int) -> None:

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import lightning as L
@@ -303,6 +304,35 @@ def test_module_loss_is_the_token_mean_on_one_device():
     assert module.pattern == DilatedPattern((16, 32, 64), (1, 2, 4))
     assert module.pad_token_id == 254
     assert module.sequence_parallel_group() is None
+
+
+class SlowBatchEnd(L.Callback):
+    """Half a second of work at every batch's end, as a checkpoint save is."""
+
+    def on_train_batch_end(self, *args) -> None:
+        time.sleep(0.5)
+
+
+def test_logged_throughput_times_the_step_not_the_callbacks_after_it(tmp_path):
+    """``train/tokens_per_s`` covers the forward, backward and optimizer step: the work that
+    callbacks do at the batch's end (run before the module's hook) is not in it."""
+    module = CausalLMModule(model="longnet-tiny", overrides=TINY)
+    batches = [_batch(64) for _ in range(3)]
+    logged = []
+
+    class Rates(L.Callback):  # the last step's rate, as the module logged it
+        def on_train_batch_start(self, trainer, *args) -> None:
+            if "train/tokens_per_s" in trainer.callback_metrics:
+                logged.append(float(trainer.callback_metrics["train/tokens_per_s"]))
+
+    trainer = L.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_progress_bar=False,
+                        enable_checkpointing=False, enable_model_summary=False,
+                        default_root_dir=tmp_path, callbacks=[SlowBatchEnd(), Rates()])
+    trainer.fit(module, DataLoader(batches, batch_size=None))
+    logged.append(float(trainer.callback_metrics["train/tokens_per_s"]))
+    tokens = 2 * 64
+    assert len(logged) == 3
+    assert all(rate > tokens / 0.25 for rate in logged), logged  # each step well under 0.5 s
 
 
 def test_sample_loss_reduction_weighs_every_sample_equally():
