@@ -4,9 +4,10 @@
 the run has warmed up, and writes ``<run folder>/profile.txt``: the wall time of a step (the
 device synchronized at both ends of the window), the summed time of the device's kernels in
 it, how many kernels and host-side ATen ops one step launches, the batches the steps trained
-on (rows x tokens, documents per row), and the ops that take the most device and host time.
-Kernel time far below the wall time means the step waits on the host (Python and op
-dispatch, kernel launches, synchronizations), not on the device's math.
+on (rows x tokens, documents per row), the device memory's peak in the window, and the ops
+that take the most device and host time. Kernel time far below the wall time means the step
+waits on the host (Python and op dispatch, kernel launches, synchronizations), not on the
+device's math.
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ class StepProfiler(L.Callback):
         _synchronize(pl_module.device)
         self._window = (trainer.global_step, time.perf_counter())
         try:
+            if pl_module.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(pl_module.device)
             self._profile = profile(activities=activities)
             self._profile.start()
         except Exception as error:  # noqa: BLE001 - the profile must not end the training
@@ -103,7 +106,8 @@ class StepProfiler(L.Callback):
             if trainer.is_global_zero and steps > 0:
                 report = step_report(recorded.key_averages(), steps, seconds, first,
                                      _device_name(pl_module.device), self.row_limit,
-                                     describe_batches(self._batches))
+                                     describe_batches(self._batches),
+                                     _device_memory(pl_module.device))
                 self._path.parent.mkdir(parents=True, exist_ok=True)
                 self._path.write_text(report)
                 rank_zero_info(f"StepProfiler: {steps} step(s) from step {first} profiled, "
@@ -138,10 +142,12 @@ def describe_batches(batches: list[tuple[tuple[int, ...], Tensor | None]]) -> li
 
 
 def step_report(events: Any, steps: int, seconds: float, first_step: int, device: str,
-                row_limit: int, batches: list[str] | None = None) -> str:
+                row_limit: int, batches: list[str] | None = None,
+                memory: tuple[int, int] | None = None) -> str:
     """The text of ``profile.txt`` from ``events`` (``profile.key_averages()``) of ``steps``
     steps from ``first_step`` on that took ``seconds`` of wall time on ``device``; ``batches``:
-    a line for each step's batch (:func:`describe_batches`)."""
+    a line for each step's batch (:func:`describe_batches`); ``memory``: the peak bytes the
+    device's allocator held in the window and the device's total (None: not a GPU)."""
     kernels = [e for e in events if e.device_type != DeviceType.CPU]
     kernel_seconds = sum(e.self_device_time_total for e in kernels) / 1e6
     launches = sum(e.count for e in kernels)
@@ -162,6 +168,11 @@ def step_report(events: Any, steps: int, seconds: float, first_step: int, device
             f"device kernels per step:       {launches / steps:,.0f}",
         ]
     lines += [f"host ATen ops per step:        {host_ops / steps:,.0f} (nested ones included)"]
+    if memory is not None:
+        peak, total = memory
+        lines += [f"device memory peak:            {peak / 2**30:.1f} GiB of "
+                  f"{total / 2**30:.1f} GiB ({100 * peak / total:.0f} %; tensors allocated in "
+                  "the window)"]
     lines += [f"{f'batch of step {first_step + i}:':<31}{line}"
               for i, line in enumerate(batches or [])]
     lines += [""]
@@ -176,6 +187,14 @@ def step_report(events: Any, steps: int, seconds: float, first_step: int, device
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _device_memory(device: torch.device) -> tuple[int, int] | None:
+    """The allocator's peak bytes since the window began and the device's total bytes."""
+    if device.type != "cuda":
+        return None
+    return (torch.cuda.max_memory_allocated(device),
+            torch.cuda.get_device_properties(device).total_memory)
 
 
 def _device_name(device: torch.device) -> str:

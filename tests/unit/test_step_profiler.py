@@ -57,6 +57,7 @@ def test_the_window_holds_exactly_its_steps(tmp_path):
     ops = int(re.search(r"host ATen ops per step: +([0-9,]+)", report).group(1).replace(",", ""))
     assert wall > 0 and ops > 0
     assert "device kernel time" not in report  # no device on the CPU: not reported as zero
+    assert "device memory" not in report
 
 
 class PackedBatches(MarksSteps):
@@ -112,8 +113,9 @@ def test_the_report_sums_the_device_kernels_of_a_step():
         event("elementwise_kernel", DeviceType.CUDA, 30, self_device=100_000.0),
     ])
     report = step_report(events, steps=2, seconds=1.0, first_step=40, device="NVIDIA H200",
-                         row_limit=2)
+                         row_limit=2, memory=(int(41.5 * 2**30), int(139.8 * 2**30)))
     assert report.startswith("Profile of training steps 40-41 (2 steps) on NVIDIA H200")
+    assert "device memory peak:            41.5 GiB of 139.8 GiB (30 %;" in report
     assert "wall time per step:            0.5000 s" in report
     assert "device kernel time per step:   0.2000 s (40.0 % of the wall time" in report
     assert "device kernels per step:       20\n" in report
