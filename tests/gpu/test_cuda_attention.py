@@ -123,8 +123,9 @@ def test_every_cuda_kernel_by_name(kernel, dtype, request):
 
 
 PACKED = [(700, 1500, 1896), (4096,), (33, 4000, 63)]
-"""Documents per batch element: tails of many lengths, one document a row, one-token-long
+"""Documents per batch element: tails of many lengths, one document a row, short
 neighbours of a long document."""
+PACKED_DRAWS = 2
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -132,11 +133,12 @@ def test_causal_packed_documents_are_as_exact_as_each_document_alone(dtype):
     """Causal packed documents (their blocks stacked into shared kernel calls) err against
     float64 at most ``ALLOWED`` times as much as calling ``dilated_attention`` on every
     document alone in the same dtype (whose own error the cases above hold to SDPA's), out
-    and every gradient, over ``DRAWS // 4`` draws."""
+    and every gradient, over ``PACKED_DRAWS`` draws (few: the kernels are those of the cases
+    above, what this adds is the packed plan's gathers, the same on every draw)."""
     branches = [(512, 1), (1024, 2), (2048, 4), (4096, 8)]
     ids = document_ids_of(PACKED).cuda()
     packed_worst, alone_worst = [0.0] * 4, [0.0] * 4
-    for draw in range(DRAWS // 4):
+    for draw in range(PACKED_DRAWS):
         gen = torch.Generator(device="cuda").manual_seed(draw)
         q, k, v, d_out = (torch.randn(3, 4096, 9, 64, generator=gen, device="cuda",
                                       dtype=torch.float64) for _ in range(4))
