@@ -50,15 +50,18 @@ def document_ids_of(lengths_per_row):
     return torch.tensor(rows)
 
 
-def per_document_reference(q, k, v, lengths_per_row, branches, causal):
-    """``dense_dilated_attention`` on every document alone (sliced out of its batch element),
-    put back in place: ``out`` ``(batch, seq, heads, dim)``, ``lse`` ``(batch, heads, seq)``."""
+def per_document_reference(q, k, v, lengths_per_row, branches, causal,
+                           attend=dense_dilated_attention):
+    """``attend`` (default ``dense_dilated_attention``; any function of ``(q, k, v, branches,
+    causal)`` returning its ``(out, lse)``) on every document alone (sliced out of its batch
+    element), put back in place: ``out`` ``(batch, seq, heads, dim)``, ``lse`` ``(batch, heads,
+    seq)``."""
     outs, lses = [], []
     for row, lengths in enumerate(lengths_per_row):
         start, row_out, row_lse = 0, [], []
         for length in lengths:
             part = slice(start, start + length)
-            out, lse = dense_dilated_attention(
+            out, lse = attend(
                 q[row : row + 1, part], k[row : row + 1, part], v[row : row + 1, part],
                 branches, causal,
             )
