@@ -3,14 +3,16 @@
 :func:`apply_lora` puts low-rank adapters (Hu et al. 2021) on the model's linear projections
 named in the settings (``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``, ``gate_proj``,
 ``up_proj``, ``down_proj``), in place, and freezes every other weight; the norms' scales stay
-trainable when asked (``train_norms``). What training changes is then the *delta*: the
-adapters and the norms. A :class:`~longnet.training.CausalLMModule` with ``lora`` keeps only
-the delta in its checkpoints (so ``last.ckpt``, the full-state pack and the compact handoff
-hold the delta, the base weights being rebuilt from the ``pretrained`` source the
-hyper-parameters name), and its export (:func:`save_delta`) is a delta folder:
+trainable when asked (``train_norms``), and so do the key/value convolutions' weights
+(``train_kv_conv``, for a model with ``kv_conv_size``). What training changes is then the
+*delta*: the adapters, the norms and the convolutions. A
+:class:`~longnet.training.CausalLMModule` with ``lora`` keeps only the delta in its
+checkpoints (so ``last.ckpt``, the full-state pack and the compact handoff hold the delta,
+the base weights being rebuilt from the ``pretrained`` source the hyper-parameters name),
+and its export (:func:`save_delta`) is a delta folder:
 
 - ``lora.json``: ``{"format": "longnet-lora", "base": <pretrained source>, "overrides":
-  {...}, "lora": {r, alpha, dropout, target_modules, train_norms}}``;
+  {...}, "lora": {r, alpha, dropout, target_modules, train_norms, train_kv_conv}}``;
 - ``lora.safetensors``: the delta in bfloat16, named as in the adapted ``LongNetLM``
   (``model.layers.0.attn.q_proj.lora_A.default.weight``, ``model.layers.0.attn_norm.weight``);
 - the data's tokenizer files, as any export.
@@ -39,6 +41,7 @@ from longnet.files import replace_folder
 from longnet.modeling import LongNetLM
 from longnet.modeling.serialization import read_safetensors
 from longnet.nn.norm import RMSNorm
+from longnet.nn.short_conv import CausalShortConv
 from longnet.validation import UsageError, check_positive_float, check_positive_int
 
 ADAPTER = "default"
@@ -54,13 +57,15 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj", "gate_proj", "up_proj",
 class LoraSettings:
     """What :func:`apply_lora` adds: adapters of rank ``r`` scaled by ``alpha / r`` on the
     linear layers whose name is in ``target_modules`` (with ``dropout`` on their input), the
-    norms' scales trainable when ``train_norms``."""
+    norms' scales trainable when ``train_norms``, the key/value convolutions' weights
+    (``kv_conv_size``) when ``train_kv_conv``."""
 
     r: int = 16
     alpha: float = 32.0
     dropout: float = 0.0
     target_modules: tuple[str, ...] = PROJECTIONS
     train_norms: bool = True
+    train_kv_conv: bool = False
 
     @classmethod
     def from_mapping(cls, value: Any) -> LoraSettings:
@@ -84,9 +89,10 @@ class LoraSettings:
                 isinstance(name, str) and name for name in targets):
             raise ValueError(f"lora.target_modules must be a non-empty list of module names, "
                              f"got {targets!r}; e.g. {list(PROJECTIONS)}.")
-        if not isinstance(settings.train_norms, bool):
-            raise ValueError(f"lora.train_norms must be true or false, got "
-                             f"{settings.train_norms!r}.")
+        for flag in ("train_norms", "train_kv_conv"):
+            if not isinstance(getattr(settings, flag), bool):
+                raise ValueError(f"lora.{flag} must be true or false, got "
+                                 f"{getattr(settings, flag)!r}.")
         return dataclasses.replace(settings, target_modules=tuple(targets))
 
     def as_dict(self) -> dict[str, Any]:
@@ -115,8 +121,8 @@ def lora_config(settings: LoraSettings) -> Any:
 def apply_lora(model: LongNetLM, settings: LoraSettings) -> LongNetLM:
     """Add the adapters of ``settings`` to ``model`` in place (``peft``'s
     ``inject_adapter_in_model``; ``lora_B`` starts at zero, so the function is unchanged) and
-    freeze every weight but the adapters and, with ``train_norms``, the norms' scales;
-    returns ``model``.
+    freeze every weight but the adapters and, with ``train_norms``, the norms' scales (with
+    ``train_kv_conv``, the key/value convolutions' weights); returns ``model``.
 
     Raises:
         UsageError: a target name that is no linear layer of the model (the message lists
@@ -129,6 +135,10 @@ def apply_lora(model: LongNetLM, settings: LoraSettings) -> LongNetLM:
     if unknown:
         raise UsageError(f"lora.target_modules names {unknown}, which are not linear layers "
                          f"of this model; its layers are {linear}.")
+    if settings.train_kv_conv and not model.config.kv_conv_size:
+        raise UsageError("lora.train_kv_conv needs a model with key/value convolutions; set "
+                         "kv_conv_size (e.g. overrides: {kv_conv_size: 16}) or drop "
+                         "train_kv_conv.")
     require_peft().inject_adapter_in_model(lora_config(settings), model, adapter_name=ADAPTER)
     apply_trainability(model, settings)
     return model
@@ -170,6 +180,10 @@ def apply_trainability(model: LongNetLM, settings: LoraSettings) -> None:
             if isinstance(module, RMSNorm | nn.LayerNorm):
                 for param in module.parameters():
                     param.requires_grad_(True)
+    if settings.train_kv_conv:
+        for module in model.modules():
+            if isinstance(module, CausalShortConv):
+                module.weight.requires_grad_(True)
 
 
 def check_delta_names(given: set[str], expected: set[str], source: str) -> None:
@@ -179,7 +193,8 @@ def check_delta_names(given: set[str], expected: set[str], source: str) -> None:
         raise UsageError(
             f"{source} does not fit the model's LoRA adapters: missing {missing[:3]} "
             f"({len(missing)} in all), unknown {unknown[:3]} ({len(unknown)} in all). It was "
-            "written with other lora settings (r, target_modules, train_norms) or another "
+            "written with other lora settings (r, target_modules, train_norms, train_kv_conv) "
+            "or another "
             "base; use the same settings as the run that wrote it.")
 
 

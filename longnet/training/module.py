@@ -82,7 +82,7 @@ class CausalLMModule(L.LightningModule):
     logged ``train/loss`` is token-weighted in both modes.
 
     Logged: ``train/loss`` (nats/token, global batch), ``train/bpb``, ``train/tokens_per_s``
-    (scored tokens of the global batch per second of training step);
+    (input tokens of the global batch per second of training step, scored or not);
     ``val/loss``, ``val/bpb``, ``val/ppl`` (per token), ``val/accuracy`` (and ``test/...``)
     over the whole split, exact across ranks (summed cross-entropy, token and byte counts).
     Bits per byte divide by the UTF-8 bytes the scored tokens cover (the batch's
@@ -116,7 +116,8 @@ class CausalLMModule(L.LightningModule):
             ``{r: 16, alpha: 32, dropout: 0.0, target_modules: [q_proj, k_proj, v_proj,
             out_proj, gate_proj, up_proj, down_proj], train_norms: true}``
             (:class:`~longnet.training.lora.LoraSettings`). The base weights are frozen; only
-            the adapters (and the norms with ``train_norms``) are trained, optimized and kept
+            the adapters (and the norms with ``train_norms``, the key/value convolutions
+            with ``train_kv_conv``) are trained, optimized and kept
             in checkpoints (the delta: a resume rebuilds the base from ``pretrained``), and
             :class:`~longnet.training.ExportPretrained` writes the delta folder
             (:mod:`longnet.training.lora`).
@@ -330,9 +331,12 @@ class CausalLMModule(L.LightningModule):
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         out = self(batch)
         world = self.trainer.world_size
-        # one all-reduce gives the global summed CE (for logging), scored tokens and bytes
+        # one all-reduce gives the global summed CE (for logging), scored tokens and bytes,
+        # and the input tokens the step ran (the throughput's: a passkey example with recall
+        # labels scores a few tokens of the thousands it runs)
+        input_tokens = torch.tensor(batch["input_ids"].numel(), device=out.loss_sum.device)
         stats = torch.stack((out.loss_sum.detach().double(), out.num_tokens.double(),
-                             self._scored_bytes(batch).sum().double()))
+                             self._scored_bytes(batch).sum().double(), input_tokens.double()))
         if world > 1 and dist.is_available() and dist.is_initialized():
             dist.all_reduce(stats)
         if self.hparams.loss_reduction == "sample":
@@ -342,7 +346,7 @@ class CausalLMModule(L.LightningModule):
         summary = lm_summary(stats[0], stats[1], stats[2])
         self.log("train/loss", summary["loss"].float(), prog_bar=True)
         self.log("train/bpb", summary["bpb"].float())
-        self._step_tokens = stats[1]
+        self._step_tokens = stats[3]
         self._step_loss = summary["loss"]  # of the global batch: the same on every rank
         return loss
 

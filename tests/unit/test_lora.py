@@ -24,7 +24,9 @@ from longnet.training.lora import (
     DELTA_CONFIG,
     DELTA_WEIGHTS,
     LoraSettings,
+    merge_delta,
     read_delta,
+    save_delta,
 )
 from longnet.training.optim import parameter_groups
 from longnet.validation import UsageError
@@ -40,7 +42,7 @@ from tests.unit.test_import_pretrained import VOCAB, _tokenizer  # noqa: E402
 
 HERE = "tests.unit.test_lora"
 STEPS, CRASH_AT = 4, 3  # last.ckpt every 2 steps: the crashed run's is of step 2
-LORA = {"r": 4, "alpha": 8.0, "dropout": 0.0, "train_norms": True,
+LORA = {"r": 4, "alpha": 8.0, "dropout": 0.0, "train_norms": True, "train_kv_conv": False,
         "target_modules": ["q_proj", "k_proj", "v_proj", "out_proj", "gate_proj", "up_proj",
                            "down_proj"]}
 PATTERN = {"segment_lengths": [16, 32, 64], "dilation_rates": [1, 2, 4]}
@@ -86,6 +88,41 @@ def test_only_the_adapters_and_norms_train_and_the_function_starts_unchanged(bas
         assert torch.equal(tuned.model(x).logits, plain(x).logits)
     without_norms = module(base, train_norms=False)
     assert not any("norm" in n for n, p in without_norms.named_parameters() if p.requires_grad)
+
+
+def test_the_key_value_convolutions_train_with_train_kv_conv_and_merge(base, tmp_path):
+    """``train_kv_conv`` adds each layer's K/V convolution to the delta (and nothing else); the
+    retrofit starts as the base (identity convolution, ``lora_B`` zero); a trained delta
+    merged into a model folder computes what the adapted model does."""
+    torch.manual_seed(0)
+    overrides = {**PATTERN, "kv_conv_size": 4}
+    settings = {**LORA, "train_kv_conv": True}
+    tuned = CausalLMModule(pretrained=str(base), overrides=overrides, lora=settings).model
+    trainable = {n for n, p in tuned.named_parameters() if p.requires_grad}
+    convs = {n for n in trainable if ".kv_conv." in n}
+    assert convs == {f"model.layers.{i}.attn.kv_conv.weight" for i in range(2)}
+    assert trainable - convs == {n for n, p in module(base).model.named_parameters()
+                                 if p.requires_grad}
+    x = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(3))
+    plain = LongNetLM.from_pretrained(base, **PATTERN).eval()
+    tuned.eval()
+    with torch.no_grad():
+        assert torch.equal(tuned(x).logits, plain(x).logits)
+        for name, param in tuned.named_parameters():
+            if ".lora_B" in name or ".kv_conv." in name:
+                param.add_(0.05 * torch.randn_like(param))
+        delta = {n: t for n, t in tuned.state_dict().items() if n in trainable}
+        save_delta(tmp_path / "delta", delta, base=str(base), overrides=overrides,
+                   settings=LoraSettings.from_mapping(settings), dtype=torch.float32)
+        merged = LongNetLM.from_pretrained(merge_delta(tmp_path / "delta", tmp_path / "merged"))
+        logits = tuned(x).logits
+        assert (logits - plain(x).logits).abs().max() > 1e-2
+        torch.testing.assert_close(merged.eval()(x).logits, logits, rtol=0, atol=1e-5)
+    with pytest.raises(UsageError, match="lora.train_kv_conv needs a model with key/value "
+                                         "convolutions; set kv_conv_size"):
+        module(base, train_kv_conv=True)
+    with pytest.raises(ValueError, match="lora.train_kv_conv must be true or false, got 'yes'"):
+        LoraSettings.from_mapping({"train_kv_conv": "yes"})
 
 
 def test_bad_lora_settings_and_a_missing_peft_are_refused(base, monkeypatch):

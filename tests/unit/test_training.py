@@ -8,7 +8,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import lightning as L
@@ -32,6 +31,7 @@ from longnet.training import (
     shard_batch,
     warmup_cosine,
 )
+from longnet.training import module as module_source
 from longnet.training.sharding import check_window_shards
 from longnet.validation import UsageError
 
@@ -306,33 +306,65 @@ def test_module_loss_is_the_token_mean_on_one_device():
     assert module.sequence_parallel_group() is None
 
 
-class SlowBatchEnd(L.Callback):
-    """Half a second of work at every batch's end, as a checkpoint save is."""
+class Clock:
+    """A stand-in for ``time.perf_counter``: one second a reading, and ``wait`` for the rest."""
 
-    def on_train_batch_end(self, *args) -> None:
-        time.sleep(0.5)
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+    def wait(self, seconds: float) -> None:
+        self.now += seconds
 
 
-def test_logged_throughput_times_the_step_not_the_callbacks_after_it(tmp_path):
-    """``train/tokens_per_s`` covers the forward, backward and optimizer step: the work that
-    callbacks do at the batch's end (run before the module's hook) is not in it."""
-    module = CausalLMModule(model="longnet-tiny", overrides=TINY)
-    batches = [_batch(64) for _ in range(3)]
+def fit_timed(module: CausalLMModule, batches: list[dict], root: Path, monkeypatch,
+              clock: Clock, callbacks: list[L.Callback] = ()) -> list[float]:
+    """Fit ``module`` one step a batch with ``clock`` as the module's timer; the
+    ``train/tokens_per_s`` it logged at every step."""
     logged = []
+    monkeypatch.setattr(module_source.time, "perf_counter", clock)
 
-    class Rates(L.Callback):  # the last step's rate, as the module logged it
+    class Rates(L.Callback):  # the module's hook runs after the callbacks': read it next step
         def on_train_batch_start(self, trainer, *args) -> None:
             if "train/tokens_per_s" in trainer.callback_metrics:
                 logged.append(float(trainer.callback_metrics["train/tokens_per_s"]))
 
-    trainer = L.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_progress_bar=False,
-                        enable_checkpointing=False, enable_model_summary=False,
-                        default_root_dir=tmp_path, callbacks=[SlowBatchEnd(), Rates()])
+    trainer = L.Trainer(accelerator="cpu", max_steps=len(batches), logger=False,
+                        enable_progress_bar=False, enable_checkpointing=False,
+                        enable_model_summary=False, default_root_dir=root,
+                        callbacks=[*callbacks, Rates()])
     trainer.fit(module, DataLoader(batches, batch_size=None))
     logged.append(float(trainer.callback_metrics["train/tokens_per_s"]))
-    tokens = 2 * 64
-    assert len(logged) == 3
-    assert all(rate > tokens / 0.25 for rate in logged), logged  # each step well under 0.5 s
+    return logged
+
+
+def test_logged_throughput_times_the_step_not_the_callbacks_after_it(tmp_path, monkeypatch):
+    """``train/tokens_per_s`` covers the forward, backward and optimizer step (three readings
+    of the clock: two seconds), not the work callbacks do at the batch's end (a checkpoint
+    saved: here 1,000 seconds), which runs before the module's own hook."""
+    module = CausalLMModule(model="longnet-tiny", overrides=TINY)
+
+    class SlowBatchEnd(L.Callback):
+        def on_train_batch_end(self, *args) -> None:
+            clock.wait(1000.0)
+
+    clock = Clock()
+    logged = fit_timed(module, [_batch(64) for _ in range(3)], tmp_path, monkeypatch, clock,
+                       [SlowBatchEnd()])
+    assert logged == [2 * 64 / 2] * 3
+
+
+def test_logged_throughput_counts_the_input_tokens_not_the_scored_ones(tmp_path, monkeypatch):
+    """A passkey example with recall labels scores a few of the tokens the step runs; the
+    throughput counts the tokens run."""
+    module = CausalLMModule(model="longnet-tiny", overrides=TINY)
+    batch = _batch(64)
+    batch["labels"][:, 3:] = -100  # 2 x 3 of the 2 x 64 tokens scored
+    logged = fit_timed(module, [batch], tmp_path, monkeypatch, Clock())
+    assert logged == [2 * 64 / 2]
 
 
 def test_sample_loss_reduction_weighs_every_sample_equally():
