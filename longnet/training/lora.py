@@ -194,8 +194,7 @@ def check_delta_names(given: set[str], expected: set[str], source: str) -> None:
             f"{source} does not fit the model's LoRA adapters: missing {missing[:3]} "
             f"({len(missing)} in all), unknown {unknown[:3]} ({len(unknown)} in all). It was "
             "written with other lora settings (r, target_modules, train_norms, train_kv_conv) "
-            "or another "
-            "base; use the same settings as the run that wrote it.")
+            "or another base; use the same settings as the run that wrote it.")
 
 
 def save_delta(folder: str | Path, delta: Mapping[str, Tensor], *, base: str,
