@@ -333,10 +333,12 @@ class CausalLMModule(L.LightningModule):
         world = self.trainer.world_size
         # one all-reduce gives the global summed CE (for logging), scored tokens and bytes,
         # and the input tokens the step ran (the throughput's: a passkey example with recall
-        # labels scores a few tokens of the thousands it runs)
-        input_tokens = torch.tensor(batch["input_ids"].numel(), device=out.loss_sum.device)
+        # labels scores a few tokens of the thousands it runs; a fill, not a copy from the
+        # host, which would wait for the forward to finish before the backward is queued)
+        input_tokens = out.loss_sum.new_full((), batch["input_ids"].numel(),
+                                             dtype=torch.float64)
         stats = torch.stack((out.loss_sum.detach().double(), out.num_tokens.double(),
-                             self._scored_bytes(batch).sum().double(), input_tokens.double()))
+                             self._scored_bytes(batch).sum().double(), input_tokens))
         if world > 1 and dist.is_available() and dist.is_initialized():
             dist.all_reduce(stats)
         if self.hparams.loss_reduction == "sample":

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -325,7 +326,7 @@ def fit_timed(module: CausalLMModule, batches: list[dict], root: Path, monkeypat
     """Fit ``module`` one step a batch with ``clock`` as the module's timer; the
     ``train/tokens_per_s`` it logged at every step."""
     logged = []
-    monkeypatch.setattr(module_source.time, "perf_counter", clock)
+    monkeypatch.setattr(module_source, "time", SimpleNamespace(perf_counter=clock))
 
     class Rates(L.Callback):  # the module's hook runs after the callbacks': read it next step
         def on_train_batch_start(self, trainer, *args) -> None:
