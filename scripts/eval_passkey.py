@@ -11,9 +11,10 @@ the model's own tokenizer (bytes, or the BPE its folder or checkpoint carries; t
 further digit follows (longnet.data.passkey_match). Writes ``passkey.csv`` (one row per
 model, length and depth), ``passkey_generations.csv`` (every example), ``passkey.png`` (a
 depth-by-length heatmap per model, cells annotated with accuracy) and ``run.json``; for every
-dilated byte model, ``passkey_alignment.csv``: accuracy per length and needle alignment (the
-needle's distance from the end of the prompt modulo the model's largest dilation rate), over
-the needles beyond its rate-1 segment (longnet.eval.accuracy_by_alignment).
+dilated model, ``passkey_alignment.csv``: accuracy per length and needle alignment (the
+distance in the model's tokens from the needle's key to the answer modulo the model's largest
+dilation rate; 0: aligned), over the keys beyond its rate-1 segment
+(longnet.eval.accuracy_by_alignment).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import sys
 import numpy as np
 
 from longnet.data.passkey import min_passkey_length, needle_window
-from longnet.data.tokenizer import VOCAB_SIZE
 from longnet.eval import (
     accuracy_by_alignment,
     check_context_length,
@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
             example_rows += [
                 {"model": item.label, "context_length": cell.length, "depth": cell.depth,
                  "index": index, "actual_depth": o.depth,
-                 "needle_distance": o.needle_distance, "answer": o.answer,
+                 "needle_distance": o.needle_distance, "key_distance": o.key_distance,
+                 "answer": o.answer,
                  "generated": o.generated, "correct": o.correct,
                  "prompt_tokens": o.prompt_tokens}
                 for index, o in enumerate(cell.outcomes)
@@ -128,9 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         grids[item.label] = (lengths, depths, accuracy)
         branches = item.model.config.pattern.branches  # dense (n, 1) when no pattern is set
         rate = max(r for _, r in branches)
-        # needles within a rate-1 segment are seen at every alignment; alignments are in
-        # bytes, so only for a byte model
-        if rate > 1 and item.model.config.vocab_size == VOCAB_SIZE:
+        # keys within a rate-1 segment are seen at every alignment
+        if rate > 1:
             dense_reach = max((w for w, r in branches if r == 1), default=0)
             alignment_rows += [
                 {"model": item.label, "rate": rate, **row}

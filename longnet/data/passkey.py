@@ -47,6 +47,7 @@ FILLER = (
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
 QUESTION = "\nWhat is the pass key? The pass key is "
 ANSWER_END = "."
+NEEDLE_PREFIX = NEEDLE[:NEEDLE.index("{")]  # "The pass key is ": what precedes the key
 NEEDLE_JITTER = len(FILLER) // 2
 PASSKEY_PROBE_KEYS = 32  # examples min_passkey_tokens measures
 LabelMode = Literal["answer", "recall", "all"]
@@ -70,7 +71,13 @@ class PasskeyExample:
     def needle_distance(self) -> int:
         """Bytes from the needle's first byte to the end of the prompt (its offset from the
         question modulo a dilation rate decides which heads can see it)."""
-        return len(self.prompt) - self.prompt.index(NEEDLE[:NEEDLE.index("{")])
+        return len(self.prompt) - self.prompt.index(NEEDLE_PREFIX)
+
+    @property
+    def key_start(self) -> int:
+        """The byte of the prompt where the needle's key begins; the answer, the same digits,
+        begins at ``len(prompt)``."""
+        return self.prompt.index(NEEDLE_PREFIX) + len(NEEDLE_PREFIX)
 
 
 def min_passkey_length(num_digits: int = 5) -> int:

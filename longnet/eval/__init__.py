@@ -19,6 +19,7 @@ from longnet.eval.passkey import (
     answer_examples,
     check_passkey_grid,
     evaluate_passkey,
+    key_distance,
 )
 from longnet.eval.perplexity import (
     ContextScore,
@@ -70,6 +71,7 @@ __all__ = [
     "evaluate_bits_per_byte",
     "evaluate_passkey",
     "format_table",
+    "key_distance",
     "load_eval_documents",
     "load_lightning_checkpoint",
     "load_model",

@@ -11,7 +11,14 @@ from torch import nn
 
 from longnet.data import ByteTokenizer, passkey_examples, passkey_match
 from longnet.data.passkey import NEEDLE_JITTER, min_passkey_length, needle_window
-from longnet.eval import accuracy_by_alignment, check_passkey_grid, evaluate_passkey
+from longnet.data.subword import from_backend
+from longnet.data.tokenizer_choice import train_bpe
+from longnet.eval import (
+    accuracy_by_alignment,
+    check_passkey_grid,
+    evaluate_passkey,
+    key_distance,
+)
 from longnet.modeling import LongNetConfig, LongNetLM
 
 SHORTEST = min_passkey_length(5)
@@ -91,17 +98,21 @@ def test_grid_counts_only_exact_answers():
 
 def test_accuracy_by_alignment_splits_far_needles_by_distance_modulo_the_rate():
     """A model that copies only at odd distances (a rate-2 direct copy) scores 1 at alignment 1
-    and 0 at alignment 0; the counts are those of the examples' own needle distances."""
+    and 0 at alignment 0; the counts are those of the examples' own key distances (bytes from
+    the needle's key to the answer)."""
+
+    def key_bytes(prompt: str) -> int:
+        return len(prompt) - (prompt.index("The pass key is ") + len("The pass key is "))
 
     def odd_only(key: str, prompt: str) -> str:
-        return key if (len(prompt) - prompt.index("The pass key is")) % 2 else "00000"
+        return key if key_bytes(prompt) % 2 else "00000"
 
     lengths, depths, beyond = [700, 1500], [0.0, 0.5, 1.0], 200
     cells = evaluate_passkey(OracleLM(odd_only), lengths, depths, num_examples=6, seed=3)
     rows = accuracy_by_alignment(cells, 2, beyond=beyond)
     expected = []
     for length in lengths:
-        distances = [len(e.prompt) - e.prompt.index("The pass key is")
+        distances = [key_bytes(e.prompt)
                      for depth in depths for e in passkey_examples(6, length, depth, seed=3)]
         for alignment in (0, 1):
             far = [d for d in distances if d > beyond and d % 2 == alignment]
@@ -115,6 +126,30 @@ def test_accuracy_by_alignment_splits_far_needles_by_distance_modulo_the_rate():
     with pytest.raises(ValueError, match="rate"):
         accuracy_by_alignment(cells, 0)
 
+
+def test_key_distance_counts_the_tokens_from_the_needles_key_to_the_answer():
+    """In a subword tokenizer's tokens of ``prompt + answer``, from the token holding the key's
+    first digit in the needle to the one holding the answer's first digit: found here by
+    decoding prefixes, not from the tokenizer's offsets."""
+    examples = [e for depth in (0.0, 0.5) for e in passkey_examples(4, 700, depth, seed=5)]
+    texts = [e.prompt + e.answer + "." for e in examples]
+    numbers = " ".join(str(n) for n in range(10_000, 99_999, 7))  # merges " 5" and the like
+    tokenizer = from_backend(train_bpe([*texts, numbers], 400), "bpe:400")
+
+    def token_holding(ids: list[int], char: int) -> int:
+        return next(t for t in range(len(ids)) if len(tokenizer.decode(ids[:t + 1])) > char)
+
+    distances = []
+    for example in examples:
+        ids = tokenizer.encode(example.prompt + example.answer)
+        key = example.prompt.index("The pass key is ") + len("The pass key is ")
+        expected = token_holding(ids, len(example.prompt)) - token_holding(ids, key)
+        assert key_distance(example, tokenizer) == expected
+        assert key_distance(example) == len(example.prompt) - key  # bytes
+        assert tokenizer.decode(ids[token_holding(ids, key):]).lstrip().startswith(
+            example.answer)
+        distances.append(expected)
+    assert len(set(distances)) > 2  # the needles' places differ in tokens too
 
 def test_bad_grids_are_refused():
     with pytest.raises(ValueError, match="too short"):
@@ -199,8 +234,6 @@ class SubwordOracleLM(OracleLM):
 
 
 def test_passkey_with_a_subword_tokenizer_reads_prompts_on_a_token_boundary():
-    from longnet.data.subword import from_backend
-    from longnet.data.tokenizer_choice import train_bpe
     from longnet.eval.passkey import prompt_text
 
     examples = passkey_examples(6, 400, 0.5, seed=2)
