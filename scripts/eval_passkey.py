@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             example_rows += [
                 {"model": item.label, "context_length": cell.length, "depth": cell.depth,
                  "index": index, "actual_depth": o.depth,
-                 "needle_distance": o.needle_distance, "key_distance": o.key_distance,
+                 "needle_distance": o.needle_distance, "copy_distance": o.copy_distance,
                  "answer": o.answer,
                  "generated": o.generated, "correct": o.correct,
                  "prompt_tokens": o.prompt_tokens}

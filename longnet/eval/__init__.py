@@ -18,8 +18,8 @@ from longnet.eval.passkey import (
     accuracy_by_alignment,
     answer_examples,
     check_passkey_grid,
+    copy_distance,
     evaluate_passkey,
-    key_distance,
 )
 from longnet.eval.perplexity import (
     ContextScore,
@@ -71,7 +71,7 @@ __all__ = [
     "evaluate_bits_per_byte",
     "evaluate_passkey",
     "format_table",
-    "key_distance",
+    "copy_distance",
     "load_eval_documents",
     "load_lightning_checkpoint",
     "load_model",

@@ -12,10 +12,11 @@ compared as text: an example is correct when ``longnet.data.passkey_match`` acce
 starts with the key and the character after it is not a digit, so a longer number is wrong).
 Accuracy is the share of correct examples.
 
-Each outcome records the distance its answer copies the key over, in the model's tokens
-(:func:`key_distance`): a dilated branch of rate ``r`` gives a query only the keys at its own
-offset modulo ``r``, so the answer's digits see the needle's in that branch only when the
-distance is a multiple of ``r`` (:func:`accuracy_by_alignment` splits accuracy by it).
+Each outcome records the distance over which the answer copies the key, in the model's tokens
+(:func:`copy_distance`): a dilated branch of rate ``r`` gives a query only the keys at its own
+offset modulo ``r``, so the queries that predict the answer's digits see the needle's digits
+in that branch only when the distance is a multiple of ``r`` (:func:`accuracy_by_alignment`
+splits accuracy by it).
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ from longnet.validation import check_positive_int, is_int
 class PasskeyOutcome:
     """One example: the key, the decoded generated text, the needle's actual depth and its
     distance in bytes from the end of the prompt, whether ``passkey_match(generated,
-    answer)`` holds, the prompt's length in tokens, and the distance in tokens from the
-    needle's key to the answer (:func:`key_distance`)."""
+    answer)`` holds, the prompt's length in tokens, and the distance in tokens over which the
+    answer copies the key (:func:`copy_distance`)."""
 
     answer: str
     generated: str
@@ -48,7 +49,7 @@ class PasskeyOutcome:
     needle_distance: int
     correct: bool
     prompt_tokens: int
-    key_distance: int
+    copy_distance: int
 
 
 @dataclass(frozen=True)
@@ -200,41 +201,42 @@ def evaluate_passkey(
             PasskeyOutcome(e.answer, text, e.depth, e.needle_distance,
                            passkey_match(text, e.answer),
                            len(tokenizer.encode(prompt_text(e.prompt, tokenizer)[0])),
-                           key_distance(e, tokenizer))
+                           copy_distance(e, tokenizer))
             for e, text in zip(examples, generated)
         )
         cells.append(PasskeyCell(length=length, depth=depth, outcomes=outcomes))
     return cells
 
 
-def key_distance(
+def copy_distance(
     example: PasskeyExample, tokenizer: ByteTokenizer | SubwordTokenizer | None = None
 ) -> int:
-    """Positions from the needle's key to the answer in ``tokenizer``'s tokens (None: bytes)
-    of the text ``prompt + answer``: the token holding the answer's first digit minus the one
-    holding the key's first digit. A head that copies the key into the answer attends over
-    this distance at every digit; in a branch of rate ``r`` it can only when the distance is a
-    multiple of ``r`` (alignment 0). For bytes it is ``len(prompt) - key_start``."""
+    """The distance a head attends over to copy the key into the answer, in ``tokenizer``'s
+    tokens (None: bytes) of the text ``prompt + answer``: from the token holding the needle
+    key's first digit to the query that predicts the answer's first digit (the token before
+    the one holding it); the same at every digit. In a branch of rate ``r`` that query sees
+    that key only when the distance is a multiple of ``r`` (alignment 0). For bytes it is
+    ``len(prompt) - 1 - key_start``."""
     if tokenizer is None or isinstance(tokenizer, ByteTokenizer):
-        return len(example.prompt) - example.key_start
+        return len(example.prompt) - 1 - example.key_start
     ((_, token_bytes),) = tokenizer.encode_documents([example.prompt + example.answer])
     ends = np.cumsum(token_bytes)  # the prompt is ASCII: its bytes are its characters
 
     def token_at(byte: int) -> int:
         return int(np.searchsorted(ends, byte, side="right"))
 
-    return token_at(len(example.prompt)) - token_at(example.key_start)
+    return token_at(len(example.prompt)) - 1 - token_at(example.key_start)
 
 
 def accuracy_by_alignment(
     cells: Sequence[PasskeyCell], rate: int, beyond: int = 0
 ) -> list[dict[str, int | float]]:
-    """Accuracy per context length and needle alignment, ``key_distance % rate``.
+    """Accuracy per context length and needle alignment, ``copy_distance % rate``.
 
     In a branch of dilation rate ``r`` a query sees only the keys at its own offset modulo ``r``
     (docs/architecture.md), so a dilated model can retrieve a far needle at some alignments and
     miss it at all others; a grid's accuracy then looks merely low. Alignment 0 is a copy that
-    a branch of rate ``rate`` sees. Only keys more than ``beyond`` tokens from the answer count
+    a branch of rate ``rate`` sees. Only copies over more than ``beyond`` tokens count
     (pass the longest segment of the model's rate-1 branches, which see every alignment).
 
     Returns:
@@ -245,8 +247,8 @@ def accuracy_by_alignment(
     counts: dict[tuple[int, int], list[int]] = {}
     for cell in cells:
         for outcome in cell.outcomes:
-            if outcome.key_distance > beyond:
-                tally = counts.setdefault((cell.length, outcome.key_distance % rate), [0, 0])
+            if outcome.copy_distance > beyond:
+                tally = counts.setdefault((cell.length, outcome.copy_distance % rate), [0, 0])
                 tally[0] += 1
                 tally[1] += outcome.correct
     lengths = list(dict.fromkeys(cell.length for cell in cells))

@@ -16,8 +16,8 @@ from longnet.data.tokenizer_choice import train_bpe
 from longnet.eval import (
     accuracy_by_alignment,
     check_passkey_grid,
+    copy_distance,
     evaluate_passkey,
-    key_distance,
 )
 from longnet.modeling import LongNetConfig, LongNetLM
 
@@ -97,12 +97,12 @@ def test_grid_counts_only_exact_answers():
 
 
 def test_accuracy_by_alignment_splits_far_needles_by_distance_modulo_the_rate():
-    """A model that copies only at odd distances (a rate-2 direct copy) scores 1 at alignment 1
-    and 0 at alignment 0; the counts are those of the examples' own key distances (bytes from
-    the needle's key to the answer)."""
+    """A model that copies only over odd distances scores 1 at alignment 1 and 0 at alignment
+    0; the counts are those of the examples' own copy distances (bytes from the needle's key
+    to the byte before the answer)."""
 
     def key_bytes(prompt: str) -> int:
-        return len(prompt) - (prompt.index("The pass key is ") + len("The pass key is "))
+        return len(prompt) - 1 - (prompt.index("The pass key is ") + len("The pass key is "))
 
     def odd_only(key: str, prompt: str) -> str:
         return key if key_bytes(prompt) % 2 else "00000"
@@ -127,10 +127,11 @@ def test_accuracy_by_alignment_splits_far_needles_by_distance_modulo_the_rate():
         accuracy_by_alignment(cells, 0)
 
 
-def test_key_distance_counts_the_tokens_from_the_needles_key_to_the_answer():
+def test_copy_distance_counts_the_tokens_from_the_needles_key_to_the_answers_query():
     """In a subword tokenizer's tokens of ``prompt + answer``, from the token holding the key's
-    first digit in the needle to the one holding the answer's first digit: found here by
-    decoding prefixes, not from the tokenizer's offsets."""
+    first digit in the needle to the token before the one holding the answer's first digit
+    (the query that predicts it): found here by decoding prefixes, not from the tokenizer's
+    offsets."""
     examples = [e for depth in (0.0, 0.5) for e in passkey_examples(4, 700, depth, seed=5)]
     texts = [e.prompt + e.answer + "." for e in examples]
     numbers = " ".join(str(n) for n in range(10_000, 99_999, 7))  # merges " 5" and the like
@@ -143,9 +144,9 @@ def test_key_distance_counts_the_tokens_from_the_needles_key_to_the_answer():
     for example in examples:
         ids = tokenizer.encode(example.prompt + example.answer)
         key = example.prompt.index("The pass key is ") + len("The pass key is ")
-        expected = token_holding(ids, len(example.prompt)) - token_holding(ids, key)
-        assert key_distance(example, tokenizer) == expected
-        assert key_distance(example) == len(example.prompt) - key  # bytes
+        expected = token_holding(ids, len(example.prompt)) - 1 - token_holding(ids, key)
+        assert copy_distance(example, tokenizer) == expected
+        assert copy_distance(example) == len(example.prompt) - 1 - key  # bytes
         assert tokenizer.decode(ids[token_holding(ids, key):]).lstrip().startswith(
             example.answer)
         distances.append(expected)

@@ -183,8 +183,8 @@ def test_eval_passkey_end_to_end(tmp_path: Path, tiny_model: Path):
     assert [int(g["needle_distance"]) for g in generations[-2:]] == [
         len(e.prompt) - e.prompt.index("The pass key is") for e in examples
     ]
-    assert [int(g["key_distance"]) for g in generations[-2:]] == [
-        int(g["needle_distance"]) - len("The pass key is ") for g in generations[-2:]
+    assert [int(g["copy_distance"]) for g in generations[-2:]] == [
+        int(g["needle_distance"]) - len("The pass key is ") - 1 for g in generations[-2:]
     ]
     assert is_png(out / "passkey.png")
     assert json.loads((out / "run.json").read_text())["lengths"] == [240, 300]
@@ -193,9 +193,9 @@ def test_eval_passkey_end_to_end(tmp_path: Path, tiny_model: Path):
                  for r in read_csv(out / "passkey_alignment.csv") if r["rate"] == "4"}
     expected: dict[tuple[str, str], list[int]] = {}
     for g in generations:
-        if int(g["key_distance"]) > 8:
+        if int(g["copy_distance"]) > 8:
             tally = expected.setdefault(
-                (g["context_length"], str(int(g["key_distance"]) % 4)), [0, 0])
+                (g["context_length"], str(int(g["copy_distance"]) % 4)), [0, 0])
             tally[0] += 1
             tally[1] += g["correct"] == "True"
     assert alignment == {key: (str(n), str(c)) for key, (n, c) in expected.items()}
@@ -281,8 +281,8 @@ def test_eval_scripts_score_a_bpe_model_and_a_byte_model_on_the_same_bytes(
     assert 5 < int(row["context_tokens"]) < 240  # fewer tokens than bytes
     # its alignments are counted in its own tokens: rates (1, 2, 4), a rate-1 segment of 8
     generations = read_csv(out / "passkey_generations.csv")
-    assert all(int(g["key_distance"]) < int(g["needle_distance"]) - 16 for g in generations)
-    far = [int(g["key_distance"]) % 4 for g in generations if int(g["key_distance"]) > 8]
+    assert all(int(g["copy_distance"]) < int(g["needle_distance"]) - 17 for g in generations)
+    far = [int(g["copy_distance"]) % 4 for g in generations if int(g["copy_distance"]) > 8]
     rows = read_csv(out / "passkey_alignment.csv")
     assert far and {r["rate"] for r in rows} == {"4"}
     assert sorted((r["alignment"], r["examples"]) for r in rows) == sorted(
