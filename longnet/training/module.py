@@ -34,7 +34,12 @@ from longnet.training.vocabulary import (
     scored_bytes,
     tokenizer_record,
 )
-from longnet.validation import UsageError, check_non_negative_int, check_positive_int
+from longnet.validation import (
+    UsageError,
+    check_non_negative_int,
+    check_positive_float,
+    check_positive_int,
+)
 
 Batch = dict[str, Tensor]
 RNG_KEY = "longnet_rng_state"
@@ -121,6 +126,11 @@ class CausalLMModule(L.LightningModule):
             in checkpoints (the delta: a resume rebuilds the base from ``pretrained``), and
             :class:`~longnet.training.ExportPretrained` writes the delta folder
             (:mod:`longnet.training.lora`).
+        kv_conv_learning_rate: the peak learning rate of the key/value convolutions' taps
+            (``kv_conv_size``), scheduled as ``learning_rate`` is; None: ``learning_rate``.
+            AdamW moves a parameter by about its learning rate a step, so a tap that must go
+            from 0 to a sizeable weight in a few hundred steps needs a rate far above the
+            adapters' (docs/long_context_gpu.md).
     """
 
     def __init__(
@@ -141,6 +151,7 @@ class CausalLMModule(L.LightningModule):
         resumable_data: bool = True,
         loss_reduction: Literal["token", "sample"] = "token",
         lora: dict[str, Any] | None = None,
+        kv_conv_learning_rate: float | None = None,
     ) -> None:
         super().__init__()
         _check_hparams(learning_rate, weight_decay, betas, eps, warmup_steps, total_steps,
@@ -150,6 +161,8 @@ class CausalLMModule(L.LightningModule):
                 f"loss_reduction must be 'token' or 'sample', got {loss_reduction!r}."
             )
         self.lora = None if lora is None else LoraSettings.from_mapping(lora)
+        if kv_conv_learning_rate is not None:
+            check_positive_float("kv_conv_learning_rate", kv_conv_learning_rate)
         if self.lora is not None and pretrained is None:
             raise UsageError("lora fine-tunes pretrained weights: give pretrained (a zoo name "
                              "or model folder) with it, not model or config.")
@@ -447,7 +460,7 @@ class CausalLMModule(L.LightningModule):
                 f"{hp.learning_rate} and never decays. Fine for a quick check; for a real run "
                 "lower --model.init_args.warmup_steps.", stacklevel=2)
         optimizer, scheduler = build_optimizer(
-            parameter_groups(self.model, hp.weight_decay),
+            parameter_groups(self.model, hp.weight_decay, hp.kv_conv_learning_rate),
             lr=hp.learning_rate,
             betas=tuple(hp.betas),
             eps=hp.eps,

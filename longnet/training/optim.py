@@ -13,25 +13,41 @@ from torch.optim.lr_scheduler import LambdaLR
 from longnet.nn.short_conv import CausalShortConv
 
 
-def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two AdamW groups: weight decay on parameters with >= 2 dims (linear weights, embeddings),
+def parameter_groups(model: nn.Module, weight_decay: float,
+                     kv_conv_lr: float | None = None) -> list[dict]:
+    """AdamW groups: weight decay on parameters with >= 2 dims (linear weights, embeddings),
     none on vectors (biases, norm scales) and on the K/V convolutions' per-channel taps (they
-    start as the identity; decay would pull them towards dropping the keys). Tied parameters
-    appear once."""
+    start as the identity; decay would pull them towards dropping the keys). With
+    ``kv_conv_lr`` the taps are a third group with that peak learning rate (the schedule
+    scales it as it scales the others). Tied parameters appear once.
+
+    Raises:
+        ValueError: ``kv_conv_lr`` is given and no trainable convolution tap exists.
+    """
     convolution_taps = {
         id(module.weight) for module in model.modules() if isinstance(module, CausalShortConv)
     }
-    decay, no_decay, seen = [], [], set()
+    decay, no_decay, taps, seen = [], [], [], set()
     for param in model.parameters():
         if not param.requires_grad or id(param) in seen:
             continue
         seen.add(id(param))
-        matrix = param.dim() >= 2 and id(param) not in convolution_taps
-        (decay if matrix else no_decay).append(param)
-    return [
+        if id(param) in convolution_taps:
+            (no_decay if kv_conv_lr is None else taps).append(param)
+        else:
+            (decay if param.dim() >= 2 else no_decay).append(param)
+    groups = [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    if kv_conv_lr is None:
+        return groups
+    if not taps:
+        raise ValueError(
+            "kv_conv_learning_rate is set but the model has no trainable key/value convolution: "
+            "set kv_conv_size in the model's config (and lora.train_kv_conv with LoRA), or "
+            "leave kv_conv_learning_rate unset.")
+    return [*groups, {"params": taps, "weight_decay": 0.0, "lr": kv_conv_lr}]
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:

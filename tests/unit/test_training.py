@@ -71,6 +71,36 @@ def test_parameter_groups_decay_matrices_once():
     assert len(ids) == len(set(ids)) == len({id(p) for p in model.parameters()})
 
 
+def test_the_convolution_taps_get_their_own_learning_rate_on_the_same_schedule():
+    """``kv_conv_learning_rate`` makes the taps a third AdamW group with that peak rate; the
+    warmup and cosine scale it as they scale the others; without taps it is refused."""
+    module = CausalLMModule(model="longnet-tiny", overrides=TINY | {"kv_conv_size": 4},
+                            learning_rate=1e-3, kv_conv_learning_rate=5e-2, warmup_steps=2,
+                            total_steps=10)
+    optimizers = module.configure_optimizers()
+    optimizer, scheduler = optimizers["optimizer"], optimizers["lr_scheduler"]["scheduler"]
+    taps = {id(layer.attn.kv_conv.weight) for layer in module.model.model.layers}
+    assert {id(p) for p in optimizer.param_groups[2]["params"]} == taps
+    assert not taps & {id(p) for g in optimizer.param_groups[:2] for p in g["params"]}
+    assert optimizer.param_groups[2]["weight_decay"] == 0.0
+    for _ in range(4):  # warmup, then the cosine: every group at its peak times one factor
+        rates = [g["lr"] for g in optimizer.param_groups]
+        assert rates[2] / rates[0] == pytest.approx(50.0) and rates[0] == rates[1]
+        optimizer.step()
+        scheduler.step()
+    default = CausalLMModule(model="longnet-tiny", overrides=TINY | {"kv_conv_size": 4},
+                             learning_rate=1e-3, total_steps=10)
+    groups = default.configure_optimizers()["optimizer"].param_groups
+    assert [g["initial_lr"] for g in groups] == [1e-3, 1e-3]  # the taps among the vectors
+    plain = CausalLMModule(model="longnet-tiny", overrides=TINY, kv_conv_learning_rate=5e-2,
+                           total_steps=10)
+    with pytest.raises(ValueError, match="kv_conv_learning_rate is set but the model has no "
+                                         "trainable key/value convolution: set kv_conv_size"):
+        plain.configure_optimizers()
+    with pytest.raises(ValueError, match="kv_conv_learning_rate must be a finite positive"):
+        CausalLMModule(model="longnet-tiny", overrides=TINY, kv_conv_learning_rate=0.0)
+
+
 # ---------------------------------------------------------------------- metrics
 def test_token_cross_entropy_is_token_weighted():
     metric = TokenCrossEntropy()
