@@ -12,8 +12,8 @@ further digit follows (longnet.data.passkey_match). Writes ``passkey.csv`` (one 
 model, length and depth), ``passkey_generations.csv`` (every example), ``passkey.png`` (a
 depth-by-length heatmap per model, cells annotated with accuracy) and ``run.json``; for every
 dilated model, ``passkey_alignment.csv``: accuracy per length and needle alignment (the
-distance in the model's tokens from the needle's key to the answer modulo the model's largest
-dilation rate; 0: aligned), over the keys beyond its rate-1 segment
+copy's distance in the model's tokens, longnet.eval.copy_distance, modulo the model's largest
+dilation rate; 0: aligned), over the copies longer than its rate-1 segment
 (longnet.eval.accuracy_by_alignment).
 """
 
