@@ -152,6 +152,7 @@ def test_copy_distance_counts_the_tokens_from_the_needles_key_to_the_answers_que
         distances.append(expected)
     assert len(set(distances)) > 2  # the needles' places differ in tokens too
 
+
 def test_bad_grids_are_refused():
     with pytest.raises(ValueError, match="too short"):
         check_passkey_grid([SHORTEST - 1], [0.5])
