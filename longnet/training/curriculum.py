@@ -93,9 +93,11 @@ class LengthCurriculum(L.Callback):
             ...]``: the first at step 0, steps increasing, each ``seq_len`` a divisor of the
             datamodule's.
         passkey_fraction: share in ``[0, 1)`` of each step's windows replaced by passkey
-            examples of the stage's length (which windows: drawn from ``seed`` and the step;
-            their ``document_ids`` are 0), in the data's tokens: bytes, or a subword
-            tokenizer's (``PasskeyDataset(tokenizer=...)``; the rows' ``label_bytes`` too).
+            examples of the stage's length (which windows: drawn from ``seed`` and the step
+            over the windows of all data-parallel ranks, each example on one rank:
+            :meth:`passkey_draws`; their ``document_ids`` are 0), in the data's tokens:
+            bytes, or a subword tokenizer's (``PasskeyDataset(tokenizer=...)``; the rows'
+            ``label_bytes`` too).
             The datamodule's own ``passkey_fraction`` must be 0 (its examples are as long as
             its ``seq_len`` and would be cut).
         passkey_label_mode: what the examples label (``PasskeyDataset``'s ``label_mode``).
@@ -183,7 +185,8 @@ class LengthCurriculum(L.Callback):
             set_rope_theta(pl_module, theta)
         split_windows(batch, stage.seq_len)
         if self.passkey_fraction:
-            self._mix_passkeys(batch, step, stage.seq_len)
+            self._mix_passkeys(batch, step, stage.seq_len, trainer.global_rank,
+                               trainer.world_size)
         if stage != self._announced:
             rows = batch["input_ids"].shape[0]
             rank_zero_info(f"Length curriculum: from step {step:,}, windows of "
@@ -211,22 +214,48 @@ class LengthCurriculum(L.Callback):
                 raise UsageError(f"LengthCurriculum: the stage at step {entry.step} has "
                                  f"passkey_fraction {self.passkey_fraction}: {err}") from None
 
+    def passkey_examples(
+        self, seq_len: int, tokenizer: SubwordTokenizer | None = None
+    ) -> PasskeyDataset:
+        """The passkey examples of a stage of ``seq_len`` tokens of ``tokenizer`` (None:
+        bytes), indexed as :meth:`passkey_draws` gives."""
+        return PasskeyDataset(seq_len, PASSKEY_POOL, seed=self.seed,
+                              label_mode=self.passkey_label_mode, tokenizer=tokenizer)
+
+    def passkey_draws(
+        self, step: int, rows: int, rank: int = 0, world_size: int = 1
+    ) -> list[tuple[int, int]]:
+        """``[(row, index), ...]``: which of the ``rows`` windows that rank ``rank`` of
+        ``world_size`` data-parallel ranks trains at optimizer step ``step`` passkey examples
+        replace, and the index of each one's example in its stage's :meth:`passkey_examples`.
+        The step's ``world_size * rows`` windows are drawn together, each rank taking its
+        own slice, so no two ranks train the same example. Empty without passkeys."""
+        check_non_negative_int("LengthCurriculum.passkey_draws: step", step)
+        check_positive_int("LengthCurriculum.passkey_draws: rows", rows)
+        check_positive_int("LengthCurriculum.passkey_draws: world_size", world_size)
+        if not 0 <= rank < world_size:
+            raise ValueError(f"LengthCurriculum.passkey_draws: rank {rank!r} is not in "
+                             f"[0, {world_size}).")
+        first, windows = rank * rows, world_size * rows
+        draws = np.random.default_rng([self.seed, step]).random(windows)[first:first + rows]
+        return [(int(row), step * windows + first + int(row))
+                for row in np.flatnonzero(draws < self.passkey_fraction)]
+
     def _passkey_examples(self, seq_len: int) -> PasskeyDataset:
         """The passkey examples of ``seq_len`` tokens (in the data's tokens after ``setup``)."""
         if seq_len not in self._passkeys:
-            self._passkeys[seq_len] = PasskeyDataset(
-                seq_len, PASSKEY_POOL, seed=self.seed, label_mode=self.passkey_label_mode,
-                tokenizer=self._tokenizer)
+            self._passkeys[seq_len] = self.passkey_examples(seq_len, self._tokenizer)
         return self._passkeys[seq_len]
 
-    def _mix_passkeys(self, batch: dict[str, Any], step: int, seq_len: int) -> None:
-        """Replace the windows drawn for ``step`` by passkey examples of ``seq_len`` tokens
-        (with a subword tokenizer, their ``label_bytes`` too)."""
-        rows = batch["input_ids"].shape[0]
-        draws = np.random.default_rng([self.seed, step]).random(rows)
+    def _mix_passkeys(self, batch: dict[str, Any], step: int, seq_len: int,
+                      rank: int, world_size: int) -> None:
+        """Replace the windows drawn for ``step`` on rank ``rank`` of ``world_size`` by passkey
+        examples of ``seq_len`` tokens (with a subword tokenizer, their ``label_bytes``
+        too)."""
         examples = self._passkey_examples(seq_len)
-        for row in np.flatnonzero(draws < self.passkey_fraction):
-            sample = examples[step * rows + int(row)]
+        rows = batch["input_ids"].shape[0]
+        for row, index in self.passkey_draws(step, rows, rank, world_size):
+            sample = examples[index]
             for key in ("input_ids", "labels", "label_bytes"):
                 if key in batch and key in sample:
                     batch[key][row] = sample[key]

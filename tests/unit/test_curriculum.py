@@ -92,8 +92,8 @@ def test_the_stage_switches_at_its_step_and_resumes_across_the_switch(tmp_path):
         assert torch.equal(final["state_dict"][name], value), name
 
 
-def step_trainer(step: int) -> SimpleNamespace:
-    return SimpleNamespace(global_step=step)
+def step_trainer(step: int, rank: int = 0, world_size: int = 1) -> SimpleNamespace:
+    return SimpleNamespace(global_step=step, global_rank=rank, world_size=world_size)
 
 
 def test_passkey_windows_are_of_the_stage_length_and_follow_the_step():
@@ -122,6 +122,26 @@ def test_passkey_windows_are_of_the_stage_length_and_follow_the_step():
         assert all(torch.equal(a, b) for a, b in zip(batch.values(), batch_at(step).values()))
     assert 8 <= replaced <= 24  # about half of 32 windows
 
+
+
+def test_data_parallel_ranks_train_the_passkeys_of_one_device_training_their_windows():
+    curriculum = LengthCurriculum([{"step": 0, "seq_len": 512}], passkey_fraction=0.5, seed=3)
+    module = SimpleNamespace(log=lambda *args, **kwargs: None)
+
+    def batch_at(step: int, rows: int, rank: int, world_size: int) -> torch.Tensor:
+        batch = {"input_ids": torch.full((rows, 2048), 7), "labels": torch.full((rows, 2048), 8)}
+        curriculum.on_train_batch_start(step_trainer(step, rank, world_size), module, batch, 0)
+        return batch["input_ids"]
+
+    for step in range(3):
+        one_device = batch_at(step, 2, 0, 1)  # 8 windows of 512
+        ranks = [batch_at(step, 1, rank, 2) for rank in range(2)]  # 4 each
+        assert torch.equal(torch.cat(ranks), one_device), step
+        assert not torch.equal(ranks[0], ranks[1])
+    drawn = [index for rank in range(2) for _, index in curriculum.passkey_draws(5, 4, rank, 2)]
+    assert len(drawn) == len(set(drawn)) > 0
+    with pytest.raises(ValueError, match=r"rank 2 is not in \[0, 2\)"):
+        curriculum.passkey_draws(5, 4, 2, 2)
 
 BAD_STAGES = {
     "empty": ([], "non-empty list"),

@@ -1,0 +1,252 @@
+"""Which passkey copies a run learns while it trains: its labelled passkey loss by alignment.
+
+A :class:`~longnet.training.LengthCurriculum` draws its passkey examples from its seed and the
+optimizer step alone (:meth:`~longnet.training.LengthCurriculum.passkey_draws`), so a run's
+resolved ``config.yaml`` and its ``metrics.csv`` say, for every logged step that trained on
+one window and that window a passkey example, which example it was, over how many tokens its
+answer copies the key (:func:`longnet.eval.copy_distance`, in the run's tokens) and its
+labelled loss (``train/loss``: the answer and, with ``passkey_label_mode: recall``, the
+needle's second copy of the key, a short-range copy). A branch of dilation rate ``r`` gives
+the answer's queries the key only when that distance is a multiple of ``r``
+(docs/architecture.md). Split by that alignment, the loss shows which copies a dilated model
+is learning (those its sparse branches see, the others, or neither) long before a passkey
+evaluation would.
+
+Steps of several windows are left out: their loss mixes windows. The split needs stages of
+one window per step, and ``log_every_n_steps: 1`` to see every such step.
+"""
+
+from __future__ import annotations
+
+import inspect
+import io
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+import yaml
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from longnet.data.long_document import LongDocumentDataModule
+from longnet.data.subword import SubwordTokenizer, load_tokenizer_folder
+from longnet.data.tokenizer_choice import parse_tokenizer
+from longnet.eval.passkey import copy_distance
+from longnet.files import write_atomic
+from longnet.training.checkpoint import checkpoint_config
+from longnet.training.curriculum import LengthCurriculum
+from longnet.training.curves import read_curves
+from longnet.validation import UsageError, check_non_negative_int, check_positive_int
+
+NEAR, ALIGNED, MISALIGNED = "near", "aligned", "misaligned"
+ALIGNMENTS = (NEAR, ALIGNED, MISALIGNED)
+LOSS_KEY = "train/loss"
+DATA_BATCH_SIZE = inspect.signature(LongDocumentDataModule).parameters["batch_size"].default
+"""The data's ``batch_size`` when a config does not set it."""
+LOSS_FLOOR = 1e-4
+"""Losses are drawn at least this high on the plot's logarithmic axis."""
+
+
+@dataclass(frozen=True)
+class PasskeyStep:
+    """A logged optimizer step that trained on one window, a passkey example of ``seq_len``
+    tokens whose answer copies the key over ``copy_distance`` tokens; ``loss``: its
+    ``train/loss``."""
+
+    step: int
+    seq_len: int
+    copy_distance: int
+    loss: float
+
+
+@dataclass(frozen=True)
+class RunPasskeySteps:
+    """A run's :class:`PasskeyStep` s, its logged steps in all, and its model's largest
+    dilation rate and longest rate-1 segment (0 when no branch has rate 1)."""
+
+    steps: list[PasskeyStep]
+    logged_steps: int
+    rate: int
+    dense_reach: int
+
+
+def alignment(distance: int, rate: int, dense_reach: int) -> str:
+    """``"near"`` for a copy over at most ``dense_reach`` tokens (the rate-1 branches' reach,
+    which sees every alignment), else ``"aligned"`` when ``distance`` is a multiple of
+    ``rate``, else ``"misaligned"`` (as :func:`longnet.eval.accuracy_by_alignment` counts)."""
+    check_positive_int("rate", rate)
+    check_non_negative_int("dense_reach", dense_reach)
+    if distance <= dense_reach:
+        return NEAR
+    return ALIGNED if distance % rate == 0 else MISALIGNED
+
+
+def passkey_steps(
+    losses: Sequence[tuple[int, float]],
+    curriculum: LengthCurriculum,
+    *,
+    data_seq_len: int,
+    batch_size: int,
+    tokenizer: SubwordTokenizer | None = None,
+) -> list[PasskeyStep]:
+    """Of the logged ``(step, loss)`` pairs of a run with ``curriculum``, those whose step
+    trained on a single window, a passkey example, with that example's copy distance.
+
+    ``data_seq_len``, ``batch_size``: the datamodule's (each step trains ``batch_size *
+    data_seq_len / L`` windows of its stage's length ``L``); ``tokenizer``: the data's (None:
+    bytes).
+    """
+    check_positive_int("data_seq_len", data_seq_len)
+    check_positive_int("batch_size", batch_size)
+    examples = {}
+    found = []
+    for step, loss in losses:
+        seq_len = curriculum.stage_at(step).seq_len
+        draws = curriculum.passkey_draws(step, 1)
+        if batch_size * data_seq_len != seq_len or not draws:
+            continue
+        if seq_len not in examples:
+            examples[seq_len] = curriculum.passkey_examples(seq_len, tokenizer)
+        ((_, index),) = draws
+        distance = copy_distance(examples[seq_len].example(index), tokenizer)
+        found.append(PasskeyStep(step, seq_len, distance, loss))
+    return found
+
+
+def loss_by_alignment(
+    steps: Sequence[PasskeyStep], rate: int, dense_reach: int, span: int
+) -> list[dict[str, Any]]:
+    """The labelled loss per ``span`` optimizer steps and alignment (:func:`alignment`).
+
+    Returns:
+        rows ``{"from_step", "to_step", "alignment", "steps", "mean_loss",
+        "median_loss"}``, spans ascending, alignments in ``ALIGNMENTS``' order; a span and
+        alignment without a step has no row.
+    """
+    check_positive_int("span", span)
+    groups: dict[tuple[int, str], list[float]] = {}
+    for item in steps:
+        kind = alignment(item.copy_distance, rate, dense_reach)
+        groups.setdefault((item.step // span, kind), []).append(item.loss)
+    return [
+        {"from_step": start * span, "to_step": (start + 1) * span - 1, "alignment": kind,
+         "steps": len(values), "mean_loss": sum(values) / len(values),
+         "median_loss": median(values)}
+        for (start, kind), values in sorted(
+            groups.items(), key=lambda item: (item[0][0], ALIGNMENTS.index(item[0][1])))
+    ]
+
+
+def plot_loss_by_alignment(
+    steps: Sequence[PasskeyStep], rate: int, dense_reach: int, path: str | Path,
+    *, title: str = "",
+) -> Path:
+    """Each step's labelled loss against the optimizer step (logarithmic, at least
+    ``LOSS_FLOOR``), one colour per alignment, with each alignment's running median of its
+    last 9 steps. The PNG replaces ``path`` whole. Returns ``path``."""
+    fig = Figure(figsize=(7.5, 4.4), dpi=120, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for kind, colour in zip(ALIGNMENTS, ("tab:gray", "tab:green", "tab:red")):
+        points = [(item.step, max(item.loss, LOSS_FLOOR)) for item in steps
+                  if alignment(item.copy_distance, rate, dense_reach) == kind]
+        if not points:
+            continue
+        xs, ys = zip(*points)
+        ax.scatter(xs, ys, s=10, alpha=0.45, color=colour, label=f"{kind} ({len(xs)} steps)")
+        running = [median(ys[max(0, i - 8):i + 1]) for i in range(len(ys))]
+        ax.plot(xs, running, color=colour, linewidth=1.6)
+    ax.set_yscale("log")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("labelled loss (nats per token)")
+    reach = f"beyond {dense_reach} tokens, " if dense_reach else ""
+    ax.set_title(title or f"Passkey loss by copy alignment ({reach}rate {rate})")
+    ax.grid(True, alpha=0.3, which="both")
+    ax.legend(fontsize="small")
+    image = io.BytesIO()
+    fig.savefig(image, format="png")
+    return write_atomic(path, image.getvalue())
+
+
+def read_passkey_steps(
+    config: str | Path, metrics_csv: str | Path, tokenizer_folder: str | Path | None = None
+) -> RunPasskeySteps:
+    """The :class:`PasskeyStep` s of a run, with its model's pattern.
+
+    Args:
+        config: the run's ``longnet fit`` config: a run folder's ``config.yaml`` (resolved)
+            or the file it was started with (e.g. ``configs/gpu/smollm2_135m_32k.yaml``);
+            the model is its ``model.init_args`` (as a checkpoint's hyper-parameters).
+        metrics_csv: the run's ``metrics.csv`` (a chunked run's, every chunk's rows).
+        tokenizer_folder: the run folder's ``tokenizer/``; None reads the data's
+            ``tokenizer`` option (bytes, a file, a folder or a zoo name; a ``bpe:<size>``
+            the run trained needs the folder).
+
+    Raises:
+        UsageError: a missing file, a run that trains no passkey examples through a
+            ``LengthCurriculum`` or that trains on several devices (each logs its own loss),
+            a ``bpe:<size>`` tokenizer without its folder.
+    """
+    config, metrics_csv = Path(config), Path(metrics_csv)
+    missing = [str(path) for path in (config, metrics_csv) if not path.is_file()]
+    if missing:
+        raise UsageError(f"no file {' and '.join(missing)}: give a `longnet fit` run folder "
+                         "(runs/<name>) or its config and metrics.csv.")
+    settings = yaml.safe_load(config.read_text()) or {}
+    trainer = settings.get("trainer") or {}
+    if trainer.get("devices") not in (None, 1, "1") or trainer.get("num_nodes") not in (None, 1):
+        raise UsageError(
+            f"{config} trains on devices={trainer.get('devices')!r}, "
+            f"num_nodes={trainer.get('num_nodes')!r}: its logged loss is not one window's; "
+            "only single-device runs can be split by passkey example.")
+    curriculum = _run_curriculum(settings, config)
+    data = (settings.get("data") or {}).get("init_args") or {}
+    if "seq_len" not in data:
+        raise UsageError(f"{config} sets no data.init_args.seq_len: give the run's config.")
+    model = checkpoint_config({"hyper_parameters": (settings.get("model") or {}).get(
+        "init_args") or {}}, source=str(config))
+    branches = model.pattern.branches
+    losses = read_curves(metrics_csv, [LOSS_KEY])[LOSS_KEY]
+    steps = passkey_steps(losses, curriculum, data_seq_len=data["seq_len"],
+                          batch_size=data.get("batch_size", DATA_BATCH_SIZE),
+                          tokenizer=_run_tokenizer(data.get("tokenizer"), tokenizer_folder))
+    return RunPasskeySteps(
+        steps=steps, logged_steps=len(losses), rate=max(r for _, r in branches),
+        dense_reach=max((w for w, r in branches if r == 1), default=0))
+
+
+def _run_tokenizer(
+    option: str | None, folder: str | Path | None
+) -> SubwordTokenizer | None:
+    """The run's subword tokenizer (None: bytes): ``folder``'s, else the data's option's."""
+    if folder is not None:
+        return load_tokenizer_folder(folder)
+    choice = parse_tokenizer(option)
+    if choice.kind == "bpe":
+        raise UsageError(f"the run's tokenizer {option!r} is a BPE it trained: give the run "
+                         "folder, whose tokenizer/ holds it.")
+    return choice.loaded if isinstance(choice.loaded, SubwordTokenizer) else None
+
+
+def _run_curriculum(config: dict[str, Any], source: Path) -> LengthCurriculum:
+    """The ``LengthCurriculum`` of a resolved config, refused when it has no passkeys."""
+    callbacks = (config.get("trainer") or {}).get("callbacks") or []
+    found = [entry.get("init_args") or {} for entry in callbacks if isinstance(entry, dict)
+             and str(entry.get("class_path", "")).endswith(".LengthCurriculum")]
+    if not found or not found[0].get("passkey_fraction"):
+        raise UsageError(
+            f"{source} trains no passkey examples: no longnet.training.LengthCurriculum with "
+            "a passkey_fraction above 0 among trainer.callbacks.")
+    return LengthCurriculum(**found[0])
+
+
+def span_for(steps: Sequence[PasskeyStep], rows: int = 8) -> int:
+    """A round span of optimizer steps that cuts the steps' range into about ``rows``."""
+    if not steps:
+        return 1
+    width = (steps[-1].step - steps[0].step + 1) / rows
+    magnitude = 10 ** max(0, math.floor(math.log10(max(width, 1))))
+    return max(1, round(width / magnitude) * magnitude)

@@ -1,0 +1,78 @@
+"""A run's labelled passkey loss by needle alignment: which copies it is learning.
+
+    python scripts/passkey_training_loss.py runs/smollm2-135m-1k-rate2-pilot [--span 100]
+    python scripts/passkey_training_loss.py --config configs/gpu/smollm2_135m_32k.yaml \
+        --metrics chunks/smollm2-135m-32k/metrics.csv --out runs/eval/passkey-loss
+
+Reads a ``longnet fit`` run, while it trains or after: a run folder (its ``config.yaml``,
+``metrics.csv`` and ``tokenizer/``) or a config and a ``metrics.csv`` (a chunked run's, which
+the chunks bring back). Rebuilds the passkey example of every logged step that trained on one
+window, a passkey example of its ``LengthCurriculum``, and splits their ``train/loss`` by the
+copy's alignment (longnet.training.passkey_loss): ``near`` (within the model's longest rate-1
+segment), ``aligned`` (a multiple of its largest dilation rate, which its sparse branches see)
+or ``misaligned``. Prints the mean and median loss per ``--span`` steps and alignment and
+writes ``passkey_training_loss.csv`` (every such step) and ``passkey_training_loss.png`` into
+``--out`` (by default the run folder). Log every step (``--trainer.log_every_n_steps 1``) to
+see every passkey step.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from longnet.eval import format_table, write_csv
+from longnet.eval.cli import ScriptParser, path_argument, positive_int_argument, run_cli
+from longnet.training.passkey_loss import (
+    alignment,
+    loss_by_alignment,
+    plot_loss_by_alignment,
+    read_passkey_steps,
+    span_for,
+)
+from longnet.validation import UsageError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = ScriptParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run", type=path_argument, nargs="?",
+                        help="the run folder (runs/<name>): its config.yaml, metrics.csv and "
+                             "tokenizer/")
+    parser.add_argument("--config", type=path_argument,
+                        help="the run's config (default: the run folder's config.yaml)")
+    parser.add_argument("--metrics", type=path_argument,
+                        help="the run's metrics.csv (default: the run folder's)")
+    parser.add_argument("--span", type=positive_int_argument,
+                        help="optimizer steps per row of the table (default: about 8 rows)")
+    parser.add_argument("--out", type=path_argument,
+                        help="where the CSV and the PNG go (default: the run folder)")
+    args = parser.parse_args(argv)
+    if args.run is None and not (args.config and args.metrics and args.out):
+        parser.error("give a run folder, or --config, --metrics and --out")
+    config = args.config or args.run / "config.yaml"
+    metrics = args.metrics or args.run / "metrics.csv"
+    tokenizer = args.run / "tokenizer" if args.run and (args.run / "tokenizer").is_dir() else None
+    run = read_passkey_steps(config, metrics, tokenizer)
+    if not run.steps:
+        raise UsageError(
+            f"none of the {run.logged_steps} logged steps in {metrics} trained on a single "
+            "window that was a passkey example; the split needs stages of one window per step "
+            "(batch_size 1 at the data's seq_len) and log_every_n_steps 1 to see them.")
+    span = args.span or span_for(run.steps)
+    print(f"{len(run.steps)} of {run.logged_steps} logged steps trained on one passkey "
+          f"example. near: a copy over at most {run.dense_reach} tokens (the longest rate-1 "
+          f"segment); aligned or misaligned: to rate {run.rate}, the largest.")
+    print(format_table(loss_by_alignment(run.steps, run.rate, run.dense_reach, span)))
+    out = args.out or args.run
+    rows = [{"step": item.step, "seq_len": item.seq_len, "copy_distance": item.copy_distance,
+             "alignment": alignment(item.copy_distance, run.rate, run.dense_reach),
+             "loss": item.loss} for item in run.steps]
+    written = [write_csv(rows, out / "passkey_training_loss.csv"),
+               plot_loss_by_alignment(run.steps, run.rate, run.dense_reach,
+                                      out / "passkey_training_loss.png",
+                                      title=f"{metrics.parent.name}: passkey loss by alignment")]
+    print("wrote " + ", ".join(str(path) for path in written))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))
