@@ -8,7 +8,7 @@ Reads a ``longnet fit`` run, while it trains or after: a run folder (its ``confi
 ``metrics.csv`` and ``tokenizer/``) or a config and a ``metrics.csv`` (a chunked run's, which
 the chunks bring back). Rebuilds the passkey example of every logged step that trained on one
 window, a passkey example of its ``LengthCurriculum``, and splits their ``train/loss`` by the
-copy's alignment (longnet.training.passkey_loss): ``near`` (within the model's longest rate-1
+copy's alignment (longnet.eval.passkey_training): ``near`` (within the model's longest rate-1
 segment), ``aligned`` (a multiple of its largest dilation rate, which its sparse branches see)
 or ``misaligned``. Prints the mean and median loss per ``--span`` steps and alignment and
 writes ``passkey_training_loss.csv`` (every such step) and ``passkey_training_loss.png`` into
@@ -22,7 +22,7 @@ import sys
 
 from longnet.eval import format_table, write_csv
 from longnet.eval.cli import ScriptParser, path_argument, positive_int_argument, run_cli
-from longnet.training.passkey_loss import (
+from longnet.eval.passkey_training import (
     alignment,
     loss_by_alignment,
     plot_loss_by_alignment,

@@ -4,8 +4,9 @@ sliding windows inside documents, compressor baselines, and passkey retrieval gr
 Modules: ``loading`` (zoo names, model folders, and Lightning checkpoints through
 ``longnet.training.checkpoint``), ``documents`` (whole held-out documents), ``sliding`` (the
 sliding-window scorer), ``perplexity`` (rows per model and context length), ``positions`` (bits
-per byte by position in the document), ``passkey``, ``plotting``, ``reporting`` (CSV,
-tables); the compressor baselines come from ``longnet.data.compressors``.
+per byte by position in the document), ``passkey``, ``passkey_training`` (a training run's
+passkey loss by needle alignment, from its log), ``plotting``, ``reporting`` (CSV, tables); the
+compressor baselines come from ``longnet.data.compressors``.
 See ``docs/evaluation.md``.
 """
 

@@ -1,4 +1,4 @@
-"""A run's labelled passkey loss by alignment (``longnet.training.passkey_loss`` and
+"""A run's labelled passkey loss by alignment (``longnet.eval.passkey_training`` and
 ``scripts/passkey_training_loss.py``): the steps it finds in a real run's log are the steps
 that trained on a passkey example, with that example's copy distance (counted here from the
 window's text) and the loss the step computed; alignments, spans and bad runs."""
@@ -15,13 +15,13 @@ import pytest
 import torch
 import yaml
 
-from longnet.training import LengthCurriculum
-from longnet.training.passkey_loss import (
+from longnet.eval.passkey_training import (
     PasskeyStep,
     alignment,
     loss_by_alignment,
     read_passkey_steps,
 )
+from longnet.training import LengthCurriculum
 from longnet.validation import UsageError
 from tests.scripts import load_script
 from tests.unit.test_handoff import REPO, fit
