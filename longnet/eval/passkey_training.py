@@ -105,8 +105,10 @@ def passkey_steps(
     found = []
     for step, loss in losses:
         seq_len = curriculum.stage_at(step).seq_len
+        if batch_size * data_seq_len != seq_len:
+            continue  # several windows: the logged loss mixes them
         draws = curriculum.passkey_draws(step, 1)
-        if batch_size * data_seq_len != seq_len or not draws:
+        if not draws:
             continue
         if seq_len not in examples:
             examples[seq_len] = curriculum.passkey_examples(seq_len, tokenizer)
@@ -232,7 +234,7 @@ def _run_tokenizer(
 
 
 def _run_curriculum(config: dict[str, Any], source: Path) -> LengthCurriculum:
-    """The ``LengthCurriculum`` of a resolved config, refused when it has no passkeys."""
+    """The ``LengthCurriculum`` of a ``longnet fit`` config, refused when it has no passkeys."""
     callbacks = (config.get("trainer") or {}).get("callbacks") or []
     found = [entry.get("init_args") or {} for entry in callbacks if isinstance(entry, dict)
              and str(entry.get("class_path", "")).endswith(".LengthCurriculum")]

@@ -123,7 +123,6 @@ def test_passkey_windows_are_of_the_stage_length_and_follow_the_step():
     assert 8 <= replaced <= 24  # about half of 32 windows
 
 
-
 def test_data_parallel_ranks_train_the_passkeys_of_one_device_training_their_windows():
     curriculum = LengthCurriculum([{"step": 0, "seq_len": 512}], passkey_fraction=0.5, seed=3)
     module = SimpleNamespace(log=lambda *args, **kwargs: None)
@@ -142,6 +141,7 @@ def test_data_parallel_ranks_train_the_passkeys_of_one_device_training_their_win
     assert len(drawn) == len(set(drawn)) > 0
     with pytest.raises(ValueError, match=r"rank 2 is not in \[0, 2\)"):
         curriculum.passkey_draws(5, 4, 2, 2)
+
 
 BAD_STAGES = {
     "empty": ([], "non-empty list"),
