@@ -7,7 +7,7 @@
 Reads a ``longnet fit`` run, while it trains or after: a run folder (its ``config.yaml``,
 ``metrics.csv`` and ``tokenizer/``) or a config and a ``metrics.csv`` (a chunked run's, which
 the chunks bring back). Rebuilds the passkey example of every logged step that trained on one
-window, a passkey example of its ``LengthCurriculum``, and splits their ``train/loss`` by the
+passkey example of its ``LengthCurriculum``, and splits their ``train/passkey_loss`` by the
 copy's alignment (longnet.eval.passkey_training): ``near`` (within the model's longest rate-1
 segment), ``aligned`` (a multiple of its largest dilation rate, which its sparse branches see)
 or ``misaligned``. Prints the mean and median loss per ``--span`` steps and alignment and
@@ -54,9 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     run = read_passkey_steps(config, metrics, tokenizer)
     if not run.steps:
         raise UsageError(
-            f"none of the {run.logged_steps} logged steps in {metrics} trained on a single "
-            "window that was a passkey example; the split needs stages of one window per step "
-            "(batch_size 1 at the data's seq_len) and log_every_n_steps 1 to see them.")
+            f"none of the {run.logged_steps} logged steps in {metrics} trained on exactly one "
+            "passkey example; log every step (log_every_n_steps 1) to see them all (a log "
+            "without train/passkey_loss counts steps of one window only).")
     span = args.span or span_for(run.steps)
     print(f"{len(run.steps)} of {run.logged_steps} logged steps trained on one passkey "
           f"example. near: a copy over at most {run.dense_reach} tokens (the longest rate-1 "

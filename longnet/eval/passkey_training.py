@@ -3,17 +3,20 @@
 A :class:`~longnet.training.LengthCurriculum` draws its passkey examples from its seed and the
 optimizer step alone (:meth:`~longnet.training.LengthCurriculum.passkey_draws`), so a run's
 resolved ``config.yaml`` and its ``metrics.csv`` say, for every logged step that trained on
-one window and that window a passkey example, which example it was, over how many tokens its
-answer copies the key (:func:`longnet.eval.copy_distance`, in the run's tokens) and its
-labelled loss (``train/loss``: the answer and, with ``passkey_label_mode: recall``, the
-needle's second copy of the key, a short-range copy). A branch of dilation rate ``r`` gives
+one passkey example, which example it was, over how many tokens its answer copies the key
+(:func:`longnet.eval.copy_distance`, in the run's tokens) and its labelled loss
+(``train/passkey_loss``, which ``CausalLMModule`` logs: the answer and, with
+``passkey_label_mode: recall``, the needle's second copy of the key, a short-range copy).
+A branch of dilation rate ``r`` gives
 the answer's queries the key only when that distance is a multiple of ``r``
 (docs/architecture.md). Split by that alignment, the loss shows which copies a dilated model
 is learning (those its sparse branches see, the others, or neither) long before a passkey
 evaluation would.
 
-Steps of several windows are left out: their loss mixes windows. The split needs stages of
-one window per step, and ``log_every_n_steps: 1`` to see every such step.
+Steps with several passkey windows are left out (their loss mixes examples), and so are, in
+a log written before ``train/passkey_loss`` existed, steps of several windows (``train/loss``
+is then the example's only on a step of one window). ``log_every_n_steps: 1`` shows every
+step.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from longnet.validation import UsageError, check_non_negative_int, check_positiv
 
 NEAR, ALIGNED, MISALIGNED = "near", "aligned", "misaligned"
 ALIGNMENTS = (NEAR, ALIGNED, MISALIGNED)
+PASSKEY_LOSS_KEY = "train/passkey_loss"
 LOSS_KEY = "train/loss"
 DATA_BATCH_SIZE = inspect.signature(LongDocumentDataModule).parameters["batch_size"].default
 """The data's ``batch_size`` when a config does not set it."""
@@ -52,9 +56,8 @@ LOSS_FLOOR = 1e-4
 
 @dataclass(frozen=True)
 class PasskeyStep:
-    """A logged optimizer step that trained on one window, a passkey example of ``seq_len``
-    tokens whose answer copies the key over ``copy_distance`` tokens; ``loss``: its
-    ``train/loss``."""
+    """A logged optimizer step that trained on one passkey example of ``seq_len`` tokens,
+    whose answer copies the key over ``copy_distance`` tokens; ``loss``: its labelled loss."""
 
     step: int
     seq_len: int
@@ -91,13 +94,15 @@ def passkey_steps(
     data_seq_len: int,
     batch_size: int,
     tokenizer: SubwordTokenizer | None = None,
+    passkey_loss: bool = True,
 ) -> list[PasskeyStep]:
-    """Of the logged ``(step, loss)`` pairs of a run with ``curriculum``, those whose step
-    trained on a single window, a passkey example, with that example's copy distance.
+    """Of the logged ``(step, loss)`` pairs of a one-device run with ``curriculum``, those
+    whose step trained on one passkey example, with that example's copy distance.
 
     ``data_seq_len``, ``batch_size``: the datamodule's (each step trains ``batch_size *
     data_seq_len / L`` windows of its stage's length ``L``); ``tokenizer``: the data's (None:
-    bytes).
+    bytes); ``passkey_loss``: the losses are ``train/passkey_loss`` (the passkey windows'
+    own); False: ``train/loss``, the example's own only on a step of one window.
     """
     check_positive_int("data_seq_len", data_seq_len)
     check_positive_int("batch_size", batch_size)
@@ -105,11 +110,12 @@ def passkey_steps(
     found = []
     for step, loss in losses:
         seq_len = curriculum.stage_at(step).seq_len
-        if batch_size * data_seq_len != seq_len:
-            continue  # several windows: the logged loss mixes them
-        draws = curriculum.passkey_draws(step, 1)
-        if not draws:
-            continue
+        windows = batch_size * data_seq_len // seq_len
+        if windows > 1 and not passkey_loss:
+            continue  # train/loss mixes the windows
+        draws = curriculum.passkey_draws(step, windows)
+        if len(draws) != 1:
+            continue  # no passkey example, or several mixed in one loss
         if seq_len not in examples:
             examples[seq_len] = curriculum.passkey_examples(seq_len, tokenizer)
         ((_, index),) = draws
@@ -189,7 +195,7 @@ def read_passkey_steps(
 
     Raises:
         UsageError: a missing file, a run that trains no passkey examples through a
-            ``LengthCurriculum`` or that trains on several devices (each logs its own loss),
+            ``LengthCurriculum`` or that trains on several devices,
             a ``bpe:<size>`` tokenizer without its folder.
     """
     config, metrics_csv = Path(config), Path(metrics_csv)
@@ -202,8 +208,8 @@ def read_passkey_steps(
     if trainer.get("devices") not in (None, 1, "1") or trainer.get("num_nodes") not in (None, 1):
         raise UsageError(
             f"{config} trains on devices={trainer.get('devices')!r}, "
-            f"num_nodes={trainer.get('num_nodes')!r}: its logged loss is not one window's; "
-            "only single-device runs can be split by passkey example.")
+            f"num_nodes={trainer.get('num_nodes')!r}: only single-device runs "
+            "can be split by passkey example (their draws are rebuilt for one device).")
     curriculum = _run_curriculum(settings, config)
     data = (settings.get("data") or {}).get("init_args") or {}
     if "seq_len" not in data:
@@ -211,12 +217,16 @@ def read_passkey_steps(
     model = checkpoint_config({"hyper_parameters": (settings.get("model") or {}).get(
         "init_args") or {}}, source=str(config))
     branches = model.pattern.branches
-    losses = read_curves(metrics_csv, [LOSS_KEY])[LOSS_KEY]
-    steps = passkey_steps(losses, curriculum, data_seq_len=data["seq_len"],
+    curves = read_curves(metrics_csv, [PASSKEY_LOSS_KEY, LOSS_KEY])
+    passkey_losses = [(step, loss) for step, loss in curves[PASSKEY_LOSS_KEY]
+                      if not math.isnan(loss)]  # NaN: a step without passkey windows
+    steps = passkey_steps(passkey_losses or curves[LOSS_KEY], curriculum,
+                          data_seq_len=data["seq_len"],
                           batch_size=data.get("batch_size", DATA_BATCH_SIZE),
-                          tokenizer=_run_tokenizer(data.get("tokenizer"), tokenizer_folder))
+                          tokenizer=_run_tokenizer(data.get("tokenizer"), tokenizer_folder),
+                          passkey_loss=bool(passkey_losses))
     return RunPasskeySteps(
-        steps=steps, logged_steps=len(losses), rate=max(r for _, r in branches),
+        steps=steps, logged_steps=len(curves[LOSS_KEY]), rate=max(r for _, r in branches),
         dense_reach=max((w for w, r in branches if r == 1), default=0))
 
 

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch.plugins.precision import DoublePrecision
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
@@ -19,6 +20,7 @@ from longnet.constants import IGNORE_INDEX
 from longnet.distributed.sequence_parallel import parallelize
 from longnet.modeling import LMOutput
 from longnet.modeling.model import document_labels
+from longnet.training.budget import TimeBudget
 from longnet.training.builder import build_lm
 from longnet.training.loaders import ResumableDataOrder
 from longnet.training.lora import LoraSettings, apply_lora, check_delta_names, trainable_names
@@ -43,6 +45,10 @@ from longnet.validation import (
 
 Batch = dict[str, Tensor]
 RNG_KEY = "longnet_rng_state"
+PASSKEY_ROWS = "passkey_rows"
+"""Batch key of a ``(batch,)`` bool mask of the windows that are passkey examples (set by
+:class:`~longnet.training.LengthCurriculum`): their scored tokens' mean loss is logged as
+``train/passkey_loss`` (NaN on a step without one)."""
 
 
 class TrainingDiverged(UsageError):
@@ -87,7 +93,9 @@ class CausalLMModule(L.LightningModule):
     logged ``train/loss`` is token-weighted in both modes.
 
     Logged: ``train/loss`` (nats/token, global batch), ``train/bpb``, ``train/tokens_per_s``
-    (input tokens of the global batch per second of training step, scored or not);
+    (input tokens of the global batch per second of training step, scored or not),
+    ``train/passkey_loss`` (nats/token over the scored tokens of the global batch's passkey
+    windows, :data:`PASSKEY_ROWS`; NaN on a step without one);
     ``val/loss``, ``val/bpb``, ``val/ppl`` (per token), ``val/accuracy`` (and ``test/...``)
     over the whole split, exact across ranks (summed cross-entropy, token and byte counts).
     Bits per byte divide by the UTF-8 bytes the scored tokens cover (the batch's
@@ -351,7 +359,8 @@ class CausalLMModule(L.LightningModule):
         input_tokens = out.loss_sum.new_full((), batch["input_ids"].numel(),
                                              dtype=torch.float64)
         stats = torch.stack((out.loss_sum.detach().double(), out.num_tokens.double(),
-                             self._scored_bytes(batch).sum().double(), input_tokens))
+                             self._scored_bytes(batch).sum().double(), input_tokens,
+                             *_passkey_ce(out.logits, batch)))
         if world > 1 and dist.is_available() and dist.is_initialized():
             dist.all_reduce(stats)
         if self.hparams.loss_reduction == "sample":
@@ -361,6 +370,9 @@ class CausalLMModule(L.LightningModule):
         summary = lm_summary(stats[0], stats[1], stats[2])
         self.log("train/loss", summary["loss"].float(), prog_bar=True)
         self.log("train/bpb", summary["bpb"].float())
+        if PASSKEY_ROWS in batch:  # NaN on a step without one (a key left out of a step
+            # would be logged with its last value again)
+            self.log("train/passkey_loss", (stats[4] / stats[5]).float())
         self._step_tokens = stats[3]
         self._step_loss = summary["loss"]  # of the global batch: the same on every rank
         return loss
@@ -443,9 +455,10 @@ class CausalLMModule(L.LightningModule):
         return {"loss_sum": stats[0], "num_tokens": stats[1], "num_bytes": stats[2],
                 "bpb": summary["bpb"]}
 
-    def configure_optimizers(self) -> dict[str, Any]:
-        hp = self.hparams
-        total = hp.total_steps
+    def schedule_length(self) -> int:
+        """The optimizer steps the learning-rate decay is laid over: ``total_steps``, else
+        the trainer's length (``max_steps``)."""
+        total = self.hparams.total_steps
         if total is None:
             total = self.trainer.estimated_stepping_batches
             if total == float("inf"):
@@ -453,6 +466,11 @@ class CausalLMModule(L.LightningModule):
                     "total_steps is None and the trainer has no finite length; set "
                     "trainer.max_steps or model.init_args.total_steps."
                 )
+        return int(total)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        total = self.schedule_length()
         if hp.warmup_steps >= total:
             warnings.warn(
                 f"warmup_steps {hp.warmup_steps} is not below the schedule's {int(total)} steps "
@@ -464,7 +482,7 @@ class CausalLMModule(L.LightningModule):
             lr=hp.learning_rate,
             betas=tuple(hp.betas),
             eps=hp.eps,
-            total_steps=int(total),
+            total_steps=total,
             warmup_steps=hp.warmup_steps,
             min_lr_ratio=hp.min_lr_ratio,
         )
@@ -472,6 +490,27 @@ class CausalLMModule(L.LightningModule):
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1},
         }
+
+    def on_train_start(self) -> None:
+        """A resumed fit whose schedule length (``total_steps``, else ``max_steps``) is not the
+        one its checkpoint's schedule was laid over (``--trainer.max_steps N`` to extend a
+        finished run) trains with the schedule of a run of the new length from its start:
+        where the old one had ended, the rate goes back up (a warm restart). A
+        :class:`~longnet.training.TimeBudget` plans the schedule itself and is left to."""
+        if any(isinstance(callback, TimeBudget) for callback in self.trainer.callbacks):
+            return
+        total = self.schedule_length()
+        schedule = self.lr_schedulers().lr_lambdas[0]
+        if [tuple(plan) for plan in schedule.plans] == [(0, total)]:
+            return
+        step, before = self.trainer.global_step, schedule(self.trainer.global_step)
+        self.plan_schedule(total)
+        rank_zero_info(
+            f"Resumed at step {step:,} with a learning-rate schedule of "
+            f"{schedule.plans[-1][1]:,} steps (the checkpoint's); it is now that of "
+            f"{total:,} steps, as configured: the rate at step {step:,} goes from "
+            f"{before * self.hparams.learning_rate:.3g} to "
+            f"{self.lr_schedulers().lr_lambdas[0](step) * self.hparams.learning_rate:.3g}.")
 
     def plan_schedule(self, total_steps: int, from_step: int = 0) -> None:
         """Lay the learning-rate decay over ``total_steps`` optimizer steps from ``from_step``
@@ -540,6 +579,21 @@ def _labels(batch: Batch) -> Tensor:
     """The batch's labels, less those whose target begins the next packed document
     (``document_labels``; unchanged without ``document_ids``)."""
     return document_labels(batch["labels"], batch.get("document_ids"))
+
+
+def _passkey_ce(logits: Tensor, batch: Batch) -> tuple[Tensor, Tensor]:
+    """Summed cross-entropy and count (float64 scalars) of the scored tokens of the windows
+    ``batch[PASSKEY_ROWS]`` marks; zeros when the batch marks none. Logits ``(batch, seq,
+    vocab)``; only the scored tokens' rows are gathered (a few per passkey window)."""
+    marked = batch.get(PASSKEY_ROWS)
+    if marked is None:
+        zero = logits.new_zeros((), dtype=torch.float64)
+        return zero, zero
+    labels = _labels(batch)
+    scored = marked.to(labels.device)[:, None] & (labels != IGNORE_INDEX)
+    with torch.no_grad():
+        ce = F.cross_entropy(logits[scored].float(), labels[scored], reduction="sum")
+    return ce.double(), scored.sum().double()
 
 
 def _per_sample_ce(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:

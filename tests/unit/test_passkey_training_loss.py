@@ -1,18 +1,21 @@
 """A run's labelled passkey loss by alignment (``longnet.eval.passkey_training`` and
 ``scripts/passkey_training_loss.py``): the steps it finds in a real run's log are the steps
-that trained on a passkey example, with that example's copy distance (counted here from the
-window's text) and the loss the step computed; alignments, spans and bad runs."""
+that trained on one passkey example, with that example's copy distance (counted here from the
+window's text) and its labelled loss (computed here from the model's logits), on one window
+per step or several; alignments, spans and bad runs."""
 
 from __future__ import annotations
 
 import csv
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
 import lightning as L
 import pytest
 import torch
+import torch.nn.functional as F
 import yaml
 
 from longnet.eval.passkey_training import (
@@ -33,30 +36,38 @@ script = load_script("passkey_training_loss")
 
 
 class Recorder(L.Callback):
-    """Append a JSON line per optimizer step to ``path``: the step, its one window's bytes (as
-    the step trains them) and the loss it computed."""
+    """Append a JSON line per optimizer step to ``path``: the step, its windows' bytes (as
+    the step trains them), each window's mean loss over its labelled tokens (from the model's
+    logits before the step's update) and the loss the step computed."""
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._window: list[int] = []
+        self._windows: list[list[int]] = []
+        self._labelled: list[float] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self._window = batch["input_ids"][0].tolist()
+        self._windows = batch["input_ids"].tolist()
+        with torch.no_grad():
+            logits = pl_module.model(batch["input_ids"]).logits
+        scored = batch["labels"] != -100
+        self._labelled = [
+            float(F.cross_entropy(logits[row][scored[row]], batch["labels"][row][scored[row]]))
+            for row in range(len(self._windows))]
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        record = {"step": trainer.global_step - 1, "window": self._window,
-                  "loss": float(outputs["loss"])}
+        record = {"step": trainer.global_step - 1, "windows": self._windows,
+                  "labelled": self._labelled, "loss": float(outputs["loss"])}
         with open(self.path, "a") as handle:
             handle.write(json.dumps(record) + "\n")
 
 
-def run_config(path: Path, cache: Path, record: Path, *, devices: int = 1) -> Path:
-    """The smoke run on one byte-level window of ``WINDOW`` per step, logged at every step,
-    half the windows passkey examples (recall labels), a ``Recorder`` last."""
+def run_config(path: Path, cache: Path, record: Path, *, windows: int = 1) -> Path:
+    """The smoke run on ``windows`` byte-level windows of ``WINDOW`` per step, logged at every
+    step, half the windows passkey examples (recall labels), a ``Recorder`` last."""
     config = yaml.safe_load((REPO / "configs" / "smoke.yaml").read_text())
     trainer = config["trainer"]
     trainer.update(max_steps=STEPS, val_check_interval=STEPS, limit_val_batches=1,
-                   log_every_n_steps=1, enable_progress_bar=False, devices=devices)
+                   log_every_n_steps=1, enable_progress_bar=False)
     trainer["callbacks"] = [
         {"class_path": "longnet.training.LengthCurriculum",
          "init_args": {"stages": [{"step": 0, "seq_len": WINDOW}], "passkey_fraction": 0.5,
@@ -64,21 +75,27 @@ def run_config(path: Path, cache: Path, record: Path, *, devices: int = 1) -> Pa
         {"class_path": f"{HERE}.Recorder", "init_args": {"path": str(record)}},
     ]
     config["test_after_fit"] = False
-    config["model"]["init_args"]["overrides"].update(max_positions=WINDOW, **PATTERN)
-    config["data"]["init_args"].update(cache_dir=str(cache), batch_size=1, seq_len=WINDOW)
+    config["model"]["init_args"]["overrides"].update(max_positions=WINDOW, dropout=0.0,
+                                                     **PATTERN)
+    config["data"]["init_args"].update(cache_dir=str(cache), batch_size=1,
+                                       seq_len=windows * WINDOW)
     path.write_text(yaml.safe_dump(config))
     return path
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory) -> tuple[Path, dict[int, dict]]:
-    """A finished run folder and its ``Recorder`` records by step."""
-    root = tmp_path_factory.mktemp("passkey-run")
+def finished_run(root: Path, windows: int) -> tuple[Path, dict[int, dict]]:
+    """A finished run of ``windows`` windows per step and its ``Recorder`` records by step."""
     record = root / "record.jsonl"
-    config = run_config(root / "run.yaml", root / "cache", record)
+    config = run_config(root / "run.yaml", root / "cache", record, windows=windows)
     assert fit(config, root, "run") == 0
     lines = map(json.loads, record.read_text().splitlines())
     return root / "run", {line["step"]: line for line in lines}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> tuple[Path, dict[int, dict]]:
+    """A finished run of one window per step and its ``Recorder`` records by step."""
+    return finished_run(tmp_path_factory.mktemp("passkey-run"), windows=1)
 
 
 def copy_distance_of(window: list[int]) -> int | None:
@@ -97,16 +114,44 @@ def copy_distance_of(window: list[int]) -> int | None:
 def test_the_steps_found_are_the_passkey_steps_with_their_distance_and_loss(run):
     folder, records = run
     found = read_passkey_steps(folder / "config.yaml", folder / "metrics.csv")
-    expected = {step: copy_distance_of(record["window"]) for step, record in records.items()}
+    expected = {step: copy_distance_of(record["windows"][0])
+                for step, record in records.items()}
     passkey_steps = sorted(step for step, distance in expected.items() if distance is not None)
     assert 2 <= len(passkey_steps) <= STEPS - 2  # half the windows, drawn
     assert found.logged_steps == STEPS
     assert [item.step for item in found.steps] == passkey_steps
     for item in found.steps:
+        record = records[item.step]
         assert item.seq_len == WINDOW
         assert item.copy_distance == expected[item.step] > 0, item.step
-        assert item.loss == pytest.approx(records[item.step]["loss"], rel=1e-5), item.step
+        assert item.loss == pytest.approx(record["labelled"][0], rel=1e-5), item.step
+        assert item.loss == pytest.approx(record["loss"], rel=1e-5), item.step
     assert (found.rate, found.dense_reach) == (2, 16)
+
+
+def test_on_steps_of_several_windows_the_loss_is_the_passkey_windows_own(tmp_path_factory):
+    """Two windows per step: a step with one passkey window is found with that window's
+    labelled loss (not the step's, mostly corpus text); a step with two is left out."""
+    folder, records = finished_run(tmp_path_factory.mktemp("passkey-windows"), windows=2)
+    found = {item.step: item for item in read_passkey_steps(folder / "config.yaml",
+                                                            folder / "metrics.csv").steps}
+    with open(folder / "metrics.csv", newline="") as handle:
+        logged = {int(row["step"]): float(row["train/passkey_loss"])
+                  for row in csv.DictReader(handle) if row.get("train/loss")}
+    assert sorted(logged) == sorted(records)  # every step, NaN without a passkey window
+    single = set()
+    for step, record in records.items():
+        marked = [row for row, window in enumerate(record["windows"])
+                  if copy_distance_of(window) is not None]
+        assert math.isnan(logged[step]) != bool(marked), step
+        if len(marked) == 1:
+            single.add(step)
+            (row,) = marked
+            assert found[step].copy_distance == copy_distance_of(record["windows"][row])
+            assert found[step].loss == pytest.approx(record["labelled"][row], rel=1e-5)
+            assert abs(found[step].loss - record["loss"]) > 1e-4  # not the step's
+    assert set(found) == single
+    assert 0 < len(single) < sum(not math.isnan(loss) for loss in logged.values())
 
 
 def test_the_script_writes_every_step_and_the_plot(run, tmp_path, capsys):
@@ -117,7 +162,7 @@ def test_the_script_writes_every_step_and_the_plot(run, tmp_path, capsys):
     with open(tmp_path / "passkey_training_loss.csv", newline="") as handle:
         rows = list(csv.DictReader(handle))
     assert [int(row["step"]) for row in rows] == [
-        step for step, record in sorted(records.items()) if copy_distance_of(record["window"])]
+        step for step, record in sorted(records.items()) if copy_distance_of(record["windows"][0])]
     for row in rows:
         assert row["alignment"] == alignment(int(row["copy_distance"]), 2, 16)
     assert (tmp_path / "passkey_training_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -157,10 +202,11 @@ def test_passkey_draws_are_the_windows_the_curriculum_replaces():
     batch = {"input_ids": torch.full((4, WINDOW), 7), "labels": torch.full((4, WINDOW), 8)}
     draws = curriculum.passkey_draws(3, 4)
     module = SimpleNamespace(log=lambda *args, **kwargs: None)
-    trainer = SimpleNamespace(global_step=3, global_rank=0, world_size=1)
+    trainer = SimpleNamespace(global_step=3, distributed_sampler_kwargs=None)
     curriculum.on_train_batch_start(trainer, module, batch, 0)
     replaced = [row for row in range(4) if not (batch["input_ids"][row] == 7).all()]
     assert replaced == [row for row, _ in draws]
+    assert batch["passkey_rows"].tolist() == [row in replaced for row in range(4)]
     for row, index in draws:
         assert torch.equal(batch["input_ids"][row], examples[index]["input_ids"])
     assert LengthCurriculum([{"step": 0, "seq_len": WINDOW}]).passkey_draws(3, 4) == []
@@ -204,7 +250,7 @@ def test_runs_the_split_cannot_read_are_refused_naming_why(tmp_path):
     batched = write_run(tmp_path / "batched", {"callbacks": [curriculum(0.5)]}, batch_size=2)
     found = read(batched)
     assert (found.steps, found.logged_steps, found.rate, found.dense_reach) == ([], 2, 2, 16)
-    with pytest.raises(UsageError, match=r"none of the 2 logged steps .*\(batch_size 1"):
+    with pytest.raises(UsageError, match=r"none of the 2 logged steps .*exactly one"):
         script.main([str(batched)])
 
 

@@ -23,6 +23,7 @@ from lightning.pytorch.callbacks import Checkpoint
 
 from longnet.cli import main
 from longnet.modeling import LongNetLM
+from longnet.training import warmup_cosine
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS, SAVE_EVERY, KILL_AT = 8, 3, 7  # checkpoint at steps 3 and 6; killed during step 7
@@ -279,14 +280,24 @@ def test_a_float64_run_resumes_with_its_float64_weights(tmp_path):
 def test_a_finished_run_is_extended(tmp_path):
     """``last.ckpt`` at a validation step is written after the validation, so it names the
     best checkpoint that validation kept (Lightning's would name the one it deleted: the
-    extended run then failed with FileNotFoundError, every retry the same)."""
+    extended run then failed with FileNotFoundError, every retry the same). The extended
+    steps follow the schedule of a 7-step run, not the end of the checkpoint's 4-step one."""
     config = write_config(tmp_path / "plain.yaml", tmp_path / "cache", steps=4, val_every=2,
                           save_every=2, test=True)
-    assert main(run_args(config, tmp_path, "run")) == 0
+    warmup = "--model.init_args.warmup_steps=1"
+    assert main(run_args(config, tmp_path, "run", warmup)) == 0
     assert_complete(tmp_path / "run", 4)
-    assert main(run_args(config, tmp_path, "run", "--ckpt_path=last",
+    assert main(run_args(config, tmp_path, "run", warmup, "--ckpt_path=last",
                          "--trainer.max_steps=7")) == 0
     assert_complete(tmp_path / "run", 7)  # validated at its last step, not only every 2
+    checkpoint = load(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    hparams = checkpoint["hyper_parameters"]
+    with open(tmp_path / "run" / "metrics.csv") as handle:
+        rates = {int(row["step"]): float(row["lr-AdamW/pg1"])
+                 for row in csv.DictReader(handle) if row.get("lr-AdamW/pg1")}
+    for step in range(4, 7):
+        expected = warmup_cosine(step, 1, 7, hparams["min_lr_ratio"]) * hparams["learning_rate"]
+        assert rates[step] == pytest.approx(expected, rel=1e-9), step
 
 
 def test_a_checkpoint_naming_deleted_files_is_resumed(tmp_path):
