@@ -186,9 +186,8 @@ class LengthCurriculum(L.Callback):
             set_rope_theta(pl_module, theta)
         split_windows(batch, stage.seq_len)
         if self.passkey_fraction:
-            place = trainer.distributed_sampler_kwargs or {}  # data-parallel, as the loader's
-            self._mix_passkeys(batch, step, stage.seq_len, int(place.get("rank", 0)),
-                               int(place.get("num_replicas", 1)))
+            self._mix_passkeys(batch, step, stage.seq_len, trainer.global_rank,
+                               trainer.world_size)
         if stage != self._announced:
             rows = batch["input_ids"].shape[0]
             rank_zero_info(f"Length curriculum: from step {step:,}, windows of "
@@ -231,9 +230,7 @@ class LengthCurriculum(L.Callback):
         ``world_size`` data-parallel ranks trains at optimizer step ``step`` passkey examples
         replace, and the index of each one's example in its stage's :meth:`passkey_examples`.
         The step's ``world_size * rows`` windows are drawn together, each rank taking its
-        own slice, so no two ranks train the same example (the ranks of a sequence-parallel
-        group hold the same windows: they are one data-parallel rank). Empty without
-        passkeys."""
+        own slice, so no two ranks train the same example. Empty without passkeys."""
         check_non_negative_int("LengthCurriculum.passkey_draws: step", step)
         check_positive_int("LengthCurriculum.passkey_draws: rows", rows)
         check_positive_int("LengthCurriculum.passkey_draws: world_size", world_size)
@@ -253,9 +250,9 @@ class LengthCurriculum(L.Callback):
 
     def _mix_passkeys(self, batch: dict[str, Any], step: int, seq_len: int,
                       rank: int, world_size: int) -> None:
-        """Replace the windows drawn for ``step`` on data-parallel rank ``rank`` of
-        ``world_size`` by passkey examples of ``seq_len`` tokens (with a subword tokenizer,
-        their ``label_bytes`` too) and mark them (``batch[PASSKEY_ROWS]``)."""
+        """Replace the windows drawn for ``step`` on rank ``rank`` of ``world_size`` by passkey
+        examples of ``seq_len`` tokens (with a subword tokenizer, their ``label_bytes`` too)
+        and mark them (``batch[PASSKEY_ROWS]``)."""
         examples = self._passkey_examples(seq_len)
         rows = batch["input_ids"].shape[0]
         marked = torch.zeros(rows, dtype=torch.bool, device=batch["input_ids"].device)

@@ -473,7 +473,7 @@ class CausalLMModule(L.LightningModule):
         total = self.schedule_length()
         if hp.warmup_steps >= total:
             warnings.warn(
-                f"warmup_steps {hp.warmup_steps} is not below the schedule's {int(total)} steps "
+                f"warmup_steps {hp.warmup_steps} is not below the schedule's {total} steps "
                 "(total_steps, else max_steps): the learning rate never reaches learning_rate "
                 f"{hp.learning_rate} and never decays. Fine for a quick check; for a real run "
                 "lower --model.init_args.warmup_steps.", stacklevel=2)

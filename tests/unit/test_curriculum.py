@@ -92,15 +92,8 @@ def test_the_stage_switches_at_its_step_and_resumes_across_the_switch(tmp_path):
         assert torch.equal(final["state_dict"][name], value), name
 
 
-def step_trainer(step: int, rank: int = 0, world_size: int = 1,
-                 global_place: tuple[int, int] | None = None) -> SimpleNamespace:
-    """A trainer at ``step`` on data-parallel rank ``rank`` of ``world_size`` (None on one
-    device, as Lightning's single-device strategy gives); ``global_place``: its global rank
-    and world size when they differ (sequence parallelism)."""
-    global_rank, global_size = global_place or (rank, world_size)
-    place = None if world_size == 1 else {"num_replicas": world_size, "rank": rank}
-    return SimpleNamespace(global_step=step, global_rank=global_rank, world_size=global_size,
-                           distributed_sampler_kwargs=place)
+def step_trainer(step: int, rank: int = 0, world_size: int = 1) -> SimpleNamespace:
+    return SimpleNamespace(global_step=step, global_rank=rank, world_size=world_size)
 
 
 def test_passkey_windows_are_of_the_stage_length_and_follow_the_step():
@@ -130,15 +123,6 @@ def test_passkey_windows_are_of_the_stage_length_and_follow_the_step():
     assert 8 <= replaced <= 24  # about half of 32 windows
 
 
-def batch_at_place(curriculum: LengthCurriculum, module: SimpleNamespace, step: int,
-                   global_place: tuple[int, int]) -> torch.Tensor:
-    """The windows of a one-row batch at ``step`` on data-parallel rank 1 of 2 whose global
-    rank and world size are ``global_place``."""
-    batch = {"input_ids": torch.full((1, 2048), 7), "labels": torch.full((1, 2048), 8)}
-    curriculum.on_train_batch_start(step_trainer(step, 1, 2, global_place), module, batch, 0)
-    return batch["input_ids"]
-
-
 def test_data_parallel_ranks_train_the_passkeys_of_one_device_training_their_windows():
     curriculum = LengthCurriculum([{"step": 0, "seq_len": 512}], passkey_fraction=0.5, seed=3)
     module = SimpleNamespace(log=lambda *args, **kwargs: None)
@@ -153,12 +137,6 @@ def test_data_parallel_ranks_train_the_passkeys_of_one_device_training_their_win
         ranks = [batch_at(step, 1, rank, 2) for rank in range(2)]  # 4 each
         assert torch.equal(torch.cat(ranks), one_device), step
         assert not torch.equal(ranks[0], ranks[1])
-    # sequence parallelism: global ranks 2 and 3 of 4 are data-parallel rank 1 of 2 and
-    # must hold the same windows (shards of one sequence)
-    for step in range(3):
-        shards = [batch_at_place(curriculum, module, step, (rank, 4)) for rank in (2, 3)]
-        assert torch.equal(shards[0], shards[1]), step
-        assert torch.equal(shards[0], batch_at(step, 1, 1, 2)), step
     drawn = [index for rank in range(2) for _, index in curriculum.passkey_draws(5, 4, rank, 2)]
     assert len(drawn) == len(set(drawn)) > 0
     with pytest.raises(ValueError, match=r"rank 2 is not in \[0, 2\)"):

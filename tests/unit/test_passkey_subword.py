@@ -223,7 +223,7 @@ def test_the_curriculum_mixes_passkeys_in_the_datas_bpe_tokens(bpe_data):
     replaced = total = 0
     for step in range(2 * SWITCH):
         batch = {key: value.clone() for key, value in window.items()}
-        trainer = SimpleNamespace(global_step=step, distributed_sampler_kwargs=None)
+        trainer = SimpleNamespace(global_step=step, global_rank=0, world_size=1)
         curriculum.on_train_batch_start(trainer, MODULE, batch, 0)
         length = SHORT if step < SWITCH else SEQ_LEN
         text = window["input_ids"].reshape(-1, length)

@@ -202,7 +202,7 @@ def test_passkey_draws_are_the_windows_the_curriculum_replaces():
     batch = {"input_ids": torch.full((4, WINDOW), 7), "labels": torch.full((4, WINDOW), 8)}
     draws = curriculum.passkey_draws(3, 4)
     module = SimpleNamespace(log=lambda *args, **kwargs: None)
-    trainer = SimpleNamespace(global_step=3, distributed_sampler_kwargs=None)
+    trainer = SimpleNamespace(global_step=3, global_rank=0, world_size=1)
     curriculum.on_train_batch_start(trainer, module, batch, 0)
     replaced = [row for row in range(4) if not (batch["input_ids"][row] == 7).all()]
     assert replaced == [row for row, _ in draws]
