@@ -7,16 +7,15 @@ one passkey example, which example it was, over how many tokens its answer copie
 (:func:`longnet.eval.copy_distance`, in the run's tokens) and its labelled loss
 (``train/passkey_loss``, which ``CausalLMModule`` logs: the answer and, with
 ``passkey_label_mode: recall``, the needle's second copy of the key, a short-range copy).
-A branch of dilation rate ``r`` gives
-the answer's queries the key only when that distance is a multiple of ``r``
-(docs/architecture.md). Split by that alignment, the loss shows which copies a dilated model
-is learning (those its sparse branches see, the others, or neither) long before a passkey
-evaluation would.
+A branch of dilation rate ``r`` gives the answer's queries the key only when that distance
+is a multiple of ``r`` (docs/architecture.md). Split by that alignment, the loss shows which
+copies a dilated model is learning (those its sparse branches see, the others, or neither)
+long before a passkey evaluation would.
 
-Steps with several passkey windows are left out (their loss mixes examples), and so are, in
-a log written before ``train/passkey_loss`` existed, steps of several windows (``train/loss``
-is then the example's only on a step of one window). ``log_every_n_steps: 1`` shows every
-step.
+Steps with several passkey examples over all data-parallel ranks are left out (their loss
+mixes them), and so are, in a log written before ``train/passkey_loss`` existed, steps of
+several windows or devices (``train/loss`` is then the example's only on a step of one
+window). ``log_every_n_steps: 1`` shows every step.
 """
 
 from __future__ import annotations
@@ -95,25 +94,29 @@ def passkey_steps(
     batch_size: int,
     tokenizer: SubwordTokenizer | None = None,
     passkey_loss: bool = True,
+    world_size: int = 1,
 ) -> list[PasskeyStep]:
-    """Of the logged ``(step, loss)`` pairs of a one-device run with ``curriculum``, those
-    whose step trained on one passkey example, with that example's copy distance.
+    """Of the logged ``(step, loss)`` pairs of a run with ``curriculum``, those whose step
+    trained on one passkey example (over all ``world_size`` ranks), with that example's copy
+    distance.
 
     ``data_seq_len``, ``batch_size``: the datamodule's (each step trains ``batch_size *
-    data_seq_len / L`` windows of its stage's length ``L``); ``tokenizer``: the data's (None:
-    bytes); ``passkey_loss``: the losses are ``train/passkey_loss`` (the passkey windows'
-    own); False: ``train/loss``, the example's own only on a step of one window.
+    data_seq_len / L`` windows of its stage's length ``L`` on each rank); ``tokenizer``: the
+    data's (None: bytes); ``passkey_loss``: the losses are ``train/passkey_loss`` (the passkey
+    windows' own); False: ``train/loss``, the example's own only on a step of one window.
     """
     check_positive_int("data_seq_len", data_seq_len)
     check_positive_int("batch_size", batch_size)
+    check_positive_int("world_size", world_size)
     examples = {}
     found = []
     for step, loss in losses:
         seq_len = curriculum.stage_at(step).seq_len
         windows = batch_size * data_seq_len // seq_len
-        if windows > 1 and not passkey_loss:
+        if windows * world_size > 1 and not passkey_loss:
             continue  # train/loss mixes the windows
-        draws = curriculum.passkey_draws(step, windows)
+        draws = [draw for rank in range(world_size)
+                 for draw in curriculum.passkey_draws(step, windows, rank, world_size)]
         if len(draws) != 1:
             continue  # no passkey example, or several mixed in one loss
         if seq_len not in examples:
@@ -195,8 +198,9 @@ def read_passkey_steps(
 
     Raises:
         UsageError: a missing file, a run that trains no passkey examples through a
-            ``LengthCurriculum`` or that trains on several devices,
-            a ``bpe:<size>`` tokenizer without its folder.
+            ``LengthCurriculum``, a device count that is not a number (``auto``), a
+            ``bpe:<size>`` tokenizer without its folder, a log of several devices without
+            ``train/passkey_loss``.
     """
     config, metrics_csv = Path(config), Path(metrics_csv)
     missing = [str(path) for path in (config, metrics_csv) if not path.is_file()]
@@ -204,12 +208,7 @@ def read_passkey_steps(
         raise UsageError(f"no file {' and '.join(missing)}: give a `longnet fit` run folder "
                          "(runs/<name>) or its config and metrics.csv.")
     settings = yaml.safe_load(config.read_text()) or {}
-    trainer = settings.get("trainer") or {}
-    if trainer.get("devices") not in (None, 1, "1") or trainer.get("num_nodes") not in (None, 1):
-        raise UsageError(
-            f"{config} trains on devices={trainer.get('devices')!r}, "
-            f"num_nodes={trainer.get('num_nodes')!r}: only single-device runs "
-            "can be split by passkey example (their draws are rebuilt for one device).")
+    world_size = _world_size(settings.get("trainer") or {}, config)
     curriculum = _run_curriculum(settings, config)
     data = (settings.get("data") or {}).get("init_args") or {}
     if "seq_len" not in data:
@@ -220,14 +219,30 @@ def read_passkey_steps(
     curves = read_curves(metrics_csv, [PASSKEY_LOSS_KEY, LOSS_KEY])
     passkey_losses = [(step, loss) for step, loss in curves[PASSKEY_LOSS_KEY]
                       if not math.isnan(loss)]  # NaN: a step without passkey windows
+    if world_size > 1 and not passkey_losses:
+        raise UsageError(
+            f"{metrics_csv} has no train/passkey_loss, and on {world_size} devices train/loss "
+            "mixes the ranks' windows: only a log with train/passkey_loss (written by "
+            "CausalLMModule since it logs it) can be split.")
     steps = passkey_steps(passkey_losses or curves[LOSS_KEY], curriculum,
                           data_seq_len=data["seq_len"],
                           batch_size=data.get("batch_size", DATA_BATCH_SIZE),
                           tokenizer=_run_tokenizer(data.get("tokenizer"), tokenizer_folder),
-                          passkey_loss=bool(passkey_losses))
+                          passkey_loss=bool(passkey_losses), world_size=world_size)
     return RunPasskeySteps(
         steps=steps, logged_steps=len(curves[LOSS_KEY]), rate=max(r for _, r in branches),
         dense_reach=max((w for w, r in branches if r == 1), default=0))
+
+
+def _world_size(trainer: dict[str, Any], source: Path) -> int:
+    """The ranks of a config's ``trainer`` (``devices`` x ``num_nodes``), refused when not
+    numbers (``auto``, a device list)."""
+    counts = [trainer.get(key) for key in ("devices", "num_nodes")]
+    if not all(count is None or str(count).isdigit() and int(count) > 0 for count in counts):
+        raise UsageError(
+            f"{source} trains on devices={counts[0]!r}, num_nodes={counts[1]!r}: the split "
+            "needs the run's device count as numbers; give a config that states them.")
+    return math.prod(int(count or 1) for count in counts)
 
 
 def _run_tokenizer(

@@ -239,8 +239,11 @@ def test_runs_the_split_cannot_read_are_refused_naming_why(tmp_path):
     with pytest.raises(UsageError, match="trains no passkey examples"):
         read(plain)
     several = write_run(tmp_path / "ddp", {"devices": 2, "callbacks": [curriculum(0.5)]})
-    with pytest.raises(UsageError, match="devices=2.*only single-device runs"):
+    with pytest.raises(UsageError, match="no train/passkey_loss, and on 2 devices"):
         read(several)
+    auto = write_run(tmp_path / "auto", {"devices": "auto", "callbacks": [curriculum(0.5)]})
+    with pytest.raises(UsageError, match="devices='auto'.*device count as numbers"):
+        read(auto)
     trained_bpe = write_run(tmp_path / "bpe", {"callbacks": [curriculum(0.5)]})
     config = yaml.safe_load((trained_bpe / "config.yaml").read_text())
     config["data"]["init_args"]["tokenizer"] = "bpe:512"
@@ -252,6 +255,28 @@ def test_runs_the_split_cannot_read_are_refused_naming_why(tmp_path):
     assert (found.steps, found.logged_steps, found.rate, found.dense_reach) == ([], 2, 2, 16)
     with pytest.raises(UsageError, match=r"none of the 2 logged steps .*exactly one"):
         script.main([str(batched)])
+
+
+def test_on_several_devices_the_steps_with_one_example_over_all_ranks_are_found(tmp_path):
+    """Two ranks of two windows each: a step counts when exactly one of its four windows, on
+    either rank, is a passkey example; its loss is the logged train/passkey_loss."""
+    folder = write_run(tmp_path / "ddp", {"devices": 2, "callbacks": [curriculum(0.3)]},
+                       batch_size=2)
+    rows = ["step,train/loss,train/passkey_loss"] + [
+        f"{step},9.0,{'nan' if step == 7 else step / 10}" for step in range(40)]
+    (folder / "metrics.csv").write_text("\n".join(rows) + "\n")
+    run = read(folder)
+    drawn = LengthCurriculum([{"step": 0, "seq_len": WINDOW}], passkey_fraction=0.3)
+    examples = drawn.passkey_examples(WINDOW)
+    expected = {}
+    for step in range(40):
+        draws = [index for rank in range(2) for _, index in drawn.passkey_draws(step, 2, rank, 2)]
+        if len(draws) == 1 and step != 7:
+            expected[step] = len(examples.example(draws[0]).prompt) - 1 - \
+                examples.example(draws[0]).key_start
+    assert len(expected) >= 5 and run.logged_steps == 40
+    assert {item.step: item.copy_distance for item in run.steps} == expected
+    assert all(item.loss == item.step / 10 for item in run.steps)
 
 
 def test_the_script_needs_a_run_folder_or_all_of_its_files(tmp_path, capsys):
