@@ -1,4 +1,4 @@
-"""A run's labelled passkey loss by needle alignment: which copies it is learning.
+"""A run's labelled passkey loss by whether its heads see the copy: which copies it learns.
 
     python scripts/passkey_training_loss.py runs/smollm2-135m-1k-rate2-pilot [--span 100]
     python scripts/passkey_training_loss.py --config configs/gpu/smollm2_135m_32k.yaml \
@@ -7,25 +7,25 @@
 Reads a ``longnet fit`` run, while it trains or after: a run folder (its ``config.yaml``,
 ``metrics.csv`` and ``tokenizer/``) or a config and a ``metrics.csv`` (a chunked run's, which
 the chunks bring back). Rebuilds the passkey example of every logged step that trained on one
-passkey example of its ``LengthCurriculum``, and splits their ``train/passkey_loss`` by the
-copy's alignment (longnet.eval.passkey_training): ``near`` (within the model's longest rate-1
-segment), ``aligned`` (a multiple of its largest dilation rate, which its sparse branches see)
-or ``misaligned``. Prints the mean and median loss per ``--span`` steps and alignment and
-writes ``passkey_training_loss.csv`` (every such step) and ``passkey_training_loss.png`` into
-``--out`` (by default the run folder). Log every step (``--trainer.log_every_n_steps 1``) to
-see every passkey step.
+passkey example of its ``LengthCurriculum``, and splits their ``train/passkey_loss`` by what
+gives the query of the answer's first digit the key's first digit in the model's dilated
+pattern (longnet.eval.passkey_training): a rate-1 branch (``dense``), heads of sparse branches
+only (``sparse``) or no head (``unseen``). Prints the mean and median loss per ``--span``
+steps and visibility and writes ``passkey_training_loss.csv`` (every such step) and
+``passkey_training_loss.png`` into ``--out`` (by default the run folder). Log every step
+(``--trainer.log_every_n_steps 1``) to see every passkey step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 from longnet.eval import format_table, write_csv
 from longnet.eval.cli import ScriptParser, path_argument, positive_int_argument, run_cli
 from longnet.eval.passkey_training import (
-    alignment,
-    loss_by_alignment,
-    plot_loss_by_alignment,
+    loss_by_visibility,
+    plot_loss_by_visibility,
     read_passkey_steps,
     span_for,
 )
@@ -59,17 +59,15 @@ def main(argv: list[str] | None = None) -> int:
             "without train/passkey_loss counts steps of one window only).")
     span = args.span or span_for(run.steps)
     print(f"{len(run.steps)} of {run.logged_steps} logged steps trained on one passkey "
-          f"example. near: a copy over at most {run.dense_reach} tokens (the longest rate-1 "
-          f"segment); aligned or misaligned: to rate {run.rate}, the largest.")
-    print(format_table(loss_by_alignment(run.steps, run.rate, run.dense_reach, span)))
+          f"example. The key is given to the answer's query by a rate-1 branch (dense), by "
+          f"heads of sparse branches only (sparse) or by no head (unseen) of the pattern "
+          f"{run.pattern.branches}.")
+    print(format_table(loss_by_visibility(run.steps, span)))
     out = args.out or args.run
-    rows = [{"step": item.step, "seq_len": item.seq_len, "copy_distance": item.copy_distance,
-             "alignment": alignment(item.copy_distance, run.rate, run.dense_reach),
-             "loss": item.loss} for item in run.steps]
-    written = [write_csv(rows, out / "passkey_training_loss.csv"),
-               plot_loss_by_alignment(run.steps, run.rate, run.dense_reach,
-                                      out / "passkey_training_loss.png",
-                                      title=f"{metrics.parent.name}: passkey loss by alignment")]
+    written = [write_csv([dataclasses.asdict(item) for item in run.steps],
+                         out / "passkey_training_loss.csv"),
+               plot_loss_by_visibility(run.steps, out / "passkey_training_loss.png",
+                                       title=f"{metrics.parent.name}: passkey loss by copy")]
     print("wrote " + ", ".join(str(path) for path in written))
     return 0
 

@@ -20,6 +20,7 @@ from longnet.eval.passkey import (
     answer_examples,
     check_passkey_grid,
     copy_distance,
+    copy_positions,
     evaluate_passkey,
 )
 from longnet.eval.perplexity import (
@@ -69,6 +70,7 @@ __all__ = [
     "checkpoint_config",
     "compressor_baselines",
     "copy_distance",
+    "copy_positions",
     "default_context_lengths",
     "evaluate_bits_per_byte",
     "evaluate_passkey",

@@ -208,24 +208,36 @@ def evaluate_passkey(
     return cells
 
 
-def copy_distance(
+def copy_positions(
     example: PasskeyExample, tokenizer: ByteTokenizer | SubwordTokenizer | None = None
-) -> int:
-    """The distance a head attends over to copy the key into the answer, in ``tokenizer``'s
-    tokens (None: bytes) of the text ``prompt + answer``: from the token holding the needle
-    key's first digit to the query that predicts the answer's first digit (the token before
-    the one holding it); the same at every digit. In a branch of rate ``r`` that query sees
-    that key only when the distance is a multiple of ``r`` (alignment 0). For bytes it is
-    ``len(prompt) - 1 - key_start``."""
+) -> tuple[int, int]:
+    """``(key, query)``: in ``tokenizer``'s tokens (None: bytes) of the text ``prompt +
+    answer``, the position of the token holding the needle key's first digit and of the query
+    that predicts the answer's first digit (the token before the one holding it). A head
+    copies the key into the answer over ``query - key`` (:func:`copy_distance`); a passkey
+    training sample starts with its prompt, so these are also its positions in the window."""
     if tokenizer is None or isinstance(tokenizer, ByteTokenizer):
-        return len(example.prompt) - 1 - example.key_start
+        return example.key_start, len(example.prompt) - 1
     ((_, token_bytes),) = tokenizer.encode_documents([example.prompt + example.answer])
     ends = np.cumsum(token_bytes)  # the prompt is ASCII: its bytes are its characters
 
     def token_at(byte: int) -> int:
         return int(np.searchsorted(ends, byte, side="right"))
 
-    return token_at(len(example.prompt)) - 1 - token_at(example.key_start)
+    return token_at(example.key_start), token_at(len(example.prompt)) - 1
+
+
+def copy_distance(
+    example: PasskeyExample, tokenizer: ByteTokenizer | SubwordTokenizer | None = None
+) -> int:
+    """The distance a head attends over to copy the key into the answer, in ``tokenizer``'s
+    tokens (None: bytes) of the text ``prompt + answer``: from the token holding the needle
+    key's first digit to the query that predicts the answer's first digit
+    (:func:`copy_positions`); the same at every digit. In a branch of rate ``r`` that query
+    sees that key only when the distance is a multiple of ``r`` (alignment 0). For bytes it
+    is ``len(prompt) - 1 - key_start``."""
+    key, query = copy_positions(example, tokenizer)
+    return query - key
 
 
 def accuracy_by_alignment(

@@ -1,16 +1,19 @@
-"""Which passkey copies a run learns while it trains: its labelled passkey loss by alignment.
+"""Which passkey copies a run learns while it trains: its labelled passkey loss by whether
+the model's heads see the copy.
 
 A :class:`~longnet.training.LengthCurriculum` draws its passkey examples from its seed and the
 optimizer step alone (:meth:`~longnet.training.LengthCurriculum.passkey_draws`), so a run's
 resolved ``config.yaml`` and its ``metrics.csv`` say, for every logged step that trained on
-one passkey example, which example it was, over how many tokens its answer copies the key
-(:func:`longnet.eval.copy_distance`, in the run's tokens) and its labelled loss
+one passkey example, which example it was, where in the window its answer copies the key
+from (:func:`longnet.eval.copy_positions`, in the run's tokens) and its labelled loss
 (``train/passkey_loss``, which ``CausalLMModule`` logs: the answer and, with
 ``passkey_label_mode: recall``, the needle's second copy of the key, a short-range copy).
-A branch of dilation rate ``r`` gives the answer's queries the key only when that distance
-is a multiple of ``r`` (docs/architecture.md). Split by that alignment, the loss shows which
-copies a dilated model is learning (those its sparse branches see, the others, or neither)
-long before a passkey evaluation would.
+The query that predicts the answer's first digit is given the key's first digit by a head
+only where the model's dilated pattern puts both in one segment of a branch at the head's
+offset (``DilatedPattern.key_multiplicity``; docs/architecture.md): by a rate-1 branch
+(``dense``), by heads of sparse branches only (``sparse``) or by no head (``unseen``: the
+key can only be found through another row that carries it). Split so, the loss shows which
+copies a dilated model is learning long before a passkey evaluation would.
 
 Steps with several passkey examples over all data-parallel ranks are left out (their loss
 mixes them), and so are, in a log written before ``train/passkey_loss`` existed, steps of
@@ -29,22 +32,24 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
+import torch
 import yaml
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from longnet.attention import DilatedPattern
 from longnet.data.long_document import LongDocumentDataModule
 from longnet.data.subword import SubwordTokenizer, load_tokenizer_folder
 from longnet.data.tokenizer_choice import parse_tokenizer
-from longnet.eval.passkey import copy_distance
+from longnet.eval.passkey import copy_positions
 from longnet.files import write_atomic
 from longnet.training.checkpoint import checkpoint_config
 from longnet.training.curriculum import LengthCurriculum
 from longnet.training.curves import read_curves
 from longnet.validation import UsageError, check_non_negative_int, check_positive_int
 
-NEAR, ALIGNED, MISALIGNED = "near", "aligned", "misaligned"
-ALIGNMENTS = (NEAR, ALIGNED, MISALIGNED)
+DENSE, SPARSE, UNSEEN = "dense", "sparse", "unseen"
+VISIBILITIES = (DENSE, SPARSE, UNSEEN)
 PASSKEY_LOSS_KEY = "train/passkey_loss"
 LOSS_KEY = "train/loss"
 DATA_BATCH_SIZE = inspect.signature(LongDocumentDataModule).parameters["batch_size"].default
@@ -56,34 +61,42 @@ LOSS_FLOOR = 1e-4
 @dataclass(frozen=True)
 class PasskeyStep:
     """A logged optimizer step that trained on one passkey example of ``seq_len`` tokens,
-    whose answer copies the key over ``copy_distance`` tokens; ``loss``: its labelled loss."""
+    whose answer's first digit is predicted at window position ``query_position`` from the
+    key ``copy_distance`` tokens before it; ``visibility``: :func:`visibility` of that copy;
+    ``loss``: the example's labelled loss."""
 
     step: int
     seq_len: int
+    query_position: int
     copy_distance: int
+    visibility: str
     loss: float
 
 
 @dataclass(frozen=True)
 class RunPasskeySteps:
-    """A run's :class:`PasskeyStep` s, its logged steps in all, and its model's largest
-    dilation rate and longest rate-1 segment (0 when no branch has rate 1)."""
+    """A run's :class:`PasskeyStep` s, its logged steps in all, and its model's pattern."""
 
     steps: list[PasskeyStep]
     logged_steps: int
-    rate: int
-    dense_reach: int
+    pattern: DilatedPattern
 
 
-def alignment(distance: int, rate: int, dense_reach: int) -> str:
-    """``"near"`` for a copy over at most ``dense_reach`` tokens (the rate-1 branches' reach,
-    which sees every alignment), else ``"aligned"`` when ``distance`` is a multiple of
-    ``rate``, else ``"misaligned"`` (as :func:`longnet.eval.accuracy_by_alignment` counts)."""
-    check_positive_int("rate", rate)
-    check_non_negative_int("dense_reach", dense_reach)
-    if distance <= dense_reach:
-        return NEAR
-    return ALIGNED if distance % rate == 0 else MISALIGNED
+def visibility(pattern: DilatedPattern, num_heads: int, query: int, key: int) -> str:
+    """How the query at window position ``query`` is given the key at ``key`` by a causal
+    model of ``pattern`` with ``num_heads`` query heads: ``"dense"`` by a rate-1 branch,
+    ``"sparse"`` by heads of sparse branches only, ``"unseen"`` by no head."""
+    check_positive_int("num_heads", num_heads)
+    check_non_negative_int("key", key)
+    if not key <= query:
+        raise ValueError(f"the key ({key}) must not come after the query ({query}).")
+    positions = torch.tensor([query]), torch.tensor([key])
+    rates = [rate for width, rate in pattern.branches
+             if DilatedPattern.coerce([(width, rate)]).key_multiplicity(
+                 *positions, num_heads, causal=True).any()]
+    if 1 in rates:
+        return DENSE
+    return SPARSE if rates else UNSEEN
 
 
 def passkey_steps(
@@ -92,13 +105,15 @@ def passkey_steps(
     *,
     data_seq_len: int,
     batch_size: int,
+    pattern: DilatedPattern,
+    num_heads: int,
     tokenizer: SubwordTokenizer | None = None,
     passkey_loss: bool = True,
     world_size: int = 1,
 ) -> list[PasskeyStep]:
     """Of the logged ``(step, loss)`` pairs of a run with ``curriculum``, those whose step
     trained on one passkey example (over all ``world_size`` ranks), with that example's copy
-    distance.
+    and its :func:`visibility` to a model of ``pattern`` and ``num_heads`` query heads.
 
     ``data_seq_len``, ``batch_size``: the datamodule's (each step trains ``batch_size *
     data_seq_len / L`` windows of its stage's length ``L`` on each rank); ``tokenizer``: the
@@ -122,48 +137,45 @@ def passkey_steps(
         if seq_len not in examples:
             examples[seq_len] = curriculum.passkey_examples(seq_len, tokenizer)
         ((_, index),) = draws
-        distance = copy_distance(examples[seq_len].example(index), tokenizer)
-        found.append(PasskeyStep(step, seq_len, distance, loss))
+        key, query = copy_positions(examples[seq_len].example(index), tokenizer)
+        found.append(PasskeyStep(step, seq_len, query, query - key,
+                                 visibility(pattern, num_heads, query, key), loss))
     return found
 
 
-def loss_by_alignment(
-    steps: Sequence[PasskeyStep], rate: int, dense_reach: int, span: int
-) -> list[dict[str, Any]]:
-    """The labelled loss per ``span`` optimizer steps and alignment (:func:`alignment`).
+def loss_by_visibility(steps: Sequence[PasskeyStep], span: int) -> list[dict[str, Any]]:
+    """The labelled loss per ``span`` optimizer steps and :func:`visibility`.
 
     Returns:
-        rows ``{"from_step", "to_step", "alignment", "steps", "mean_loss",
-        "median_loss"}``, spans ascending, alignments in ``ALIGNMENTS``' order; a span and
-        alignment without a step has no row.
+        rows ``{"from_step", "to_step", "visibility", "steps", "mean_loss",
+        "median_loss"}``, spans ascending, visibilities in ``VISIBILITIES``' order; a span
+        and visibility without a step has no row.
     """
     check_positive_int("span", span)
     groups: dict[tuple[int, str], list[float]] = {}
     for item in steps:
-        kind = alignment(item.copy_distance, rate, dense_reach)
-        groups.setdefault((item.step // span, kind), []).append(item.loss)
+        groups.setdefault((item.step // span, item.visibility), []).append(item.loss)
     return [
-        {"from_step": start * span, "to_step": (start + 1) * span - 1, "alignment": kind,
+        {"from_step": start * span, "to_step": (start + 1) * span - 1, "visibility": kind,
          "steps": len(values), "mean_loss": sum(values) / len(values),
          "median_loss": median(values)}
         for (start, kind), values in sorted(
-            groups.items(), key=lambda item: (item[0][0], ALIGNMENTS.index(item[0][1])))
+            groups.items(), key=lambda item: (item[0][0], VISIBILITIES.index(item[0][1])))
     ]
 
 
-def plot_loss_by_alignment(
-    steps: Sequence[PasskeyStep], rate: int, dense_reach: int, path: str | Path,
-    *, title: str = "",
+def plot_loss_by_visibility(
+    steps: Sequence[PasskeyStep], path: str | Path, *, title: str = "Passkey loss by copy"
 ) -> Path:
     """Each step's labelled loss against the optimizer step (logarithmic, at least
-    ``LOSS_FLOOR``), one colour per alignment, with each alignment's running median of its
+    ``LOSS_FLOOR``), one colour per :func:`visibility`, with each one's running median of its
     last 9 steps. The PNG replaces ``path`` whole. Returns ``path``."""
     fig = Figure(figsize=(7.5, 4.4), dpi=120, layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    for kind, colour in zip(ALIGNMENTS, ("tab:gray", "tab:green", "tab:red")):
+    for kind, colour in zip(VISIBILITIES, ("tab:gray", "tab:green", "tab:red")):
         points = [(item.step, max(item.loss, LOSS_FLOOR)) for item in steps
-                  if alignment(item.copy_distance, rate, dense_reach) == kind]
+                  if item.visibility == kind]
         if not points:
             continue
         xs, ys = zip(*points)
@@ -173,10 +185,9 @@ def plot_loss_by_alignment(
     ax.set_yscale("log")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("labelled loss (nats per token)")
-    reach = f"beyond {dense_reach} tokens, " if dense_reach else ""
-    ax.set_title(title or f"Passkey loss by copy alignment ({reach}rate {rate})")
+    ax.set_title(title)
     ax.grid(True, alpha=0.3, which="both")
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="small", title="key given to the answer's query by")
     image = io.BytesIO()
     fig.savefig(image, format="png")
     return write_atomic(path, image.getvalue())
@@ -215,7 +226,6 @@ def read_passkey_steps(
         raise UsageError(f"{config} sets no data.init_args.seq_len: give the run's config.")
     model = checkpoint_config({"hyper_parameters": (settings.get("model") or {}).get(
         "init_args") or {}}, source=str(config))
-    branches = model.pattern.branches
     curves = read_curves(metrics_csv, [PASSKEY_LOSS_KEY, LOSS_KEY])
     passkey_losses = [(step, loss) for step, loss in curves[PASSKEY_LOSS_KEY]
                       if not math.isnan(loss)]  # NaN: a step without passkey windows
@@ -228,10 +238,10 @@ def read_passkey_steps(
                           data_seq_len=data["seq_len"],
                           batch_size=data.get("batch_size", DATA_BATCH_SIZE),
                           tokenizer=_run_tokenizer(data.get("tokenizer"), tokenizer_folder),
+                          pattern=model.pattern, num_heads=model.num_heads,
                           passkey_loss=bool(passkey_losses), world_size=world_size)
-    return RunPasskeySteps(
-        steps=steps, logged_steps=len(curves[LOSS_KEY]), rate=max(r for _, r in branches),
-        dense_reach=max((w for w, r in branches if r == 1), default=0))
+    return RunPasskeySteps(steps=steps, logged_steps=len(curves[LOSS_KEY]),
+                           pattern=model.pattern)
 
 
 def _world_size(trainer: dict[str, Any], source: Path) -> int:

@@ -1,8 +1,8 @@
-"""A run's labelled passkey loss by alignment (``longnet.eval.passkey_training`` and
-``scripts/passkey_training_loss.py``): the steps it finds in a real run's log are the steps
-that trained on one passkey example, with that example's copy distance (counted here from the
-window's text) and its labelled loss (computed here from the model's logits), on one window
-per step or several; alignments, spans and bad runs."""
+"""A run's labelled passkey loss by how its heads see the copy (``longnet.eval.passkey_training``
+and ``scripts/passkey_training_loss.py``): the steps it finds in a real run's log are the
+steps that trained on one passkey example, with that example's copy (counted here from the
+window's text, its visibility by hand) and its labelled loss (computed here from the model's
+logits), on one window per step or several; visibility, spans and bad runs."""
 
 from __future__ import annotations
 
@@ -18,11 +18,12 @@ import torch
 import torch.nn.functional as F
 import yaml
 
+from longnet.attention import DilatedPattern
 from longnet.eval.passkey_training import (
     PasskeyStep,
-    alignment,
-    loss_by_alignment,
+    loss_by_visibility,
     read_passkey_steps,
+    visibility,
 )
 from longnet.training import LengthCurriculum
 from longnet.validation import UsageError
@@ -98,17 +99,30 @@ def run(tmp_path_factory) -> tuple[Path, dict[int, dict]]:
     return finished_run(tmp_path_factory.mktemp("passkey-run"), windows=1)
 
 
-def copy_distance_of(window: list[int]) -> int | None:
-    """The copy distance of a byte-level passkey window (prompt + key), counted from its text:
-    from the needle key's first digit to the byte before the answer's; None for a corpus
+def copy_of(window: list[int]) -> tuple[int, int] | None:
+    """``(key, query)`` of a byte-level passkey window (prompt + key), counted from its text:
+    the needle key's first digit and the byte before the answer's; None for a corpus
     window."""
     text = bytes(window).decode("latin-1")
     prefix = "The pass key is "
     if prefix not in text:
         return None
     needle = text.index(prefix) + len(prefix)
-    key = text[needle:needle + 5]
-    return text.rindex(key) - 1 - needle
+    return needle, text.rindex(text[needle:needle + 5]) - 1
+
+
+def copy_distance_of(window: list[int]) -> int | None:
+    copy = copy_of(window)
+    return None if copy is None else copy[1] - copy[0]
+
+
+def visibility_of(key: int, query: int) -> str:
+    """The test model's pattern (16, 1), (256, 2) with 2 heads (offsets 0 and 1 at rate 2),
+    by hand: the rate-1 branch sees a key in the query's 16-token segment; the rate-2 branch,
+    whose one segment is the window, a key at an even distance."""
+    if key // 16 == query // 16:
+        return "dense"
+    return "sparse" if (query - key) % 2 == 0 else "unseen"
 
 
 def test_the_steps_found_are_the_passkey_steps_with_their_distance_and_loss(run):
@@ -124,9 +138,12 @@ def test_the_steps_found_are_the_passkey_steps_with_their_distance_and_loss(run)
         record = records[item.step]
         assert item.seq_len == WINDOW
         assert item.copy_distance == expected[item.step] > 0, item.step
+        key, query = copy_of(record["windows"][0])
+        assert (item.query_position, item.visibility) == (query, visibility_of(key, query))
         assert item.loss == pytest.approx(record["labelled"][0], rel=1e-5), item.step
         assert item.loss == pytest.approx(record["loss"], rel=1e-5), item.step
-    assert (found.rate, found.dense_reach) == (2, 16)
+    assert found.pattern.branches == ((16, 1), (WINDOW, 2))
+    assert {item.visibility for item in found.steps} >= {"sparse", "unseen"}
 
 
 def test_on_steps_of_several_windows_the_loss_is_the_passkey_windows_own(tmp_path_factory):
@@ -158,38 +175,48 @@ def test_the_script_writes_every_step_and_the_plot(run, tmp_path, capsys):
     folder, records = run
     assert script.main([str(folder), "--out", str(tmp_path), "--span", "4"]) == 0
     printed = capsys.readouterr().out
-    assert "to rate 2, the largest" in printed and "median_loss" in printed
+    assert "((16, 1), (256, 2))" in printed and "median_loss" in printed
     with open(tmp_path / "passkey_training_loss.csv", newline="") as handle:
         rows = list(csv.DictReader(handle))
     assert [int(row["step"]) for row in rows] == [
         step for step, record in sorted(records.items()) if copy_distance_of(record["windows"][0])]
     for row in rows:
-        assert row["alignment"] == alignment(int(row["copy_distance"]), 2, 16)
+        query, distance = int(row["query_position"]), int(row["copy_distance"])
+        assert row["visibility"] == visibility_of(query - distance, query)
     assert (tmp_path / "passkey_training_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize(("distance", "expected"), [
-    (16, "near"), (17, "misaligned"), (18, "aligned"), (0, "near"), (64, "aligned")])
-def test_alignment_counts_near_copies_apart(distance, expected):
-    assert alignment(distance, 2, 16) == expected
+@pytest.mark.parametrize(("key", "query", "expected"), [
+    (20, 20, "dense"), (16, 31, "dense"),  # one 16-token segment, any distance
+    (15, 17, "sparse"),  # two tokens apart but across a segment boundary: rate 2 only
+    (20, 40, "sparse"), (20, 41, "unseen"), (0, 255, "unseen"), (1, 255, "sparse"),
+    (200, 300, "unseen"),  # even, but in two 256-token segments
+])
+def test_visibility_follows_the_segments_and_offsets(key, query, expected):
+    pattern = DilatedPattern.coerce([(16, 1), (256, 2)])
+    assert visibility(pattern, 2, query, key) == expected
 
 
-def test_without_a_dense_branch_every_copy_is_aligned_or_not():
-    assert [alignment(d, 4, 0) for d in (1, 4, 6, 8)] == [
-        "misaligned", "aligned", "misaligned", "aligned"]
-    with pytest.raises(ValueError, match="rate must be a positive integer"):
-        alignment(3, 0, 0)
+def test_a_rate_without_a_head_at_the_query_offset_does_not_see():
+    """Rate 4 with 2 heads: offsets 0 and 1 only, so a query at offset 2 or 3 sees nothing."""
+    pattern = DilatedPattern.coerce([(8, 1), (64, 4)])
+    assert [visibility(pattern, 2, query, query - 16) for query in (32, 33, 34, 35)] == [
+        "sparse", "sparse", "unseen", "unseen"]
+    with pytest.raises(ValueError, match="must not come after the query"):
+        visibility(pattern, 2, 3, 5)
 
 
-def test_loss_by_alignment_groups_spans_and_alignments_in_order():
-    steps = [PasskeyStep(1, 64, 40, 1.0), PasskeyStep(2, 64, 41, 3.0),
-             PasskeyStep(3, 64, 42, 2.0), PasskeyStep(9, 64, 5, 0.5),
-             PasskeyStep(12, 64, 43, 4.0), PasskeyStep(14, 64, 45, 1.0),
-             PasskeyStep(15, 64, 47, 2.0)]
-    rows = loss_by_alignment(steps, rate=2, dense_reach=8, span=10)
-    assert [(r["from_step"], r["to_step"], r["alignment"], r["steps"]) for r in rows] == [
-        (0, 9, "near", 1), (0, 9, "aligned", 2), (0, 9, "misaligned", 1),
-        (10, 19, "misaligned", 3)]
+def test_loss_by_visibility_groups_spans_and_visibilities_in_order():
+    steps = [PasskeyStep(1, 64, 50, 40, "sparse", 1.0),
+             PasskeyStep(2, 64, 50, 41, "unseen", 3.0),
+             PasskeyStep(3, 64, 50, 42, "sparse", 2.0), PasskeyStep(9, 64, 50, 5, "dense", 0.5),
+             PasskeyStep(12, 64, 50, 43, "unseen", 4.0),
+             PasskeyStep(14, 64, 50, 45, "unseen", 1.0),
+             PasskeyStep(15, 64, 50, 47, "unseen", 2.0)]
+    rows = loss_by_visibility(steps, span=10)
+    assert [(r["from_step"], r["to_step"], r["visibility"], r["steps"]) for r in rows] == [
+        (0, 9, "dense", 1), (0, 9, "sparse", 2), (0, 9, "unseen", 1),
+        (10, 19, "unseen", 3)]
     assert rows[1]["mean_loss"] == rows[1]["median_loss"] == 1.5
     assert rows[3]["mean_loss"] == pytest.approx(7 / 3)
     assert rows[3]["median_loss"] == 2.0
@@ -252,7 +279,7 @@ def test_runs_the_split_cannot_read_are_refused_naming_why(tmp_path):
         read(trained_bpe)
     batched = write_run(tmp_path / "batched", {"callbacks": [curriculum(0.5)]}, batch_size=2)
     found = read(batched)
-    assert (found.steps, found.logged_steps, found.rate, found.dense_reach) == ([], 2, 2, 16)
+    assert (found.steps, found.logged_steps) == ([], 2)
     with pytest.raises(UsageError, match=r"none of the 2 logged steps .*exactly one"):
         script.main([str(batched)])
 
