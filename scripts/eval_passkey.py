@@ -11,10 +11,9 @@ the model's own tokenizer (bytes, or the BPE its folder or checkpoint carries; t
 further digit follows (longnet.data.passkey_match). Writes ``passkey.csv`` (one row per
 model, length and depth), ``passkey_generations.csv`` (every example), ``passkey.png`` (a
 depth-by-length heatmap per model, cells annotated with accuracy) and ``run.json``; for every
-dilated model, ``passkey_alignment.csv``: accuracy per length and needle alignment (the
-copy's distance in the model's tokens, longnet.eval.copy_distance, modulo the model's largest
-dilation rate; 0: aligned), over the copies longer than its rate-1 segment
-(longnet.eval.accuracy_by_alignment).
+dilated model, ``passkey_visibility.csv``: accuracy per length and by whether the model's
+heads see the copy the answer makes (``dense``: a rate-1 branch; ``sparse``: heads of sparse
+branches only; ``unseen``: no head; longnet.eval.accuracy_by_visibility).
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ import numpy as np
 
 from longnet.data.passkey import min_passkey_length, needle_window
 from longnet.eval import (
-    accuracy_by_alignment,
+    accuracy_by_visibility,
     check_context_length,
     check_passkey_grid,
     evaluate_passkey,
@@ -49,7 +48,7 @@ from longnet.files import check_output_folder
 from longnet.validation import UsageError
 
 OUTPUTS = ["passkey.csv", "passkey_generations.csv", "passkey.png", "run.json",
-           "passkey_alignment.csv"]
+           "passkey_visibility.csv"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -99,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     for item in models:  # refuse impossible lengths before any work
         for length in lengths:
             check_context_length(length, item.model)
-    rows, example_rows, alignment_rows, grids = [], [], [], {}
+    rows, example_rows, visibility_rows, grids = [], [], [], {}
     for item in models:
         cells = evaluate_passkey(
             item.model, lengths, depths, num_examples=args.num_examples, seed=args.seed,
@@ -121,24 +120,18 @@ def main(argv: list[str] | None = None) -> int:
                 {"model": item.label, "context_length": cell.length, "depth": cell.depth,
                  "index": index, "actual_depth": o.depth,
                  "needle_distance": o.needle_distance, "copy_distance": o.copy_distance,
-                 "answer": o.answer,
+                 "visibility": o.visibility, "answer": o.answer,
                  "generated": o.generated, "correct": o.correct,
                  "prompt_tokens": o.prompt_tokens}
                 for index, o in enumerate(cell.outcomes)
             ]
         grids[item.label] = (lengths, depths, accuracy)
-        branches = item.model.config.pattern.branches  # dense (n, 1) when no pattern is set
-        rate = max(r for _, r in branches)
-        # keys within a rate-1 segment are seen at every alignment
-        if rate > 1:
-            dense_reach = max((w for w, r in branches if r == 1), default=0)
-            alignment_rows += [
-                {"model": item.label, "rate": rate, **row}
-                for row in accuracy_by_alignment(cells, rate, beyond=dense_reach)
-            ]
+        if any(rate > 1 for _, rate in item.model.config.pattern.branches):
+            visibility_rows += [{"model": item.label, **row}
+                                for row in accuracy_by_visibility(cells)]
     print(format_table(rows))
-    if alignment_rows:
-        print(format_table(alignment_rows))
+    if visibility_rows:
+        print(format_table(visibility_rows))
     out = args.out
     write_csv(rows, out / "passkey.csv")
     write_csv(example_rows, out / "passkey_generations.csv")
@@ -151,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         **{k: v for k, v in vars(args).items() if k not in ("models", "lengths")},
     })
     written = [out / "passkey.csv", out / "passkey_generations.csv", out / "passkey.png"]
-    if alignment_rows:
-        written.append(write_csv(alignment_rows, out / "passkey_alignment.csv"))
+    if visibility_rows:
+        written.append(write_csv(visibility_rows, out / "passkey_visibility.csv"))
     print("wrote " + ", ".join(str(path) for path in written))
     return 0
 

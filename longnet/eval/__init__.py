@@ -5,8 +5,8 @@ Modules: ``loading`` (zoo names, model folders, and Lightning checkpoints throug
 ``longnet.training.checkpoint``), ``documents`` (whole held-out documents), ``sliding`` (the
 sliding-window scorer), ``perplexity`` (rows per model and context length), ``positions`` (bits
 per byte by position in the document), ``passkey``, ``passkey_training`` (a training run's
-passkey loss by needle alignment, from its log), ``plotting``, ``reporting`` (CSV, tables); the
-compressor baselines come from ``longnet.data.compressors``.
+passkey loss by whether the model's heads see the copy, from its log), ``plotting``,
+``reporting`` (CSV, tables); the compressor baselines come from ``longnet.data.compressors``.
 See ``docs/evaluation.md``.
 """
 
@@ -17,6 +17,7 @@ from longnet.eval.passkey import (
     PasskeyCell,
     PasskeyOutcome,
     accuracy_by_alignment,
+    accuracy_by_visibility,
     answer_examples,
     check_passkey_grid,
     copy_distance,
@@ -61,6 +62,7 @@ __all__ = [
     "SlidingWindowResult",
     "Window",
     "accuracy_by_alignment",
+    "accuracy_by_visibility",
     "answer_examples",
     "bits_by_position",
     "bits_from_position",

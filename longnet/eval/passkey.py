@@ -12,15 +12,17 @@ compared as text: an example is correct when ``longnet.data.passkey_match`` acce
 starts with the key and the character after it is not a digit, so a longer number is wrong).
 Accuracy is the share of correct examples.
 
-Each outcome records the distance over which the answer copies the key, in the model's tokens
-(:func:`copy_distance`): a dilated branch of rate ``r`` gives a query only the keys at its own
-offset modulo ``r``, so the queries that predict the answer's digits see the needle's digits
-in that branch only when the distance is a multiple of ``r`` (:func:`accuracy_by_alignment`
-splits accuracy by it).
+Each outcome records the copy its answer makes, in the model's tokens: the distance from
+the needle key's first digit to the query that predicts the answer's first digit
+(:func:`copy_distance`), and whether the model's dilated pattern gives that query that key
+(:func:`visibility`): a dilated branch of rate ``r`` gives a query only the keys of its segment
+at its own offset modulo ``r``, and only to the heads at that offset, so a far needle may lie
+where no head of the query sees it. :func:`accuracy_by_visibility` splits accuracy by it.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,20 +30,26 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from longnet.attention import DilatedPattern
 from longnet.data import ByteTokenizer, passkey_examples, passkey_match
 from longnet.data.passkey import PasskeyExample, min_passkey_length
 from longnet.data.subword import SubwordTokenizer
 from longnet.eval.sliding import check_context_length
 from longnet.modeling import LongNetLM
-from longnet.validation import check_positive_int, is_int
+from longnet.validation import check_non_negative_int, check_positive_int, is_int
+
+DENSE, SPARSE, UNSEEN = "dense", "sparse", "unseen"
+VISIBILITIES = (DENSE, SPARSE, UNSEEN)
+"""The ways a copy can be seen, from the best: :func:`visibility`."""
 
 
 @dataclass(frozen=True)
 class PasskeyOutcome:
     """One example: the key, the decoded generated text, the needle's actual depth and its
     distance in bytes from the end of the prompt, whether ``passkey_match(generated,
-    answer)`` holds, the prompt's length in tokens, and the distance in tokens over which the
-    answer copies the key (:func:`copy_distance`)."""
+    answer)`` holds, the prompt's length in tokens, the distance in tokens over which the
+    answer copies the key (:func:`copy_distance`) and whether the model's heads see that
+    copy (:func:`visibility`)."""
 
     answer: str
     generated: str
@@ -50,6 +58,7 @@ class PasskeyOutcome:
     correct: bool
     prompt_tokens: int
     copy_distance: int
+    visibility: str
 
 
 @dataclass(frozen=True)
@@ -176,7 +185,8 @@ def evaluate_passkey(
     """Accuracy for every ``(length, depth)`` cell, lengths (in bytes) outer, depths inner;
     prompts in ``tokenizer``'s tokens (None: bytes; ``LoadedModel.tokenizer``).
 
-    The examples of a cell depend only on ``(seed, length, depth, num_digits)``.
+    The examples of a cell depend only on ``(seed, length, depth, num_digits)``. Each
+    outcome's :func:`visibility` is that of the model's pattern and query heads.
 
     Raises:
         ValueError: a byte tokenizer for a model whose vocabulary is not 256 (give its own).
@@ -197,14 +207,15 @@ def evaluate_passkey(
     for length, depth in tqdm(grid, desc=desc, disable=not progress, unit="cell", leave=False):
         examples = passkey_examples(num_examples, length, depth, seed, num_digits)
         generated = answer_examples(model, examples, batch_size, tokenizer)
-        outcomes = tuple(
-            PasskeyOutcome(e.answer, text, e.depth, e.needle_distance,
-                           passkey_match(text, e.answer),
-                           len(tokenizer.encode(prompt_text(e.prompt, tokenizer)[0])),
-                           copy_distance(e, tokenizer))
-            for e, text in zip(examples, generated)
-        )
-        cells.append(PasskeyCell(length=length, depth=depth, outcomes=outcomes))
+        outcomes = []
+        for example, text in zip(examples, generated):
+            key, query = copy_positions(example, tokenizer)
+            outcomes.append(PasskeyOutcome(
+                example.answer, text, example.depth, example.needle_distance,
+                passkey_match(text, example.answer),
+                len(tokenizer.encode(prompt_text(example.prompt, tokenizer)[0])), query - key,
+                visibility(model.config.pattern, model.config.num_heads, query, key)))
+        cells.append(PasskeyCell(length=length, depth=depth, outcomes=tuple(outcomes)))
     return cells
 
 
@@ -234,16 +245,65 @@ def copy_distance(
     tokens (None: bytes) of the text ``prompt + answer``: from the token holding the needle
     key's first digit to the query that predicts the answer's first digit
     (:func:`copy_positions`); the same at every digit. In a branch of rate ``r`` that query
-    sees that key only when the distance is a multiple of ``r`` (alignment 0). For bytes it
-    is ``len(prompt) - 1 - key_start``."""
+    sees that key only when the distance is a multiple of ``r`` (:func:`visibility` says
+    whether a head does). For bytes it is ``len(prompt) - 1 - key_start``."""
     key, query = copy_positions(example, tokenizer)
     return query - key
+
+
+def visibility(pattern: DilatedPattern, num_heads: int, query: int, key: int) -> str:
+    """How the query at position ``query`` is given the key at ``key`` by a causal model of
+    ``pattern`` with ``num_heads`` query heads (``DilatedPattern.key_multiplicity``):
+    ``"dense"`` by a rate-1 branch, ``"sparse"`` by heads of sparse branches only (the two in
+    one segment of a branch, at the offset of a head), ``"unseen"`` by no head (the key can
+    only reach the query through another row that carries it)."""
+    check_positive_int("num_heads", num_heads)
+    check_non_negative_int("key", key)
+    if not key <= query:
+        raise ValueError(f"the key ({key}) must not come after the query ({query}).")
+    positions = torch.tensor([query]), torch.tensor([key])
+    rates = [rate for width, rate in pattern.branches
+             if DilatedPattern.coerce([(width, rate)]).key_multiplicity(
+                 *positions, num_heads, causal=True).any()]
+    if 1 in rates:
+        return DENSE
+    return SPARSE if rates else UNSEEN
+
+
+def accuracy_by_visibility(cells: Sequence[PasskeyCell]) -> list[dict[str, int | float | str]]:
+    """Accuracy per context length and :func:`visibility` of the examples' copies.
+
+    A dilated model can only find a needle where its pattern lets some head see the copy, or
+    through a row that carries the key; a grid's accuracy then mixes copies it can and cannot
+    see, and this table separates them.
+
+    Returns:
+        rows ``{"context_length", "visibility", "examples", "correct", "accuracy"}``, lengths
+        in the cells' order, visibilities in ``VISIBILITIES``' order; a pair with no example
+        has no row.
+    """
+    counts: dict[tuple[int, str], list[int]] = {}
+    for cell in cells:
+        for outcome in cell.outcomes:
+            tally = counts.setdefault((cell.length, outcome.visibility), [0, 0])
+            tally[0] += 1
+            tally[1] += outcome.correct
+    lengths = list(dict.fromkeys(cell.length for cell in cells))
+    return [
+        {"context_length": length, "visibility": kind, "examples": examples,
+         "correct": correct, "accuracy": correct / examples}
+        for (length, kind), (examples, correct) in sorted(
+            counts.items(), key=lambda item: (lengths.index(item[0][0]),
+                                              VISIBILITIES.index(item[0][1])))
+    ]
 
 
 def accuracy_by_alignment(
     cells: Sequence[PasskeyCell], rate: int, beyond: int = 0
 ) -> list[dict[str, int | float]]:
-    """Accuracy per context length and needle alignment, ``copy_distance % rate``.
+    """Deprecated (a ``FutureWarning``): :func:`accuracy_by_visibility` says which copies the
+    model's heads see, for any pattern. Accuracy per context length and needle alignment,
+    ``copy_distance % rate``.
 
     In a branch of dilation rate ``r`` a query sees only the keys at its own offset modulo ``r``
     (docs/architecture.md), so a dilated model can retrieve a far needle at some alignments and
@@ -255,6 +315,10 @@ def accuracy_by_alignment(
         rows ``{"context_length", "alignment", "examples", "correct", "accuracy"}``, lengths in
         the cells' order, alignments ascending; a pair with no such needle has no row.
     """
+    warnings.warn(
+        "accuracy_by_alignment is deprecated: accuracy_by_visibility(cells) splits accuracy by "
+        "whether the model's heads see each copy (PasskeyOutcome.visibility), for any pattern.",
+        FutureWarning, stacklevel=2)
     check_positive_int("rate", rate)
     counts: dict[tuple[int, int], list[int]] = {}
     for cell in cells:

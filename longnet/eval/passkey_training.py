@@ -32,7 +32,6 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-import torch
 import yaml
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -41,15 +40,13 @@ from longnet.attention import DilatedPattern
 from longnet.data.long_document import LongDocumentDataModule
 from longnet.data.subword import SubwordTokenizer, load_tokenizer_folder
 from longnet.data.tokenizer_choice import parse_tokenizer
-from longnet.eval.passkey import copy_positions
+from longnet.eval.passkey import VISIBILITIES, copy_positions, visibility
 from longnet.files import write_atomic
 from longnet.training.checkpoint import checkpoint_config
 from longnet.training.curriculum import LengthCurriculum
 from longnet.training.curves import read_curves
-from longnet.validation import UsageError, check_non_negative_int, check_positive_int
+from longnet.validation import UsageError, check_positive_int
 
-DENSE, SPARSE, UNSEEN = "dense", "sparse", "unseen"
-VISIBILITIES = (DENSE, SPARSE, UNSEEN)
 PASSKEY_LOSS_KEY = "train/passkey_loss"
 LOSS_KEY = "train/loss"
 DATA_BATCH_SIZE = inspect.signature(LongDocumentDataModule).parameters["batch_size"].default
@@ -80,23 +77,6 @@ class RunPasskeySteps:
     steps: list[PasskeyStep]
     logged_steps: int
     pattern: DilatedPattern
-
-
-def visibility(pattern: DilatedPattern, num_heads: int, query: int, key: int) -> str:
-    """How the query at window position ``query`` is given the key at ``key`` by a causal
-    model of ``pattern`` with ``num_heads`` query heads: ``"dense"`` by a rate-1 branch,
-    ``"sparse"`` by heads of sparse branches only, ``"unseen"`` by no head."""
-    check_positive_int("num_heads", num_heads)
-    check_non_negative_int("key", key)
-    if not key <= query:
-        raise ValueError(f"the key ({key}) must not come after the query ({query}).")
-    positions = torch.tensor([query]), torch.tensor([key])
-    rates = [rate for width, rate in pattern.branches
-             if DilatedPattern.coerce([(width, rate)]).key_multiplicity(
-                 *positions, num_heads, causal=True).any()]
-    if 1 in rates:
-        return DENSE
-    return SPARSE if rates else UNSEEN
 
 
 def passkey_steps(

@@ -15,6 +15,7 @@ from longnet.data.subword import from_backend
 from longnet.data.tokenizer_choice import train_bpe
 from longnet.eval import (
     accuracy_by_alignment,
+    accuracy_by_visibility,
     check_passkey_grid,
     copy_distance,
     evaluate_passkey,
@@ -28,9 +29,10 @@ class OracleLM(nn.Module):
     """Stands in for a LongNetLM: reads the key out of the prompt and 'generates'
     ``transform(key)``, padded with ``!`` to the requested number of bytes."""
 
-    def __init__(self, transform=lambda key, prompt: key) -> None:
+    def __init__(self, transform=lambda key, prompt: key, **config) -> None:
         super().__init__()
-        self.config = LongNetConfig(hidden_size=8, num_layers=1, num_heads=1)
+        self.config = LongNetConfig(**{"hidden_size": 8, "num_layers": 1, "num_heads": 1,
+                                       **config})
         self.weight = nn.Parameter(torch.zeros(1))
         self.transform = transform
         self.calls: list[tuple[int, ...]] = []
@@ -109,7 +111,8 @@ def test_accuracy_by_alignment_splits_far_needles_by_distance_modulo_the_rate():
 
     lengths, depths, beyond = [700, 1500], [0.0, 0.5, 1.0], 200
     cells = evaluate_passkey(OracleLM(odd_only), lengths, depths, num_examples=6, seed=3)
-    rows = accuracy_by_alignment(cells, 2, beyond=beyond)
+    with pytest.warns(FutureWarning, match="accuracy_by_visibility"):
+        rows = accuracy_by_alignment(cells, 2, beyond=beyond)
     expected = []
     for length in lengths:
         distances = [key_bytes(e.prompt)
@@ -121,10 +124,57 @@ def test_accuracy_by_alignment_splits_far_needles_by_distance_modulo_the_rate():
     assert [(r["context_length"], r["alignment"], r["examples"], r["correct"])
             for r in rows] == expected
     assert {r["accuracy"] for r in rows} == {0.0, 1.0}
-    assert sum(r["examples"] for r in accuracy_by_alignment(cells, 3)) == 2 * len(depths) * 6
-    assert accuracy_by_alignment(cells, 2, beyond=10**6) == []
-    with pytest.raises(ValueError, match="rate"):
-        accuracy_by_alignment(cells, 0)
+    with pytest.warns(FutureWarning):
+        assert sum(r["examples"] for r in accuracy_by_alignment(cells, 3)) == 2 * len(depths) * 6
+        assert accuracy_by_alignment(cells, 2, beyond=10**6) == []
+        with pytest.raises(ValueError, match="rate"):
+            accuracy_by_alignment(cells, 0)
+
+
+def seen_by_hand(query: int, key: int, branches, num_heads: int) -> str:
+    """What gives the query the key, from the pattern's rules: a branch ``(w, r)`` does when
+    both lie in one segment (``// w``), at one offset (``% r``), and a head has that offset
+    (heads take offsets ``h % r``: the first ``num_heads`` of them)."""
+    rates = [r for w, r in branches
+             if query // w == key // w and (query - key) % r == 0 and query % r < num_heads]
+    return "dense" if 1 in rates else "sparse" if rates else "unseen"
+
+
+def test_accuracy_by_visibility_splits_copies_by_what_the_heads_see():
+    """A model that answers exactly the copies some head of its pattern sees (by the rules,
+    not by ``key_multiplicity``) scores 1 on ``dense`` and ``sparse`` and 0 on ``unseen``;
+    every outcome's visibility and each row's count are those of the rules. Two heads and a
+    rate of 4: queries at offsets 2 and 3 have no head in that branch."""
+    branches, heads = [(128, 1), (256, 2), (1024, 4)], 2
+
+    def copy(prompt: str) -> tuple[int, int]:
+        return len(prompt) - 1, prompt.index("The pass key is ") + len("The pass key is ")
+
+    def seen_only(key: str, prompt: str) -> str:
+        return key if seen_by_hand(*copy(prompt), branches, heads) != "unseen" else "00000"
+
+    model = OracleLM(seen_only, num_heads=heads, max_positions=1024,
+                     segment_lengths=[w for w, _ in branches],
+                     dilation_rates=[r for _, r in branches])
+    lengths, depths = [300, 1000], [0.0, 0.5, 1.0]
+    cells = evaluate_passkey(model, lengths, depths, num_examples=8, seed=2)
+    expected: dict[tuple[int, str], list[int]] = {}
+    for cell in cells:
+        examples = passkey_examples(8, cell.length, cell.depth, seed=2)
+        for example, outcome in zip(examples, cell.outcomes):
+            kind = seen_by_hand(*copy(example.prompt), branches, heads)
+            assert outcome.visibility == kind and outcome.correct == (kind != "unseen")
+            tally = expected.setdefault((cell.length, kind), [0, 0])
+            tally[0] += 1
+            tally[1] += kind != "unseen"
+    assert {kind for _, kind in expected} == {"dense", "sparse", "unseen"}
+    rows = accuracy_by_visibility(cells)
+    order = ["dense", "sparse", "unseen"]
+    assert [(r["context_length"], r["visibility"], r["examples"], r["correct"]) for r in rows] == [
+        (length, kind, *expected[length, kind]) for length in lengths for kind in order
+        if (length, kind) in expected]
+    assert {r["visibility"]: r["accuracy"] for r in rows} == {
+        "dense": 1.0, "sparse": 1.0, "unseen": 0.0}
 
 
 def test_copy_distance_counts_the_tokens_from_the_needles_key_to_the_answers_query():

@@ -188,22 +188,27 @@ def test_eval_passkey_end_to_end(tmp_path: Path, tiny_model: Path):
     ]
     assert is_png(out / "passkey.png")
     assert json.loads((out / "run.json").read_text())["lengths"] == [240, 300]
-    # the tiny model has rates (1, 2, 4) and a rate-1 segment of 8: its far keys by alignment
-    alignment = {(r["context_length"], r["alignment"]): (r["examples"], r["correct"])
-                 for r in read_csv(out / "passkey_alignment.csv") if r["rate"] == "4"}
+    # the tiny model: segments (8, 16, 32), rates (1, 2, 4), 2 heads; each copy's visibility
+    # by the pattern's rules (one segment, one offset, a head at it) and the table's counts
+    branches = [(8, 1), (16, 2), (32, 4)]
     expected: dict[tuple[str, str], list[int]] = {}
     for g in generations:
-        if int(g["copy_distance"]) > 8:
-            tally = expected.setdefault(
-                (g["context_length"], str(int(g["copy_distance"]) % 4)), [0, 0])
-            tally[0] += 1
-            tally[1] += g["correct"] == "True"
-    assert alignment == {key: (str(n), str(c)) for key, (n, c) in expected.items()}
+        query = int(g["prompt_tokens"]) - 1
+        key = query - int(g["copy_distance"])
+        rates = [r for w, r in branches
+                 if query // w == key // w and (query - key) % r == 0 and query % r < 2]
+        assert g["visibility"] == ("dense" if 1 in rates else "sparse" if rates else "unseen")
+        tally = expected.setdefault((g["context_length"], g["visibility"]), [0, 0])
+        tally[0] += 1
+        tally[1] += g["correct"] == "True"
+    assert {(r["context_length"], r["visibility"]): (r["examples"], r["correct"])
+            for r in read_csv(out / "passkey_visibility.csv")} == {
+        key: (str(n), str(c)) for key, (n, c) in expected.items()}
 
 
-def test_eval_passkey_of_a_model_without_a_pattern_writes_no_alignment_table(tmp_path: Path):
+def test_eval_passkey_of_a_model_without_a_pattern_writes_no_visibility_table(tmp_path: Path):
     """A config with no dilated pattern (``segment_lengths=None``: dense attention, as an
-    imported model) is evaluated like any other; there is no alignment to split by."""
+    imported model) is evaluated like any other; every copy is seen, nothing to split by."""
     torch.manual_seed(0)
     dense = LongNetLM(LongNetConfig(hidden_size=32, num_layers=1, num_heads=2, max_positions=256))
     assert dense.config.segment_lengths is None
@@ -214,7 +219,8 @@ def test_eval_passkey_of_a_model_without_a_pattern_writes_no_alignment_table(tmp
         "--out", str(out), "--no-progress",
     ])
     assert code == 0
-    assert (out / "passkey.csv").exists() and not (out / "passkey_alignment.csv").exists()
+    assert (out / "passkey.csv").exists() and not (out / "passkey_visibility.csv").exists()
+    assert {g["visibility"] for g in read_csv(out / "passkey_generations.csv")} == {"dense"}
 
 
 def test_eval_passkey_refuses_depths_a_length_cannot_tell_apart(tmp_path: Path, tiny_model: Path,
@@ -279,11 +285,10 @@ def test_eval_scripts_score_a_bpe_model_and_a_byte_model_on_the_same_bytes(
     assert code == 0
     (row,) = read_csv(out / "passkey.csv")
     assert 5 < int(row["context_tokens"]) < 240  # fewer tokens than bytes
-    # its alignments are counted in its own tokens: rates (1, 2, 4), a rate-1 segment of 8
+    # its copies are counted in its own tokens: segments (8, 16, 32), rates (1, 2, 4), 2 heads
     generations = read_csv(out / "passkey_generations.csv")
     assert all(int(g["copy_distance"]) < int(g["needle_distance"]) - 17 for g in generations)
-    far = [int(g["copy_distance"]) % 4 for g in generations if int(g["copy_distance"]) > 8]
-    rows = read_csv(out / "passkey_alignment.csv")
-    assert far and {r["rate"] for r in rows} == {"4"}
-    assert sorted((r["alignment"], r["examples"]) for r in rows) == sorted(
-        (str(a), str(far.count(a))) for a in set(far))
+    kinds = [g["visibility"] for g in generations]
+    rows = read_csv(out / "passkey_visibility.csv")
+    assert sorted((r["visibility"], r["examples"]) for r in rows) == sorted(
+        (kind, str(kinds.count(kind))) for kind in set(kinds))
