@@ -23,8 +23,9 @@ where no head of the query sees it. :func:`accuracy_by_visibility` splits accura
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -282,20 +283,8 @@ def accuracy_by_visibility(cells: Sequence[PasskeyCell]) -> list[dict[str, int |
         in the cells' order, visibilities in ``VISIBILITIES``' order; a pair with no example
         has no row.
     """
-    counts: dict[tuple[int, str], list[int]] = {}
-    for cell in cells:
-        for outcome in cell.outcomes:
-            tally = counts.setdefault((cell.length, outcome.visibility), [0, 0])
-            tally[0] += 1
-            tally[1] += outcome.correct
-    lengths = list(dict.fromkeys(cell.length for cell in cells))
-    return [
-        {"context_length": length, "visibility": kind, "examples": examples,
-         "correct": correct, "accuracy": correct / examples}
-        for (length, kind), (examples, correct) in sorted(
-            counts.items(), key=lambda item: (lengths.index(item[0][0]),
-                                              VISIBILITIES.index(item[0][1])))
-    ]
+    return _accuracy_by(cells, "visibility", lambda outcome: outcome.visibility,
+                        VISIBILITIES.index)
 
 
 def accuracy_by_alignment(
@@ -320,17 +309,31 @@ def accuracy_by_alignment(
         "whether the model's heads see each copy (PasskeyOutcome.visibility), for any pattern.",
         FutureWarning, stacklevel=2)
     check_positive_int("rate", rate)
-    counts: dict[tuple[int, int], list[int]] = {}
+    return _accuracy_by(
+        cells, "alignment",
+        lambda outcome: outcome.copy_distance % rate if outcome.copy_distance > beyond else None,
+        lambda alignment: alignment)
+
+
+def _accuracy_by(
+    cells: Sequence[PasskeyCell], column: str, group: Callable[[PasskeyOutcome], Any],
+    order: Callable[[Any], int],
+) -> list[dict[str, Any]]:
+    """Rows ``{"context_length", column, "examples", "correct", "accuracy"}`` of the outcomes
+    by length and ``group(outcome)`` (None: left out), lengths in the cells' order, groups by
+    ``order``; a pair with no outcome has no row."""
+    counts: dict[tuple[int, Any], list[int]] = {}
     for cell in cells:
         for outcome in cell.outcomes:
-            if outcome.copy_distance > beyond:
-                tally = counts.setdefault((cell.length, outcome.copy_distance % rate), [0, 0])
+            key = group(outcome)
+            if key is not None:
+                tally = counts.setdefault((cell.length, key), [0, 0])
                 tally[0] += 1
                 tally[1] += outcome.correct
     lengths = list(dict.fromkeys(cell.length for cell in cells))
     return [
-        {"context_length": length, "alignment": alignment, "examples": examples,
-         "correct": correct, "accuracy": correct / examples}
-        for (length, alignment), (examples, correct) in sorted(
-            counts.items(), key=lambda item: (lengths.index(item[0][0]), item[0][1]))
+        {"context_length": length, column: key, "examples": examples, "correct": correct,
+         "accuracy": correct / examples}
+        for (length, key), (examples, correct) in sorted(
+            counts.items(), key=lambda item: (lengths.index(item[0][0]), order(item[0][1])))
     ]
