@@ -24,6 +24,17 @@ def branch_counts(seq_len: int, num_heads: int, branches, causal: bool) -> torch
     return counts
 
 
+def copy_visibility(query: int, key: int, branches, num_heads: int) -> str:
+    """What gives the query at ``query`` the key at ``key``, from the spec's rules: a branch
+    ``(w, r)`` does when both lie in one segment (``// w``), at one offset (``% r``), and a
+    head has that offset (heads take offsets ``h % r``: the first ``num_heads`` of them).
+    ``"dense"``: a rate-1 branch does; ``"sparse"``: only branches of higher rates; ``"unseen"``:
+    none."""
+    rates = [r for w, r in branches
+             if query // w == key // w and (query - key) % r == 0 and query % r < num_heads]
+    return "dense" if 1 in rates else "sparse" if rates else "unseen"
+
+
 def dense_dilated_attention(q, k, v, branches, causal: bool, scale: float | None = None):
     """Reference ``out`` ``(batch, seq, heads, dim)`` and ``lse`` ``(batch, heads, seq)``.
 

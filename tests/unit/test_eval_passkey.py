@@ -21,6 +21,7 @@ from longnet.eval import (
     evaluate_passkey,
 )
 from longnet.modeling import LongNetConfig, LongNetLM
+from tests.reference import copy_visibility
 
 SHORTEST = min_passkey_length(5)
 
@@ -131,15 +132,6 @@ def test_accuracy_by_alignment_splits_far_needles_by_distance_modulo_the_rate():
             accuracy_by_alignment(cells, 0)
 
 
-def seen_by_hand(query: int, key: int, branches, num_heads: int) -> str:
-    """What gives the query the key, from the pattern's rules: a branch ``(w, r)`` does when
-    both lie in one segment (``// w``), at one offset (``% r``), and a head has that offset
-    (heads take offsets ``h % r``: the first ``num_heads`` of them)."""
-    rates = [r for w, r in branches
-             if query // w == key // w and (query - key) % r == 0 and query % r < num_heads]
-    return "dense" if 1 in rates else "sparse" if rates else "unseen"
-
-
 def test_accuracy_by_visibility_splits_copies_by_what_the_heads_see():
     """A model that answers exactly the copies some head of its pattern sees (by the rules,
     not by ``key_multiplicity``) scores 1 on ``dense`` and ``sparse`` and 0 on ``unseen``;
@@ -151,7 +143,7 @@ def test_accuracy_by_visibility_splits_copies_by_what_the_heads_see():
         return len(prompt) - 1, prompt.index("The pass key is ") + len("The pass key is ")
 
     def seen_only(key: str, prompt: str) -> str:
-        return key if seen_by_hand(*copy(prompt), branches, heads) != "unseen" else "00000"
+        return key if copy_visibility(*copy(prompt), branches, heads) != "unseen" else "00000"
 
     model = OracleLM(seen_only, num_heads=heads, max_positions=1024,
                      segment_lengths=[w for w, _ in branches],
@@ -162,7 +154,7 @@ def test_accuracy_by_visibility_splits_copies_by_what_the_heads_see():
     for cell in cells:
         examples = passkey_examples(8, cell.length, cell.depth, seed=2)
         for example, outcome in zip(examples, cell.outcomes):
-            kind = seen_by_hand(*copy(example.prompt), branches, heads)
+            kind = copy_visibility(*copy(example.prompt), branches, heads)
             assert outcome.visibility == kind and outcome.correct == (kind != "unseen")
             tally = expected.setdefault((cell.length, kind), [0, 0])
             tally[0] += 1

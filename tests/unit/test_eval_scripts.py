@@ -15,6 +15,7 @@ from longnet.data import passkey_examples
 from longnet.data.subword import from_backend
 from longnet.data.tokenizer_choice import train_bpe
 from longnet.modeling import LongNetConfig, LongNetLM
+from tests.reference import copy_visibility
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -195,9 +196,7 @@ def test_eval_passkey_end_to_end(tmp_path: Path, tiny_model: Path):
     for g in generations:
         query = int(g["prompt_tokens"]) - 1
         key = query - int(g["copy_distance"])
-        rates = [r for w, r in branches
-                 if query // w == key // w and (query - key) % r == 0 and query % r < 2]
-        assert g["visibility"] == ("dense" if 1 in rates else "sparse" if rates else "unseen")
+        assert g["visibility"] == copy_visibility(query, key, branches, 2)
         tally = expected.setdefault((g["context_length"], g["visibility"]), [0, 0])
         tally[0] += 1
         tally[1] += g["correct"] == "True"
