@@ -82,3 +82,73 @@ def per_document_reference(q, k, v, lengths_per_row, branches, causal,
         outs.append(torch.cat(row_out, dim=1))
         lses.append(torch.cat(row_lse, dim=2))
     return torch.cat(outs), torch.cat(lses)
+
+
+def retrieval_selection(q, k, branches, causal: bool, sinks: int, block: int, top_k: int):
+    """The blocks each query selects, from the spec with explicit loops: ``{(b, p, g): [block
+    starts, best first]}`` for one document per batch row (``k`` with ``kv_heads`` heads).
+
+    Blocks of ``block`` tokens are cut from position ``sinks``; a candidate is complete and
+    lies outside the query's local segment (the largest rate-1 branch's segment holding ``p``,
+    else ``p`` alone), before it when causal. Its score is the sum over the group's query heads
+    and channels of ``max(q_c * min_t k_c, q_c * max_t k_c)``; the highest ``top_k`` win, the
+    earlier block on a tie."""
+    batch, seq_len, num_heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    group = num_heads // kv_heads
+    dense = [w for w, r in branches if r == 1]
+    chosen = {}
+    for b in range(batch):
+        for p in range(seq_len):
+            lo, hi = local_segment(p, seq_len, dense)
+            starts = [s for s in range(sinks, seq_len - block + 1, block)
+                      if s + block <= lo or (not causal and s >= hi)]
+            for g in range(kv_heads):
+                scores = {}
+                for s in starts:
+                    keys = k[b, s : s + block, g]
+                    total = 0.0
+                    for h in range(g * group, (g + 1) * group):
+                        for c in range(head_dim):
+                            low, high = keys[:, c].min(), keys[:, c].max()
+                            total += float(max(q[b, p, h, c] * low, q[b, p, h, c] * high))
+                    scores[s] = total
+                chosen[b, p, g] = sorted(starts, key=lambda s: (-scores[s], s))[:top_k]
+    return chosen
+
+
+def local_segment(p: int, seq_len: int, dense_segments) -> tuple[int, int]:
+    """``[lo, hi)``: the segment of the largest rate-1 branch holding ``p``, or ``p`` alone."""
+    if not dense_segments:
+        return p, p + 1
+    w = max(dense_segments)
+    return p // w * w, min(p // w * w + w, seq_len)
+
+
+def dense_retrieval_attention(q, k, v, branches, causal: bool, sinks: int, block: int,
+                              top_k: int, scale: float | None = None):
+    """Reference ``(out, lse)`` of the dilated branches plus the sinks and the block selection,
+    one softmax over the multiset union of their keys, for one document per batch row; ``k, v``
+    may have fewer heads than ``q`` (grouped-query attention)."""
+    batch, seq_len, num_heads, head_dim = q.shape
+    group = num_heads // k.shape[2]
+    scale = head_dim**-0.5 if scale is None else scale
+    counts = branch_counts(seq_len, num_heads, branches, causal).repeat(batch, 1, 1, 1)
+    dense = [w for w, r in branches if r == 1]
+    for p in range(seq_len):
+        lo, hi = local_segment(p, seq_len, dense)
+        for t in range(min(sinks, seq_len)):
+            if t < lo or (not causal and t >= hi):
+                counts[:, :, p, t] += 1
+    selection = retrieval_selection(q.detach(), k.detach(), branches, causal, sinks, block, top_k)
+    for (b, p, g), starts in selection.items():
+        for s in starts:
+            counts[b, g * group : (g + 1) * group, p, s : s + block] += 1
+    k = k.repeat_interleave(group, dim=2)
+    v = v.repeat_interleave(group, dim=2)
+    scores = torch.einsum("bphd,bthd->bhpt", q, k) * scale + counts.clamp(min=1).log()
+    scores = scores.masked_fill(counts == 0, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    finite_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    probs = torch.exp(scores - finite_lse[..., None])
+    return torch.einsum("bhpt,bthd->bphd", probs, v), lse

@@ -31,6 +31,7 @@ from longnet.attention.kernels import kernel_names
 from longnet.attention.op import dilated_attention_op, flat_documents
 from longnet.attention.pattern import DilatedPattern
 from longnet.attention.plan import AttentionPlan, default_block_elements, plan_attention
+from longnet.attention.retrieval import Retrieval, merge_attention, retrieval_attention
 from longnet.attention.transport import agree_on_call, transports_per_branch
 from longnet.compiled import refuse
 from longnet.distributed.sequence_parallel import SequenceParallel, check_process_group
@@ -73,13 +74,21 @@ def dilated_attention(
     kernel: str = "auto",
     block_elements: int | None = None,
     check_finite: bool = False,
+    retrieval: Retrieval | None = None,
     **deprecated: object,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """LongNet dilated attention, exact in forward and backward.
 
     Args:
-        q, k, v: ``(batch, seq, heads, head_dim)``, same shape, dtype and device.
+        q: ``(batch, seq, heads, head_dim)``.
+        k, v: ``(batch, seq, kv_heads, head_dim)``, ``kv_heads`` dividing ``heads``
+            (grouped-query attention: K/V head ``j`` serves the query heads ``j * g .. (j + 1)
+            * g - 1``, ``g = heads // kv_heads``); one dtype and device with ``q``.
         pattern: a :class:`DilatedPattern` or ``[(segment_length, dilation_rate), ...]``.
+        retrieval: attention sinks and query-aware block selection
+            (:class:`~longnet.attention.retrieval.Retrieval`), branches that reach a key at any
+            offset, in the same softmax (docs/architecture.md §2, "Retrieval branches"); the
+            query heads of one K/V head share its selection. One device only for now.
         causal: queries see only keys at positions ``<=`` their own.
         scale: score scale, default ``head_dim ** -0.5``.
         sequence_parallel: how the sequence is split over a process group
@@ -136,6 +145,35 @@ def dilated_attention(
     if check_finite:
         _check_finite(q, k, v)
     pattern = DilatedPattern.coerce(pattern)
+    if retrieval is not None and not isinstance(retrieval, Retrieval):
+        raise TypeError(
+            "dilated_attention: retrieval must be a longnet.attention.Retrieval or None, got "
+            f"{type(retrieval).__name__} {retrieval!r}; e.g. Retrieval(sinks=4, block=64, "
+            "top_k=16)."
+        )
+    if retrieval is not None and retrieval.active:
+        if sequence_parallel is not None and sequence_parallel.world_size > 1:
+            raise NotImplementedError(
+                "dilated_attention: the retrieval branches (sinks, block selection) do not run "
+                "under sequence parallelism yet; run them on one device, or pass "
+                "retrieval=None."
+            )
+        if isinstance(document_ids, PackedDocuments):
+            documents = document_ids.lengths_for(q.shape, 1)
+        elif document_ids is not None:
+            documents = document_lengths(document_ids, q.shape, q.device)
+        else:
+            documents = None
+        dilated = dilated_attention(
+            q, k, v, pattern, causal=causal, scale=scale, document_ids=document_ids,
+            return_lse=True, kernel=kernel, block_elements=block_elements,
+        )
+        scale = float(scale) if scale is not None else q.shape[-1] ** -0.5
+        far = retrieval_attention(q, k, v, pattern, retrieval, causal=causal, scale=scale,
+                                  documents=documents)
+        out, lse = merge_attention((dilated, far), q.dtype)
+        return (out, lse) if return_lse else out
+    k, v = _expand_kv(q, k), _expand_kv(q, v)
     if sequence_parallel is None:
         layout, transports, world_size = "contiguous", None, 1
     else:  # checked on a one-rank group too, where it is not used
@@ -260,10 +298,11 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> None:
         if t.dim() != 4:
             refuse(ValueError, f"dilated_attention: {name} must be 4-D (batch, seq, heads, "
                    f"head_dim), got shape {tuple(t.shape)}.")
-    if not (q.shape == k.shape == v.shape):
-        refuse(ValueError, "dilated_attention: q, k, v must have the same shape (batch, seq, "
-               f"heads, head_dim), got q {tuple(q.shape)}, k {tuple(k.shape)}, v "
-               f"{tuple(v.shape)}; expand grouped K/V heads to the query heads before calling.")
+    if not (k.shape == v.shape and q.shape[:2] == k.shape[:2] and q.shape[3] == k.shape[3]
+            and k.shape[2] > 0 and q.shape[2] % k.shape[2] == 0):
+        refuse(ValueError, "dilated_attention: q must be (batch, seq, heads, head_dim) and k, "
+               "v (batch, seq, kv_heads, head_dim) with kv_heads dividing heads, got q "
+               f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}.")
     if not (q.dtype == k.dtype == v.dtype):
         refuse(TypeError, f"dilated_attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, "
                f"{v.dtype}); cast them to one dtype.")
@@ -276,6 +315,13 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> None:
                "least 1.")
     if scale is not None:
         check_positive_float("dilated_attention: scale", scale)
+
+
+def _expand_kv(q: Tensor, t: Tensor) -> Tensor:
+    """Grouped K/V heads ``(batch, seq, kv_heads, dim)`` repeated to ``q``'s heads (K/V head
+    ``j`` to query heads ``j * g .. (j + 1) * g - 1``)."""
+    groups = q.shape[2] // t.shape[2]
+    return t if groups == 1 else t.repeat_interleave(groups, dim=2)
 
 
 def _check_finite(q: Tensor, k: Tensor, v: Tensor) -> None:

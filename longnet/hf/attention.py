@@ -23,6 +23,8 @@ stack; nothing else of the model changes::
 ``config.json`` holding it loads with it). :func:`use_dilated_attention` sets it and the
 implementation on a loaded model; a model without it is refused, saying how to set it. One
 dense branch ``[[n, 1]]`` with ``n`` at least the sequence length is ``sdpa``'s function.
+The retrieval branches (attention sinks, query-aware block selection) are the attribute
+:data:`RETRIEVAL_ATTRIBUTE`, ``{"sinks": n, "block": b, "top_k": k}`` (absent: none).
 
 **Positions.** Queries and keys are laid out by their place in the sequence, as
 ``LongNetLM`` lays them out: the keys are the cache's plus the new ones, from position 0.
@@ -30,10 +32,11 @@ A call with as many queries as keys (training, scoring, a prefill) is one
 ``dilated_attention``. A call with fewer queries (decoding against ``transformers``' KV cache,
 which keeps every key) is the definition written out for those queries,
 ``softmax(q k^T * scale + log C) v`` over the keys some branch gives them (the same exact
-path ``LongNetLM.generate`` takes: ``longnet.nn.attention.multiplicity_attention``), so each
-new token costs O(largest segment). Padded batches (a mask with zeros), packed sequences or
-positions that are not ``0, 1, ...`` are refused (the pattern's segments start at position
-0 of each row); so are attention-probability dropout and sliding windows.
+path ``LongNetLM.generate`` takes: ``longnet.nn.attention.decode_attention``), so each
+new token costs O(largest segment), plus the retrieval branches' keys when there are any.
+Padded batches (a mask with zeros), packed sequences or positions that are not
+``0, 1, ...`` are refused (the pattern's segments start at position 0 of each row); so are
+attention-probability dropout and sliding windows.
 """
 
 from __future__ import annotations
@@ -45,11 +48,12 @@ from torch import Tensor, nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from longnet.attention import DilatedPattern, dilated_attention
-from longnet.nn.attention import multiplicity_attention
+from longnet.attention import DilatedPattern, Retrieval, dilated_attention
+from longnet.nn.attention import decode_attention
 
 ATTENTION_NAME = "longnet_dilated"
 PATTERN_ATTRIBUTE = "longnet_pattern"
+RETRIEVAL_ATTRIBUTE = "longnet_retrieval"
 
 
 def longnet_dilated_attention(
@@ -87,25 +91,15 @@ def longnet_dilated_attention(
     if kwargs.get("sliding_window") is not None:
         raise ValueError(f"attn_implementation={ATTENTION_NAME!r} replaces dense attention; "
                          "a sliding-window layer cannot use it.")
-    groups = query.shape[1] // key.shape[1]
-    q = query.transpose(1, 2)
-    k = key.repeat_interleave(groups, dim=1).transpose(1, 2)
-    v = value.repeat_interleave(groups, dim=1).transpose(1, 2)
+    retrieval = _retrieval(module.config)
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     queries, keys = q.shape[1], k.shape[1]
     _check_positions(kwargs.get("position_ids"), keys - queries, queries)
     if queries == keys:
-        out = dilated_attention(q, k, v, pattern, causal=True, scale=scale)
+        out = dilated_attention(q, k, v, pattern, causal=True, scale=scale, retrieval=retrieval)
         return out, None
-    first = keys - queries
-    start = min((first // w) * w for w in pattern.segment_lengths)
-    device = q.device
-    out = multiplicity_attention(
-        q, k[:, start:], v[:, start:],
-        torch.arange(first, keys, device=device), torch.arange(start, keys, device=device),
-        pattern, causal=True, scale=scale,
-    )
-    return out, None
+    return decode_attention(q, k, v, 0, pattern, scale=scale, retrieval=retrieval), None
 
 
 def longnet_dilated_mask(*args: Any, attention_mask: Tensor | None = None,
@@ -133,6 +127,21 @@ def _pattern(config: Any) -> DilatedPattern:
         raise ValueError(f"config.{PATTERN_ATTRIBUTE} = {value!r}: {err}") from None
 
 
+def _retrieval(config: Any) -> Retrieval | None:
+    """The retrieval branches of ``config.longnet_retrieval`` (``{"sinks": n, "block": b,
+    "top_k": k}``), or None when it is absent."""
+    value = getattr(config, RETRIEVAL_ATTRIBUTE, None)
+    if value is None:
+        return None
+    try:
+        return Retrieval(**value)
+    except (TypeError, ValueError) as err:
+        raise ValueError(
+            f"config.{RETRIEVAL_ATTRIBUTE} = {value!r}: {err} It takes the keys sinks, block "
+            "and top_k, e.g. {'sinks': 4, 'block': 64, 'top_k': 16}."
+        ) from None
+
+
 def _check_positions(position_ids: Tensor | None, first: int, length: int) -> None:
     """Refuse ``position_ids`` other than ``first .. first + length - 1`` in every row."""
     if position_ids is None:
@@ -147,17 +156,26 @@ def _check_positions(position_ids: Tensor | None, first: int, length: int) -> No
         )
 
 
-def use_dilated_attention(model: nn.Module, pattern: Any) -> nn.Module:
+def use_dilated_attention(
+    model: nn.Module, pattern: Any, retrieval: Retrieval | None = None
+) -> nn.Module:
     """Make the ``transformers`` model ``model`` run :data:`ATTENTION_NAME` with ``pattern``
-    (``[(segment_length, dilation_rate), ...]`` or a ``DilatedPattern``): sets
-    ``model.config.longnet_pattern`` (saved with the model) and the attention
-    implementation; returns ``model``.
+    (``[(segment_length, dilation_rate), ...]`` or a ``DilatedPattern``) and, optionally,
+    the retrieval branches ``retrieval`` (attention sinks, block selection): sets
+    ``model.config.longnet_pattern`` and ``model.config.longnet_retrieval`` (saved with the
+    model) and the attention implementation; returns ``model``.
 
     Raises:
         ValueError: an invalid pattern.
+        TypeError: ``retrieval`` is not a :class:`~longnet.attention.Retrieval` or None.
     """
     pattern = DilatedPattern.coerce(pattern)
+    if retrieval is not None and not isinstance(retrieval, Retrieval):
+        raise TypeError(f"retrieval must be a longnet.attention.Retrieval or None, got "
+                        f"{type(retrieval).__name__} {retrieval!r}.")
     setattr(model.config, PATTERN_ATTRIBUTE, [list(branch) for branch in pattern.branches])
+    setattr(model.config, RETRIEVAL_ATTRIBUTE, None if retrieval is None else {
+        "sinks": retrieval.sinks, "block": retrieval.block, "top_k": retrieval.top_k})
     model.set_attn_implementation(ATTENTION_NAME)
     return model
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from longnet.attention import DilatedPattern
+from longnet.attention import DilatedPattern, Retrieval
 from longnet.files import write_atomic
 from longnet.modeling.hub import CONFIG_NAME, resolve_model_dir
 from longnet.nn.feedforward import ACTIVATIONS, FFN_KINDS
@@ -24,6 +24,7 @@ from longnet.validation import (
     check_bool,
     check_choice,
     check_dropout,
+    check_non_negative_int,
     check_positive_float,
     check_positive_int,
     is_int,
@@ -43,7 +44,8 @@ COMPUTATION_FIELDS = (
 the model computes from its weights, so a missing one would silently be its default, another
 model (no ``segment_lengths``/``dilation_rates`` is dense attention). The others (dropout,
 initializer_range, gradient_checkpointing, token ids, extra) do not change the function, and
-``kv_conv_size`` came later: a config written before it had no convolution, its default."""
+``kv_conv_size`` and the retrieval branches (``attention_sinks``, ``select_block``,
+``select_top_k``) came later: a config written before them had none, their default."""
 
 
 @dataclass
@@ -75,6 +77,12 @@ class LongNetConfig:
             value projections (0: none, else at least 2). With a width of at least the largest
             dilation rate, a far token is a key at every offset (docs/architecture.md §2,
             "Alignment").
+        attention_sinks: the first ``attention_sinks`` tokens of each document are keys of
+            every query outside its dense local segment (0: none; docs/architecture.md §2,
+            "Retrieval branches").
+        select_block, select_top_k: query-aware block selection: each query (per K/V head)
+            attends to every token of the ``select_top_k`` blocks of ``select_block`` tokens
+            whose keys bound its scores highest (0: no selection).
         position_encoding: ``"xpos"`` (the LongNet paper's), ``"rope"``, ``"learned"``
             (absolute, GPT-2) or ``"none"``.
         rope_theta: base of the rotary frequencies (RoPE and xPos).
@@ -116,6 +124,9 @@ class LongNetConfig:
     segment_lengths: tuple[int, ...] | None = None
     dilation_rates: tuple[int, ...] | None = None
     kv_conv_size: int = 0
+    attention_sinks: int = 0
+    select_block: int = 64
+    select_top_k: int = 0
     position_encoding: str = "xpos"
     rope_theta: float = 10000.0
     rope_extension: dict[str, Any] | None = None
@@ -153,6 +164,12 @@ class LongNetConfig:
         return DilatedPattern(self.segment_lengths, self.dilation_rates)
 
     @property
+    def retrieval(self) -> Retrieval | None:
+        """The retrieval branches (sinks, block selection), or None when there are none."""
+        retrieval = Retrieval(self.attention_sinks, self.select_block, self.select_top_k)
+        return retrieval if retrieval.active else None
+
+    @property
     def resolved_num_kv_heads(self) -> int:
         return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
 
@@ -179,6 +196,9 @@ class LongNetConfig:
                 check_positive_int(name, getattr(self, name))
         check_positive_int("num_labels", self.num_labels)
         check_kv_conv_size(self.kv_conv_size)
+        check_non_negative_int("attention_sinks", self.attention_sinks)
+        check_positive_int("select_block", self.select_block)
+        check_non_negative_int("select_top_k", self.select_top_k)
         check_choice("ffn_kind", self.ffn_kind, FFN_KINDS)
         check_choice("activation", self.activation, ACTIVATIONS)
         check_norm(self.norm, self.norm_eps)

@@ -66,6 +66,7 @@ def build_block(config: LongNetConfig, causal: bool) -> TransformerBlock:
         norm=config.norm,
         norm_eps=config.norm_eps,
         kv_conv_size=config.kv_conv_size,
+        retrieval=config.retrieval,
     )
     ffn = build_feed_forward(
         config.ffn_kind,

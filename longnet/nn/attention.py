@@ -6,11 +6,12 @@ import warnings
 from typing import Any
 
 import torch
-from einops import rearrange, repeat
+from einops import rearrange
 from torch import Tensor, nn
 
-from longnet.attention import DilatedPattern, dilated_attention
+from longnet.attention import DilatedPattern, Retrieval, dilated_attention
 from longnet.attention.documents import PackedDocuments
+from longnet.attention.retrieval import merge_attention, retrieval_attention
 from longnet.compiled import refuse
 from longnet.distributed.halo import previous_rows
 from longnet.distributed.sequence_parallel import SequenceParallel, call_setting
@@ -130,7 +131,8 @@ def multiplicity_attention(
     *,
     causal: bool,
     scale: float,
-) -> Tensor:
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Dilated attention of queries at known global positions, written out explicitly.
 
     ``softmax(q k^T * scale + log C) v`` with ``C = pattern.key_multiplicity(...)`` (the
@@ -139,7 +141,8 @@ def multiplicity_attention(
     keys.
 
     Shapes: ``q`` ``(batch, q, heads, head_dim)``, ``k, v`` ``(batch, k, heads, head_dim)``,
-    positions ``(q,)`` and ``(k,)``; returns ``(batch, q, heads, head_dim)``.
+    positions ``(q,)`` and ``(k,)``; returns ``(batch, q, heads, head_dim)`` and, with
+    ``return_lse``, ``lse`` ``(batch, heads, q)`` in float32 (float64 for float64 inputs).
     """
     compute = torch.promote_types(q.dtype, torch.float32)
     counts = pattern.key_multiplicity(query_positions, key_positions, q.shape[2], causal)
@@ -147,8 +150,49 @@ def multiplicity_attention(
     scores = torch.einsum("bqhd,bkhd->bhqk", q.to(compute), k.to(compute)) * scale + bias
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
     weights = torch.exp(scores - lse.nan_to_num(neginf=0.0))  # rows without keys: all zeros
-    out = torch.einsum("bhqk,bkhd->bqhd", weights, v.to(compute))
-    return out.to(q.dtype)
+    out = torch.einsum("bhqk,bkhd->bqhd", weights, v.to(compute)).to(q.dtype)
+    return (out, lse[..., 0]) if return_lse else out
+
+
+def decode_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    key_start: int,
+    pattern: DilatedPattern,
+    *,
+    scale: float,
+    retrieval: Retrieval | None = None,
+) -> Tensor:
+    """Causal attention of the last ``q.shape[1]`` positions against cached keys: the
+    dilated branches written out (:func:`multiplicity_attention`, over the keys inside some
+    segment of the first query) merged with the retrieval branches, which read every key.
+
+    Shapes: ``q`` ``(batch, q, heads, head_dim)``; ``k, v`` ``(batch, keys, kv_heads,
+    head_dim)`` at positions ``key_start .. key_start + keys - 1``, the queries' last; with
+    ``retrieval``, ``key_start`` must be 0 (the whole document). Returns ``(batch, q, heads,
+    head_dim)``.
+    """
+    end = key_start + k.shape[1]
+    first = end - q.shape[1]
+    window = max(key_start, min((first // w) * w for w in pattern.segment_lengths))
+    groups = q.shape[2] // k.shape[2]
+    near_k, near_v = (t[:, window - key_start:].repeat_interleave(groups, dim=2) for t in (k, v))
+    device = q.device
+    near = multiplicity_attention(
+        q, near_k, near_v, torch.arange(first, end, device=device),
+        torch.arange(window, end, device=device), pattern, causal=True, scale=scale,
+        return_lse=True,
+    )
+    if retrieval is None or not retrieval.active:
+        return near[0]
+    if key_start != 0:
+        raise RuntimeError(
+            f"decode_attention: the retrieval branches read every key, but the keys start at "
+            f"position {key_start}; this is a bug, please report it."
+        )
+    far = retrieval_attention(q, k, v, pattern, retrieval, causal=True, scale=scale)
+    return merge_attention((near, far), q.dtype)[0]
 
 
 class MultiheadDilatedAttention(nn.Module):
@@ -179,6 +223,10 @@ class MultiheadDilatedAttention(nn.Module):
             projections (:class:`CausalShortConv`, identity at initialisation), so that a far
             token is a key at every offset modulo the dilation rates (docs/architecture.md §2,
             "Alignment"); 0 (default) for none, else at least 2.
+        retrieval: attention sinks and query-aware block selection
+            (:class:`~longnet.attention.Retrieval`) beside the dilated branches, or None; one
+            device only (a sequence-parallel call refuses them). With a KV cache, every key is
+            kept (the selection may pick any past block).
         **deprecated: ``dropout=``, the former name of ``output_dropout`` (a
             ``FutureWarning``).
 
@@ -211,6 +259,7 @@ class MultiheadDilatedAttention(nn.Module):
         norm_eps: float = 1e-5,
         scale: float | None = None,
         kv_conv_size: int = 0,
+        retrieval: Retrieval | None = None,
         **deprecated: Any,
     ) -> None:
         super().__init__()
@@ -249,6 +298,12 @@ class MultiheadDilatedAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.pattern = DilatedPattern.coerce(pattern)
+        if retrieval is not None and not isinstance(retrieval, Retrieval):
+            raise TypeError(
+                "retrieval must be a longnet.attention.Retrieval or None, got "
+                f"{type(retrieval).__name__} {retrieval!r}."
+            )
+        self.retrieval = retrieval if retrieval is not None and retrieval.active else None
         self.causal = causal
         self.scale = check_positive_float("scale", scale) if scale is not None else head_dim**-0.5
         self.q_proj = nn.Linear(embed_dim, num_heads * head_dim, bias=bias)
@@ -269,11 +324,8 @@ class MultiheadDilatedAttention(nn.Module):
         return (
             f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
             f"pattern={self.pattern.branches}, causal={self.causal}"
+            + ("" if self.retrieval is None else f", retrieval={self.retrieval}")
         )
-
-    def _expand_kv(self, t: Tensor) -> Tensor:
-        groups = self.num_heads // self.num_kv_heads
-        return t if groups == 1 else repeat(t, "b n hk d -> b n (hk g) d", g=groups)
 
     def forward(
         self,
@@ -342,13 +394,14 @@ class MultiheadDilatedAttention(nn.Module):
         if cache is None:
             out = dilated_attention(
                 q,
-                self._expand_kv(k),
-                self._expand_kv(v),
+                k,
+                v,
                 self.pattern,
                 causal=self.causal,
                 scale=self.scale,
                 sequence_parallel=sequence_parallel,
                 document_ids=documents,
+                retrieval=self.retrieval,
             )
         else:
             out = self._cached_attention(q, k, v, position_ids, group, cache, conv_tail)
@@ -442,37 +495,20 @@ class MultiheadDilatedAttention(nn.Module):
         first = cache.end
         if len(cache) == 0 and first == 0:
             # Prefill from position 0: the ordinary O(n) dilated attention.
-            out = dilated_attention(
-                q,
-                self._expand_kv(k),
-                self._expand_kv(v),
-                self.pattern,
-                causal=True,
-                scale=self.scale,
-            )
+            out = dilated_attention(q, k, v, self.pattern, causal=True, scale=self.scale,
+                                    retrieval=self.retrieval)
         else:
-            # Only keys inside some segment of the first query can be attended to.
-            window_start = min((first // w) * w for w in self.pattern.segment_lengths)
             if len(cache):
-                past_k, past_v = cache.window(max(window_start, cache.start))
+                past_k, past_v = cache.window(cache.start)
                 keys, values = torch.cat((past_k, k), dim=1), torch.cat((past_v, v), dim=1)
-                start = max(window_start, cache.start)
             else:
-                keys, values, start = k, v, first
-            key_positions = torch.arange(start, first + seq, device=positions.device)
-            out = multiplicity_attention(
-                q,
-                self._expand_kv(keys),
-                self._expand_kv(values),
-                positions,
-                key_positions,
-                self.pattern,
-                causal=True,
-                scale=self.scale,
-            )
+                keys, values = k, v
+            out = decode_attention(q, keys, values, first - len(cache), self.pattern,
+                                   scale=self.scale, retrieval=self.retrieval)
         cache.append(k.detach(), v.detach(), conv_tail)
-        next_position = cache.end
-        cache.trim(min((next_position // w) * w for w in self.pattern.segment_lengths))
+        if self.retrieval is None:  # keys no future query's segment holds are dropped
+            next_position = cache.end
+            cache.trim(min((next_position // w) * w for w in self.pattern.segment_lengths))
         return out
 
 

@@ -260,7 +260,11 @@ def _qkv(*shape, dtype=torch.float32):
     "call,error,match",
     [
         (lambda q, k, v: dilated_attention(q[0], k[0], v[0], [(8, 1)]), ValueError, "must be 4-D"),
-        (lambda q, k, v: dilated_attention(q, k[:, :4], v, [(8, 1)]), ValueError, "same shape"),
+        (lambda q, k, v: dilated_attention(q, k[:, :4], v, [(8, 1)]), ValueError,
+         "kv_heads dividing heads"),
+        (lambda q, k, v: dilated_attention(q, k[:, :, :1].expand(-1, -1, 3, -1),
+                                           v[:, :, :1].expand(-1, -1, 3, -1), [(8, 1)]),
+         ValueError, "kv_heads dividing heads"),
         (lambda q, k, v: dilated_attention(q, k.double(), v, [(8, 1)]), TypeError, "dtypes differ"),
         (
             lambda q, k, v: dilated_attention(q.long(), k.long(), v.long(), [(8, 1)]),

@@ -210,8 +210,10 @@ def _refused_inputs():
         "no tokens": ((q[:, :0],) * 3, ValueError, "q has an empty dimension"),
         "no batch": ((q[:0],) * 3, ValueError, "q has an empty dimension"),
         "mixed dtypes": ((q, q.double(), q), TypeError, "q, k, v dtypes differ"),
-        "kv of another length": ((q, q[:, :16], q[:, :16]), ValueError, "must have the same shape"),
-        "grouped kv heads": ((q, q[:, :, :1], q[:, :, :1]), ValueError, "expand grouped K/V"),
+        "kv of another length": ((q, q[:, :16], q[:, :16]), ValueError,
+                                 "kv_heads dividing heads"),
+        "kv heads not dividing heads": ((q, q[:, :, :2], q[:, :, :2]), ValueError,
+                                        "kv_heads dividing heads"),
         "integers": ((q.long(),) * 3, TypeError, "q has dtype torch.int64; use a floating"),
     }
 

@@ -1,0 +1,218 @@
+"""The retrieval branches (attention sinks, query-aware block selection) against the loop
+reference of ``tests/reference.py``: outputs, ``lse`` and every gradient in float64 with a
+random upstream gradient into both, and the selection itself, rule for rule."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+
+from longnet.attention import DilatedPattern, Retrieval, dilated_attention
+from longnet.attention.retrieval import _row_geometry, select_blocks
+from longnet.modeling import LongNetConfig, LongNetLM
+from longnet.nn import LayerKVCache, MultiheadDilatedAttention, RotaryEmbedding
+from tests.reference import (
+    dense_retrieval_attention,
+    document_ids_of,
+    per_document_reference,
+    retrieval_selection,
+)
+
+PATTERN = [(8, 1), (16, 2), (32, 4)]
+
+CASES = {
+    # name: (seq, heads, kv_heads, branches, sinks, block, top_k, documents)
+    "sinks+select": (53, 4, 4, PATTERN, 2, 4, 3, None),
+    "select-gqa": (61, 4, 2, PATTERN, 0, 3, 2, None),
+    "sinks-only-gqa": (45, 6, 2, PATTERN, 3, 4, 0, None),
+    "top_k-beyond-blocks": (40, 2, 1, PATTERN, 1, 5, 50, None),
+    "short-no-past-block": (11, 2, 2, PATTERN, 2, 4, 2, None),
+    "no-rate-1-branch": (37, 4, 2, [(8, 2), (32, 4)], 2, 4, 2, None),
+    "sinks-longer-than-segment": (35, 2, 2, [(4, 1), (16, 2)], 6, 3, 2, None),
+    "packed": (60, 4, 2, PATTERN, 2, 4, 2, ((13, 30, 17), (60,))),
+}
+
+
+def _inputs(seq, heads, kv_heads, batch=2, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, seq, heads, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(batch, seq, kv_heads, 8, generator=gen, dtype=torch.float64)
+            for _ in range(2))
+    return q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+
+
+def _reference(q, k, v, branches, causal, sinks, block, top_k, documents):
+    attend = functools.partial(_reference_one, sinks=sinks, block=block, top_k=top_k)
+    if documents is None:
+        return attend(q, k, v, branches, causal)
+    return per_document_reference(q, k, v, documents, branches, causal, attend=attend)
+
+
+def _reference_one(q, k, v, branches, causal, *, sinks, block, top_k):
+    return dense_retrieval_attention(q, k, v, branches, causal, sinks, block, top_k)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_the_reference_with_gradients(case, causal):
+    seq, heads, kv_heads, branches, sinks, block, top_k, documents = CASES[case]
+    batch = 1 if documents is None and case == "short-no-past-block" else 2
+    q, k, v = _inputs(seq, heads, kv_heads, batch=batch)
+    ids = None if documents is None else document_ids_of(documents)
+    out, lse = dilated_attention(q, k, v, branches, causal=causal, return_lse=True,
+                                 document_ids=ids,
+                                 retrieval=Retrieval(sinks=sinks, block=block, top_k=top_k))
+    ref_out, ref_lse = _reference(q, k, v, branches, causal, sinks, block, top_k, documents)
+    torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-10, atol=1e-12)
+    gen = torch.Generator().manual_seed(1)
+    d_out = torch.randn(out.shape, generator=gen, dtype=out.dtype)
+    d_lse = torch.randn(lse.shape, generator=gen, dtype=lse.dtype)
+    grads = torch.autograd.grad((out * d_out).sum() + (lse * d_lse).sum(), (q, k, v))
+    ref_grads = torch.autograd.grad((ref_out * d_out).sum() + (ref_lse * d_lse).sum(), (q, k, v))
+    for name, got, want in zip("qkv", grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11, msg=f"d{name}")
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_the_selection_is_the_rule(causal):
+    """Each query's chosen blocks, per K/V head, equal the loop reference's list exactly."""
+    seq, heads, kv_heads, branches, sinks, block, top_k = 70, 4, 2, PATTERN, 2, 4, 3
+    q, k, _ = _inputs(seq, heads, kv_heads)
+    retrieval = Retrieval(sinks=sinks, block=block, top_k=top_k)
+    want = retrieval_selection(q.detach(), k.detach(), branches, causal, sinks, block, top_k)
+    pattern = DilatedPattern(branches)
+    for b in range(2):
+        row = _row_geometry((seq,), seq, pattern, retrieval, q.device)
+        chosen = select_blocks(q[b].detach(), k[b].detach(), row, retrieval, causal)
+        for p in range(seq):
+            for g in range(kv_heads):
+                got = [int(row.block_start[j]) for j in chosen[p, g] if j >= 0]
+                assert got == want[b, p, g], (b, p, g)
+    assert any(len(starts) == top_k for starts in want.values())
+
+
+def test_a_tie_goes_to_the_earlier_block():
+    """Identical blocks score the same: the earlier wins."""
+    retrieval = Retrieval(block=2, top_k=1)
+    k = torch.ones(12, 1, 4, dtype=torch.float64)
+    q = torch.ones(12, 1, 4, dtype=torch.float64)
+    row = _row_geometry((12,), 12, DilatedPattern([(4, 1)]), retrieval, q.device)
+    chosen = select_blocks(q, k, row, retrieval, causal=True)
+    assert chosen[11, 0, 0] == 0 and chosen[3, 0, 0] == -1
+
+
+def test_a_misaligned_far_needle_is_reached():
+    """A key that no dilated branch gives the last query (wrong offset, far segment) becomes
+    the one it attends to when its block is selected: the output is that key's value."""
+    seq, block = 64, 4
+    q = torch.zeros(1, seq, 1, 4, dtype=torch.float64)
+    k = torch.zeros(1, seq, 1, 4, dtype=torch.float64)
+    v = torch.zeros(1, seq, 1, 4, dtype=torch.float64)
+    needle = 13  # offset 1 modulo 4 and 2; the last query sits at offset 3
+    q[0, -1, 0] = torch.tensor([40.0, 0, 0, 0])
+    k[0, needle, 0] = torch.tensor([1.0, 0, 0, 0])
+    v[0, needle, 0] = torch.tensor([0.0, 7.0, 0, 0])
+    branches = [(8, 1), (32, 2), (64, 4)]
+    plain = dilated_attention(q, k, v, branches, causal=True)
+    found = dilated_attention(q, k, v, branches, causal=True,
+                              retrieval=Retrieval(block=block, top_k=1))
+    assert plain[0, -1, 0, 1] < 0.01
+    assert found[0, -1, 0, 1] > 6.9
+
+
+def test_no_retrieval_is_the_dilated_call():
+    q, k, v = _inputs(40, 4, 2)
+    want = dilated_attention(q, k.repeat_interleave(2, 2), v.repeat_interleave(2, 2), PATTERN,
+                             causal=True)
+    for retrieval in (None, Retrieval(), Retrieval(block=8, top_k=0)):
+        assert torch.equal(dilated_attention(q, k, v, PATTERN, causal=True,
+                                             retrieval=retrieval), want)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"sinks": -1}, "sinks"),
+    ({"block": 0}, "block"),
+    ({"top_k": 1.5}, "top_k"),
+])
+def test_bad_settings_are_named(kwargs, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        Retrieval(**kwargs)
+
+
+def test_retrieval_must_be_a_retrieval():
+    q, k, v = _inputs(16, 2, 2)
+    with pytest.raises(TypeError, match="Retrieval"):
+        dilated_attention(q, k, v, PATTERN, retrieval={"sinks": 4})
+
+
+def test_bfloat16_is_close_to_float64():
+    """bfloat16 inputs against the float64 call on the same (rounded) values."""
+    q, k, v = (t.detach().bfloat16() for t in _inputs(80, 4, 2))
+    retrieval = Retrieval(sinks=2, block=4, top_k=3)
+    want = dilated_attention(q.double(), k.double(), v.double(), PATTERN, causal=True,
+                             retrieval=retrieval)
+    got = dilated_attention(q, k, v, PATTERN, causal=True, retrieval=retrieval)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), want.detach(), rtol=0.05, atol=0.05)
+
+
+def _retrieval_lm(**overrides):
+    config = LongNetConfig(vocab_size=50, hidden_size=32, num_layers=2, num_heads=4,
+                           num_kv_heads=2, max_positions=128, segment_lengths=(8, 16, 32),
+                           dilation_rates=(1, 2, 4), position_encoding="rope",
+                           attention_sinks=2, select_block=4, select_top_k=2, **overrides)
+    torch.manual_seed(0)
+    return LongNetLM(config).double().eval()
+
+
+def test_cached_decoding_equals_the_full_forward():
+    """Layer level: a prefill, single tokens and a chunk against the cache give the full
+    forward's output; the cache keeps every key (the selection may read any past block)."""
+    torch.manual_seed(1)
+    attn = MultiheadDilatedAttention(
+        32, 4, PATTERN, num_kv_heads=2, positional=RotaryEmbedding(8),
+        retrieval=Retrieval(sinks=2, block=4, top_k=2)).double()
+    x = torch.randn(2, 75, 32, dtype=torch.float64)
+    full = attn(x)
+    cache = LayerKVCache()
+    pieces = [attn(x[:, a:b], torch.arange(a, b), cache=cache)
+              for a, b in [(0, 20), *[(i, i + 1) for i in range(20, 60)], (60, 75)]]
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-10, atol=1e-12)
+    assert cache.start == 0 and cache.end == 75
+
+
+def test_greedy_generation_with_the_cache_equals_the_full_forward():
+    model = _retrieval_lm()
+    prompt = torch.randint(0, 50, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        generated = model.generate(prompt, 70, temperature=0)
+        uncached = model.generate(prompt, 70, temperature=0, use_cache=False)
+        logits = model(generated).logits
+    assert torch.equal(generated, uncached)
+    assert torch.equal(generated[0, 9:], logits[0, 8:-1].argmax(-1))
+
+
+def test_the_config_carries_the_branches(tmp_path):
+    model = _retrieval_lm()
+    assert model.model.layers[0].attn.retrieval == Retrieval(sinks=2, block=4, top_k=2)
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["select_top_k"] == 2
+    loaded = LongNetLM.from_pretrained(tmp_path, dtype=torch.float64)
+    assert loaded.config.retrieval == Retrieval(sinks=2, block=4, top_k=2)
+    off = LongNetLM.from_pretrained(tmp_path, attention_sinks=0, select_top_k=0)
+    assert off.config.retrieval is None and off.model.layers[0].attn.retrieval is None
+    x = torch.randint(0, 50, (1, 70))
+    with torch.no_grad():
+        assert not torch.allclose(loaded(x).logits.float(), off(x).logits, atol=1e-4)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("attention_sinks", -1), ("select_block", 0), ("select_top_k", "4"),
+])
+def test_bad_config_fields_are_named(field, value):
+    with pytest.raises((TypeError, ValueError), match=field):
+        LongNetConfig(**{field: value})
