@@ -31,7 +31,7 @@ from longnet.attention.kernels import kernel_names
 from longnet.attention.op import dilated_attention_op, flat_documents
 from longnet.attention.pattern import DilatedPattern
 from longnet.attention.plan import AttentionPlan, default_block_elements, plan_attention
-from longnet.attention.retrieval import Retrieval, merge_attention, retrieval_attention
+from longnet.attention.retrieval import Retrieval, dilated_with_retrieval
 from longnet.attention.transport import agree_on_call, transports_per_branch
 from longnet.compiled import refuse
 from longnet.distributed.sequence_parallel import SequenceParallel, check_process_group
@@ -158,20 +158,17 @@ def dilated_attention(
                 "under sequence parallelism yet; run them on one device, or pass "
                 "retrieval=None."
             )
+        documents = None
         if isinstance(document_ids, PackedDocuments):
             documents = document_ids.lengths_for(q.shape, 1)
         elif document_ids is not None:
             documents = document_lengths(document_ids, q.shape, q.device)
-        else:
-            documents = None
-        dilated = dilated_attention(
-            q, k, v, pattern, causal=causal, scale=scale, document_ids=document_ids,
-            return_lse=True, kernel=kernel, block_elements=block_elements,
-        )
         scale = float(scale) if scale is not None else q.shape[-1] ** -0.5
-        far = retrieval_attention(q, k, v, pattern, retrieval, causal=causal, scale=scale,
-                                  documents=documents)
-        out, lse = merge_attention((dilated, far), q.dtype)
+        op_args = (list(pattern.segment_lengths), list(pattern.dilation_rates), causal, scale,
+                   kernel, None if block_elements is None else int(block_elements),
+                   *flat_documents(documents))
+        out, lse = dilated_with_retrieval(q, k, v, op_args, pattern, retrieval, causal=causal,
+                                          scale=scale, documents=documents)
         return (out, lse) if return_lse else out
     k, v = _expand_kv(q, k), _expand_kv(q, v)
     if sequence_parallel is None:
