@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import traceback
@@ -50,14 +51,32 @@ class ScriptParser(argparse.ArgumentParser):
         self.exit(2, f"error: {message.rstrip('.')}; see {self.prog} --help.\n")
 
 
+def json_object_argument(text: str) -> dict[str, Any]:
+    """A JSON object (config overrides); ``argparse.ArgumentTypeError`` naming the text."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a JSON object; write overrides as {{\"name\": value, ...}}")
+    return value
+
+
 def add_model_arguments(parser: argparse.ArgumentParser, default_out: str) -> None:
-    """``--models``, ``--labels``, ``--device``, ``--dtype``, ``--batch-size``, ``--seed``,
-    ``--out``, ``--no-progress``."""
+    """``--models``, ``--labels``, ``--overrides``, ``--device``, ``--dtype``,
+    ``--batch-size``, ``--seed``, ``--out``, ``--no-progress``."""
     parser.add_argument(
         "--models", nargs="+", required=True, metavar="MODEL",
         help="zoo names, save_pretrained folders or Lightning .ckpt files",
     )
     parser.add_argument("--labels", nargs="+", help="names in tables/plots, one per model")
+    parser.add_argument(
+        "--overrides", nargs="+", type=json_object_argument, metavar="JSON",
+        help="config overrides applied at load, one JSON object for all models or one per "
+             "model, e.g. '{}' '{\"attention_sinks\": 4, \"select_top_k\": 16}' (folders and "
+             "zoo names only)",
+    )
     parser.add_argument("--device", type=device_argument, default="cpu",
                         help="cpu, cuda, cuda:1 or mps (default: cpu)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
@@ -247,7 +266,7 @@ def models_from_args(args: argparse.Namespace) -> list[LoadedModel]:
     """Seed torch and load ``--models`` on ``--device`` in ``--dtype``."""
     torch.manual_seed(args.seed)
     return load_models(args.models, device=torch.device(args.device), dtype=DTYPES[args.dtype],
-                       labels=args.labels)
+                       labels=args.labels, overrides=args.overrides)
 
 
 def run_cli(main: Callable[[], int]) -> int:

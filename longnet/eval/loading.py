@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -55,6 +56,7 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     label: str | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> LoadedModel:
     """Load ``spec``: a ``.ckpt`` file, a model folder, or a zoo name.
 
@@ -65,6 +67,9 @@ def load_model(
         device: where to put the model.
         dtype: parameter dtype (default float32).
         label: name in reports; default the zoo name, the folder name or the checkpoint stem.
+        overrides: config fields replaced at load (``LongNetLM.from_pretrained``'s overrides:
+            ``pattern``, ``attention_sinks``, ``select_top_k``, ``rope_extension``, ...); a
+            folder or zoo name only.
 
     Raises:
         FileNotFoundError: an unknown name (the message lists the known ones), a missing file,
@@ -73,12 +78,18 @@ def load_model(
     """
     path = Path(spec)
     if path.suffix in CHECKPOINT_SUFFIXES or path.is_file():
+        if overrides:
+            raise UsageError(
+                f"{spec}: config overrides apply to model folders and zoo names, not to a "
+                "Lightning checkpoint; export it (scripts/export_pretrained.py) and evaluate "
+                "the folder with the overrides."
+            )
         model = load_lightning_checkpoint(path, dtype=dtype)  # raises naming a missing file
         kind, source, default_label = "checkpoint", str(path), path.stem
     else:
         folder = resolve_model_dir(spec)  # raises listing the known zoo names
         kind = "folder" if path.is_dir() else "zoo"
-        model = LongNetLM.from_pretrained(folder, dtype=dtype)
+        model = LongNetLM.from_pretrained(folder, dtype=dtype, **(overrides or {}))
         source, default_label = str(folder), (_folder_label(path) if path.is_dir() else str(spec))
     model = model.to(device).eval()
     return LoadedModel(label=label or default_label, model=model, source=source, kind=kind,
@@ -115,17 +126,25 @@ def load_models(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     labels: Sequence[str] | None = None,
+    overrides: Sequence[dict[str, Any]] | None = None,
 ) -> list[LoadedModel]:
-    """:func:`load_model` for each spec; labels default to unique names (``name``,
-    ``name-2``, ...) so that models with the same folder name stay distinguishable."""
+    """:func:`load_model` for each spec (with its ``overrides``: one dict per spec, or one for
+    all); labels default to unique names (``name``, ``name-2``, ...) so that models with the
+    same folder name stay distinguishable."""
     if not specs:
         raise ValueError("no model given; pass at least one zoo name, folder or .ckpt file.")
     if labels is not None and len(labels) != len(specs):
         raise ValueError(
             f"got {len(labels)} labels for {len(specs)} models; give one label per model."
         )
+    if overrides is not None and len(overrides) not in (1, len(specs)):
+        raise ValueError(
+            f"got {len(overrides)} overrides for {len(specs)} models; give one JSON object for "
+            "all models or one per model ({} for none)."
+        )
     loaded = [
-        load_model(spec, device=device, dtype=dtype, label=None if labels is None else labels[i])
+        load_model(spec, device=device, dtype=dtype, label=None if labels is None else labels[i],
+                   overrides=None if overrides is None else overrides[i % len(overrides)])
         for i, spec in enumerate(specs)
     ]
     seen: dict[str, int] = {}

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import argparse
 import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 
+from longnet.attention import Retrieval
 from longnet.eval import checkpoint_config, load_model, load_models
+from longnet.eval.cli import json_object_argument
 from longnet.modeling import (
     LongNetConfig,
     LongNetLM,
     NonFiniteWeightsError,
     WeightsMismatchError,
 )
+from longnet.validation import UsageError
 
 CONFIG = dict(hidden_size=32, num_layers=2, num_heads=2, max_positions=64,
               segment_lengths=(16, 32, 64), dilation_rates=(1, 2, 4), eos_token_id=255)
@@ -58,6 +62,30 @@ def test_folder_and_labels(tmp_path: Path):
     assert load_model(tmp_path / "run-a", dtype=torch.float64).model.lm_head.weight.dtype == (
         torch.float64
     )
+
+
+def test_overrides_per_model_or_for_all(tmp_path: Path):
+    """One JSON object for all models or one per model; a checkpoint takes none; the
+    command-line type refuses what is not a JSON object."""
+    model = tiny()
+    model.save_pretrained(tmp_path / "run")
+    retrieval = {"attention_sinks": 2, "select_block": 4, "select_top_k": 2}
+    plain, far = load_models([tmp_path / "run"] * 2, overrides=[{}, retrieval])
+    assert plain.model.config.retrieval is None
+    assert far.model.config.retrieval == Retrieval(sinks=2, block=4, top_k=2)
+    assert far.model.model.layers[0].attn.retrieval == far.model.config.retrieval
+    both = load_models([tmp_path / "run"] * 2, overrides=[retrieval])
+    assert all(m.model.config.select_top_k == 2 for m in both)
+    with pytest.raises(ValueError, match="one JSON object for all models or one per model"):
+        load_models([tmp_path / "run"] * 3, overrides=[{}, {}])
+    checkpoint = lightning_like_checkpoint(model, tmp_path / "last.ckpt",
+                                           {"config": LongNetConfig(**CONFIG).to_dict()})
+    with pytest.raises(UsageError, match="not to a Lightning checkpoint"):
+        load_model(checkpoint, overrides=retrieval)
+    with pytest.raises(argparse.ArgumentTypeError, match="not a JSON object"):
+        json_object_argument("[1, 2]")
+    with pytest.raises(argparse.ArgumentTypeError, match="is not JSON"):
+        json_object_argument("{sinks: 4}")
 
 
 def test_unknown_names_list_the_zoo_and_weightless_entries_say_so(tmp_path: Path):
