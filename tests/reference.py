@@ -126,29 +126,37 @@ def local_segment(p: int, seq_len: int, dense_segments) -> tuple[int, int]:
 
 
 def dense_retrieval_attention(q, k, v, branches, causal: bool, sinks: int, block: int,
-                              top_k: int, scale: float | None = None):
+                              top_k: int, scale: float | None = None, far_q=None, far_k=None):
     """Reference ``(out, lse)`` of the dilated branches plus the sinks and the block selection,
     one softmax over the multiset union of their keys, for one document per batch row; ``k, v``
-    may have fewer heads than ``q`` (grouped-query attention)."""
+    may have fewer heads than ``q`` (grouped-query attention). The retrieval branches score
+    with ``far_q, far_k`` (default ``q, k``): each key they give is a term of its own beside
+    the dilated branches' term for the same key."""
     batch, seq_len, num_heads, head_dim = q.shape
     group = num_heads // k.shape[2]
     scale = head_dim**-0.5 if scale is None else scale
-    counts = branch_counts(seq_len, num_heads, branches, causal).repeat(batch, 1, 1, 1)
+    far_q = q if far_q is None else far_q
+    far_k = k if far_k is None else far_k
+    near = branch_counts(seq_len, num_heads, branches, causal).repeat(batch, 1, 1, 1)
+    far = torch.zeros_like(near)
     dense = [w for w, r in branches if r == 1]
     for p in range(seq_len):
         lo, hi = local_segment(p, seq_len, dense)
         for t in range(min(sinks, seq_len)):
             if t < lo or (not causal and t >= hi):
-                counts[:, :, p, t] += 1
-    selection = retrieval_selection(q.detach(), k.detach(), branches, causal, sinks, block, top_k)
+                far[:, :, p, t] += 1
+    selection = retrieval_selection(far_q.detach(), far_k.detach(), branches, causal, sinks,
+                                    block, top_k)
     for (b, p, g), starts in selection.items():
         for s in starts:
-            counts[b, g * group : (g + 1) * group, p, s : s + block] += 1
-    k = k.repeat_interleave(group, dim=2)
-    v = v.repeat_interleave(group, dim=2)
-    scores = torch.einsum("bphd,bthd->bhpt", q, k) * scale + counts.clamp(min=1).log()
-    scores = scores.masked_fill(counts == 0, float("-inf"))
+            far[b, g * group : (g + 1) * group, p, s : s + block] += 1
+    expand = lambda t: t.repeat_interleave(group, dim=2)  # noqa: E731
+    terms = []
+    for counts, queries, keys in ((near, q, expand(k)), (far, far_q, expand(far_k))):
+        scores = torch.einsum("bphd,bthd->bhpt", queries, keys) * scale
+        terms.append((scores + counts.clamp(min=1).log()).masked_fill(counts == 0, float("-inf")))
+    scores = torch.cat(terms, dim=-1)  # (batch, heads, seq, 2 * seq): near keys, then far
     lse = torch.logsumexp(scores, dim=-1)
     finite_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     probs = torch.exp(scores - finite_lse[..., None])
-    return torch.einsum("bhpt,bthd->bphd", probs, v), lse
+    return torch.einsum("bhpt,bthd->bphd", probs, torch.cat((expand(v), expand(v)), 1)), lse

@@ -75,6 +75,7 @@ def dilated_attention(
     block_elements: int | None = None,
     check_finite: bool = False,
     retrieval: Retrieval | None = None,
+    retrieval_qk: tuple[Tensor, Tensor] | None = None,
     **deprecated: object,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """LongNet dilated attention, exact in forward and backward.
@@ -89,6 +90,10 @@ def dilated_attention(
             (:class:`~longnet.attention.retrieval.Retrieval`), branches that reach a key at any
             offset, in the same softmax (docs/architecture.md §2, "Retrieval branches"); the
             query heads of one K/V head share its selection. One device only for now.
+        retrieval_qk: the query and key rows the retrieval branches score with, ``(far_q,
+            far_k)`` of ``q``'s and ``k``'s shapes (default ``q, k``): where a position rule
+            places their keys elsewhere than the dilated branches do (a rotary model's
+            ``retrieval_distance``). Only with ``retrieval``.
         causal: queries see only keys at positions ``<=`` their own.
         scale: score scale, default ``head_dim ** -0.5``.
         sequence_parallel: how the sequence is split over a process group
@@ -151,6 +156,8 @@ def dilated_attention(
             f"{type(retrieval).__name__} {retrieval!r}; e.g. Retrieval(sinks=4, block=64, "
             "top_k=16)."
         )
+    if retrieval_qk is not None:
+        _check_retrieval_qk(q, k, retrieval, retrieval_qk)
     if retrieval is not None and retrieval.active:
         if sequence_parallel is not None and sequence_parallel.world_size > 1:
             raise NotImplementedError(
@@ -168,7 +175,7 @@ def dilated_attention(
                    kernel, None if block_elements is None else int(block_elements),
                    *flat_documents(documents))
         out, lse = dilated_with_retrieval(q, k, v, op_args, pattern, retrieval, causal=causal,
-                                          scale=scale, documents=documents)
+                                          scale=scale, documents=documents, far_qk=retrieval_qk)
         return (out, lse) if return_lse else out
     k, v = _expand_kv(q, k), _expand_kv(q, v)
     if sequence_parallel is None:
@@ -312,6 +319,26 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> None:
                "least 1.")
     if scale is not None:
         check_positive_float("dilated_attention: scale", scale)
+
+
+def _check_retrieval_qk(q: Tensor, k: Tensor, retrieval: Retrieval | None,
+                        retrieval_qk: object) -> None:
+    """``retrieval_qk`` must be two tensors of ``q``'s and ``k``'s shape, dtype and device,
+    given with active retrieval branches."""
+    if retrieval is None or not retrieval.active:
+        raise ValueError("dilated_attention: retrieval_qk is given without retrieval "
+                         "branches; pass retrieval=Retrieval(...) or drop retrieval_qk.")
+    if not (isinstance(retrieval_qk, tuple) and len(retrieval_qk) == 2
+            and all(isinstance(t, Tensor) for t in retrieval_qk)):
+        raise TypeError("dilated_attention: retrieval_qk must be a pair (far_q, far_k) of "
+                        f"tensors, got {type(retrieval_qk).__name__}.")
+    for name, mine, like in (("far_q", retrieval_qk[0], q), ("far_k", retrieval_qk[1], k)):
+        if mine.shape != like.shape or mine.dtype != like.dtype or mine.device != like.device:
+            raise ValueError(
+                f"dilated_attention: retrieval_qk's {name} must have the shape, dtype and "
+                f"device of {name[-1]} ({tuple(like.shape)}, {like.dtype}, {like.device}), got "
+                f"({tuple(mine.shape)}, {mine.dtype}, {mine.device})."
+            )
 
 
 def _expand_kv(q: Tensor, t: Tensor) -> Tensor:

@@ -348,29 +348,31 @@ class _RetrievalAttention(torch.autograd.Function):
 class _DilatedWithRetrieval(torch.autograd.Function):
     """The dilated branches (the one-device op) and the retrieval branches as one softmax.
 
-    Forward: both parts' ``(out, lse)``, merged by log-sum-exp. Backward: each part's backward
-    run with the merged ``out`` and ``lse`` (the flash-attention identity: its exact share of
-    the gradient), so the dilated part keeps its fused kernels' backward.
+    The retrieval branches score with their own rows ``far_q, far_k`` (``q, k`` themselves
+    unless a position rule rotates them differently). Forward: both parts' ``(out, lse)``,
+    merged by log-sum-exp. Backward: each part's backward run with the merged ``out`` and
+    ``lse`` (the flash-attention identity: its exact share of the gradient), so the dilated
+    part keeps its fused kernels' backward.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, op_args, selections, retrieval, causal, scale):
+    def forward(ctx, q, k, v, far_q, far_k, op_args, selections, retrieval, causal, scale):
         group = q.shape[2] // k.shape[2]
         k_all, v_all = (t.repeat_interleave(group, dim=2) for t in (k, v))
         near_out, near_lse = dilated_attention_op(q, k_all, v_all, *op_args)
-        fars = [_forward(q[b], k[b], v[b], s, retrieval, causal, scale)
+        fars = [_forward(far_q[b], far_k[b], v[b], s, retrieval, causal, scale)
                 for b, s in enumerate(selections)]
         far_out = torch.stack([out for out, _ in fars])
         far_lse = rearrange(torch.stack([lse for _, lse in fars]), "b n h -> b h n")
         out, lse = merge_attention(((near_out, near_lse), (far_out, far_lse)), q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, far_q, far_k, out, lse)
         ctx.call = op_args, selections, retrieval, causal, scale
         ctx.set_materialize_grads(False)  # no gradient into lse: the fused kernels' backward
         return out, lse
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, far_q, far_k, out, lse = ctx.saved_tensors
         op_args, selections, retrieval, causal, scale = ctx.call
         group = q.shape[2] // k.shape[2]
         if d_out is None:
@@ -382,29 +384,35 @@ class _DilatedWithRetrieval(torch.autograd.Function):
         dk, dv = (rearrange(t, "b n (g h) d -> b n g h d", h=group).sum(3) for t in (dk, dv))
         d_rows, delta = _delta(d_out, None if d_lse is None else
                                rearrange(d_lse, "b h n -> b n h"), out.to(lse.dtype))
+        d_far_q, d_far_k = torch.zeros_like(dq), torch.zeros_like(dk)
         for b, selection in enumerate(selections):
-            grads = _backward(d_rows[b], delta[b], q[b], k[b], v[b], lse[b].T, selection,
-                              retrieval, causal, scale)
-            for total, grad in zip((dq, dk, dv), grads):
+            grads = _backward(d_rows[b], delta[b], far_q[b], far_k[b], v[b], lse[b].T,
+                              selection, retrieval, causal, scale)
+            for total, grad in zip((d_far_q, d_far_k, dv), grads):
                 total[b] += grad
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *(None,) * 5
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_far_q.to(far_q.dtype),
+                d_far_k.to(far_k.dtype), *(None,) * 5)
 
 
 def dilated_with_retrieval(
     q: Tensor, k: Tensor, v: Tensor, op_args: tuple, pattern: DilatedPattern,
     retrieval: Retrieval, *, causal: bool, scale: float,
-    documents: Sequence[Sequence[int]] | None,
+    documents: Sequence[Sequence[int]] | None, far_qk: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``dilated_attention``'s one-device call with the retrieval branches: ``(out, lse)`` of
     the one softmax over both parts' keys. ``op_args``: the arguments of
-    ``longnet::dilated_attention`` after ``q, k, v``; ``k, v`` may have grouped heads."""
+    ``longnet::dilated_attention`` after ``q, k, v``; ``k, v`` may have grouped heads;
+    ``far_qk``: the rows the retrieval branches score with (default ``q, k``), of their
+    shapes."""
+    far_q, far_k = (q, k) if far_qk is None else far_qk
     selections = [
-        _Selection.make(q[b].detach(), k[b].detach(),
+        _Selection.make(far_q[b].detach(), far_k[b].detach(),
                         (q.shape[1],) if documents is None else tuple(documents[b]),
                         pattern, retrieval, causal)
         for b in range(q.shape[0])
     ]
-    return _DilatedWithRetrieval.apply(q, k, v, op_args, selections, retrieval, causal, scale)
+    return _DilatedWithRetrieval.apply(q, k, v, far_q, far_k, op_args, selections, retrieval,
+                                       causal, scale)
 
 
 def _block_rows(row: _Row, retrieval: Retrieval, block: int) -> slice:

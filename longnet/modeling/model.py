@@ -67,6 +67,7 @@ def build_block(config: LongNetConfig, causal: bool) -> TransformerBlock:
         norm_eps=config.norm_eps,
         kv_conv_size=config.kv_conv_size,
         retrieval=config.retrieval,
+        retrieval_distance=config.retrieval_distance,
     )
     ffn = build_feed_forward(
         config.ffn_kind,

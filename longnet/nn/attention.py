@@ -18,7 +18,9 @@ from longnet.distributed.sequence_parallel import SequenceParallel, call_setting
 from longnet.distributed.shards import chunks_per_rank
 from longnet.nn.norm import build_norm, check_norm
 from longnet.nn.positional import (
+    RotaryEmbedding,
     XPos,
+    apply_rotary,
     check_position_ids,
     default_position_ids,
     document_position_ids,
@@ -43,12 +45,15 @@ class LayerKVCache:
     segment, in every branch, of the next position) are dropped, so the cache holds at most
     about one largest segment.  With a K/V convolution, ``conv_tail`` ``(batch,
     kernel_size - 1, 2 * kv_heads * head_dim)`` holds the unmixed key/value projections of the
-    last positions, the rows the next token's convolution reads.
+    last positions, the rows the next token's convolution reads. With retrieval branches that
+    place their keys at a fixed distance, ``far_key`` holds the keys as those branches score
+    them (rotated to position 0), beside ``key``.
     """
 
     def __init__(self) -> None:
         self.key: Tensor | None = None
         self.value: Tensor | None = None
+        self.far_key: Tensor | None = None
         self.conv_tail: Tensor | None = None
         self.start = 0
         self.end = 0
@@ -56,15 +61,19 @@ class LayerKVCache:
     def __len__(self) -> int:
         return self.end - self.start
 
-    def append(self, key: Tensor, value: Tensor, conv_tail: Tensor | None = None) -> None:
+    def append(self, key: Tensor, value: Tensor, conv_tail: Tensor | None = None,
+               far_key: Tensor | None = None) -> None:
         """Add the keys/values of positions ``end .. end + key.shape[1] - 1`` (and, with a K/V
-        convolution, the unmixed rows that end there: the new ``conv_tail``)."""
+        convolution, the unmixed rows that end there: the new ``conv_tail``; with a retrieval
+        position rule, the keys as the retrieval branches score them: ``far_key``)."""
         self.conv_tail = conv_tail
         if self.key is None:
-            self.key, self.value = key, value
+            self.key, self.value, self.far_key = key, value, far_key
         else:
             self.key = torch.cat((self.key, key), dim=1)
             self.value = torch.cat((self.value, value), dim=1)
+            if far_key is not None:
+                self.far_key = torch.cat((self.far_key, far_key), dim=1)
         self.end += key.shape[1]
 
     def trim(self, keep_from: int) -> None:
@@ -74,6 +83,8 @@ class LayerKVCache:
             return
         self.key = self.key[:, drop:].clone()
         self.value = self.value[:, drop:].clone()
+        if self.far_key is not None:
+            self.far_key = self.far_key[:, drop:].clone()
         self.start = keep_from
 
     def select_rows(self, index: Tensor) -> None:
@@ -82,6 +93,8 @@ class LayerKVCache:
         if self.key is not None and self.value is not None:
             self.key = self.key.index_select(0, index)
             self.value = self.value.index_select(0, index)
+        if self.far_key is not None:
+            self.far_key = self.far_key.index_select(0, index)
         if self.conv_tail is not None:
             self.conv_tail = self.conv_tail.index_select(0, index)
 
@@ -163,6 +176,7 @@ def decode_attention(
     *,
     scale: float,
     retrieval: Retrieval | None = None,
+    retrieval_qk: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Causal attention of the last ``q.shape[1]`` positions against cached keys: the
     dilated branches written out (:func:`multiplicity_attention`, over the keys inside some
@@ -170,8 +184,9 @@ def decode_attention(
 
     Shapes: ``q`` ``(batch, q, heads, head_dim)``; ``k, v`` ``(batch, keys, kv_heads,
     head_dim)`` at positions ``key_start .. key_start + keys - 1``, the queries' last; with
-    ``retrieval``, ``key_start`` must be 0 (the whole document). Returns ``(batch, q, heads,
-    head_dim)``.
+    ``retrieval``, ``key_start`` must be 0 (the whole document); ``retrieval_qk``: the rows
+    the retrieval branches score with (of ``q``'s and ``k``'s shapes; default ``q, k``).
+    Returns ``(batch, q, heads, head_dim)``.
     """
     end = key_start + k.shape[1]
     first = end - q.shape[1]
@@ -191,7 +206,8 @@ def decode_attention(
             f"decode_attention: the retrieval branches read every key, but the keys start at "
             f"position {key_start}; this is a bug, please report it."
         )
-    far = retrieval_attention(q, k, v, pattern, retrieval, causal=True, scale=scale)
+    far_q, far_k = (q, k) if retrieval_qk is None else retrieval_qk
+    far = retrieval_attention(far_q, far_k, v, pattern, retrieval, causal=True, scale=scale)
     return merge_attention((near, far), q.dtype)[0]
 
 
@@ -227,6 +243,11 @@ class MultiheadDilatedAttention(nn.Module):
             (:class:`~longnet.attention.Retrieval`) beside the dilated branches, or None; one
             device only (a sequence-parallel call refuses them). With a KV cache, every key is
             kept (the selection may pick any past block).
+        retrieval_distance: with ``retrieval`` and a :class:`RotaryEmbedding`, the distance at
+            which every key of the retrieval branches is seen by its query (InfLLM's rule:
+            the query rotated to position ``retrieval_distance``, the key to 0), so that far
+            keys stay inside the distances the model was trained on; None (default): their
+            own positions.
         **deprecated: ``dropout=``, the former name of ``output_dropout`` (a
             ``FutureWarning``).
 
@@ -260,6 +281,7 @@ class MultiheadDilatedAttention(nn.Module):
         scale: float | None = None,
         kv_conv_size: int = 0,
         retrieval: Retrieval | None = None,
+        retrieval_distance: int | None = None,
         **deprecated: Any,
     ) -> None:
         super().__init__()
@@ -304,6 +326,10 @@ class MultiheadDilatedAttention(nn.Module):
                 f"{type(retrieval).__name__} {retrieval!r}."
             )
         self.retrieval = retrieval if retrieval is not None and retrieval.active else None
+        if retrieval_distance is not None:
+            check_retrieval_distance(retrieval_distance, self.retrieval is not None,
+                                     type(positional) is RotaryEmbedding)
+        self.retrieval_distance = retrieval_distance
         self.causal = causal
         self.scale = check_positive_float("scale", scale) if scale is not None else head_dim**-0.5
         self.q_proj = nn.Linear(embed_dim, num_heads * head_dim, bias=bias)
@@ -325,6 +351,8 @@ class MultiheadDilatedAttention(nn.Module):
             f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
             f"pattern={self.pattern.branches}, causal={self.causal}"
             + ("" if self.retrieval is None else f", retrieval={self.retrieval}")
+            + ("" if self.retrieval_distance is None
+               else f", retrieval_distance={self.retrieval_distance}")
         )
 
     def forward(
@@ -389,6 +417,7 @@ class MultiheadDilatedAttention(nn.Module):
             k, v, conv_tail = self._convolve_kv(k, v, sequence_parallel, cache, in_document)
         k = rearrange(k, "b n (h d) -> b n h d", h=self.num_kv_heads)
         v = rearrange(v, "b n (h d) -> b n h d", h=self.num_kv_heads)
+        far = None if self.retrieval_distance is None else self._far_rows(q, k)
         if self.positional is not None:
             q, k = self.positional(q, k, position_ids)
         if cache is None:
@@ -402,9 +431,10 @@ class MultiheadDilatedAttention(nn.Module):
                 sequence_parallel=sequence_parallel,
                 document_ids=documents,
                 retrieval=self.retrieval,
+                retrieval_qk=far,
             )
         else:
-            out = self._cached_attention(q, k, v, position_ids, group, cache, conv_tail)
+            out = self._cached_attention(q, k, v, position_ids, group, cache, conv_tail, far)
         out = rearrange(out, "b n h d -> b n (h d)")
         if self.sub_norm is not None:
             out = self.sub_norm(out)
@@ -474,6 +504,7 @@ class MultiheadDilatedAttention(nn.Module):
         group: torch.distributed.ProcessGroup | None,
         cache: LayerKVCache,
         conv_tail: Tensor | None,
+        far: tuple[Tensor, Tensor] | None,
     ) -> Tensor:
         if not self.causal:
             raise ValueError("a KV cache needs causal attention; this layer is bidirectional.")
@@ -496,20 +527,52 @@ class MultiheadDilatedAttention(nn.Module):
         if len(cache) == 0 and first == 0:
             # Prefill from position 0: the ordinary O(n) dilated attention.
             out = dilated_attention(q, k, v, self.pattern, causal=True, scale=self.scale,
-                                    retrieval=self.retrieval)
+                                    retrieval=self.retrieval, retrieval_qk=far)
         else:
+            keys, values, far_keys = k, v, None if far is None else far[1]
             if len(cache):
                 past_k, past_v = cache.window(cache.start)
                 keys, values = torch.cat((past_k, k), dim=1), torch.cat((past_v, v), dim=1)
-            else:
-                keys, values = k, v
-            out = decode_attention(q, keys, values, first - len(cache), self.pattern,
-                                   scale=self.scale, retrieval=self.retrieval)
-        cache.append(k.detach(), v.detach(), conv_tail)
+                if far is not None:
+                    far_keys = torch.cat((cache.far_key, far[1]), dim=1)
+            out = decode_attention(
+                q, keys, values, first - len(cache), self.pattern, scale=self.scale,
+                retrieval=self.retrieval, retrieval_qk=None if far is None else (far[0], far_keys),
+            )
+        cache.append(k.detach(), v.detach(), conv_tail,
+                     None if far is None else far[1].detach())
         if self.retrieval is None:  # keys no future query's segment holds are dropped
             next_position = cache.end
             cache.trim(min((next_position // w) * w for w in self.pattern.segment_lengths))
         return out
+
+
+    def _far_rows(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """``q`` rotated to position ``retrieval_distance`` and ``k`` to 0 (``(batch, seq,
+        heads, head_dim)`` and ``(batch, seq, kv_heads, head_dim)``): every score between them
+        is that of a key ``retrieval_distance`` positions before its query."""
+        assert isinstance(self.positional, RotaryEmbedding)
+        positions = torch.tensor([self.retrieval_distance, 0], device=q.device)
+        cos, sin = self.positional.cos_sin(positions)
+        return apply_rotary(q, cos[:1], sin[:1]), apply_rotary(k, cos[1:], sin[1:])
+
+
+def check_retrieval_distance(distance: object, has_retrieval: bool, rotary: bool) -> int:
+    """``retrieval_distance``: a positive integer, for a layer with retrieval branches and
+    plain rotary positions (RoPE, with or without an extension); ``ValueError`` otherwise."""
+    distance = check_positive_int("retrieval_distance", distance)
+    if not has_retrieval:
+        raise ValueError(
+            "retrieval_distance places the retrieval branches' keys, and there are none; set "
+            "attention_sinks or select_top_k (retrieval=Retrieval(...)), or "
+            "retrieval_distance=None."
+        )
+    if not rotary:
+        raise ValueError(
+            "retrieval_distance needs rotary positions (position_encoding='rope'): it rotates "
+            "the query and the key to a fixed distance apart; use retrieval_distance=None."
+        )
+    return distance
 
 
 def _renamed_dropout(output_dropout: float, deprecated: dict[str, Any]) -> float:

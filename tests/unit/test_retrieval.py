@@ -86,6 +86,34 @@ def test_matches_the_reference_with_gradients(case, causal, lse_gradient):
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_own_query_and_key_rows_for_the_retrieval_branches(causal):
+    """``retrieval_qk``: the retrieval branches select and attend with their own rows (a key
+    both parts give is two terms of the softmax, each with its part's score); gradients reach
+    q, k, v and both far tensors."""
+    seq, heads, kv_heads, branches, sinks, block, top_k, _ = CASES["select-gqa"]
+    q, k, v = _inputs(seq, heads, kv_heads)
+    far_q, far_k, _ = _inputs(seq, heads, kv_heads, seed=5)
+    out, lse = dilated_attention(q, k, v, branches, causal=causal, return_lse=True,
+                                 retrieval=Retrieval(sinks=2, block=block, top_k=top_k),
+                                 retrieval_qk=(far_q, far_k))
+    ref_out, ref_lse = dense_retrieval_attention(q, k, v, branches, causal, 2, block, top_k,
+                                                 far_q=far_q, far_k=far_k)
+    torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-10, atol=1e-12)
+    d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
+    inputs = (q, k, v, far_q, far_k)
+    grads = torch.autograd.grad((out * d_out).sum(), inputs)
+    ref_grads = torch.autograd.grad((ref_out * d_out).sum(), inputs)
+    for name, got, want in zip(("q", "k", "v", "far_q", "far_k"), grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11, msg=f"d{name}")
+    with pytest.raises(ValueError, match="without retrieval"):
+        dilated_attention(q, k, v, branches, retrieval_qk=(far_q, far_k))
+    with pytest.raises(ValueError, match="far_k must have the shape"):
+        dilated_attention(q, k, v, branches, retrieval=Retrieval(sinks=2),
+                          retrieval_qk=(far_q, far_q))
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 def test_small_query_chunks_and_tiles_give_the_same_result(causal, monkeypatch):
     """The selection scored in chunks of 7 queries and the sinks attended in tiles of 5 (a
     chunk's own block range, tiles across documents) give the reference's result."""
@@ -197,13 +225,48 @@ def _retrieval_lm(**overrides):
     return LongNetLM(config).double().eval()
 
 
-def test_cached_decoding_equals_the_full_forward():
+def _rotate(x, positions, theta=10000.0):
+    """Split-half RoPE by hand, as complex numbers: ``x`` ``(batch, seq, heads, dim)`` turned
+    by ``positions`` ``(seq,)`` times each pair's frequency (rounded to float32, the Llama
+    convention the library keeps)."""
+    half = x.shape[-1] // 2
+    exponent = torch.arange(half, dtype=torch.float32) * 2 / x.shape[-1]
+    freqs = (1.0 / theta**exponent).double()
+    turn = torch.polar(torch.ones(len(positions), half, dtype=torch.float64),
+                       positions.double()[:, None] * freqs)[None, :, None, :]
+    z = torch.complex(x[..., :half], x[..., half:]) * turn
+    return torch.cat((z.real, z.imag), dim=-1)
+
+
+def test_retrieval_distance_places_every_far_key_at_that_distance():
+    """A layer with ``retrieval_distance=D`` equals, by hand: the dilated branches with keys
+    rotated to their positions, the retrieval branches with the query at ``D`` and the key at
+    0 (so each far score is that of a key ``D`` positions back), one softmax."""
+    torch.manual_seed(3)
+    distance, seq = 6, 53
+    attn = MultiheadDilatedAttention(
+        32, 4, PATTERN, num_kv_heads=2, positional=RotaryEmbedding(8), bias=False,
+        retrieval=Retrieval(sinks=2, block=4, top_k=2), retrieval_distance=distance).double()
+    x = torch.randn(2, seq, 32, dtype=torch.float64)
+    q = attn.q_proj(x).unflatten(-1, (4, 8))
+    k = attn.k_proj(x).unflatten(-1, (2, 8))
+    v = attn.v_proj(x).unflatten(-1, (2, 8))
+    positions = torch.arange(seq)
+    out, _ = dense_retrieval_attention(
+        _rotate(q, positions), _rotate(k, positions), v, PATTERN, True, 2, 4, 2,
+        far_q=_rotate(q, torch.full((seq,), distance)), far_k=k)
+    torch.testing.assert_close(attn(x), attn.out_proj(out.flatten(2)), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("distance", [None, 6], ids=["own-positions", "fixed-distance"])
+def test_cached_decoding_equals_the_full_forward(distance):
     """Layer level: a prefill, single tokens and a chunk against the cache give the full
-    forward's output; the cache keeps every key (the selection may read any past block)."""
+    forward's output; the cache keeps every key (the selection may read any past block), and
+    with a fixed retrieval distance the keys as the retrieval branches score them."""
     torch.manual_seed(1)
     attn = MultiheadDilatedAttention(
         32, 4, PATTERN, num_kv_heads=2, positional=RotaryEmbedding(8),
-        retrieval=Retrieval(sinks=2, block=4, top_k=2)).double()
+        retrieval=Retrieval(sinks=2, block=4, top_k=2), retrieval_distance=distance).double()
     x = torch.randn(2, 75, 32, dtype=torch.float64)
     full = attn(x)
     cache = LayerKVCache()
@@ -211,10 +274,12 @@ def test_cached_decoding_equals_the_full_forward():
               for a, b in [(0, 20), *[(i, i + 1) for i in range(20, 60)], (60, 75)]]
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-10, atol=1e-12)
     assert cache.start == 0 and cache.end == 75
+    assert (cache.far_key is None) == (distance is None)
 
 
-def test_greedy_generation_with_the_cache_equals_the_full_forward():
-    model = _retrieval_lm()
+@pytest.mark.parametrize("distance", [None, 8])
+def test_greedy_generation_with_the_cache_equals_the_full_forward(distance):
+    model = _retrieval_lm(retrieval_distance=distance)
     prompt = torch.randint(0, 50, (1, 9), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         generated = model.generate(prompt, 70, temperature=0)
@@ -238,9 +303,16 @@ def test_the_config_carries_the_branches(tmp_path):
         assert not torch.allclose(loaded(x).logits.float(), off(x).logits, atol=1e-4)
 
 
-@pytest.mark.parametrize("field, value", [
-    ("attention_sinks", -1), ("select_block", 0), ("select_top_k", "4"),
+@pytest.mark.parametrize("fields, match", [
+    ({"attention_sinks": -1}, "attention_sinks"),
+    ({"select_block": 0}, "select_block"),
+    ({"select_top_k": "4"}, "select_top_k"),
+    ({"retrieval_distance": 0, "attention_sinks": 2, "position_encoding": "rope"},
+     "retrieval_distance"),
+    ({"retrieval_distance": 8, "position_encoding": "rope"}, "there are none"),
+    ({"retrieval_distance": 8, "attention_sinks": 2, "position_encoding": "xpos"},
+     "needs rotary positions"),
 ])
-def test_bad_config_fields_are_named(field, value):
-    with pytest.raises((TypeError, ValueError), match=field):
-        LongNetConfig(**{field: value})
+def test_bad_config_fields_are_named(fields, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        LongNetConfig(**fields)
