@@ -31,7 +31,8 @@ from longnet.attention.kernels import kernel_names
 from longnet.attention.op import dilated_attention_op, flat_documents
 from longnet.attention.pattern import DilatedPattern
 from longnet.attention.plan import AttentionPlan, default_block_elements, plan_attention
-from longnet.attention.retrieval import Retrieval, dilated_with_retrieval
+from longnet.attention.retrieval import dilated_with_retrieval
+from longnet.attention.selection import Retrieval
 from longnet.attention.transport import agree_on_call, transports_per_branch
 from longnet.compiled import refuse
 from longnet.distributed.sequence_parallel import SequenceParallel, check_process_group
@@ -87,7 +88,7 @@ def dilated_attention(
             * g - 1``, ``g = heads // kv_heads``); one dtype and device with ``q``.
         pattern: a :class:`DilatedPattern` or ``[(segment_length, dilation_rate), ...]``.
         retrieval: attention sinks and query-aware block selection
-            (:class:`~longnet.attention.retrieval.Retrieval`), branches that reach a key at any
+            (:class:`~longnet.attention.Retrieval`), branches that reach a key at any
             offset, in the same softmax (docs/architecture.md §2, "Retrieval branches"); the
             query heads of one K/V head share its selection. One device only for now.
         retrieval_qk: the query and key rows the retrieval branches score with, ``(far_q,

@@ -1,29 +1,16 @@
-"""Retrieval branches: attention sinks and query-aware block selection (docs/architecture.md §2).
-
-A dilated branch ``(w, r)`` shows a query only the keys at its own offset modulo ``r``. The
-two branch kinds here reach a key at any offset, and join the dilated branches in the one
-softmax over the multiset union of keys:
-
-- **sinks** ``n``: the first ``n`` tokens of each document (StreamingLLM's attention sinks);
-- **selection** ``(block, top_k)``: the rest of each document is cut into blocks of ``block``
-  tokens; each query scores every complete block by an upper bound of its attention scores
-  (Quest's per-channel min/max bound, summed over the query heads of one K/V head) and
-  attends exactly to every token of its ``top_k`` best blocks (InfLLM, Quest, NSA's selection).
-
-Both give only keys outside the query's *local segment* (the segment of the pattern's largest
-rate-1 branch that holds it; the query alone for a pattern without one) and, with ``causal``,
-before it: the dense local branch already gives the rest. The selection is a function of the
-inputs, not differentiated; gradients flow through the attention given the selection.
+"""The retrieval branches' attention (attention sinks, query-aware block selection; which keys
+they give: ``selection``; docs/architecture.md §2).
 
 The sinks are attended in query tiles (a tile reads its documents' sinks once); the selection
 block by block (a chosen block attends to the queries that chose it, merged into their rows by
-log-sum-exp): no copy of K/V is made per query.
+log-sum-exp): no copy of K/V is made per query. With the dilated branches they form one
+softmax (``dilated_with_retrieval``), whose backward runs each part's backward with the merged
+``out`` and ``lse``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from einops import rearrange
@@ -31,212 +18,13 @@ from torch import Tensor
 
 from longnet.attention.op import dilated_attention_backward_op, dilated_attention_op
 from longnet.attention.pattern import DilatedPattern
-from longnet.validation import check_non_negative_int, check_positive_int
+from longnet.attention.selection import Retrieval, Selection, block_rows, sink_keys
 
 QUERY_TILE = 128
 """Queries per tile of the sinks' attention."""
 
 
-@dataclass(frozen=True)
-class Retrieval:
-    """The retrieval branches of an attention call.
-
-    Args:
-        sinks: the first ``sinks`` tokens of each document are keys of every query outside
-            their local segment (0: none).
-        block: tokens per selectable block; blocks are cut from each document's first token
-            after the sinks.
-        top_k: blocks each query (per K/V head) selects (0: no selection).
-    """
-
-    sinks: int = 0
-    block: int = 64
-    top_k: int = 0
-
-    def __post_init__(self) -> None:
-        check_non_negative_int("Retrieval: sinks", self.sinks)
-        check_positive_int("Retrieval: block", self.block)
-        check_non_negative_int("Retrieval: top_k", self.top_k)
-
-    @property
-    def active(self) -> bool:
-        """Whether any key comes from these branches."""
-        return self.sinks > 0 or self.top_k > 0
-
-    def keys_per_query(self) -> int:
-        """The most keys these branches give one query (per head)."""
-        return self.sinks + self.top_k * self.block if self.active else 0
-
-
-@dataclass(frozen=True)
-class _Row:
-    """Where the queries and keys of one batch element sit.
-
-    Key ``t`` (``0 .. keys - 1``) and query ``i`` (at key position ``offset + i``) carry their
-    document's start and end; each query its local segment ``[lo, hi)``; each block (sorted by
-    position) its ``start`` and the document it lies in.
-    """
-
-    doc_start: Tensor  # (keys,)
-    doc_end: Tensor  # (keys,)
-    lo: Tensor  # (queries,)
-    hi: Tensor  # (queries,)
-    block_start: Tensor  # (blocks,)
-    offset: int
-
-
-def _row_geometry(
-    lengths: Sequence[int], queries: int, pattern: DilatedPattern, retrieval: Retrieval,
-    device: torch.device,
-) -> _Row:
-    """The :class:`_Row` of one batch element whose documents have ``lengths`` (in order,
-    covering every key); the queries are its last ``queries`` positions."""
-    keys = sum(lengths)
-    doc_start = torch.repeat_interleave(
-        torch.tensor([sum(lengths[:i]) for i in range(len(lengths))], device=device),
-        torch.tensor(list(lengths), device=device),
-    )
-    doc_end = doc_start + torch.repeat_interleave(
-        torch.tensor(list(lengths), device=device), torch.tensor(list(lengths), device=device)
-    )
-    dense = [w for w, r in pattern.branches if r == 1]
-    positions = torch.arange(keys - queries, keys, device=device)
-    start = doc_start[keys - queries:]
-    if dense:
-        lo = start + (positions - start) // dense[-1] * dense[-1]
-        hi = torch.minimum(lo + dense[-1], doc_end[keys - queries:])
-    else:
-        lo, hi = positions, positions + 1
-    block_starts = []
-    first = 0
-    for length in lengths:
-        block_starts += range(first + retrieval.sinks, first + length - retrieval.block + 1,
-                              retrieval.block)
-        first += length
-    return _Row(doc_start, doc_end, lo, hi,
-                torch.tensor(block_starts, dtype=torch.long, device=device), keys - queries)
-
-
-SELECT_CHUNK = 4096
-"""Queries scored at once by :func:`select_blocks` (bounds the ``(queries, kv_heads, blocks)``
-score tensor)."""
-
-
-@torch.no_grad()
-def select_blocks(q: Tensor, k: Tensor, row: _Row, retrieval: Retrieval, causal: bool) -> Tensor:
-    """Each query's ``top_k`` blocks for each K/V head, as indices into ``row.block_start``.
-
-    The score of block ``j`` for query ``p`` and K/V head ``g`` is ``sum over the query heads
-    h of g, sum over channels c of max(q[p, h, c] * min_j[g, c], q[p, h, c] * max_j[g, c])``,
-    an upper bound of ``q . k`` over the block's keys (``min_j``/``max_j``: the channel's
-    extremes over the block). Candidates: complete blocks of the query's document outside its
-    local segment (with ``causal``: ending before it). The highest ``top_k`` win, the earlier
-    block on a tie.
-
-    Args:
-        q: ``(queries, heads, head_dim)``; k: ``(keys, kv_heads, head_dim)`` of one batch element.
-    Returns:
-        ``(queries, kv_heads, top_k)`` int64 block indices in no particular order, ``-1`` where
-        a query has fewer candidates than ``top_k``.
-    """
-    queries, kv_heads = q.shape[0], k.shape[1]
-    starts = row.block_start
-    chosen = q.new_full((queries, kv_heads, retrieval.top_k), -1, dtype=torch.long)
-    if retrieval.top_k == 0 or len(starts) == 0:
-        return chosen
-    compute = torch.promote_types(q.dtype, torch.float32)
-    members = k[starts[:, None] + torch.arange(retrieval.block, device=k.device)].to(compute)
-    low, high = members.amin(1), members.amax(1)  # (blocks, kv_heads, dim)
-    ends = starts + retrieval.block
-    for first in range(0, queries, SELECT_CHUNK):
-        part = slice(first, min(first + SELECT_CHUNK, queries))
-        # causal: only the blocks ending before the chunk's last local segment can be chosen
-        blocks = (len(starts) if not causal else
-                  int(torch.searchsorted(ends, row.lo[part].max(), right=True)))
-        top = min(retrieval.top_k, blocks)
-        if top == 0:
-            continue
-        qg = rearrange(q[part].to(compute), "n (g h) d -> n g h d", g=kv_heads)
-        bound = (torch.einsum("ngd,jgd->ngj", qg.clamp(min=0).sum(2), high[:blocks])
-                 + torch.einsum("ngd,jgd->ngj", qg.clamp(max=0).sum(2), low[:blocks]))
-        candidate = _candidates(row, starts[:blocks], retrieval.block, part, causal)[:, None]
-        bound = bound.masked_fill(~candidate, float("-inf"))
-        # The top_k highest, ties to the earlier block: every block above the k-th highest
-        # bound, then the earliest of those equal to it.
-        kth = torch.topk(bound, top, dim=-1).values[..., -1:]
-        tied = (bound == kth) & candidate
-        wanted = top - (bound > kth).sum(-1, keepdim=True)
-        picked = ((bound > kth) | (tied & (tied.cumsum(-1) <= wanted))) & candidate
-        earlier = torch.arange(blocks, 0, -1, device=k.device)  # larger for earlier blocks
-        order = torch.topk(picked * earlier, top, dim=-1)
-        chosen[part, :, :top] = order.indices.masked_fill(order.values == 0, -1)
-    return chosen
-
-
-def _candidates(row: _Row, starts: Tensor, block: int, part: slice, causal: bool) -> Tensor:
-    """``(queries, blocks)`` bool: the complete blocks of each query's document outside its
-    local segment (before it when ``causal``)."""
-    same = row.doc_start[starts][None, :] == row.doc_start[row.offset + part.start:
-                                                           row.offset + part.stop][:, None]
-    outside = (starts + block)[None, :] <= row.lo[part, None]
-    if not causal:
-        outside |= starts[None, :] >= row.hi[part, None]
-    return same & outside
-
-
-def _sink_keys(row: _Row, sinks: int, tile: slice, causal: bool) -> tuple[Tensor, Tensor]:
-    """The sinks one query tile reads: ``positions`` ``(keys,)``, the first ``sinks`` tokens of
-    each document of the tile's queries, and ``allowed`` ``(tile, keys)`` bool, which query
-    may see which (same document, outside its local segment, before it when causal)."""
-    device = row.lo.device
-    keys = slice(row.offset + tile.start, row.offset + tile.stop)
-    query_doc = row.doc_start[keys]
-    parts = [torch.arange(doc, min(doc + sinks, end), device=device) for doc, end in
-             torch.unique(torch.stack((query_doc, row.doc_end[keys])), dim=1).T.tolist()]
-    positions = torch.cat(parts)
-    same = row.doc_start[positions][None, :] == query_doc[:, None]
-    allowed = same & (positions[None, :] < row.lo[tile, None])
-    if not causal:
-        allowed |= same & (positions[None, :] >= row.hi[tile, None])
-    return positions, allowed
-
-
-def _block_queries(chosen: Tensor, blocks: int) -> list[list[tuple[int, Tensor]]]:
-    """For each K/V head, the blocks some query chose, with those queries: ``[(block,
-    queries (count,) int64), ...]`` in block order (a query chooses a block at most once)."""
-    queries, _, top_k = chosen.shape
-    owners = torch.arange(queries, device=chosen.device).repeat_interleave(top_k)
-    lists = []
-    for choice in chosen.unbind(1):
-        flat = choice.reshape(-1)
-        valid = flat >= 0
-        block, owner = flat[valid], owners[valid]
-        order = torch.argsort(block, stable=True)
-        counts = torch.bincount(block, minlength=blocks).tolist()
-        lists.append([(j, part) for j, part in enumerate(owner[order].split(counts)) if len(part)])
-    return lists
-
-
-@dataclass
-class _Selection:
-    """One batch element's retrieval geometry and choice: its :class:`_Row`, the chosen
-    blocks ``(queries, kv_heads, top_k)`` and, per K/V head, each chosen block's queries."""
-
-    row: _Row
-    chosen: Tensor
-    block_queries: list[list[tuple[int, Tensor]]]
-
-    @classmethod
-    def make(cls, q: Tensor, k: Tensor, lengths: Sequence[int], pattern: DilatedPattern,
-             retrieval: Retrieval, causal: bool) -> _Selection:
-        """The selection of one batch element: ``q`` ``(queries, heads, dim)``, ``k`` ``(keys,
-        kv_heads, dim)``, its documents' ``lengths``."""
-        row = _row_geometry(lengths, q.shape[0], pattern, retrieval, q.device)
-        chosen = select_blocks(q, k, row, retrieval, causal)
-        return cls(row, chosen, _block_queries(chosen, len(row.block_start)))
-
-
-def _forward(q: Tensor, k: Tensor, v: Tensor, selection: _Selection, retrieval: Retrieval,
+def _forward(q: Tensor, k: Tensor, v: Tensor, selection: Selection, retrieval: Retrieval,
              causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     """``(out, lse)`` of one batch element over the retrieval branches' keys, in the compute
     dtype: ``(queries, heads, dim)`` and ``(queries, heads)``.
@@ -252,7 +40,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, selection: _Selection, retrieval: 
     if retrieval.sinks:
         for first in range(0, q.shape[0], QUERY_TILE):
             tile = slice(first, min(first + QUERY_TILE, q.shape[0]))
-            positions, allowed = _sink_keys(row, retrieval.sinks, tile, causal)
+            positions, allowed = sink_keys(row, retrieval.sinks, tile, causal)
             scores = _scores(q[tile], k[positions], allowed[:, None, :], group, scale)
             tile_lse = torch.logsumexp(scores, dim=-1)
             probs = torch.exp(scores - tile_lse.nan_to_num(neginf=0.0)[..., None])
@@ -263,7 +51,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, selection: _Selection, retrieval: 
         q_g, k_g, v_g = q[:, heads].to(compute), k[:, g].to(compute), v[:, g].to(compute)
         out_g, lse_g = out[:, heads].contiguous(), lse[:, heads].contiguous()
         for j, queries in blocks:
-            keys = _block_rows(row, retrieval, j)
+            keys = block_rows(row, retrieval, j)
             scores = torch.einsum("nhd,sd->nhs", q_g.index_select(0, queries), k_g[keys]) * scale
             block_lse = torch.logsumexp(scores, dim=-1)
             block_out = torch.einsum("nhs,sd->nhd", torch.exp(scores - block_lse[..., None]),
@@ -279,7 +67,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, selection: _Selection, retrieval: 
 
 
 def _backward(d_out: Tensor, delta: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor,
-              selection: _Selection, retrieval: Retrieval, causal: bool,
+              selection: Selection, retrieval: Retrieval, causal: bool,
               scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """The retrieval branches' share of ``dq, dk, dv`` (compute dtype) of one batch element,
     given the softmax's ``lse`` ``(queries, heads)`` (of all branches together: the
@@ -292,7 +80,7 @@ def _backward(d_out: Tensor, delta: Tensor, q: Tensor, k: Tensor, v: Tensor, lse
     if retrieval.sinks:
         for first in range(0, q.shape[0], QUERY_TILE):
             tile = slice(first, min(first + QUERY_TILE, q.shape[0]))
-            positions, allowed = _sink_keys(row, retrieval.sinks, tile, causal)
+            positions, allowed = sink_keys(row, retrieval.sinks, tile, causal)
             scores = _scores(q[tile], k[positions], allowed[:, None, :], group, scale)
             probs = torch.exp(scores - finite_lse[tile, :, None])
             grads = _score_grads(probs, d_out[tile], v[positions], delta[tile], group, scale)
@@ -305,7 +93,7 @@ def _backward(d_out: Tensor, delta: Tensor, q: Tensor, k: Tensor, v: Tensor, lse
         d_out_g, lse_g, delta_g = d_out[:, heads], finite_lse[:, heads], delta[:, heads]
         dq_g = torch.zeros_like(q_g)
         for j, queries in blocks:
-            keys = _block_rows(row, retrieval, j)
+            keys = block_rows(row, retrieval, j)
             q_rows, d_rows = q_g.index_select(0, queries), d_out_g.index_select(0, queries)
             probs = torch.exp(torch.einsum("nhd,sd->nhs", q_rows, k_g[keys]) * scale
                               - lse_g.index_select(0, queries)[..., None])
@@ -406,19 +194,13 @@ def dilated_with_retrieval(
     shapes."""
     far_q, far_k = (q, k) if far_qk is None else far_qk
     selections = [
-        _Selection.make(far_q[b].detach(), far_k[b].detach(),
+        Selection.make(far_q[b].detach(), far_k[b].detach(),
                         (q.shape[1],) if documents is None else tuple(documents[b]),
                         pattern, retrieval, causal)
         for b in range(q.shape[0])
     ]
     return _DilatedWithRetrieval.apply(q, k, v, far_q, far_k, op_args, selections, retrieval,
                                        causal, scale)
-
-
-def _block_rows(row: _Row, retrieval: Retrieval, block: int) -> slice:
-    """The key positions of block ``block``."""
-    start = int(row.block_start[block])
-    return slice(start, start + retrieval.block)
 
 
 def _scores(q: Tensor, k: Tensor, allowed: Tensor, group: int, scale: float) -> Tensor:
@@ -488,7 +270,7 @@ def retrieval_attention(
     outs, lses = [], []
     for b in range(batch):
         lengths = (keys,) if documents is None else tuple(documents[b])
-        selection = _Selection.make(q[b].detach(), k[b].detach(), lengths, pattern, retrieval,
+        selection = Selection.make(q[b].detach(), k[b].detach(), lengths, pattern, retrieval,
                                     causal)
         out, lse = _RetrievalAttention.apply(q[b], k[b], v[b], selection, retrieval, causal,
                                              scale)

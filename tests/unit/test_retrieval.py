@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import longnet.attention.retrieval as retrieval_module
+import longnet.attention.selection as selection_module
 from longnet.attention import DilatedPattern, Retrieval, dilated_attention
-from longnet.attention.retrieval import _row_geometry, select_blocks
+from longnet.attention.selection import row_geometry, select_blocks
 from longnet.modeling import LongNetConfig, LongNetLM
 from longnet.nn import LayerKVCache, MultiheadDilatedAttention, RotaryEmbedding
 from tests.reference import (
@@ -118,7 +119,7 @@ def test_small_query_chunks_and_tiles_give_the_same_result(causal, monkeypatch):
     """The selection scored in chunks of 7 queries and the sinks attended in tiles of 5 (a
     chunk's own block range, tiles across documents) give the reference's result."""
     seq, heads, kv_heads, branches, sinks, block, top_k, documents = CASES["packed"]
-    monkeypatch.setattr(retrieval_module, "SELECT_CHUNK", 7)
+    monkeypatch.setattr(selection_module, "SELECT_CHUNK", 7)
     monkeypatch.setattr(retrieval_module, "QUERY_TILE", 5)
     q, k, v = _inputs(seq, heads, kv_heads)
     out, lse = dilated_attention(q, k, v, branches, causal=causal, return_lse=True,
@@ -138,7 +139,7 @@ def test_the_selection_is_the_rule(causal):
     want = retrieval_selection(q.detach(), k.detach(), branches, causal, sinks, block, top_k)
     pattern = DilatedPattern(branches)
     for b in range(2):
-        row = _row_geometry((seq,), seq, pattern, retrieval, q.device)
+        row = row_geometry((seq,), seq, pattern, retrieval, q.device)
         chosen = select_blocks(q[b].detach(), k[b].detach(), row, retrieval, causal)
         for p in range(seq):
             for g in range(kv_heads):
@@ -154,7 +155,7 @@ def test_a_tie_goes_to_the_earlier_block(top_k):
     k = torch.ones(16, 1, 4, dtype=torch.float64)
     k[10:12] = 2.0  # block 5 beats all others for the query at 15 (its segment starts at 12)
     q = torch.ones(16, 1, 4, dtype=torch.float64)
-    row = _row_geometry((16,), 16, DilatedPattern([(4, 1)]), retrieval, q.device)
+    row = row_geometry((16,), 16, DilatedPattern([(4, 1)]), retrieval, q.device)
     chosen = select_blocks(q, k, row, retrieval, causal=True)
     assert sorted(chosen[15, 0].tolist()) == sorted([5, *range(top_k - 1)])
     assert sorted(chosen[7, 0].tolist()) == sorted([*range(min(top_k, 2)), *[-1] * (top_k - 2)])
@@ -316,3 +317,15 @@ def test_the_config_carries_the_branches(tmp_path):
 def test_bad_config_fields_are_named(fields, match):
     with pytest.raises((TypeError, ValueError), match=match):
         LongNetConfig(**fields)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    """The recomputed forward selects the same blocks: the gradients are those without it."""
+    tokens = torch.randint(0, 50, (2, 71), generator=torch.Generator().manual_seed(4))
+    grads = []
+    for checkpointing in (False, True):
+        model = _retrieval_lm(retrieval_distance=8, gradient_checkpointing=checkpointing).train()
+        model(tokens[:, :-1], targets=tokens[:, 1:]).loss.backward()
+        grads.append([p.grad for p in model.parameters()])
+    for plain, recomputed in zip(*grads):
+        torch.testing.assert_close(recomputed, plain, rtol=1e-10, atol=1e-12)
