@@ -13,8 +13,8 @@ causal; the 32K recipe's pattern ``(2048, 1) .. (32768, 16)``):
 Each length times forward (``torch.no_grad``) and forward + backward (an upstream gradient
 into ``out``) for every arm, interleaved repeat by repeat, and reports the median seconds
 and the keys each query attends to (averaged over queries and heads, counted from the rules,
-not timed). Inputs are random normal: the selection's query tiles then agree least, the
-costliest case for the tiled selection. ``--max-sdpa`` and ``--max-backward`` skip the
+not timed). Inputs are random normal (the selection's attention costs the same whatever the
+queries choose: each reads ``top_k`` blocks). ``--max-sdpa`` and ``--max-backward`` skip the
 arms or modes beyond those lengths (dense attention's quadratic cost on a CPU).
 
 Outputs: a table on stdout, ``<out>/bench_retrieval.png`` and ``<out>/bench_retrieval.md``;
@@ -25,7 +25,6 @@ Outputs: a table on stdout, ``<out>/bench_retrieval.png`` and ``<out>/bench_retr
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import sys
 import time
@@ -36,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from longnet.attention import DilatedPattern, Retrieval, dilated_attention
+from longnet.bench import common
 
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- bench_retrieval: begin -->", "<!-- bench_retrieval: end -->"
@@ -180,8 +180,8 @@ def main(argv: list[str] | None = None) -> None:
     command = "python scripts/bench_retrieval.py " + " ".join(argv or sys.argv[1:])
     block = "\n".join([
         BEGIN,
-        f"Machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} "
-        f"threads, torch {torch.__version__}, float32, batch 1, {args.heads} heads, "
+        f"Machine: {common.machine(threads=True)}; nothing else running. float32, batch 1, "
+        f"{args.heads} heads, "
         f"{args.kv_heads} K/V heads, head_dim {args.head_dim}; retrieval: {args.sinks} sinks, "
         f"blocks of {args.block}, top {args.top_k}; {time.strftime('%Y-%m-%d')}. "
         f"Command: `{command}`.", "", text, "", f"![retrieval benchmark]({png.name})", END])

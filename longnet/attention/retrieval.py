@@ -20,7 +20,7 @@ from longnet.attention.op import dilated_attention_backward_op, dilated_attentio
 from longnet.attention.pattern import DilatedPattern
 from longnet.attention.selection import Retrieval, Selection, block_rows, sink_keys
 
-QUERY_TILE = 128
+QUERY_TILE = 1024
 """Queries per tile of the sinks' attention."""
 
 

@@ -187,9 +187,9 @@ def sink_keys(row: RowGeometry, sinks: int, tile: slice, causal: bool) -> tuple[
     device = row.lo.device
     keys = slice(row.offset + tile.start, row.offset + tile.stop)
     query_doc = row.doc_start[keys]
-    parts = [torch.arange(doc, min(doc + sinks, end), device=device) for doc, end in
-             torch.unique(torch.stack((query_doc, row.doc_end[keys])), dim=1).T.tolist()]
-    positions = torch.cat(parts)
+    starts = torch.unique_consecutive(query_doc)  # the documents of the tile, in order
+    positions = torch.cat([torch.arange(doc, min(doc + sinks, end), device=device) for doc, end
+                           in zip(starts.tolist(), row.doc_end[starts].tolist())])
     same = row.doc_start[positions][None, :] == query_doc[:, None]
     allowed = same & (positions[None, :] < row.lo[tile, None])
     if not causal:
