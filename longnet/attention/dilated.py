@@ -94,7 +94,7 @@ def dilated_attention(
         retrieval_qk: the query and key rows the retrieval branches score with, ``(far_q,
             far_k)`` of ``q``'s and ``k``'s shapes (default ``q, k``): where a position rule
             places their keys elsewhere than the dilated branches do (a rotary model's
-            ``retrieval_distance``). Only with ``retrieval``.
+            ``retrieval_positions``). Only with ``retrieval``.
         causal: queries see only keys at positions ``<=`` their own.
         scale: score scale, default ``head_dim ** -0.5``.
         sequence_parallel: how the sequence is split over a process group

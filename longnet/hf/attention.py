@@ -25,8 +25,8 @@ implementation on a loaded model; a model without it is refused, saying how to s
 dense branch ``[[n, 1]]`` with ``n`` at least the sequence length is ``sdpa``'s function.
 The retrieval branches (attention sinks, query-aware block selection) are the attribute
 :data:`RETRIEVAL_ATTRIBUTE`, ``{"sinks": n, "block": b, "top_k": k}`` (absent: none), at the
-keys' own positions: this function receives ``q, k`` already rotated, so the fixed-distance
-rule (``LongNetConfig.retrieval_distance``) needs ``LongNetLM`` or ``LongNetForCausalLM``.
+keys' own positions: this function receives ``q, k`` already rotated, so the placing
+rule (``LongNetConfig.retrieval_positions``) needs ``LongNetLM`` or ``LongNetForCausalLM``.
 
 **Positions.** Queries and keys are laid out by their place in the sequence, as
 ``LongNetLM`` lays them out: the keys are the cache's plus the new ones, from position 0.

@@ -14,7 +14,7 @@ from typing import Any
 from longnet.attention import DilatedPattern, Retrieval
 from longnet.files import write_atomic
 from longnet.modeling.hub import CONFIG_NAME, resolve_model_dir
-from longnet.nn.attention import check_retrieval_distance
+from longnet.nn.attention import check_retrieval_positions
 from longnet.nn.feedforward import ACTIVATIONS, FFN_KINDS
 from longnet.nn.norm import check_norm
 from longnet.nn.positional import POSITION_ENCODINGS
@@ -46,7 +46,7 @@ the model computes from its weights, so a missing one would silently be its defa
 model (no ``segment_lengths``/``dilation_rates`` is dense attention). The others (dropout,
 initializer_range, gradient_checkpointing, token ids, extra) do not change the function, and
 ``kv_conv_size`` and the retrieval branches (``attention_sinks``, ``select_block``,
-``select_top_k``, ``retrieval_distance``) came later: a config written before them had none,
+``select_top_k``, ``retrieval_positions``) came later: a config written before them had none,
 their default."""
 
 
@@ -85,10 +85,10 @@ class LongNetConfig:
         select_block, select_top_k: query-aware block selection: each query (per K/V head)
             attends to every token of the ``select_top_k`` blocks of ``select_block`` tokens
             whose keys bound its scores highest (0: no selection).
-        retrieval_distance: with the retrieval branches and ``position_encoding="rope"``, the
-            distance at which every sink and selected key is seen by its query (InfLLM's rule,
-            keeping far keys inside the distances a base model was trained on); None
-            (default): their own positions.
+        retrieval_positions: where the retrieval branches see their keys: ``"own"``
+            (default), at their positions; ``"before_segment"`` (``position_encoding="rope"``),
+            each sink and chosen block just before the query's local segment, its tokens in
+            order, keeping far keys inside the distances a base model was trained on.
         position_encoding: ``"xpos"`` (the LongNet paper's), ``"rope"``, ``"learned"``
             (absolute, GPT-2) or ``"none"``.
         rope_theta: base of the rotary frequencies (RoPE and xPos).
@@ -133,7 +133,7 @@ class LongNetConfig:
     attention_sinks: int = 0
     select_block: int = 64
     select_top_k: int = 0
-    retrieval_distance: int | None = None
+    retrieval_positions: str = "own"
     position_encoding: str = "xpos"
     rope_theta: float = 10000.0
     rope_extension: dict[str, Any] | None = None
@@ -206,9 +206,8 @@ class LongNetConfig:
         check_non_negative_int("attention_sinks", self.attention_sinks)
         check_positive_int("select_block", self.select_block)
         check_non_negative_int("select_top_k", self.select_top_k)
-        if self.retrieval_distance is not None:
-            check_retrieval_distance(self.retrieval_distance, self.retrieval is not None,
-                                     self.position_encoding == "rope")
+        check_retrieval_positions(self.retrieval_positions, self.retrieval is not None,
+                                  self.position_encoding == "rope")
         check_choice("ffn_kind", self.ffn_kind, FFN_KINDS)
         check_choice("activation", self.activation, ACTIVATIONS)
         check_norm(self.norm, self.norm_eps)

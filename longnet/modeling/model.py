@@ -67,7 +67,7 @@ def build_block(config: LongNetConfig, causal: bool) -> TransformerBlock:
         norm_eps=config.norm_eps,
         kv_conv_size=config.kv_conv_size,
         retrieval=config.retrieval,
-        retrieval_distance=config.retrieval_distance,
+        retrieval_positions=config.retrieval_positions,
     )
     ffn = build_feed_forward(
         config.ffn_kind,

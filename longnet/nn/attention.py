@@ -28,6 +28,7 @@ from longnet.nn.positional import (
 from longnet.nn.short_conv import CausalShortConv, check_kv_conv_size
 from longnet.validation import (
     check_bool,
+    check_choice,
     check_dropout,
     check_non_negative_int,
     check_positive_float,
@@ -243,11 +244,12 @@ class MultiheadDilatedAttention(nn.Module):
             (:class:`~longnet.attention.Retrieval`) beside the dilated branches, or None; one
             device only (a sequence-parallel call refuses them). With a KV cache, every key is
             kept (the selection may pick any past block).
-        retrieval_distance: with ``retrieval`` and a :class:`RotaryEmbedding`, the distance at
-            which every key of the retrieval branches is seen by its query (InfLLM's rule:
-            the query rotated to position ``retrieval_distance``, the key to 0), so that far
-            keys stay inside the distances the model was trained on; None (default): their
-            own positions.
+        retrieval_positions: where a :class:`RotaryEmbedding` layer's retrieval branches see
+            their keys: ``"own"`` (default), at their positions; ``"before_segment"``, each
+            sink and chosen block just before the query's local segment, its tokens in their
+            own order (a key at offset ``o`` of its block is seen ``p - segment start +
+            max(block, sinks) - o`` positions back; a sink at position ``t``, the same with
+            ``t``), so that far keys stay inside the distances the model was trained on.
         **deprecated: ``dropout=``, the former name of ``output_dropout`` (a
             ``FutureWarning``).
 
@@ -281,7 +283,7 @@ class MultiheadDilatedAttention(nn.Module):
         scale: float | None = None,
         kv_conv_size: int = 0,
         retrieval: Retrieval | None = None,
-        retrieval_distance: int | None = None,
+        retrieval_positions: str = "own",
         **deprecated: Any,
     ) -> None:
         super().__init__()
@@ -326,10 +328,8 @@ class MultiheadDilatedAttention(nn.Module):
                 f"{type(retrieval).__name__} {retrieval!r}."
             )
         self.retrieval = retrieval if retrieval is not None and retrieval.active else None
-        if retrieval_distance is not None:
-            check_retrieval_distance(retrieval_distance, self.retrieval is not None,
-                                     type(positional) is RotaryEmbedding)
-        self.retrieval_distance = retrieval_distance
+        self.retrieval_positions = check_retrieval_positions(
+            retrieval_positions, self.retrieval is not None, type(positional) is RotaryEmbedding)
         self.causal = causal
         self.scale = check_positive_float("scale", scale) if scale is not None else head_dim**-0.5
         self.q_proj = nn.Linear(embed_dim, num_heads * head_dim, bias=bias)
@@ -351,8 +351,8 @@ class MultiheadDilatedAttention(nn.Module):
             f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
             f"pattern={self.pattern.branches}, causal={self.causal}"
             + ("" if self.retrieval is None else f", retrieval={self.retrieval}")
-            + ("" if self.retrieval_distance is None
-               else f", retrieval_distance={self.retrieval_distance}")
+            + ("" if self.retrieval_positions == "own"
+               else f", retrieval_positions={self.retrieval_positions!r}")
         )
 
     def forward(
@@ -417,7 +417,7 @@ class MultiheadDilatedAttention(nn.Module):
             k, v, conv_tail = self._convolve_kv(k, v, sequence_parallel, cache, in_document)
         k = rearrange(k, "b n (h d) -> b n h d", h=self.num_kv_heads)
         v = rearrange(v, "b n (h d) -> b n h d", h=self.num_kv_heads)
-        far = None if self.retrieval_distance is None else self._far_rows(q, k)
+        far = None if self.retrieval_positions == "own" else self._far_rows(q, k, position_ids)
         if self.positional is not None:
             q, k = self.positional(q, k, position_ids)
         if cache is None:
@@ -546,33 +546,42 @@ class MultiheadDilatedAttention(nn.Module):
             cache.trim(min((next_position // w) * w for w in self.pattern.segment_lengths))
         return out
 
+    def _far_rows(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """``q`` and ``k`` (``(batch, seq, heads, head_dim)``, ``(batch, seq, kv_heads,
+        head_dim)``) rotated for the ``"before_segment"`` rule: a query at document position
+        ``p`` by ``p - segment start + S``, a key by its offset in its block (a sink by its
+        position), ``S = max(block, sinks)``; ``positions``: ``(seq,)`` or ``(batch, seq)``."""
+        assert isinstance(self.positional, RotaryEmbedding) and self.retrieval is not None
+        sinks, block = self.retrieval.sinks, self.retrieval.block
+        dense = [w for w, r in self.pattern.branches if r == 1]
+        into_segment = positions % dense[-1] if dense else torch.zeros_like(positions)
+        key_positions = torch.where(positions < sinks, positions, (positions - sinks) % block)
+        q = apply_rotary(q, *self.positional.cos_sin(into_segment + max(block, sinks)))
+        return q, apply_rotary(k, *self.positional.cos_sin(key_positions))
 
-    def _far_rows(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-        """``q`` rotated to position ``retrieval_distance`` and ``k`` to 0 (``(batch, seq,
-        heads, head_dim)`` and ``(batch, seq, kv_heads, head_dim)``): every score between them
-        is that of a key ``retrieval_distance`` positions before its query."""
-        assert isinstance(self.positional, RotaryEmbedding)
-        positions = torch.tensor([self.retrieval_distance, 0], device=q.device)
-        cos, sin = self.positional.cos_sin(positions)
-        return apply_rotary(q, cos[:1], sin[:1]), apply_rotary(k, cos[1:], sin[1:])
+
+RETRIEVAL_POSITIONS = ("own", "before_segment")
 
 
-def check_retrieval_distance(distance: object, has_retrieval: bool, rotary: bool) -> int:
-    """``retrieval_distance``: a positive integer, for a layer with retrieval branches and
-    plain rotary positions (RoPE, with or without an extension); ``ValueError`` otherwise."""
-    distance = check_positive_int("retrieval_distance", distance)
+def check_retrieval_positions(rule: object, has_retrieval: bool, rotary: bool) -> str:
+    """``retrieval_positions``: one of :data:`RETRIEVAL_POSITIONS`; ``"before_segment"`` for a
+    layer with retrieval branches and plain rotary positions (RoPE, with or without an
+    extension) only; ``ValueError`` otherwise."""
+    check_choice("retrieval_positions", rule, RETRIEVAL_POSITIONS)
+    if rule == "own":
+        return rule
     if not has_retrieval:
         raise ValueError(
-            "retrieval_distance places the retrieval branches' keys, and there are none; set "
-            "attention_sinks or select_top_k (retrieval=Retrieval(...)), or "
-            "retrieval_distance=None."
+            f"retrieval_positions={rule!r} places the retrieval branches' keys, and there are "
+            "none; set attention_sinks or select_top_k (retrieval=Retrieval(...)), or "
+            "retrieval_positions='own'."
         )
     if not rotary:
         raise ValueError(
-            "retrieval_distance needs rotary positions (position_encoding='rope'): it rotates "
-            "the query and the key to a fixed distance apart; use retrieval_distance=None."
+            f"retrieval_positions={rule!r} needs rotary positions (position_encoding='rope'): "
+            "it rotates queries and keys to where they are seen; use retrieval_positions='own'."
         )
-    return distance
+    return rule
 
 
 def _renamed_dropout(output_dropout: float, deprecated: dict[str, Any]) -> float:

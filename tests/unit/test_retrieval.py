@@ -239,35 +239,43 @@ def _rotate(x, positions, theta=10000.0):
     return torch.cat((z.real, z.imag), dim=-1)
 
 
-def test_retrieval_distance_places_every_far_key_at_that_distance():
-    """A layer with ``retrieval_distance=D`` equals, by hand: the dilated branches with keys
-    rotated to their positions, the retrieval branches with the query at ``D`` and the key at
-    0 (so each far score is that of a key ``D`` positions back), one softmax."""
+@pytest.mark.parametrize("pattern, sinks, block", [
+    (PATTERN, 2, 4), (PATTERN, 6, 4), ([(8, 2), (32, 4)], 2, 4),
+], ids=["window-8", "sinks-beyond-block", "no-rate-1-branch"])
+def test_before_segment_places_each_far_block_before_the_segment_in_order(pattern, sinks, block):
+    """``retrieval_positions="before_segment"`` equals, by hand: the dilated branches with keys
+    rotated to their positions; the retrieval branches with the query at ``p - segment start +
+    max(block, sinks)`` and each key at its offset in its block (a sink at its position), so a
+    far key at offset ``o`` is seen that many positions before the segment, in order."""
     torch.manual_seed(3)
-    distance, seq = 6, 53
+    seq = 53
     attn = MultiheadDilatedAttention(
-        32, 4, PATTERN, num_kv_heads=2, positional=RotaryEmbedding(8), bias=False,
-        retrieval=Retrieval(sinks=2, block=4, top_k=2), retrieval_distance=distance).double()
+        32, 4, pattern, num_kv_heads=2, positional=RotaryEmbedding(8), bias=False,
+        retrieval=Retrieval(sinks=sinks, block=block, top_k=2),
+        retrieval_positions="before_segment").double()
     x = torch.randn(2, seq, 32, dtype=torch.float64)
     q = attn.q_proj(x).unflatten(-1, (4, 8))
     k = attn.k_proj(x).unflatten(-1, (2, 8))
     v = attn.v_proj(x).unflatten(-1, (2, 8))
     positions = torch.arange(seq)
+    window = max((w for w, r in pattern if r == 1), default=None)
+    into_segment = positions % window if window else torch.zeros(seq, dtype=torch.long)
+    offsets = torch.tensor([t if t < sinks else (t - sinks) % block for t in range(seq)])
     out, _ = dense_retrieval_attention(
-        _rotate(q, positions), _rotate(k, positions), v, PATTERN, True, 2, 4, 2,
-        far_q=_rotate(q, torch.full((seq,), distance)), far_k=k)
+        _rotate(q, positions), _rotate(k, positions), v, pattern, True, sinks, block, 2,
+        far_q=_rotate(q, into_segment + max(block, sinks)), far_k=_rotate(k, offsets))
     torch.testing.assert_close(attn(x), attn.out_proj(out.flatten(2)), rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("distance", [None, 6], ids=["own-positions", "fixed-distance"])
-def test_cached_decoding_equals_the_full_forward(distance):
+@pytest.mark.parametrize("rule", ["own", "before_segment"])
+def test_cached_decoding_equals_the_full_forward(rule):
     """Layer level: a prefill, single tokens and a chunk against the cache give the full
     forward's output; the cache keeps every key (the selection may read any past block), and
-    with a fixed retrieval distance the keys as the retrieval branches score them."""
+    with "before_segment" the keys as the retrieval branches score them."""
     torch.manual_seed(1)
     attn = MultiheadDilatedAttention(
         32, 4, PATTERN, num_kv_heads=2, positional=RotaryEmbedding(8),
-        retrieval=Retrieval(sinks=2, block=4, top_k=2), retrieval_distance=distance).double()
+        retrieval=Retrieval(sinks=2, block=4, top_k=2), retrieval_positions=rule).double()
     x = torch.randn(2, 75, 32, dtype=torch.float64)
     full = attn(x)
     cache = LayerKVCache()
@@ -275,12 +283,12 @@ def test_cached_decoding_equals_the_full_forward(distance):
               for a, b in [(0, 20), *[(i, i + 1) for i in range(20, 60)], (60, 75)]]
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-10, atol=1e-12)
     assert cache.start == 0 and cache.end == 75
-    assert (cache.far_key is None) == (distance is None)
+    assert (cache.far_key is None) == (rule == "own")
 
 
-@pytest.mark.parametrize("distance", [None, 8])
-def test_greedy_generation_with_the_cache_equals_the_full_forward(distance):
-    model = _retrieval_lm(retrieval_distance=distance)
+@pytest.mark.parametrize("rule", ["own", "before_segment"])
+def test_greedy_generation_with_the_cache_equals_the_full_forward(rule):
+    model = _retrieval_lm(retrieval_positions=rule)
     prompt = torch.randint(0, 50, (1, 9), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         generated = model.generate(prompt, 70, temperature=0)
@@ -308,10 +316,10 @@ def test_the_config_carries_the_branches(tmp_path):
     ({"attention_sinks": -1}, "attention_sinks"),
     ({"select_block": 0}, "select_block"),
     ({"select_top_k": "4"}, "select_top_k"),
-    ({"retrieval_distance": 0, "attention_sinks": 2, "position_encoding": "rope"},
-     "retrieval_distance"),
-    ({"retrieval_distance": 8, "position_encoding": "rope"}, "there are none"),
-    ({"retrieval_distance": 8, "attention_sinks": 2, "position_encoding": "xpos"},
+    ({"retrieval_positions": "fixed", "attention_sinks": 2, "position_encoding": "rope"},
+     "retrieval_positions"),
+    ({"retrieval_positions": "before_segment", "position_encoding": "rope"}, "there are none"),
+    ({"retrieval_positions": "before_segment", "attention_sinks": 2, "position_encoding": "xpos"},
      "needs rotary positions"),
 ])
 def test_bad_config_fields_are_named(fields, match):
@@ -324,7 +332,8 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     tokens = torch.randint(0, 50, (2, 71), generator=torch.Generator().manual_seed(4))
     grads = []
     for checkpointing in (False, True):
-        model = _retrieval_lm(retrieval_distance=8, gradient_checkpointing=checkpointing).train()
+        model = _retrieval_lm(retrieval_positions="before_segment",
+                              gradient_checkpointing=checkpointing).train()
         model(tokens[:, :-1], targets=tokens[:, 1:]).loss.backward()
         grads.append([p.grad for p in model.parameters()])
     for plain, recomputed in zip(*grads):
