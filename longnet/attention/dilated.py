@@ -32,7 +32,7 @@ from longnet.attention.op import dilated_attention_op, flat_documents
 from longnet.attention.pattern import DilatedPattern
 from longnet.attention.plan import AttentionPlan, default_block_elements, plan_attention
 from longnet.attention.retrieval import dilated_with_retrieval
-from longnet.attention.selection import Retrieval
+from longnet.attention.selection import Retrieval, check_retrieval
 from longnet.attention.transport import agree_on_call, transports_per_branch
 from longnet.compiled import refuse
 from longnet.distributed.sequence_parallel import SequenceParallel, check_process_group
@@ -151,40 +151,20 @@ def dilated_attention(
     if check_finite:
         _check_finite(q, k, v)
     pattern = DilatedPattern.coerce(pattern)
-    if retrieval is not None and not isinstance(retrieval, Retrieval):
-        raise TypeError(
-            "dilated_attention: retrieval must be a longnet.attention.Retrieval or None, got "
-            f"{type(retrieval).__name__} {retrieval!r}; e.g. Retrieval(sinks=4, block=64, "
-            "top_k=16)."
-        )
+    retrieval = check_retrieval("dilated_attention", retrieval)
     if retrieval_qk is not None:
         _check_retrieval_qk(q, k, retrieval, retrieval_qk)
-    if retrieval is not None and retrieval.active:
-        if sequence_parallel is not None and sequence_parallel.world_size > 1:
-            raise NotImplementedError(
-                "dilated_attention: the retrieval branches (sinks, block selection) do not run "
-                "under sequence parallelism yet; run them on one device, or pass "
-                "retrieval=None."
-            )
-        documents = None
-        if isinstance(document_ids, PackedDocuments):
-            documents = document_ids.lengths_for(q.shape, 1)
-        elif document_ids is not None:
-            documents = document_lengths(document_ids, q.shape, q.device)
-        scale = float(scale) if scale is not None else q.shape[-1] ** -0.5
-        op_args = (list(pattern.segment_lengths), list(pattern.dilation_rates), causal, scale,
-                   kernel, None if block_elements is None else int(block_elements),
-                   *flat_documents(documents))
-        out, lse = dilated_with_retrieval(q, k, v, op_args, pattern, retrieval, causal=causal,
-                                          scale=scale, documents=documents, far_qk=retrieval_qk)
-        return (out, lse) if return_lse else out
-    k, v = _expand_kv(q, k), _expand_kv(q, v)
     if sequence_parallel is None:
         layout, transports, world_size = "contiguous", None, 1
     else:  # checked on a one-rank group too, where it is not used
         layout, world_size = sequence_parallel.layout, sequence_parallel.world_size
         transports = transports_per_branch(sequence_parallel.transport, len(pattern.branches))
     grouped = world_size > 1  # a group of one rank runs as one device
+    if retrieval is not None and grouped:
+        raise NotImplementedError(
+            "dilated_attention: the retrieval branches (sinks, block selection) do not run "
+            "under sequence parallelism yet; run them on one device, or pass retrieval=None."
+        )
     if document_ids is not None and grouped and layout != "contiguous":
         raise ValueError(
             "dilated_attention: document_ids with sequence_parallel run on contiguous shards "
@@ -198,12 +178,17 @@ def dilated_attention(
             documents = document_ids.lengths_for(q.shape, 1)
         elif document_ids is not None:
             documents = document_lengths(document_ids, q.shape, q.device)
-        out, lse = dilated_attention_op(
-            q, k, v, list(pattern.segment_lengths), list(pattern.dilation_rates), causal, scale,
-            kernel, None if block_elements is None else int(block_elements),
-            *flat_documents(documents),
-        )
+        op_args = (list(pattern.segment_lengths), list(pattern.dilation_rates), causal, scale,
+                   kernel, None if block_elements is None else int(block_elements),
+                   *flat_documents(documents))
+        if retrieval is None:
+            out, lse = dilated_attention_op(q, _expand_kv(q, k), _expand_kv(q, v), *op_args)
+        else:
+            out, lse = dilated_with_retrieval(q, k, v, op_args, pattern, retrieval,
+                                              causal=causal, scale=scale, documents=documents,
+                                              far_qk=retrieval_qk)
         return (out, lse) if return_lse else out
+    k, v = _expand_kv(q, k), _expand_kv(q, v)
     process_group = sequence_parallel.process_group
     budget = default_block_elements(q.device) if block_elements is None else int(block_elements)
     budget = agree_on_call(
@@ -325,8 +310,8 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> None:
 def _check_retrieval_qk(q: Tensor, k: Tensor, retrieval: Retrieval | None,
                         retrieval_qk: object) -> None:
     """``retrieval_qk`` must be two tensors of ``q``'s and ``k``'s shape, dtype and device,
-    given with active retrieval branches."""
-    if retrieval is None or not retrieval.active:
+    given with active retrieval branches (``retrieval``, as :func:`check_retrieval` gives it)."""
+    if retrieval is None:
         raise ValueError("dilated_attention: retrieval_qk is given without retrieval "
                          "branches; pass retrieval=Retrieval(...) or drop retrieval_qk.")
     if not (isinstance(retrieval_qk, tuple) and len(retrieval_qk) == 2

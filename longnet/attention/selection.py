@@ -58,9 +58,24 @@ class Retrieval:
         """Whether any key comes from these branches."""
         return self.sinks > 0 or self.top_k > 0
 
-    def keys_per_query(self) -> int:
-        """The most keys these branches give one query (per head)."""
-        return self.sinks + self.top_k * self.block if self.active else 0
+
+
+def check_retrieval(where: str, retrieval: object) -> Retrieval | None:
+    """``retrieval`` when it is a :class:`Retrieval` with some branch, None for None or one
+    without any; ``TypeError`` naming ``where`` otherwise."""
+    if retrieval is not None and not isinstance(retrieval, Retrieval):
+        raise TypeError(
+            f"{where}: retrieval must be a longnet.attention.Retrieval or None, got "
+            f"{type(retrieval).__name__} {retrieval!r}; e.g. Retrieval(sinks=4, block=64, "
+            "top_k=16)."
+        )
+    return retrieval if retrieval is not None and retrieval.active else None
+
+
+def local_segment_length(pattern: DilatedPattern) -> int | None:
+    """The length of a query's local segment: the pattern's largest rate-1 segment, or None
+    when no branch has rate 1 (the local segment is then the query alone)."""
+    return max((w for w, r in pattern.branches if r == 1), default=None)
 
 
 @dataclass(frozen=True)
@@ -94,12 +109,12 @@ def row_geometry(
     doc_end = doc_start + torch.repeat_interleave(
         torch.tensor(list(lengths), device=device), torch.tensor(list(lengths), device=device)
     )
-    dense = [w for w, r in pattern.branches if r == 1]
+    window = local_segment_length(pattern)
     positions = torch.arange(keys - queries, keys, device=device)
     start = doc_start[keys - queries:]
-    if dense:
-        lo = start + (positions - start) // dense[-1] * dense[-1]
-        hi = torch.minimum(lo + dense[-1], doc_end[keys - queries:])
+    if window is not None:
+        lo = start + (positions - start) // window * window
+        hi = torch.minimum(lo + window, doc_end[keys - queries:])
     else:
         lo, hi = positions, positions + 1
     block_starts = []
@@ -109,7 +124,8 @@ def row_geometry(
                               retrieval.block)
         first += length
     return RowGeometry(doc_start, doc_end, lo, hi,
-                torch.tensor(block_starts, dtype=torch.long, device=device), keys - queries)
+                       torch.tensor(block_starts, dtype=torch.long, device=device),
+                       keys - queries)
 
 
 SELECT_CHUNK = 4096

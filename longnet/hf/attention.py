@@ -51,6 +51,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from longnet.attention import DilatedPattern, Retrieval, dilated_attention
+from longnet.attention.selection import check_retrieval
 from longnet.nn.attention import decode_attention
 
 ATTENTION_NAME = "longnet_dilated"
@@ -172,9 +173,7 @@ def use_dilated_attention(
         TypeError: ``retrieval`` is not a :class:`~longnet.attention.Retrieval` or None.
     """
     pattern = DilatedPattern.coerce(pattern)
-    if retrieval is not None and not isinstance(retrieval, Retrieval):
-        raise TypeError(f"retrieval must be a longnet.attention.Retrieval or None, got "
-                        f"{type(retrieval).__name__} {retrieval!r}.")
+    retrieval = check_retrieval("use_dilated_attention", retrieval)
     setattr(model.config, PATTERN_ATTRIBUTE, [list(branch) for branch in pattern.branches])
     setattr(model.config, RETRIEVAL_ATTRIBUTE, None if retrieval is None else {
         "sinks": retrieval.sinks, "block": retrieval.block, "top_k": retrieval.top_k})

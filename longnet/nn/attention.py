@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from longnet.attention import DilatedPattern, Retrieval, dilated_attention
 from longnet.attention.documents import PackedDocuments
 from longnet.attention.retrieval import merge_attention, retrieval_attention
+from longnet.attention.selection import check_retrieval, local_segment_length
 from longnet.compiled import refuse
 from longnet.distributed.halo import previous_rows
 from longnet.distributed.sequence_parallel import SequenceParallel, call_setting
@@ -47,8 +48,8 @@ class LayerKVCache:
     about one largest segment.  With a K/V convolution, ``conv_tail`` ``(batch,
     kernel_size - 1, 2 * kv_heads * head_dim)`` holds the unmixed key/value projections of the
     last positions, the rows the next token's convolution reads. With retrieval branches that
-    place their keys at a fixed distance, ``far_key`` holds the keys as those branches score
-    them (rotated to position 0), beside ``key``.
+    place their keys elsewhere (``retrieval_positions="before_segment"``), ``far_key`` holds
+    the keys as those branches score them, beside ``key``.
     """
 
     def __init__(self) -> None:
@@ -322,12 +323,7 @@ class MultiheadDilatedAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.pattern = DilatedPattern.coerce(pattern)
-        if retrieval is not None and not isinstance(retrieval, Retrieval):
-            raise TypeError(
-                "retrieval must be a longnet.attention.Retrieval or None, got "
-                f"{type(retrieval).__name__} {retrieval!r}."
-            )
-        self.retrieval = retrieval if retrieval is not None and retrieval.active else None
+        self.retrieval = check_retrieval("MultiheadDilatedAttention", retrieval)
         self.retrieval_positions = check_retrieval_positions(
             retrieval_positions, self.retrieval is not None, type(positional) is RotaryEmbedding)
         self.causal = causal
@@ -553,8 +549,8 @@ class MultiheadDilatedAttention(nn.Module):
         position), ``S = max(block, sinks)``; ``positions``: ``(seq,)`` or ``(batch, seq)``."""
         assert isinstance(self.positional, RotaryEmbedding) and self.retrieval is not None
         sinks, block = self.retrieval.sinks, self.retrieval.block
-        dense = [w for w, r in self.pattern.branches if r == 1]
-        into_segment = positions % dense[-1] if dense else torch.zeros_like(positions)
+        window = local_segment_length(self.pattern)
+        into_segment = positions % window if window else torch.zeros_like(positions)
         key_positions = torch.where(positions < sinks, positions, (positions - sinks) % block)
         q = apply_rotary(q, *self.positional.cos_sin(into_segment + max(block, sinks)))
         return q, apply_rotary(k, *self.positional.cos_sin(key_positions))
