@@ -11,6 +11,11 @@ torn file or a mix of the two, and a writer killed at any instant leaves a valid
   a concurrent :func:`replace_folder` changes nothing in what they read.
 - :func:`check_output_folder`, :func:`check_replaceable_folder`: before a long computation,
   whether its output can be written.
+- :func:`check_target`: the one check of every writer of a model folder, checkpoint or state
+  (imports, exports, merges, saves, the chunk handovers): a target that holds a model or
+  checkpoint (:func:`held_model`) is refused unless the user asks to replace it
+  (``overwrite``), and one that is, holds or is inside a source of the write (the folder
+  read, a LoRA run's base) always, before any work, so the target is left as it was.
 - :func:`refused_write_line`: how a write the machine refused (no room, a read-only file
   system) is reported, by the ``longnet`` command and the scripts alike.
 - :func:`check_path_given`: an empty path is refused, by every function here too
@@ -48,7 +53,7 @@ import shutil
 import stat
 import sys
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import BinaryIO
@@ -238,6 +243,82 @@ def check_replaceable_folder(path: str | Path, what: str = "folder") -> Path:
     return path
 
 
+MODEL_NAMES = frozenset({"config.json", "lora.json", "index.json", "handoff.json", ".metadata"})
+"""Names that make a folder a model, LoRA delta, packed state, handoff or folder of shards
+(``.metadata``: ``torch.distributed.checkpoint``'s index)."""
+MODEL_SUFFIXES = (".safetensors", ".ckpt", ".gguf", ".bin", ".pt", ".pth")
+"""Suffixes of weights and checkpoint files."""
+OVERWRITE_FIX = "pass --overwrite (overwrite=True from Python) to replace it"
+"""How a writer is asked to replace what its target holds (:func:`check_target`)."""
+
+
+def held_model(path: str | Path) -> str | None:
+    """What at ``path`` a writer must not replace unasked: ``"a file of N bytes"`` for a file,
+    ``"a model or checkpoint (names)"`` for a folder holding a model file
+    (:data:`MODEL_NAMES`, :data:`MODEL_SUFFIXES`); None for nothing, or a folder of other
+    files (which the writers keep: :func:`replace_folder`)."""
+    path = Path(path)
+    if path.is_file():
+        return f"a file of {path.stat().st_size:,} bytes"
+    names = sorted(model_entries(path))
+    if not names:
+        return None
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return f"a model or checkpoint ({shown})"
+
+
+def model_entries(folder: str | Path) -> set[str]:
+    """The names in ``folder`` that make it a model, checkpoint or state (:data:`MODEL_NAMES`,
+    :data:`MODEL_SUFFIXES`): what a writer that replaces ``folder`` owns
+    (:func:`replace_folder`'s ``owned``), so that the new version inherits none of them; empty
+    for a folder without any, or no folder."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return set()
+    return {name for name in os.listdir(folder)
+            if name in MODEL_NAMES or name.endswith(MODEL_SUFFIXES)}
+
+
+def check_target(path: str | Path, *, sources: Mapping[str, str | Path | None] | None = None,
+                 overwrite: bool = False, what: str = "OUTPUT", kind: str = "folder") -> Path:
+    """Refuse, before any work, a target a writer of a model folder, checkpoint or state must
+    not write; returns ``path``.
+
+    - ``path`` is, holds or is inside one of ``sources`` (``{description: path}``: what the
+      write reads, e.g. ``{"the source": SRC, "the LoRA base": BASE}``; None values and
+      absent paths are skipped), compared by ``os.path.realpath``: always refused,
+      ``overwrite`` or not;
+    - ``path`` holds a model or checkpoint (:func:`held_model`): refused unless ``overwrite``;
+    - ``kind="folder"``: as :func:`check_replaceable_folder`; ``kind="file"``: ``path`` must
+      not be a folder and its parent must be writable.
+
+    ``what`` names the setting in the messages, which name the path, what it holds and the fix.
+
+    Raises:
+        UsageError: any of the above.
+    """
+    path = check_path_given(path, what)
+    for description, source in (sources or {}).items():
+        if source is not None and os.path.lexists(source):
+            _check_apart(path, Path(source), description, what)
+    if kind == "folder":
+        check_replaceable_folder(path, what)
+    elif path.is_dir():
+        raise UsageError(
+            f"{what} {path} is a folder, not a checkpoint file; give the file's path, e.g. "
+            f"{path / 'last.ckpt'}."
+        )
+    held = None if overwrite else held_model(path)
+    if held:
+        raise UsageError(
+            f"{what} {path} already holds {held}; {OVERWRITE_FIX}, or give a new "
+            f"{'folder' if kind == 'folder' else 'file path'}."
+        )
+    if kind == "file":
+        _check_writable(path.parent, path, what)
+    return path
+
+
 def check_path_given(path: str | os.PathLike[str], what: str) -> Path:
     """``path`` as a :class:`~pathlib.Path`, refusing an empty one: ``Path("")`` is the
     current folder, so an empty setting would read or write there without a word. (Only a
@@ -272,6 +353,23 @@ def refused_write_line(err: OSError, rerun: str = "") -> str:
 def _sibling(path: Path, kind: str) -> Path:
     """A fresh name next to ``path``: ``.<name>.<kind>-<random>``."""
     return path.with_name(f".{path.name[:200]}.{kind}-{secrets.token_hex(6)}")
+
+
+def _check_apart(path: Path, source: Path, description: str, what: str) -> None:
+    """Refuse ``path`` when it is ``source``, holds it or is inside it (real paths)."""
+    target, other = Path(os.path.realpath(path)), Path(os.path.realpath(source))
+    if target == other:
+        where = "is"
+    elif other in target.parents:
+        where = "is inside"
+    elif target in other.parents:
+        where = "holds"
+    else:
+        return
+    raise UsageError(
+        f"{what} {path} {where} {description} {source}: writing there would destroy what it "
+        "reads, so this is refused even with --overwrite. Give a new folder outside it."
+    )
 
 
 def _check_writable(folder: Path, subject: Path, what: str) -> None:

@@ -1,9 +1,10 @@
 """Hand a training run over between chunks on machines that share nothing.
 
     python scripts/chunk_state.py pack CHECKPOINT FOLDER [--max-shard-size 16M] [--max-files 8]
-    python scripts/chunk_state.py unpack FOLDER CHECKPOINT
-    python scripts/chunk_state.py handoff CHECKPOINT FOLDER
-    python scripts/chunk_state.py start FOLDER CHECKPOINT
+                                       [--overwrite]
+    python scripts/chunk_state.py unpack FOLDER CHECKPOINT [--overwrite]
+    python scripts/chunk_state.py handoff CHECKPOINT FOLDER [--overwrite]
+    python scripts/chunk_state.py start FOLDER CHECKPOINT [--overwrite]
     python scripts/chunk_state.py restore CHECKPOINT [--state FOLDER] [--handoff FOLDER]
 
 ``pack``: the full state, ``CHECKPOINT`` (a ``last.ckpt``) cut into shards of at most
@@ -17,7 +18,11 @@ small enough to commit; ``start`` makes of it a checkpoint with fresh optimizer 
 and says which; with none of them it says so (a new run). A folder given must exist, and a
 state or handoff of another run (run id, model shape) is refused: ``CHECKPOINT`` is kept.
 The training time the earlier chunks recorded for ``trainer.max_time`` is zeroed in the
-checkpoint restored, so that each chunk's ``max_time`` counts that chunk alone.
+checkpoint restored, so that each chunk's ``max_time`` counts that chunk alone. ``pack``,
+``unpack``, ``handoff`` and ``start`` refuse a target that already holds a pack, a handoff or a
+checkpoint unless ``--overwrite`` is given, and ``unpack`` and ``start`` replace a checkpoint
+only by the same run's (run id, model shape), ``--overwrite`` or not; a target that is, holds
+or is inside what is read is always refused. A refused target is left as it was.
 ``longnet fit --ckpt_path last`` continues from ``<run folder>/checkpoints/last.ckpt``. See
 docs/long_context_gpu.md. Errors end with two lines (the message, then how ``--verbose``
 shows the traceback) and exit status 2.
@@ -76,21 +81,27 @@ def main(argv: list[str] | None = None) -> int:
     pack = commands.add_parser("pack", help="the full state as shards + index.json")
     pack.add_argument("checkpoint", type=path_argument,
                       help="a Lightning checkpoint file (last.ckpt)")
-    pack.add_argument("folder", type=path_argument, help="where the shards go (replaced)")
+    pack.add_argument("folder", type=path_argument, help="where the shards go")
     pack.add_argument("--max-shard-size", type=length_argument, default=MAX_SHARD_SIZE,
                       help="bytes per shard, e.g. 16M (default: 16M)")
     pack.add_argument("--max-files", type=positive_int_argument, default=MAX_FILES,
                       help=f"most files written, index included (default: {MAX_FILES})")
+    pack.add_argument("--overwrite", action="store_true", help="replace an earlier pack")
     unpack = commands.add_parser("unpack", help="the full state back into a checkpoint")
     unpack.add_argument("folder", type=path_argument, help="a folder written by pack")
     unpack.add_argument("checkpoint", type=path_argument, help="the checkpoint file to write")
+    unpack.add_argument("--overwrite", action="store_true",
+                        help="replace an existing checkpoint (of the same run only)")
     handoff = commands.add_parser("handoff", help="the compact handoff of a checkpoint")
     handoff.add_argument("checkpoint", type=path_argument,
                          help="a Lightning checkpoint file (last.ckpt)")
-    handoff.add_argument("folder", type=path_argument, help="where the handoff goes (replaced)")
+    handoff.add_argument("folder", type=path_argument, help="where the handoff goes")
+    handoff.add_argument("--overwrite", action="store_true", help="replace an earlier handoff")
     start = commands.add_parser("start", help="a checkpoint to start a chunk from a handoff")
     start.add_argument("folder", type=path_argument, help="a folder written by handoff")
     start.add_argument("checkpoint", type=path_argument, help="the checkpoint file to write")
+    start.add_argument("--overwrite", action="store_true",
+                       help="replace an existing checkpoint (of the same run only)")
     newest = commands.add_parser("restore", help="the newest handover present, as checkpoint")
     newest.add_argument("checkpoint", type=path_argument, help="<run folder>/checkpoints/last.ckpt")
     newest.add_argument("--state", type=path_argument, help="a folder written by pack")
@@ -99,15 +110,16 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "pack":
         files = pack_state(args.checkpoint, args.folder, max_shard_size=args.max_shard_size,
-                           max_files=args.max_files)
+                           max_files=args.max_files, overwrite=args.overwrite)
         print(f"packed {args.checkpoint} into {describe(files)}")
     elif args.command == "unpack":
-        print(f"unpacked {unpack_state(args.folder, args.checkpoint)}")
+        print(f"unpacked {unpack_state(args.folder, args.checkpoint, overwrite=args.overwrite)}")
     elif args.command == "handoff":
-        files = write_handoff(args.checkpoint, args.folder)
+        files = write_handoff(args.checkpoint, args.folder, overwrite=args.overwrite)
         print(f"handoff of {args.checkpoint}: {describe(files)}")
     elif args.command == "start":
-        print(f"wrote {handoff_checkpoint(args.folder, args.checkpoint)}: resume it with "
+        written = handoff_checkpoint(args.folder, args.checkpoint, overwrite=args.overwrite)
+        print(f"wrote {written}: resume it with "
               "longnet fit --ckpt_path (fresh optimizer moments; Rewarmup ramps the rate)")
     else:
         print(restored(args.checkpoint, args.state, args.handoff))

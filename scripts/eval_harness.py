@@ -9,8 +9,10 @@ Lightning ``.ckpt`` files) and the byte tokenizer. Tasks: ``bpb`` (a local
 ``loglikelihood_rolling`` task over the held-out documents that ``eval_perplexity.py``
 scores, windows of ``--context-length``; ``--compare`` adds ``eval_perplexity.py``'s value
 for the same windows) and RULER's ``niah_single_1`` / ``niah_multikey_2`` (generated
-haystacks, at each ``--niah-lengths``). Writes ``harness.csv`` (one row per value) and
-``run.json``; the tasks and tokenizer lm-eval reads are written to a temporary folder.
+haystacks, at each ``--niah-lengths``). Writes ``harness.csv`` (one row per value; written
+again as each model finishes, with every row so far, so an interrupted run keeps them; lm-eval
+shows its own progress bars) and ``run.json``; the tasks and tokenizer lm-eval reads are
+written to a temporary folder.
 Needs ``pip install -e ".[eval-harness]"``; nothing is downloaded (``HF_HUB_OFFLINE`` and
 ``HF_DATASETS_OFFLINE`` are set). See docs/evaluation.md.
 """
@@ -85,8 +87,10 @@ def main(argv: list[str] | None = None) -> int:
                 niah_examples=args.niah_examples, batch_size=args.batch_size,
                 compare=args.compare, seed=args.seed,
             )
+            write_csv(rows, args.out / "harness.csv")
+            print(f"{loaded.label}: done; {len(rows)} row(s) in {args.out / 'harness.csv'}",
+                  flush=True)
     print(format_table(rows))
-    write_csv(rows, args.out / "harness.csv")
     write_run_info(args.out / "run.json", {
         "models": {m.label: m.source for m in models},
         **{k: v for k, v in vars(args).items() if k != "models"},

@@ -13,18 +13,24 @@ model, length and depth), ``passkey_generations.csv`` (every example), ``passkey
 depth-by-length heatmap per model, cells annotated with accuracy) and ``run.json``; for every
 dilated model, ``passkey_visibility.csv``: accuracy per length and by whether the model's
 heads see the copy the answer makes (``dense``: a rate-1 branch; ``sparse``: heads of sparse
-branches only; ``unseen``: no head; longnet.eval.accuracy_by_visibility).
+branches only; ``unseen``: no head; longnet.eval.accuracy_by_visibility). A progress bar per
+model and length counts the examples answered on stderr (``--no-progress`` hides it); as
+each model x length finishes, a line gives its accuracy and the CSV files are written with
+every row so far, so an interrupted run keeps them.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from longnet.data.passkey import min_passkey_length, needle_window
 from longnet.eval import (
+    PasskeyCell,
     accuracy_by_visibility,
     check_context_length,
     check_passkey_grid,
@@ -88,6 +94,38 @@ def check_depths_apart(lengths: list[int], depths: list[float], num_digits: int)
             seen[window] = depth
 
 
+def cell_rows(label: str, cells: list[PasskeyCell], num_digits: int
+              ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The rows of ``passkey.csv`` (one per cell) and ``passkey_generations.csv`` (one per
+    example) of the model ``label``'s ``cells``."""
+    rows, example_rows = [], []
+    for cell in cells:
+        rows.append({
+            "model": label, "context_length": cell.length,
+            "context_tokens": round(sum(o.prompt_tokens for o in cell.outcomes)
+                                    / cell.num_examples) + num_digits,
+            "depth": cell.depth, "mean_depth": cell.mean_depth, "examples": cell.num_examples,
+            "correct": cell.num_correct, "accuracy": cell.accuracy,
+        })
+        example_rows += [
+            {"model": label, "context_length": cell.length, "depth": cell.depth,
+             "index": index, "actual_depth": o.depth,
+             "needle_distance": o.needle_distance, "copy_distance": o.copy_distance,
+             "visibility": o.visibility, "answer": o.answer,
+             "generated": o.generated, "correct": o.correct,
+             "prompt_tokens": o.prompt_tokens}
+            for index, o in enumerate(cell.outcomes)
+        ]
+    return rows, example_rows
+
+
+def write_tables(out: Path, tables: dict[str, list[dict[str, Any]]]) -> None:
+    """Write each non-empty table (``{file name: rows}``) into ``out``, each whole."""
+    for name, rows in tables.items():
+        if rows:
+            write_csv(rows, out / name)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     check_output_folder(args.out, OUTPUTS)
@@ -98,43 +136,37 @@ def main(argv: list[str] | None = None) -> int:
     for item in models:  # refuse impossible lengths before any work
         for length in lengths:
             check_context_length(length, item.model)
+    out = args.out
     rows, example_rows, visibility_rows, grids = [], [], [], {}
     for item in models:
-        cells = evaluate_passkey(
-            item.model, lengths, depths, num_examples=args.num_examples, seed=args.seed,
-            num_digits=args.num_digits, batch_size=args.batch_size,
-            progress=False if args.no_progress else f"passkey {item.label}",
-            tokenizer=item.tokenizer,
-        )
+        cells: list[PasskeyCell] = []
+        dilated = any(rate > 1 for _, rate in item.model.config.pattern.branches)
+        for length in lengths:  # the CSV files are written as each length finishes
+            done = evaluate_passkey(
+                item.model, [length], depths, num_examples=args.num_examples, seed=args.seed,
+                num_digits=args.num_digits, batch_size=args.batch_size,
+                progress=False if args.no_progress else f"passkey {item.label}",
+                tokenizer=item.tokenizer,
+            )
+            cells += done
+            new_rows, new_examples = cell_rows(item.label, done, args.num_digits)
+            rows += new_rows
+            example_rows += new_examples
+            visibility = [{"model": item.label, **row}
+                          for row in accuracy_by_visibility(cells)] if dilated else []
+            write_tables(out, {"passkey.csv": rows, "passkey_generations.csv": example_rows,
+                               "passkey_visibility.csv": visibility_rows + visibility})
+            print(f"{item.label} @ {length}: accuracy "
+                  f"{sum(c.num_correct for c in done)}/{sum(c.num_examples for c in done)}; "
+                  f"{len(rows)} row(s) in {out / 'passkey.csv'}", flush=True)
         accuracy = np.full((len(depths), len(lengths)), np.nan)
         for cell in cells:
             accuracy[depths.index(cell.depth), lengths.index(cell.length)] = cell.accuracy
-            rows.append({
-                "model": item.label, "context_length": cell.length,
-                "context_tokens": round(sum(o.prompt_tokens for o in cell.outcomes)
-                                        / cell.num_examples) + args.num_digits,
-                "depth": cell.depth, "mean_depth": cell.mean_depth, "examples": cell.num_examples,
-                "correct": cell.num_correct, "accuracy": cell.accuracy,
-            })
-            example_rows += [
-                {"model": item.label, "context_length": cell.length, "depth": cell.depth,
-                 "index": index, "actual_depth": o.depth,
-                 "needle_distance": o.needle_distance, "copy_distance": o.copy_distance,
-                 "visibility": o.visibility, "answer": o.answer,
-                 "generated": o.generated, "correct": o.correct,
-                 "prompt_tokens": o.prompt_tokens}
-                for index, o in enumerate(cell.outcomes)
-            ]
         grids[item.label] = (lengths, depths, accuracy)
-        if any(rate > 1 for _, rate in item.model.config.pattern.branches):
-            visibility_rows += [{"model": item.label, **row}
-                                for row in accuracy_by_visibility(cells)]
+        visibility_rows += visibility
     print(format_table(rows))
     if visibility_rows:
         print(format_table(visibility_rows))
-    out = args.out
-    write_csv(rows, out / "passkey.csv")
-    write_csv(example_rows, out / "passkey_generations.csv")
     plot_passkey_heatmaps(
         grids, out / "passkey.png",
         title=f"Passkey retrieval accuracy ({args.num_examples} examples per cell, greedy)",
@@ -145,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     })
     written = [out / "passkey.csv", out / "passkey_generations.csv", out / "passkey.png"]
     if visibility_rows:
-        written.append(write_csv(visibility_rows, out / "passkey_visibility.csv"))
+        written.append(out / "passkey_visibility.csv")
     print("wrote " + ", ".join(str(path) for path in written))
     return 0
 

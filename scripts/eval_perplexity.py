@@ -11,6 +11,9 @@ UTF-8 bytes, so every model is compared on the same bytes. Context lengths are i
 (one row per model and context length), ``compressors.csv`` (gzip/bzip2/xz bits per byte of
 the same documents, each document compressed separately and all concatenated),
 ``perplexity.png`` (one line per model, compressors as horizontal lines) and ``run.json``.
+A progress bar per model and context length is shown on stderr (``--no-progress`` hides it);
+as each model x context length finishes, a line gives its bits per byte and ``perplexity.csv``
+(and ``positions.csv``) is written with every row so far, so an interrupted run keeps them.
 
 ``--score-from N`` adds the bits per byte of the bytes at document positions ``>= N`` only: the
 same bytes under every context length (use N >= the longest context, with documents longer than
@@ -23,9 +26,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+from typing import Any
 
 from longnet.data.compressors import MODES
 from longnet.eval import (
+    ContextScore,
     bits_per_byte_rows,
     compressor_baselines,
     format_table,
@@ -82,6 +88,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def result_rows(
+    scores: list[ContextScore], score_from: int | None, buckets: list[tuple[int, int]] | None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The rows of ``perplexity.csv`` and (with ``buckets``) of ``positions.csv``."""
+    rows = bits_per_byte_rows(scores, score_from)
+    return rows, position_rows(scores, buckets) if buckets else []
+
+
+def write_result_rows(out: Path, rows: list[dict[str, Any]],
+                      by_position: list[dict[str, Any]]) -> None:
+    """Write ``perplexity.csv`` and (when there are such rows) ``positions.csv``, each whole."""
+    write_csv(rows, out / "perplexity.csv")
+    if by_position:
+        write_csv(by_position, out / "positions.csv")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     check_output_folder(args.out, OUTPUTS + (BY_POSITION_OUTPUTS if args.by_position else []))
@@ -99,18 +121,28 @@ def main(argv: list[str] | None = None) -> int:
             f"--score-from {args.score_from} leaves no byte to score: the longest document has "
             f"{longest - 1} bytes; lower it or raise --min-document-bytes above it."
         )
+    buckets = position_buckets(longest - 1) if args.by_position else None
+    finished: list[ContextScore] = []
+
+    def keep(score: ContextScore) -> None:
+        """Write every row so far and say which model x length finished."""
+        finished.append(score)
+        write_result_rows(args.out, *result_rows(finished, args.score_from, buckets))
+        print(f"{score.model.label} @ {score.result.context_length}: "
+              f"{score.result.bits_per_byte:.4f} bits per byte ({score.seconds} s); "
+              f"{len(finished)} row(s) in {args.out / 'perplexity.csv'}", flush=True)
+
     scores = score_models(
         models, documents, lengths, stride=args.stride, batch_size=args.batch_size,
-        progress=not args.no_progress,
+        progress=not args.no_progress, on_score=keep,
     )
-    rows = bits_per_byte_rows(scores, args.score_from)
+    rows, by_position = result_rows(scores, args.score_from, buckets)
     baselines = compressor_baselines([doc.utf8 for doc in documents])
     base_rows = [
         {"compressor": b.compressor, "mode": b.mode, "raw_bytes": b.raw_bytes,
          "compressed_bytes": b.compressed_bytes, "bits_per_byte": b.bits_per_byte}
         for b in baselines
     ]
-    by_position = position_rows(scores, position_buckets(longest - 1)) if args.by_position else []
     columns = ["model", "context_length", "context_bytes", "stride", "windows",
                "longest_window", "bits_per_byte", "perplexity", "seconds"]
     if args.score_from is not None:
@@ -120,7 +152,6 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(rows, columns))
     print(format_table(base_rows))
     out = args.out
-    write_csv(rows, out / "perplexity.csv")
     write_csv(base_rows, out / "compressors.csv")
     value = "bits_per_byte" if args.score_from is None else "scored_bits_per_byte"
     curves: dict[str, list[tuple[int, float]]] = {}
@@ -144,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     })
     written = [out / "perplexity.csv", out / "compressors.csv", out / "perplexity.png"]
     if by_position:
-        written += [write_csv(by_position, out / "positions.csv"), plot_bits_by_position(
+        written += [out / "positions.csv", plot_bits_by_position(
             {f"{s.model.label} @ {s.result.context_length}": [
                 (r["start"], r["end"], r["bits_per_byte"]) for r in by_position
                 if r["model"] == s.model.label and r["context_length"] == s.result.context_length

@@ -18,8 +18,11 @@
 #    handoff.json), state/ (the full state: index.json and at most 3 shards of 16 MiB, left out
 #    when larger), metrics.csv, chunk.log (everything printed) and, from a config with a
 #    longnet.training.StepProfiler, profile.txt (what one training step costs).
-# <run folder> is the config's trainer.logger save_dir/name, <name> its name. Exit status: the
-# fit's (0 also when max_time ended the chunk), 2 when nothing could be trained.
+#    A fit that left no checkpoint brings back no handoff or state, and says so.
+# <run folder> is trainer.logger's save_dir/name, <name> its name: the config's, or those given
+# among the fit options (--trainer.logger.init_args.name NAME, ...save_dir DIR, or another
+# --config), as longnet fit reads them. Exit status: the fit's (0 also when max_time ended the
+# chunk), 2 when nothing could be trained.
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -54,15 +57,33 @@ if ! "$PY" -c "import longnet.cli" 2>/dev/null; then  # checked again after the 
     fi
 fi
 
-RUN_NAME=$("$PY" - "$CONFIG" <<'EOF'
+RUN_NAME=$("$PY" - "$CONFIG" "$@" <<'EOF'
 import sys
 import yaml
-logger = ((yaml.safe_load(open(sys.argv[1])) or {}).get("trainer") or {}).get("logger") or {}
-args = logger.get("init_args") or {} if isinstance(logger, dict) else {}
-if not args.get("name"):
+
+
+def logger_args(path):
+    """trainer.logger.init_args of the config file ``path``."""
+    logger = ((yaml.safe_load(open(path)) or {}).get("trainer") or {}).get("logger") or {}
+    return (logger.get("init_args") or {}) if isinstance(logger, dict) else {}
+
+
+found = dict(logger_args(sys.argv[1]))
+options = {f"--trainer.logger.{middle}{key}": key
+           for key in ("name", "save_dir") for middle in ("init_args.", "")}
+args, index = sys.argv[2:], 0
+while index < len(args):  # what longnet fit reads of the fit options, in their order
+    key, equals, value = args[index].partition("=")
+    if key in options or key == "--config":
+        if not equals:
+            index += 1
+            value = args[index] if index < len(args) else ""
+        found.update(logger_args(value) if key == "--config" else {options[key]: value})
+    index += 1
+if not found.get("name"):
     sys.exit(f"train_chunk.sh: {sys.argv[1]} names no run folder "
              "(trainer.logger: longnet.training.RunLogger with save_dir and name).")
-print(f"{args.get('save_dir', 'runs')}/{args['name']}", args["name"])
+print(f"{found.get('save_dir') or 'runs'}/{found['name']}", found["name"])
 EOF
 ) || exit 2
 read -r RUN NAME <<<"$RUN_NAME"
@@ -91,13 +112,17 @@ status=$?
 echo "train_chunk.sh: fit took $((SECONDS - started)) s."
 started=$SECONDS
 
-if [ -f "$CKPT" ]; then
-    "$PY" scripts/chunk_state.py handoff "$CKPT" "$OUT/handoff"
-    "$PY" scripts/chunk_state.py pack "$CKPT" "$OUT/state" --max-files 4 \
-        || echo "train_chunk.sh: the full state is left out; the compact handoff carries the run on."
-fi
 [ -f "$RUN/metrics.csv" ] && cp "$RUN/metrics.csv" "$OUT/metrics.csv"
 [ -f "$RUN/profile.txt" ] && cp "$RUN/profile.txt" "$OUT/profile.txt"
+if [ ! -f "$CKPT" ]; then
+    echo "train_chunk.sh: fit exited $status and left no checkpoint at $CKPT: no handoff or" \
+         "state is written, nothing to keep (see $OUT/chunk.log)."
+    exit $status
+fi
+# $OUT is this script's own: an earlier chunk's handoff and state there are replaced
+"$PY" scripts/chunk_state.py handoff "$CKPT" "$OUT/handoff" --overwrite
+"$PY" scripts/chunk_state.py pack "$CKPT" "$OUT/state" --max-files 4 --overwrite \
+    || echo "train_chunk.sh: the full state is left out; the compact handoff carries the run on."
 echo "train_chunk.sh: handoff and state written in $((SECONDS - started)) s."
 echo "train_chunk.sh: fit exited $status. Keep $OUT/handoff/* in chunks/$NAME/handoff/ and" \
      "$OUT/metrics.csv in chunks/$NAME/ (commit them), and $OUT/state/* in $STATE/ (carry it" \

@@ -47,9 +47,8 @@ from longnet.cli.runs import (
     refuse_earlier_run,
     run_last_checkpoint,
 )
-from longnet.data.subword import SubwordTokenizer
+from longnet.data.subword import RUN_TOKENIZER_FOLDER, SubwordTokenizer
 from longnet.files import write_atomic
-from longnet.modeling.hub import register_materializer
 from longnet.training import CausalLMModule
 from longnet.training.callbacks import PredictionsWriter, ValidateLastStep, run_dir
 from longnet.training.checkpoint import is_sharded_checkpoint, read_checkpoint
@@ -66,23 +65,6 @@ from longnet.training.runs import (
 )
 from longnet.training.signals import StopOnSignal
 from longnet.validation import VERBOSE_FLAG, UsageError, check_positive_int, is_real
-
-TOKENIZER_FOLDER = "tokenizer"
-"""The run folder's copy of the data's subword tokenizer (``save_pretrained`` layout)."""
-
-
-def _materialize_pretrained(name: str) -> Path:
-    """``longnet.hf.materialize``, imported only when a zoo entry whose weights come from an
-    installed distribution is first used (it needs ``transformers`` and ``gguf``)."""
-    try:
-        from longnet.hf.pretrained import materialize
-    except ImportError as error:
-        raise ImportError(f"importing {name!r} needs the pretrained extra: pip install "
-                          f"'longnet[pretrained]' ({error})") from error
-    return materialize(name)
-
-
-register_materializer(_materialize_pretrained)
 
 
 def check_trainer_values(config: dict[str, Any]) -> None:
@@ -122,7 +104,7 @@ class RunConfigSaver(SaveConfigCallback):
             write_atomic(folder / name, self.parser.dump(self.config, skip_none=False))
             tokenizer = getattr(getattr(trainer, "datamodule", None), "tokenizer", None)
             if stage == "fit" and isinstance(tokenizer, SubwordTokenizer):
-                tokenizer.save(folder / TOKENIZER_FOLDER)
+                tokenizer.save(folder / RUN_TOKENIZER_FOLDER)
         self.already_saved = True
 
 

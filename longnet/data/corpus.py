@@ -53,7 +53,7 @@ from longnet.data.encoding import (
 )
 from longnet.data.sources import DocumentSource
 from longnet.data.splits import SPLITS, check_fractions
-from longnet.data.subword import SubwordTokenizer
+from longnet.data.subword import SubwordTokenizer, check_round_trip
 from longnet.data.tokenizer import ByteTokenizer
 from longnet.data.tokenizer_choice import BYTES, TokenizerChoice, Tokenizers, parse_tokenizer
 from longnet.data.windows import (
@@ -332,6 +332,7 @@ def _build(source: DocumentSource, settings: CorpusSettings, staging: Path,
         source_documents = documents  # their text, before the encoding replaces it
         tokenizer = choice.resolve(lambda: split_texts(documents, "train"),
                                    _bpe_key(source, settings), staging.parent)
+        check_round_trip(tokenizer, round_trip_sample(documents))
         documents, tokens_per_s = encode_documents(documents, tokenizer)
         framing = subword_framing(tokenizer)
         info["tokenizer"] = {"name": tokenizer.name, "fingerprint": tokenizer.fingerprint,
@@ -372,6 +373,25 @@ def _build(source: DocumentSource, settings: CorpusSettings, staging: Path,
             "settings": asdict(settings), "documents": counts, **info}
     (staging / "info.json").write_text(json.dumps(info, indent=2) + "\n")
     shutil.rmtree(staging / "hf")  # intermediate arrow files are not part of the entry
+
+
+ROUND_TRIP_DOCUMENTS = 16
+ROUND_TRIP_CHARACTERS = 4096
+"""The sample a subword tokenizer must give back (``subword.check_round_trip``): this many
+training documents spread over the split, the first characters of each (a few milliseconds of
+encoding)."""
+
+
+def round_trip_sample(documents: Dataset) -> list[tuple[str, str]]:
+    """``(what, text)`` of up to :data:`ROUND_TRIP_DOCUMENTS` training documents of
+    ``documents`` (a ``describe_documents`` result), evenly spread, each cut to its first
+    :data:`ROUND_TRIP_CHARACTERS` characters; ``what`` names the document for messages."""
+    rows = np.flatnonzero(np.asarray(documents["split"][:]) == "train")
+    picked = np.unique(np.linspace(0, len(rows) - 1, min(len(rows), ROUND_TRIP_DOCUMENTS))
+                       .round().astype(np.int64)) if len(rows) else rows
+    sample = documents.select(rows[picked])
+    return [(f"training document {index} (doc_id {doc_id})", text[:ROUND_TRIP_CHARACTERS])
+            for index, doc_id, text in zip(picked.tolist(), sample["doc_id"], sample["text"])]
 
 
 def held_out_gzip(documents: Dataset, split_column: np.ndarray,

@@ -60,7 +60,7 @@ from datasets import Dataset, Features, Value
 
 from longnet.data.sources import _CORPUS_ENTRY, DocumentSource, _is_document, stdlib_source
 from longnet.data.splits import SPLITS, check_fractions, document_hash, split_of
-from longnet.validation import UsageError
+from longnet.validation import UsageError, check_positive_int
 
 STDLIB_PACKAGES = "stdlib"
 """The ``packages`` entry naming every top-level module and package of the standard library."""
@@ -257,12 +257,7 @@ def distribution_package(entry: str, max_file_bytes: int = MAX_FILE_BYTES) -> Pa
         UsageError: it is not installed (the message names close installed names), is another
             version, is not a wheel install, or keeps no file.
     """
-    match = _CORPUS_ENTRY.fullmatch(entry) if isinstance(entry, str) else None
-    if match is None:
-        raise ValueError(
-            f"packages entry {entry!r} is not {STDLIB_PACKAGES!r}, {INSTALLED_PACKAGES!r}, "
-            "'<distribution>' or '<distribution>==<version>' (e.g. 'sympy==1.14.0'); fix it."
-        )
+    match = _distribution_entry(entry)
     name, version = match["name"], match["version"]
     try:
         dist = importlib.metadata.distribution(name)
@@ -293,6 +288,36 @@ def distribution_package(entry: str, max_file_bytes: int = MAX_FILE_BYTES) -> Pa
     return package
 
 
+def _distribution_entry(entry: object) -> re.Match[str]:
+    """The match of a ``"name"`` or ``"name==version"`` entry; ``ValueError`` for another."""
+    match = _CORPUS_ENTRY.fullmatch(entry) if isinstance(entry, str) else None
+    if match is None:
+        raise ValueError(
+            f"packages entry {entry!r} is not {STDLIB_PACKAGES!r}, {INSTALLED_PACKAGES!r}, "
+            "'<distribution>' or '<distribution>==<version>' (e.g. 'sympy==1.14.0'); fix it."
+        )
+    return match
+
+
+def _package_entries(packages: str | Sequence[str]) -> list[str]:
+    """The entries of ``packages`` (one or a list), each of a known form and listed once;
+    ``ValueError`` naming the entry else (none is read here)."""
+    entries = [packages] if isinstance(packages, str) else list(packages)
+    if not entries:
+        raise ValueError(
+            f"packages is empty; give {STDLIB_PACKAGES!r}, {INSTALLED_PACKAGES!r} and/or "
+            "installed distributions such as 'sympy' or 'sympy==1.14.0'."
+        )
+    for entry in entries:
+        if entry not in (STDLIB_PACKAGES, INSTALLED_PACKAGES):
+            _distribution_entry(entry)
+    repeated = [entry for entry, count in Counter(entries).items() if count > 1]
+    if repeated:
+        raise ValueError(f"packages repeats the entry {', '.join(map(repr, repeated))}; list "
+                         "each entry once.")
+    return entries
+
+
 def _installed_names() -> list[str]:
     return sorted({canonical_name(d.name) for d in importlib.metadata.distributions() if d.name})
 
@@ -316,6 +341,21 @@ def _listing(names: Sequence[str]) -> str:
     return shown + (f" and {len(names) - _SHOWN_NAMES} more" if len(names) > _SHOWN_NAMES else "")
 
 
+def _check_held_out(held_out: object) -> None:
+    """``ValueError`` unless ``held_out`` is ``{"validation": [...], "test": [...]}`` with a
+    non-empty list of package names for each split (the names are checked against the
+    packages by :func:`held_out_splits`)."""
+    form = "held_out must be {validation: [<package>, ...], test: [<package>, ...]}"
+    if not isinstance(held_out, Mapping) or set(held_out) != set(HELD_OUT_SPLITS):
+        raise ValueError(f"{form}, got {held_out!r}.")
+    for split in HELD_OUT_SPLITS:
+        entries = held_out[split]
+        if not isinstance(entries, list | tuple) or not entries or not all(
+                isinstance(entry, str) for entry in entries):
+            raise ValueError(f"{form}: {split} must be a non-empty list of package names, got "
+                             f"{entries!r}.")
+
+
 def held_out_splits(held_out: object, names: Sequence[str]) -> dict[str, str]:
     """``{package name: "validation" or "test"}`` from ``held_out`` (``{"validation": [...],
     "test": [...]}``, names as in ``names``, distributions in any spelling).
@@ -325,17 +365,10 @@ def held_out_splits(held_out: object, names: Sequence[str]) -> dict[str, str]:
             package that is not in ``names`` (the message names close ones), names one twice,
             or holds every package out (none would be left to train on).
     """
-    form = "held_out must be {validation: [<package>, ...], test: [<package>, ...]}"
-    if not isinstance(held_out, Mapping) or set(held_out) != set(HELD_OUT_SPLITS):
-        raise ValueError(f"{form}, got {held_out!r}.")
+    _check_held_out(held_out)
     assigned: dict[str, str] = {}
     for split in HELD_OUT_SPLITS:
-        entries = held_out[split]
-        if not isinstance(entries, list | tuple) or not entries or not all(
-                isinstance(entry, str) for entry in entries):
-            raise ValueError(f"{form}: {split} must be a non-empty list of package names, got "
-                             f"{entries!r}.")
-        for entry in entries:
+        for entry in held_out[split]:
             name = canonical_name(entry)
             if name not in names:
                 raise ValueError(
@@ -394,26 +427,21 @@ def repository_source(
             split, every other in train; None splits by the hash of the names.
         val_fraction, test_fraction: the expected shares of packages in validation and test
             without ``held_out``.
-        max_file_bytes: larger files are left out.
+        max_file_bytes: a positive integer; larger files are left out.
 
     Raises:
-        ValueError: no entry, a malformed one, a package listed twice, bad fractions or a bad
-            ``held_out``.
+        ValueError: no entry, a malformed one, a package listed twice, bad fractions, a
+            ``max_file_bytes`` that is not a positive integer or a bad ``held_out`` (each
+            option checked before any package is read, whether or not it is used).
         UsageError: a distribution that cannot be read (:func:`distribution_package`), no
             installed one for ``"installed"``, or a split without a package.
     """
     check_fractions(val_fraction, test_fraction)
-    entries = [packages] if isinstance(packages, str) else list(packages)
-    if not entries:
-        raise ValueError(
-            f"packages is empty; give {STDLIB_PACKAGES!r}, {INSTALLED_PACKAGES!r} and/or "
-            "installed distributions such as 'sympy' or 'sympy==1.14.0'."
-        )
+    max_file_bytes = check_positive_int("max_file_bytes", max_file_bytes)
+    if held_out is not None:
+        _check_held_out(held_out)
+    entries = _package_entries(packages)
     found = [package for entry in entries for package in _entry_packages(entry, max_file_bytes)]
-    repeated = [entry for entry, count in Counter(entries).items() if count > 1]
-    if repeated:
-        raise ValueError(f"packages repeats the entry {', '.join(map(repr, repeated))}; list "
-                         "each entry once.")
     twice = sorted(name for name, count in Counter(p.name for p in found).items() if count > 1)
     if twice:
         why = (f" ({INSTALLED_PACKAGES!r} includes every installed distribution)"

@@ -38,6 +38,9 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "<|im_end|>")
 """Special tokens taken as the end of a document, in this order, when a ``tokenizer.json``
 alone is given (a folder's ``tokenizer_config.json`` names its own)."""
+RUN_TOKENIZER_FOLDER = "tokenizer"
+"""The run folder's copy of the data's subword tokenizer (``save_pretrained`` layout), written
+by the ``longnet`` command."""
 PAD_NAMES = ("<|pad|>", "<pad>", "[PAD]", "<|padding|>")
 
 
@@ -124,6 +127,65 @@ def _token_bytes(text: str, offsets: Sequence[tuple[int, int]]) -> np.ndarray:
     return np.diff(ends, prepend=0)
 
 
+ROUND_TRIP_CONTEXT = 20
+"""Characters of the text and of its decoding shown from their first difference."""
+ROUND_TRIP_FIX = (
+    "use a tokenizer that keeps every byte: a byte-level BPE trained on the data "
+    "(--data.init_args.tokenizer bpe:8192), or give yours byte fallback (the tokenizers "
+    "library: models.BPE(byte_fallback=True) or models.Unigram(vocab, byte_fallback=True) with "
+    "<0x00>..<0xFF> byte tokens and decoders.ByteFallback, and no normalizer that changes text)."
+)
+
+
+def check_round_trip(tokenizer: SubwordTokenizer, texts: Sequence[tuple[str, str]]) -> None:
+    """Refuse a tokenizer whose decoding of ``texts`` (``(what, text)`` pairs: a sample of the
+    training documents) does not give each text back: its bits per byte would count bytes of
+    text it cannot represent (``[UNK]``) or spaces it drops.
+
+    Raises:
+        UsageError: naming the tokenizer, the text, the first difference (position, line,
+            column, both sides), the unknown tokens among its ids and what to use instead.
+    """
+    for what, text in texts:
+        text = _encodable(text)
+        ids = tokenizer.backend.encode(text, add_special_tokens=False).ids
+        decoded = tokenizer.backend.decode(ids, skip_special_tokens=False)
+        if decoded != text:
+            raise UsageError(_round_trip_message(tokenizer, what, text, decoded, ids))
+
+
+def _round_trip_message(tokenizer: SubwordTokenizer, what: str, text: str, decoded: str,
+                        ids: Sequence[int]) -> str:
+    """Why ``tokenizer`` is refused: ``text`` (``what``) decodes from its ``ids`` as
+    ``decoded``."""
+    at = next((i for i, (a, b) in enumerate(zip(text, decoded)) if a != b),
+              min(len(text), len(decoded)))
+    line = text.count("\n", 0, at) + 1
+    column = at - (text.rfind("\n", 0, at) + 1) + 1
+    end = at + ROUND_TRIP_CONTEXT
+    unknown = _unknown_token(tokenizer.backend)
+    unknown_id = None if unknown is None else tokenizer.backend.token_to_id(unknown)
+    count = sum(1 for i in ids if i == unknown_id)
+    unknowns = (f"; {count} of its {len(ids)} tokens are the unknown token {unknown}"
+                if count else "")
+    return (
+        f"tokenizer {tokenizer.name} does not give back the training text, so its bits per "
+        f"byte would not measure that text: decoding {what} differs from it at character "
+        f"{at} (line {line}, column {column}): the text has {text[at:end]!r}, the decoding "
+        f"{decoded[at:end]!r}{unknowns}. Refused: {ROUND_TRIP_FIX}"
+    )
+
+
+def _unknown_token(backend: Tokenizer) -> str | None:
+    """The token of unknown text of ``backend``'s model (WordPiece, BPE: ``unk_token``;
+    Unigram: the piece at ``unk_id``), None without one."""
+    model = json.loads(backend.to_str()).get("model", {})
+    if model.get("unk_token"):
+        return model["unk_token"]
+    index, vocab = model.get("unk_id"), model.get("vocab")
+    return vocab[index][0] if isinstance(index, int) and isinstance(vocab, list) else None
+
+
 def tokenizer_config(eos_token: str, pad_token: str) -> dict[str, object]:
     """The ``tokenizer_config.json`` of a tokenizer written here: ``PreTrainedTokenizerFast``
     with these special tokens (what ``AutoTokenizer`` reads)."""
@@ -189,10 +251,13 @@ def load_tokenizer_folder(folder: str | Path) -> SubwordTokenizer:
     missing = [name for name in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)
                if not (folder / name).is_file()]
     if missing:
+        run = folder / RUN_TOKENIZER_FOLDER
+        inside = (f"it is a training run's folder: its tokenizer is {run}. "
+                  if (run / TOKENIZER_FILE).is_file() else "")
         raise UsageError(
-            f"tokenizer folder {folder} lacks {' and '.join(missing)}; give a folder written "
-            "by tokenizer.save_pretrained(folder) (a model folder of longnet or transformers "
-            "with its tokenizer), or the tokenizer.json file itself."
+            f"tokenizer folder {folder} lacks {' and '.join(missing)}; {inside}give a folder "
+            "written by tokenizer.save_pretrained(folder) (a model folder of longnet or "
+            "transformers with its tokenizer), or the tokenizer.json file itself."
         )
     try:
         from transformers import AutoTokenizer, PreTrainedConfig
@@ -216,8 +281,7 @@ def load_tokenizer_folder(folder: str | Path) -> SubwordTokenizer:
             f"tokenizer folder {folder} has {what}; longnet needs a fast (tokenizers) tokenizer "
             f"with an eos_token in {TOKENIZER_CONFIG_FILE}."
         )
-    files = {path.name: path.read_text(encoding="utf-8") for path in sorted(folder.iterdir())
-             if path.is_file() and path.name in _SAVED_FILES}
+    files = folder_tokenizer_files(folder)
     pad = loaded.pad_token_id if loaded.pad_token_id is not None else loaded.eos_token_id
     return SubwordTokenizer(backend, loaded.eos_token_id, pad, files, str(folder))
 
@@ -226,6 +290,13 @@ _SAVED_FILES = frozenset({TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, "special_tokens
                           "added_tokens.json", "chat_template.jinja", "vocab.json",
                           "merges.txt"})
 """The tokenizer files of a folder that travel with the data (``save_pretrained``'s)."""
+
+
+def folder_tokenizer_files(folder: str | Path) -> dict[str, str]:
+    """File name -> text of the tokenizer files ``folder`` holds (``save_pretrained``'s
+    layout; none: ``{}``)."""
+    return {path.name: path.read_text(encoding="utf-8") for path in sorted(Path(folder).iterdir())
+            if path.is_file() and path.name in _SAVED_FILES}
 
 
 def _model_type(folder: Path) -> str | None:

@@ -26,6 +26,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from longnet.data.cache import build_once, fingerprint
 from longnet.data.subword import (
+    TOKENIZER_CONFIG_FILE,
     TOKENIZER_FILE,
     SubwordTokenizer,
     from_backend,
@@ -33,7 +34,7 @@ from longnet.data.subword import (
     load_tokenizer_json,
 )
 from longnet.data.tokenizer import ByteTokenizer
-from longnet.modeling.hub import resolve_model_dir
+from longnet.modeling.hub import resolve_model_dir, unmaterialized_hint
 from longnet.validation import UsageError, is_int
 
 BYTES = "bytes"
@@ -48,6 +49,13 @@ MAX_VOCAB = 2**20
 BPE_FORMAT_VERSION = 1
 INFO_FILE = "info.json"
 
+TOKENIZER_FORMS = (
+    f"give a {TOKENIZER_FILE} file (Tokenizer.save(path)), a tokenizer folder holding "
+    f"{TOKENIZER_FILE} and {TOKENIZER_CONFIG_FILE} (tokenizer.save_pretrained(folder), as a "
+    "model folder holds them), 'bytes', 'bpe:<vocab size>' (e.g. 'bpe:8192') or a zoo name."
+)
+"""What the ``tokenizer`` option takes, for messages."""
+
 Tokenizers = ByteTokenizer | SubwordTokenizer
 
 
@@ -58,7 +66,7 @@ class TokenizerChoice:
     Attributes:
         kind: ``"bytes"``, ``"bpe"``, ``"file"`` (a ``tokenizer.json``) or ``"folder"``.
         bpe_vocab_size: the BPE's vocabulary (``"bpe"`` only).
-        path: the file or folder (``"file"``/``"folder"``).
+        path: the file or folder given (``"file"``/``"folder"``; None for a zoo name).
         loaded: the tokenizer, for every kind but ``"bpe"`` (trained by :meth:`resolve`).
     """
 
@@ -93,8 +101,9 @@ def parse_tokenizer(value: str | None) -> TokenizerChoice:
 
     Raises:
         UsageError: a BPE size outside ``[MIN_BPE_VOCAB, MAX_VOCAB]``, a file that is not a
-            tokenizer, a folder without tokenizer files, a name that is neither (each message
-            names the value and what to give instead).
+            tokenizer, a folder without tokenizer files, a path that does not exist, a name
+            that is neither or a zoo entry not materialized here (:func:`zoo_tokenizer`; each
+            message names the value and what to give instead).
     """
     if value is None or value == BYTES:
         return TokenizerChoice(BYTES, loaded=ByteTokenizer())
@@ -105,23 +114,36 @@ def parse_tokenizer(value: str | None) -> TokenizerChoice:
     path = Path(value).expanduser()
     if path.is_file():
         choice = TokenizerChoice("file", path=path, loaded=load_tokenizer_json(path))
-    elif path.is_dir() and (path / TOKENIZER_FILE).is_file():
+    elif path.is_dir():
         choice = TokenizerChoice("folder", path=path, loaded=load_tokenizer_folder(path))
+    elif "/" in value or value.endswith(".json"):
+        raise UsageError(f"tokenizer {value!r}: no such file or folder; {TOKENIZER_FORMS}")
     else:
-        try:
-            folder = resolve_model_dir(value)
-        except FileNotFoundError as err:
-            raise UsageError(
-                f"tokenizer {value!r} is not 'bytes', 'bpe:<vocab size>', a tokenizer.json, a "
-                f"tokenizer folder or a model: {err}"
-            ) from None
-        # named as asked: a zoo name, which checkpoints can record instead of its files
-        choice = TokenizerChoice("folder", path=folder,
-                                 loaded=replace(load_tokenizer_folder(folder), name=value))
+        choice = TokenizerChoice("folder", loaded=zoo_tokenizer(value))
     if choice.vocab_size > MAX_VOCAB:
         raise UsageError(f"tokenizer {value}: {choice.vocab_size} ids, above the {MAX_VOCAB} "
                          "the data stores; use a smaller vocabulary.")
     return choice
+
+
+def zoo_tokenizer(name: str) -> SubwordTokenizer:
+    """The tokenizer of the zoo model ``name`` (its folder's files; an entry whose weights come
+    from an installed distribution is materialized on first use), named as asked: checkpoints
+    can record the name instead of the files.
+
+    Raises:
+        UsageError: an unknown name, an entry not materialized here (what to install, as
+            ``longnet.hf.load_tokenizer`` says), or a folder without tokenizer files.
+    """
+    try:
+        folder = resolve_model_dir(name)
+    except FileNotFoundError as err:
+        raise UsageError(f"tokenizer {name!r} is not 'bytes', 'bpe:<vocab size>', a "
+                         f"tokenizer.json, a tokenizer folder or a model: {err}") from None
+    hint = unmaterialized_hint(folder)
+    if hint is not None:
+        raise UsageError(f"tokenizer {name!r}: {hint}")
+    return replace(load_tokenizer_folder(folder), name=name)
 
 
 def _bpe_size(value: str) -> int:

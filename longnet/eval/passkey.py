@@ -129,6 +129,7 @@ def check_passkey_grid(
 def answer_examples(
     model: LongNetLM, examples: Sequence[PasskeyExample], batch_size: int = 1,
     tokenizer: ByteTokenizer | SubwordTokenizer | None = None,
+    on_answered: Callable[[int], object] | None = None,
 ) -> list[str]:
     """Greedy answers: ``len(answer) + 1`` generated tokens per example (one more for a
     subword tokenizer), decoded to text.
@@ -136,7 +137,9 @@ def answer_examples(
     Prompts are encoded with ``tokenizer`` (None: bytes; a subword tokenizer reads them
     without their trailing spaces, :func:`prompt_text`, and the spaces the model generates
     first are dropped from its answer); those of equal token length (all of one grid cell for
-    bytes) run ``batch_size`` at a time, in example order within a length.
+    bytes) run ``batch_size`` at a time, in example order within a length. ``on_answered``
+    is called with the number of examples of each batch once it is answered (a progress
+    bar's ``update``).
     """
     check_positive_int("batch_size", batch_size)
     tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
@@ -157,6 +160,8 @@ def answer_examples(
             for i, row in zip(batch, out):
                 text, held = tokenizer.decode(row[inputs.shape[1]:].tolist()), texts[i][1]
                 answers[i] = text[len(held):] if held and text.startswith(held) else text
+            if on_answered is not None:
+                on_answered(len(batch))
     return answers
 
 
@@ -186,8 +191,11 @@ def evaluate_passkey(
     """Accuracy for every ``(length, depth)`` cell, lengths (in bytes) outer, depths inner;
     prompts in ``tokenizer``'s tokens (None: bytes; ``LoadedModel.tokenizer``).
 
-    The examples of a cell depend only on ``(seed, length, depth, num_digits)``. Each
-    outcome's :func:`visibility` is that of the model's pattern and query heads.
+    The examples of a cell depend only on ``(seed, length, depth, num_digits)``, so a grid
+    evaluated one length at a time gives the same cells. Each outcome's :func:`visibility`
+    is that of the model's pattern and query heads. ``progress`` shows a tqdm bar per length
+    (on stderr; a string is its description, followed by ``@ <length>``) counting the
+    examples answered.
 
     Raises:
         ValueError: a byte tokenizer for a model whose vocabulary is not 256 (give its own).
@@ -203,21 +211,28 @@ def evaluate_passkey(
     for length in lengths:
         check_context_length(length, model)
     cells = []
-    grid = [(length, depth) for length in lengths for depth in depths]
     desc = progress if isinstance(progress, str) else "passkey"
-    for length, depth in tqdm(grid, desc=desc, disable=not progress, unit="cell", leave=False):
-        examples = passkey_examples(num_examples, length, depth, seed, num_digits)
-        generated = answer_examples(model, examples, batch_size, tokenizer)
-        outcomes = []
-        for example, text in zip(examples, generated):
-            key, query = copy_positions(example, tokenizer)
-            outcomes.append(PasskeyOutcome(
-                example.answer, text, example.depth, example.needle_distance,
-                passkey_match(text, example.answer),
-                len(tokenizer.encode(prompt_text(example.prompt, tokenizer)[0])), query - key,
-                visibility(model.config.pattern, model.config.num_heads, query, key)))
-        cells.append(PasskeyCell(length=length, depth=depth, outcomes=tuple(outcomes)))
+    for length in lengths:
+        with tqdm(total=len(depths) * num_examples, desc=f"{desc} @ {length}",
+                  disable=not progress, unit="example", leave=False) as bar:
+            for depth in depths:
+                examples = passkey_examples(num_examples, length, depth, seed, num_digits)
+                generated = answer_examples(model, examples, batch_size, tokenizer, bar.update)
+                cells.append(PasskeyCell(length=length, depth=depth, outcomes=tuple(
+                    _outcome(model, example, text, tokenizer)
+                    for example, text in zip(examples, generated))))
     return cells
+
+
+def _outcome(model: LongNetLM, example: PasskeyExample, generated: str,
+             tokenizer: ByteTokenizer | SubwordTokenizer) -> PasskeyOutcome:
+    """The outcome of ``example`` whose answer the model generated as ``generated``."""
+    key, query = copy_positions(example, tokenizer)
+    return PasskeyOutcome(
+        example.answer, generated, example.depth, example.needle_distance,
+        passkey_match(generated, example.answer),
+        len(tokenizer.encode(prompt_text(example.prompt, tokenizer)[0])), query - key,
+        visibility(model.config.pattern, model.config.num_heads, query, key))
 
 
 def copy_positions(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,11 +46,16 @@ def score_models(
     stride: int | float | None = None,
     batch_size: int = 1,
     progress: bool = False,
+    on_score: Callable[[ContextScore], None] | None = None,
 ) -> list[ContextScore]:
     """Score every document with every model at every context length (models outer), keeping
     the per-target NLLs. ``documents`` are bytes (``load_eval_documents``); each model reads
     them in its own tokenizer's tokens (``LoadedModel.tokenizer``), so every model is scored
-    on the same bytes. Every length is checked against every model before any work."""
+    on the same bytes. Every length is checked against every model before any work.
+
+    ``progress`` shows a tqdm bar per model and context length (``"<label> @ <length>"``, on
+    stderr); ``on_score`` is called with each score as soon as it is computed (to write the
+    results so far, so an interrupted run keeps them)."""
     if not context_lengths:
         raise ValueError("give at least one context length.")
     for item in models:
@@ -72,6 +77,8 @@ def score_models(
                 progress=f"{item.label} @ {length}" if progress else False,
             )
             scores.append(ContextScore(item, result, round(time.perf_counter() - started, 2)))
+            if on_score is not None:
+                on_score(scores[-1])
     return scores
 
 

@@ -124,10 +124,10 @@ def local_model_dir(source: str | os.PathLike, subfolder: str = "") -> Path | No
     :func:`longnet.modeling.resolve_model_dir` (a folder without ``config.json``, such as a
     training run's, or a ``.ckpt`` file raise ``FileNotFoundError`` saying what to load
     instead), or a zoo name's folder (materialized on first use for an entry whose weights
-    come from an installed distribution: :func:`longnet.hf.pretrained.materialize`); None
-    for a name that is neither (a Hub id) and for a
-    ``.json`` file (a config file, which ``transformers`` reads as one), left to
-    ``transformers``."""
+    come from an installed distribution:
+    :func:`longnet.hf.pretrained.materialize`); None for a name that is neither
+    (a Hub id) and for a ``.json`` file (a config file, which ``transformers`` reads as one),
+    left to ``transformers``."""
     path = Path(source, subfolder)
     if path.is_file() and path.suffix == ".json":
         return None

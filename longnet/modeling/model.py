@@ -303,12 +303,15 @@ class LongNetPreTrained(nn.Module):
         return sum(seen.values())
 
     # ------------------------------------------------------------------ pretrained I/O
-    def save_pretrained(self, directory: str | Path, *, name: str | None = None) -> Path:
+    def save_pretrained(self, directory: str | Path, *, name: str | None = None,
+                        overwrite: bool = False) -> Path:
         """Write ``config.json``, ``model.safetensors`` and a ``README.md`` card (and, for a
         byte-level model, the tokenizer files) into ``directory``, atomically: a concurrent
         :meth:`from_pretrained` sees the old model or the new one, and a failed or killed save
-        leaves the old folder (:func:`longnet.modeling.pretrained.save_pretrained`)."""
-        return pretrained.save_pretrained(self, directory, name=name)
+        leaves the old folder (:func:`longnet.modeling.pretrained.save_pretrained`). A
+        ``directory`` that holds a model or checkpoint is refused
+        (:class:`~longnet.validation.UsageError`) unless ``overwrite``."""
+        return pretrained.save_pretrained(self, directory, name=name, overwrite=overwrite)
 
     @classmethod
     def from_pretrained(

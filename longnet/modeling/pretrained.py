@@ -9,15 +9,27 @@ subclass joins when it is defined.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
 from torch import nn
 
-from longnet.files import check_path_given, open_files, replace_folder, write_atomic
+from longnet.files import (
+    check_path_given,
+    check_target,
+    open_files,
+    replace_folder,
+    write_atomic,
+)
 from longnet.modeling.config import CONFIG_NAME, MODEL_TYPE, LongNetConfig, check_saved_fields
-from longnet.modeling.hub import WEIGHTS_FROM, external_weights_hint, resolve_model_dir
+from longnet.modeling.hub import (
+    WEIGHTS_FROM,
+    external_weights_hint,
+    materialized_dir,
+    resolve_model_dir,
+)
 from longnet.modeling.importers import import_hf_checkpoint, is_hf_config
 from longnet.modeling.serialization import (
     WEIGHTS_NAME,
@@ -131,7 +143,8 @@ def model_card(
     return f"{card}\n{details.strip()}\n" if details.strip() else card
 
 
-def save_pretrained(model: nn.Module, directory: str | Path, name: str | None = None) -> Path:
+def save_pretrained(model: nn.Module, directory: str | Path, name: str | None = None, *,
+                    overwrite: bool = False) -> Path:
     """Write the ``config.json`` (with the architecture), ``model.safetensors``, ``README.md``
     and, for a byte-level model, the tokenizer files (:mod:`longnet.modeling.tokenizer_files`)
     of ``model`` (a ``LongNetPreTrained``); returns ``directory``.
@@ -143,9 +156,12 @@ def save_pretrained(model: nn.Module, directory: str | Path, name: str | None = 
     kept; the old version's :data:`SAVED_FILES` are not, except the tokenizer files when
     ``model`` is not byte-level and the folder held a model of the same vocabulary size (an
     imported model's own tokenizer, ``longnet.hf.import_pretrained``, kept when the model is
-    saved again after fine-tuning). An empty ``directory``, the current folder and a folder
-    holding it are refused (:class:`~longnet.validation.UsageError`).
+    saved again after fine-tuning). A ``directory`` that holds a model or checkpoint
+    (:func:`longnet.files.held_model`) is refused unless ``overwrite``, and so are an empty
+    ``directory``, the current folder and a folder holding it
+    (:class:`~longnet.validation.UsageError`, before anything is written).
     """
+    check_target(directory, overwrite=overwrite, what="save_pretrained directory")
     architecture = type(model).__name__
     data = {"architecture": architecture, **model.config.to_dict()}
     card = model_card(
@@ -231,7 +247,7 @@ def from_pretrained(
                     f"from_pretrained({str(name_or_dir)!r}))."
                 )
             source = str(folder / WEIGHTS_NAME)
-            tensors = parse_safetensors(files[WEIGHTS_NAME].read(), source)
+            tensors = _read_weights(files[WEIGHTS_NAME].read(), folder)
     model = cls(config)
     if dtype is not None:
         model = model.to(dtype)
@@ -244,6 +260,29 @@ def from_pretrained(
         }
     load_state_checked(model, tensors, source=source)
     return model.eval()
+
+
+def _read_weights(data: bytes, folder: Path) -> dict[str, torch.Tensor]:
+    """The tensors of ``folder``'s weights file, whose bytes are ``data``.
+
+    Raises:
+        ValueError: a damaged file (``parse_safetensors``); for an entry of the user cache (a
+            zoo entry materialized from another distribution) the message says to delete the
+            entry, which the next use imports again.
+    """
+    path = folder / WEIGHTS_NAME
+    try:
+        return parse_safetensors(data, path)
+    except ValueError as err:
+        cached = Path(os.path.realpath(materialized_dir(folder.name)))
+        if Path(os.path.realpath(folder)) != cached:
+            raise
+        raise ValueError(
+            f"{err.args[0].split('; it is')[0]}: the cached import of {folder.name} is damaged "
+            f"(cut short by a copy, a full disk or a kill). To import it again, delete {folder} "
+            f"and load {folder.name!r} again, or run python scripts/import_pretrained.py "
+            f"{folder.name} (longnet.hf.materialize({folder.name!r}, force=True))."
+        ) from None
 
 
 def parameter_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:

@@ -7,8 +7,10 @@ that many steps (the warmup does not depend on the length, so the run is the one
 ``max_steps`` of the planned count would give). A rate measured over a few dozen steps can be
 that of a slow or fast patch of the machine (a neighbour's job, a validation), so the plan is
 made again at fixed shares of itself from the rate since the last plan, the decay re-laid from
-there with the learning rate continuous. The plans are part of the checkpoint: a resumed run
-keeps them, so a run is deterministic given its plans.
+there with the learning rate continuous. Between those points the clock is read after every
+step: a machine that slows down after a plan is planned for again as soon as its rate says the
+plan would end late, and training stops at the first step that ends past the budget. The plans
+are part of the checkpoint: a resumed run keeps them, so a run is deterministic given its plans.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from longnet.validation import UsageError, check_non_negative_int, check_positiv
 
 REPLAN_AT = (0.25, 0.5, 0.75, 0.9)
 """The shares of the plan at which :class:`TimeBudget` plans again, by default."""
+LATE_SHARE = 0.05
+"""How late (a share of the budget) the rate since the last plan may say a plan ends before
+:class:`TimeBudget` plans again between its shares."""
 
 
 class TimeBudget(L.Callback):
@@ -43,6 +48,13 @@ class TimeBudget(L.Callback):
     test, and the time a run was stopped are not in the budget. One log line says each plan
     and why (a re-plan only when it changes the count); with several ranks, rank 0's plan is
     used by all.
+
+    The clock is also read after every step between those shares, so a machine that slows
+    down after the last plan cannot overrun the budget by minutes: once ``measure_steps`` steps
+    are timed since the last plan, a rate that says the plan would end more than
+    :data:`LATE_SHARE` of the budget late plans again at once; and training stops (the plan
+    becomes the current step, with one log line) after the first step that ends past the
+    budget, at most one step late.
 
     Resuming (``--ckpt_path last``) keeps the plans, also from a run stopped before its first
     plan (that plan is then made after the resume, from the steps timed then). A resumed run
@@ -121,9 +133,40 @@ class TimeBudget(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
-        if step != self._plan_at or (self.plans and step >= self.planned_steps):
+        if self.plans and (step >= self.planned_steps or self.extended):
             return
+        if step != self._plan_at:
+            if self.plans:
+                self._check_clock(trainer, pl_module, step)
+            return
+        self._plan(trainer, pl_module, step, self.clock())
+
+    def _check_clock(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
+        """Between the plan points: stop after a step that ends past the budget; plan again
+        when the rate since the last plan (over at least ``measure_steps`` steps) says the
+        plan would end more than :data:`LATE_SHARE` of the budget late. Rank 0 decides."""
         now = self.clock()
+        left = self.budget_s - (now - self._train_start)
+        timed = step - self._window_from
+        rate = timed / max(now - self._window_start, 1e-9)
+        late = (self.planned_steps - step) / max(rate, 1e-9) - left
+        verdict = 2 if left <= 0 else int(timed >= self.measure_steps
+                                          and late > LATE_SHARE * self.budget_s)
+        verdict = trainer.strategy.broadcast(verdict, src=0)
+        if verdict == 2:
+            rank_zero_info(
+                f"Time budget: spent after step {step:,} of the plan's {self.planned_steps:,} "
+                f"({rate:.2f} steps/s since step {self._window_from:,}, slower than planned); "
+                "training stops here.")
+            self.plans.append((step, step))
+            trainer.fit_loop.epoch_loop.max_steps = step
+        elif verdict == 1:
+            self._plan(trainer, pl_module, step, now)
+
+    def _plan(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int,
+              now: float) -> None:
+        """Plan the steps that fill the budget from the rate since ``_window_from``, lay the
+        learning-rate decay over them and time the next window."""
         rate = (step - self._window_from) / max(now - self._window_start, 1e-9)
         left = self.budget_s - (now - self._train_start)
         wanted = step + max(1, math.floor(rate * left))

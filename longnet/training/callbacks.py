@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from longnet.data.subword import SubwordTokenizer
-from longnet.files import check_output_folder, check_replaceable_folder, write_atomic
+from longnet.files import check_output_folder, check_target, write_atomic
 from longnet.modeling import LongNetLM
 from longnet.training.checkpoint import (
     MODEL_PREFIX,
@@ -30,7 +30,7 @@ from longnet.training.checkpoint import (
     load_lightning_checkpoint,
     read_checkpoint,
 )
-from longnet.training.lora import save_delta
+from longnet.training.lora import base_folder, save_delta
 from longnet.training.runs import RUN_ID_KEY
 from longnet.training.strategy import SequenceParallelLayout
 from longnet.validation import UsageError, check_positive_int
@@ -234,8 +234,11 @@ class ExportPretrained(L.Callback):
     ``AutoTokenizer.from_pretrained(dirpath)`` reads the same ids.
 
     A destination that cannot be written (a file, a folder that is not writable, or a parent
-    that cannot be created or written) stops ``fit`` when it starts (``setup``), before any
-    step, with a :class:`~longnet.validation.UsageError` naming it and the fix.
+    that cannot be created or written), or that is, holds or is inside a LoRA run's base,
+    stops ``fit`` when it starts (``setup``), before any step, with a
+    :class:`~longnet.validation.UsageError` naming it and the fix. The destination is the
+    run's own: a model there (this run's export before a resume) is replaced (``longnet fit``
+    refuses a run folder that holds another run).
 
     A ``fit`` that took no optimizer step (``max_steps: 0``, ``limit_train_batches: 0``,
     ``max_epochs: 0``, stopped before the first step) has no trained weights: nothing is
@@ -277,7 +280,9 @@ class ExportPretrained(L.Callback):
         if trainer.is_global_zero:
             try:
                 check_output_folder(target, what="ExportPretrained dirpath")
-                check_replaceable_folder(target, what="ExportPretrained dirpath")
+                base = getattr(pl_module, "lora_base", None)
+                check_target(target, overwrite=True, what="ExportPretrained dirpath", sources={
+                    "the LoRA base": base_folder(base["source"]) if base else None})
             except UsageError as err:
                 problem = str(err)
         problem = trainer.strategy.broadcast(problem)
@@ -307,7 +312,8 @@ class ExportPretrained(L.Callback):
                 hp = pl_module.hparams
                 save_delta(target, {name[len(MODEL_PREFIX):]: tensor
                                     for name, tensor in delta.items()},
-                           base=hp["pretrained"], settings=lora, overrides=hp.get("overrides"))
+                           base=hp["pretrained"], settings=lora, overrides=hp.get("overrides"),
+                           base_fingerprint=pl_module.lora_base["fingerprint"], overwrite=True)
             else:
                 if use_best:
                     export = load_lightning_checkpoint(best, config=model.config,
@@ -315,7 +321,7 @@ class ExportPretrained(L.Callback):
                 else:
                     export = LongNetLM(model.config)
                     export.load_state_dict(state)
-                export.save_pretrained(target)
+                export.save_pretrained(target, overwrite=True)
             tokenizer = getattr(getattr(trainer, "datamodule", None), "tokenizer", None)
             if isinstance(tokenizer, SubwordTokenizer):  # byte models carry their files already
                 tokenizer.save(target)

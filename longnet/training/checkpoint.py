@@ -11,7 +11,11 @@ writes them). A folder's ``.metadata`` (the shards' index) is a pickle that
 ``torch.distributed.checkpoint`` reads as such: load folders you trust.
 
 ``scripts/export_pretrained.py CKPT OUT`` writes a checkpoint's model as a
-``save_pretrained`` folder (:func:`export_pretrained`).
+``save_pretrained`` folder (:func:`export_pretrained`): into a temporary folder that then takes
+``OUT``'s place whole; an ``OUT`` that holds a model is replaced only when asked
+(``overwrite``), and one that is, holds or is inside the checkpoint or a LoRA run's base never
+(:func:`longnet.files.check_target`). A LoRA checkpoint is merged only into the base it was
+trained over (its recorded weights fingerprint: :func:`longnet.training.lora.check_same_base`).
 
 The model is rebuilt by :func:`longnet.training.builder.lm_config` from the arguments
 :class:`~longnet.training.CausalLMModule` stores in its hyper-parameters (``model``,
@@ -35,11 +39,19 @@ from torch.distributed.checkpoint.format_utils import (
 )
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from longnet.files import write_atomic
+from longnet.files import check_path_given, check_target, model_entries, replace_folder
 from longnet.modeling import LongNetConfig, LongNetLM, WeightsMismatchError
+from longnet.modeling.pretrained import SAVED_FILES
 from longnet.modeling.serialization import load_state_checked, unique_state_dict
 from longnet.training.builder import MODEL_SOURCES, build_lm, lm_config
-from longnet.training.lora import LoraSettings, merged_model
+from longnet.training.lora import (
+    LORA_BASE_KEY,
+    LoraSettings,
+    base_folder,
+    base_record,
+    check_same_base,
+    merged_model,
+)
 from longnet.training.vocabulary import TOKENIZER_KEY
 from longnet.validation import UsageError
 
@@ -222,13 +234,16 @@ def load_lightning_checkpoint(
             and :func:`lm_state_dict`.
         WeightsMismatchError: the weights do not fit the config (every missing, unexpected
             and mis-shaped tensor named).
+        UsageError: a LoRA checkpoint over another base than its recorded one
+            (:func:`merged_lora_model`).
     """
     path = Path(path)
     checkpoint = read_checkpoint(path)
     hparams = checkpoint.get("hyper_parameters") or {}
     if hparams.get("lora") is not None:
         model = merged_lora_model(hparams, checkpoint[STATE_DICT], source=str(path),
-                                  prefix=MODEL_PREFIX if prefix is None else prefix)
+                                  prefix=MODEL_PREFIX if prefix is None else prefix,
+                                  base=checkpoint.get(LORA_BASE_KEY))
         return (model if dtype is None else model.to(dtype)).eval()
     origin = "config given by the caller"
     if config is None:
@@ -248,13 +263,20 @@ def load_lightning_checkpoint(
 
 
 def merged_lora_model(hparams: Mapping[str, Any], state_dict: Mapping[str, Tensor], *,
-                      source: str, prefix: str = MODEL_PREFIX) -> LongNetLM:
+                      source: str, prefix: str = MODEL_PREFIX,
+                      base: Mapping[str, Any] | None = None) -> LongNetLM:
     """The model of a LoRA fine-tune: its ``pretrained`` base (with ``overrides``) and the
-    delta under ``prefix`` in ``state_dict`` merged into it."""
-    base = build_lm(pretrained=hparams["pretrained"], overrides=hparams.get("overrides"))
+    delta under ``prefix`` in ``state_dict`` merged into it.
+
+    Raises:
+        UsageError: ``base`` (the checkpoint's :data:`~longnet.training.lora.LORA_BASE_KEY`
+            record) names another weights fingerprint than the base built now's.
+    """
+    model = build_lm(pretrained=hparams["pretrained"], overrides=hparams.get("overrides"))
+    check_same_base(base, base_record(hparams["pretrained"], model), source)
     delta = {name[len(prefix):]: tensor for name, tensor in state_dict.items()
              if name.startswith(prefix)}
-    return merged_model(base, LoraSettings.from_mapping(hparams["lora"]), delta, source=source)
+    return merged_model(model, LoraSettings.from_mapping(hparams["lora"]), delta, source=source)
 
 
 def last_checkpoint(folder: str | Path, name: str = "last.ckpt") -> Path | None:
@@ -274,13 +296,31 @@ def last_checkpoint(folder: str | Path, name: str = "last.ckpt") -> Path | None:
     return None
 
 
-def export_pretrained(checkpoint: str | Path, target: str | Path) -> Path:
+def export_pretrained(checkpoint: str | Path, target: str | Path, *,
+                      overwrite: bool = False) -> Path:
     """Write the model of a Lightning checkpoint (file or folder of shards) to ``target``
     with ``save_pretrained``, and the tokenizer files the checkpoint recorded (a subword
-    tokenizer's; a byte model's are written by ``save_pretrained``); returns ``target``."""
+    tokenizer's; a byte model's are written by ``save_pretrained``), all swapped in at once;
+    returns ``target``.
+
+    Raises:
+        UsageError: before the model is built, a ``target`` that holds a model or checkpoint
+            (without ``overwrite``), or that is, holds or is inside ``checkpoint`` or a LoRA
+            run's base (even with ``overwrite``); as :func:`load_lightning_checkpoint`.
+    """
+    checkpoint = check_path_given(checkpoint, "CHECKPOINT")
+    sources = {"the checkpoint": checkpoint}
+    check_target(target, sources=sources, overwrite=True, what="OUTPUT")  # before reading it
+    entries = read_checkpoint(checkpoint, tensors=False)
+    hparams = entries.get("hyper_parameters") or {}
+    if hparams.get("lora") is not None:
+        sources["the LoRA base"] = base_folder(hparams.get("pretrained"))
+    check_target(target, sources=sources, overwrite=overwrite, what="OUTPUT")
     model = load_lightning_checkpoint(checkpoint)
-    model.save_pretrained(target)
-    record = read_checkpoint(checkpoint, tensors=False).get(TOKENIZER_KEY) or {}
-    for name, text in sorted(record.get("files", {}).items()):
-        write_atomic(Path(target) / name, text)
+    record = entries.get(TOKENIZER_KEY) or {}
+    with replace_folder(target, owned=model_entries(target) | set(SAVED_FILES),
+                        what="OUTPUT") as folder:
+        model.save_pretrained(folder, name=Path(target).name)
+        for name, text in sorted(record.get("files", {}).items()):
+            (folder / name).write_text(text)
     return Path(target)

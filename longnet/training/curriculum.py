@@ -31,6 +31,7 @@ from longnet.training.module import PASSKEY_ROWS, _datamodule_seq_len
 from longnet.training.strategy import SequenceParallelLayout
 from longnet.validation import (
     UsageError,
+    check_dropout,
     check_non_negative_int,
     check_positive_float,
     check_positive_int,
@@ -105,7 +106,8 @@ class LengthCurriculum(L.Callback):
         seed: seed of the examples and of the windows they replace.
 
     Raises:
-        ValueError: (here) malformed stages or passkey settings, naming the entry.
+        ValueError: (here) malformed stages or passkey settings, naming the entry; every
+            passkey setting is checked, whether or not ``passkey_fraction`` turns them on.
         UsageError: (``setup``) a stage length that does not divide the datamodule's, data
             with its own passkey examples, passkeys in a stage too short for them (naming the
             shortest length, in the data's tokens), a subword tokenizer not loaded yet, a
@@ -121,12 +123,11 @@ class LengthCurriculum(L.Callback):
         seed: int = 0,
     ) -> None:
         self.stages = _check_stages(stages)
-        if not 0.0 <= passkey_fraction < 1.0:
-            raise ValueError(f"passkey_fraction must be in [0, 1), got {passkey_fraction!r}.")
-        if passkey_fraction > 0:  # the stages' lengths at setup, in the data's tokens
-            check_passkey_options(passkey_label_mode, seed=seed)
-        self.passkey_fraction, self.passkey_label_mode, self.seed = (
-            passkey_fraction, passkey_label_mode, check_non_negative_int("seed", seed))
+        # every option, passkeys on or off; the stages' lengths at setup, in the data's tokens
+        self.passkey_fraction = check_dropout("passkey_fraction", passkey_fraction)
+        self.seed = check_non_negative_int("seed", seed)
+        check_passkey_options(passkey_label_mode, seed=seed)
+        self.passkey_label_mode = passkey_label_mode
         self._passkeys: dict[int, PasskeyDataset] = {}
         self._tokenizer: SubwordTokenizer | None = None
         self._configured_theta: float | None = None

@@ -18,6 +18,11 @@ on a fresh machine, continues from one of two handovers (``docs/long_context_gpu
   and the schedule and the data order continue from the recorded step.
 
 Neither depends on anything else the earlier chunk left behind (caches, run folders).
+
+Every writer here refuses, before any work, a target that holds a checkpoint, a pack or a
+handoff unless asked to replace it (``overwrite``), and one that is, holds or is inside what it
+reads, even then (:func:`longnet.files.check_target`); a checkpoint is replaced only by the same
+run's (run id, model shape). A refused or failed write leaves the target as it was.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import io
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +40,10 @@ import lightning as L
 import torch
 from safetensors.torch import save
 
-from longnet.files import check_path_given, replace_folder, write_atomic
+from longnet.files import check_path_given, check_target, replace_folder, write_atomic
 from longnet.modeling.serialization import parse_safetensors
 from longnet.training.checkpoint import STATE_DICT, read_checkpoint
+from longnet.training.lora import LORA_BASE_KEY
 from longnet.training.runs import RUN_ID_KEY, checkpoint_run_id
 from longnet.training.vocabulary import TOKENIZER_KEY, record_by_name, record_with_files
 from longnet.validation import UsageError, check_non_negative_int, check_positive_int, is_int
@@ -55,26 +61,29 @@ HANDOFF_FORMAT = "longnet-handoff"
 HANDOFF_ENTRIES = ("epoch", "global_step", "pytorch-lightning_version", "loops",
                    "lr_schedulers", "hparams_name", "hyper_parameters",
                    "datamodule_hparams_name", "datamodule_hyper_parameters", RUN_ID_KEY,
-                   TOKENIZER_KEY)
+                   TOKENIZER_KEY, LORA_BASE_KEY)
 """The checkpoint entries a compact handoff keeps as they are (plain values): what Lightning
 needs to resume ``fit`` at the recorded step (loops with the data position, schedulers), the
 module's and datamodule's hyper-parameters, the run id and the tokenizer (its fingerprint,
 checked on resume, and its files, which exports write; a zoo tokenizer's files are left out
-and read back from the zoo entry by name: 3.4 MB of JSON for SmolLM2's)."""
+and read back from the zoo entry by name: 3.4 MB of JSON for SmolLM2's) and a LoRA run's base
+(its weights fingerprint, checked on resume)."""
 
 
 # ---------------------------------------------------------------------- the full state
 def pack_state(checkpoint: str | Path, folder: str | Path, *,
-               max_shard_size: int = MAX_SHARD_SIZE, max_files: int = MAX_FILES) -> list[Path]:
+               max_shard_size: int = MAX_SHARD_SIZE, max_files: int = MAX_FILES,
+               overwrite: bool = False) -> list[Path]:
     """Cut the checkpoint file ``checkpoint`` into shards of at most ``max_shard_size`` bytes
     in ``folder``, next to ``index.json``; returns the files written (index first).
 
     ``folder`` is replaced whole (an earlier pack's shards do not survive); it must be absent,
-    empty or an earlier pack.
+    empty or, with ``overwrite``, an earlier pack.
 
     Raises:
         UsageError: ``checkpoint`` is not a Lightning checkpoint file, ``folder`` holds other
-            files, or the shards and the index would be more than ``max_files`` files.
+            files, an earlier pack (without ``overwrite``) or ``checkpoint``, or the shards
+            and the index would be more than ``max_files`` files.
     """
     check_positive_int("max_shard_size", max_shard_size)
     check_positive_int("max_files", max_files)
@@ -82,7 +91,7 @@ def pack_state(checkpoint: str | Path, folder: str | Path, *,
     if checkpoint.is_dir():
         raise UsageError(f"{checkpoint} is a folder of shards; pack_state takes a checkpoint "
                          "file (<run folder>/checkpoints/last.ckpt of a one-process run).")
-    old = _check_folder(folder, INDEX)
+    old = _check_folder(folder, INDEX, checkpoint, overwrite)
     step = read_checkpoint(checkpoint, tensors=False).get("global_step")
     data = checkpoint.read_bytes()
     count = max(1, math.ceil(len(data) / max_shard_size))
@@ -108,7 +117,7 @@ def pack_state(checkpoint: str | Path, folder: str | Path, *,
     return [folder / INDEX, *(folder / name for name in names)]
 
 
-def unpack_state(folder: str | Path, target: str | Path) -> Path:
+def unpack_state(folder: str | Path, target: str | Path, *, overwrite: bool = False) -> Path:
     """Put the checkpoint packed in ``folder`` (:func:`pack_state`) back together at
     ``target``, byte for byte (every shard's size and SHA-256 checked, and the whole file's);
     returns ``target``, written whole or not at all.
@@ -116,9 +125,11 @@ def unpack_state(folder: str | Path, target: str | Path) -> Path:
     Raises:
         FileNotFoundError: no ``index.json`` in ``folder``.
         UsageError: the index is not one :func:`pack_state` wrote, or a shard is missing,
-            of another size or damaged, or the whole is (the message names it).
+            of another size or damaged, or the whole is (the message names it); a ``target``
+            refused by :func:`_write_checkpoint` (a folder, an existing checkpoint without
+            ``overwrite``, another run's with it).
     """
-    return write_atomic(target, _state_bytes(Path(folder)))
+    return _write_checkpoint(Path(folder), target, _state_bytes, overwrite)
 
 
 def _state_bytes(folder: Path) -> bytes:
@@ -145,17 +156,19 @@ def _state_bytes(folder: Path) -> bytes:
 
 
 # ---------------------------------------------------------------------- the compact handoff
-def write_handoff(checkpoint: str | Path, folder: str | Path) -> list[Path]:
+def write_handoff(checkpoint: str | Path, folder: str | Path, *,
+                  overwrite: bool = False) -> list[Path]:
     """Write the compact handoff of the Lightning checkpoint ``checkpoint`` into ``folder``
     (replaced whole): ``weights.safetensors`` (the module's floating-point tensors in
     bfloat16, the others as they are) and ``handoff.json`` (module docstring); returns both.
 
     Raises:
         UsageError: ``checkpoint`` is not a Lightning checkpoint with optimizer states, or one
-            of the entries kept holds something other than plain values (JSON).
+            of the entries kept holds something other than plain values (JSON); ``folder``
+            holds other files, an earlier handoff (without ``overwrite``) or ``checkpoint``.
     """
     checkpoint = Path(checkpoint)
-    old = _check_folder(Path(folder), HANDOFF)
+    old = _check_folder(Path(folder), HANDOFF, checkpoint, overwrite)
     state = read_checkpoint(checkpoint)
     if not state.get("optimizer_states"):
         raise UsageError(f"{checkpoint} holds no optimizer state (a weights-only checkpoint): "
@@ -181,7 +194,8 @@ def write_handoff(checkpoint: str | Path, folder: str | Path) -> list[Path]:
     return [Path(folder) / WEIGHTS, Path(folder) / HANDOFF]
 
 
-def handoff_checkpoint(folder: str | Path, target: str | Path) -> Path:
+def handoff_checkpoint(folder: str | Path, target: str | Path, *,
+                       overwrite: bool = False) -> Path:
     """Write at ``target`` a Lightning checkpoint made from the compact handoff in ``folder``
     (:func:`write_handoff`): the weights widened back to their dtypes, the recorded step, data
     position, schedule, run id and callback states, and each optimizer's hyper-parameters
@@ -193,9 +207,35 @@ def handoff_checkpoint(folder: str | Path, target: str | Path) -> Path:
         UsageError: ``handoff.json`` is not one :func:`write_handoff` wrote, the weights
             are not the ones it records (size, SHA-256) or do not match its tensor list, or
             the zoo tokenizer it names cannot be read here as recorded
-            (``vocabulary.record_with_files``).
+            (``vocabulary.record_with_files``); a ``target`` refused by
+            :func:`_write_checkpoint` (a folder, an existing checkpoint without ``overwrite``,
+            another run's with it: ``start`` never replaces another run's only checkpoint).
     """
-    return write_atomic(target, _handoff_bytes(Path(folder)))
+    return _write_checkpoint(Path(folder), target, _handoff_bytes, overwrite)
+
+
+def _write_checkpoint(source: Path, target: str | Path, data_of: Callable[[Path], bytes],
+                      overwrite: bool) -> Path:
+    """Write at ``target`` the checkpoint ``data_of(source)`` makes; returns ``target``.
+
+    Refused before any work: a ``target`` that is a folder, that holds a file (unless
+    ``overwrite``) or that is a file of ``source`` (even then). With ``overwrite``, an existing
+    checkpoint is replaced only by the same run's (:func:`_check_same_run`); a file that is no
+    checkpoint is replaced.
+    """
+    existing = os.path.lexists(target)  # a new file next to the folder's own is no harm
+    target = check_target(target, sources={"the folder read": source} if existing else None,
+                          overwrite=overwrite, what="CHECKPOINT", kind="file")
+    data = data_of(source)
+    if target.is_file():
+        try:
+            mine = read_checkpoint(target)
+        except UsageError:  # no checkpoint: no run to keep
+            mine = None
+        if mine is not None:
+            theirs = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            _check_same_run(source, theirs, target, mine, target)
+    return write_atomic(target, data)
 
 
 def _handoff_bytes(folder: Path) -> bytes:
@@ -252,7 +292,7 @@ def restore_newest(target: str | Path, state: str | Path | None = None,
             :func:`unpack_state` and :func:`handoff_checkpoint`, or a ``target`` that is not a
             checkpoint.
     """
-    target = Path(target)
+    target = check_target(target, overwrite=True, what="CHECKPOINT", kind="file")
     found = []
     if target.is_file():
         step = read_checkpoint(target, tensors=False).get("global_step")
@@ -346,15 +386,18 @@ class Rewarmup(L.Callback):
 
 
 # ---------------------------------------------------------------------- helpers
-def _check_folder(folder: Path, marker: str) -> set[str]:
-    """Refuse a ``folder`` that is a file or that holds files and no ``marker`` (another
-    writer's folder; an earlier pack or handoff is replaced); returns its file names."""
+def _check_folder(folder: Path, marker: str, source: Path, overwrite: bool) -> set[str]:
+    """Refuse a ``folder`` that is a file, that holds files and no ``marker`` (another
+    writer's folder), that holds an earlier pack or handoff (one with ``marker``) and not
+    ``overwrite``, or that is, holds or is inside ``source`` (what is written there comes
+    from it); returns its file names."""
     if os.path.lexists(folder) and not folder.is_dir():
         raise UsageError(f"{folder} is a file, not a folder; give a folder path.")
     names = set(os.listdir(folder)) if folder.is_dir() else set()
     if names and marker not in names:
         raise UsageError(f"{folder} holds other files ({', '.join(sorted(names)[:4])}); give "
                          f"an empty or new folder, or one with an earlier {marker}.")
+    check_target(folder, sources={"the checkpoint": source}, overwrite=overwrite, what="FOLDER")
     return names
 
 

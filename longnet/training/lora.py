@@ -11,8 +11,9 @@ checkpoints (so ``last.ckpt``, the full-state pack and the compact handoff hold 
 the base weights being rebuilt from the ``pretrained`` source the hyper-parameters name),
 and its export (:func:`save_delta`) is a delta folder:
 
-- ``lora.json``: ``{"format": "longnet-lora", "base": <pretrained source>, "overrides":
-  {...}, "lora": {r, alpha, dropout, target_modules, train_norms, train_kv_conv}}``;
+- ``lora.json``: ``{"format": "longnet-lora", "base": <pretrained source>,
+  "base_fingerprint": <sha256>, "overrides": {...}, "lora": {r, alpha, dropout,
+  target_modules, train_norms, train_kv_conv}}``;
 - ``lora.safetensors``: the delta in bfloat16, named as in the adapted ``LongNetLM``
   (``model.layers.0.attn.q_proj.lora_A.default.weight``, ``model.layers.0.attn_norm.weight``);
 - the data's tokenizer files, as any export.
@@ -21,11 +22,20 @@ and its export (:func:`save_delta`) is a delta folder:
 ``merge_and_unload``: ``W + (alpha / r) B A``) into a plain ``save_pretrained`` folder that
 ``LongNetLM.from_pretrained`` loads. ``peft`` is imported only here, when LoRA is used (the
 ``pretrained`` extra installs it).
+
+A LoRA run is bound to its base: :func:`weights_fingerprint` of the base as it was built when
+the run started is recorded in the run's checkpoints and handoffs (:data:`LORA_BASE_KEY`) and
+in ``lora.json``; a resume, an export and a merge over a base whose fingerprint differs (the
+folder was replaced, or another source given) are refused, naming both
+(:func:`check_same_base`). Deltas and checkpoints written before the fingerprint was recorded
+are accepted as they are. No writer writes into the base's folder (:func:`base_folder`),
+``overwrite`` or not.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import shutil
 from collections.abc import Mapping
@@ -37,9 +47,11 @@ import torch
 from safetensors.torch import save
 from torch import Tensor, nn
 
-from longnet.files import replace_folder
-from longnet.modeling import LongNetLM
-from longnet.modeling.serialization import read_safetensors
+from longnet.files import check_target, model_entries, replace_folder
+from longnet.modeling import LongNetLM, list_models, models_dir
+from longnet.modeling.hub import materialized_dir
+from longnet.modeling.pretrained import SAVED_FILES
+from longnet.modeling.serialization import read_safetensors, unique_state_dict
 from longnet.nn.norm import RMSNorm
 from longnet.nn.short_conv import CausalShortConv
 from longnet.validation import UsageError, check_positive_float, check_positive_int
@@ -49,6 +61,9 @@ ADAPTER = "default"
 DELTA_CONFIG = "lora.json"
 DELTA_WEIGHTS = "lora.safetensors"
 DELTA_FORMAT = "longnet-lora"
+LORA_BASE_KEY = "longnet_lora_base"
+"""Top-level key of a LoRA run's checkpoints (kept by the compact handoff) that names its base:
+``{"source": <pretrained source>, "fingerprint": <weights_fingerprint>}``."""
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj", "gate_proj", "up_proj", "down_proj")
 """The linear projections of a ``LongNetLM`` block (attention, then gated MLP)."""
 
@@ -186,6 +201,64 @@ def apply_trainability(model: LongNetLM, settings: LoraSettings) -> None:
                 module.weight.requires_grad_(True)
 
 
+def weights_fingerprint(model: nn.Module) -> str:
+    """The SHA-256 (hex) of ``model``'s weights: each tensor of its ``state_dict`` (a tied one
+    once) in name order, as its name, dtype, shape and bytes. Taken of a LoRA base as
+    :func:`~longnet.training.builder.build_lm` builds it (``from_pretrained``: float32, the
+    overrides applied), it does not depend on the files' format (a LongNet folder, a Hugging
+    Face folder, a GGUF import) and costs one pass over the weights (about half a second for
+    135 M parameters)."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(unique_state_dict(model).items()):
+        data = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}\0{data.dtype}\0{tuple(data.shape)}\0".encode())
+        digest.update(data.reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def base_record(source: str, base: nn.Module) -> dict[str, str]:
+    """What a LoRA run records of its base (:data:`LORA_BASE_KEY`): the ``pretrained`` source
+    and the :func:`weights_fingerprint` of ``base``, built from it."""
+    return {"source": str(source), "fingerprint": weights_fingerprint(base)}
+
+
+def check_same_base(recorded: Mapping[str, Any] | None, current: Mapping[str, str],
+                    what: str) -> None:
+    """Refuse to resume, export or merge ``what`` (a checkpoint, a delta folder) over a base
+    other than the one it was trained over: ``recorded`` (its :func:`base_record`) against
+    ``current``, the base built now. No record, or one without a fingerprint (written before
+    it was recorded), is accepted.
+
+    Raises:
+        UsageError: the fingerprints differ; the message names both, with both sources.
+    """
+    fingerprint = (recorded or {}).get("fingerprint")
+    if not fingerprint or fingerprint == current["fingerprint"]:
+        return
+    raise UsageError(
+        f"{what} was trained over another base: its base {recorded.get('source')} had the "
+        f"weights fingerprint {recorded.get('fingerprint')}, the base {current['source']} "
+        f"built now has {current['fingerprint']}. Its delta over these weights would be "
+        "another model: give the base it was trained over (the same weights at "
+        f"{recorded.get('source')}), or start a new LoRA run over this base."
+    )
+
+
+def base_folder(source: str | None) -> Path | None:
+    """The folder a LoRA run's ``pretrained`` source names, which no writer may write into: a
+    folder given, or a zoo name's (its import in the user cache when its weights come from
+    another distribution); None when it names none here."""
+    if source is None:
+        return None
+    path = Path(source)
+    if path.is_dir():
+        return path
+    if "/" in str(source) or str(source) not in list_models():
+        return None
+    cached = materialized_dir(str(source))
+    return cached if cached.is_dir() else models_dir() / str(source)
+
+
 def check_delta_names(given: set[str], expected: set[str], source: str) -> None:
     """Refuse a delta whose tensor names are not the trainable ones of the adapted model."""
     if given != expected:
@@ -199,16 +272,25 @@ def check_delta_names(given: set[str], expected: set[str], source: str) -> None:
 
 def save_delta(folder: str | Path, delta: Mapping[str, Tensor], *, base: str,
                settings: LoraSettings, overrides: Mapping[str, Any] | None = None,
-               dtype: torch.dtype = torch.bfloat16) -> Path:
+               dtype: torch.dtype = torch.bfloat16, base_fingerprint: str | None = None,
+               overwrite: bool = False) -> Path:
     """Write the delta folder ``folder`` (replaced whole; module docstring): ``delta``'s
     floating-point tensors in ``dtype``, and ``lora.json`` naming ``base`` (the pretrained
-    source), its ``overrides`` and ``settings``; returns ``folder``."""
-    folder = Path(folder)
+    source), its ``base_fingerprint`` (:func:`weights_fingerprint`), ``overrides`` and
+    ``settings``; returns ``folder``.
+
+    Raises:
+        UsageError: ``folder`` holds a model or checkpoint and not ``overwrite``, or is, holds
+            or is inside the base's folder (:func:`base_folder`), before anything is written.
+    """
+    folder = check_target(folder, sources={"the LoRA base": base_folder(base)},
+                          overwrite=overwrite, what="delta folder")
     old = set(p.name for p in folder.iterdir()) if folder.is_dir() else set()
     tensors = {name: (t.detach().to(dtype) if t.is_floating_point() else t.detach())
                .contiguous().clone() for name, t in delta.items()}
     record = {"format": DELTA_FORMAT, "version": 1, "base": str(base),
-              "overrides": dict(overrides or {}), "lora": settings.as_dict()}
+              "base_fingerprint": base_fingerprint, "overrides": dict(overrides or {}),
+              "lora": settings.as_dict()}
     with replace_folder(folder, owned=old) as temp:
         (temp / DELTA_WEIGHTS).write_bytes(save(tensors, metadata={"format": "pt"}))
         (temp / DELTA_CONFIG).write_text(json.dumps(record, indent=2) + "\n")
@@ -234,20 +316,32 @@ def read_delta(folder: str | Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
     return record, read_safetensors(folder / DELTA_WEIGHTS)
 
 
-def merge_delta(folder: str | Path, output: str | Path) -> Path:
+def merge_delta(folder: str | Path, output: str | Path, *, overwrite: bool = False) -> Path:
     """Write the model of the delta folder ``folder`` merged into its base as the
     ``save_pretrained`` folder ``output`` (loadable with ``LongNetLM.from_pretrained``), with
-    the delta folder's other files (the tokenizer's); returns ``output``.
+    the delta folder's other files (the tokenizer's), swapped in whole when complete; returns
+    ``output``.
 
     Raises:
+        UsageError: before the base is built, an ``output`` that holds a model or checkpoint
+            (without ``overwrite``) or that is, holds or is inside ``folder`` or the base's
+            folder (even with ``overwrite``); a base whose fingerprint is not the one
+            ``lora.json`` records (:func:`check_same_base`).
         FileNotFoundError, UsageError: as :func:`read_delta` and :func:`merged_model`.
     """
     record, delta = read_delta(folder)
+    check_target(output, sources={"the source": folder,
+                                  "the LoRA base": base_folder(record["base"])},
+                 overwrite=overwrite, what="OUTPUT")
     base = LongNetLM.from_pretrained(record["base"], **record["overrides"])
+    recorded = {"source": record["base"], "fingerprint": record.get("base_fingerprint")}
+    check_same_base(recorded, base_record(record["base"], base), f"the delta {folder}")
     model = merged_model(base, LoraSettings.from_mapping(record["lora"]), delta,
                          source=str(Path(folder) / DELTA_WEIGHTS))
-    model.save_pretrained(output)
-    for path in sorted(Path(folder).iterdir()):
-        if path.is_file() and path.name not in (DELTA_CONFIG, DELTA_WEIGHTS):
-            shutil.copyfile(path, Path(output) / path.name)
+    with replace_folder(output, owned=model_entries(output) | set(SAVED_FILES),
+                        what="OUTPUT") as temp:
+        model.save_pretrained(temp, name=Path(output).name)
+        for path in sorted(Path(folder).iterdir()):
+            if path.is_file() and path.name not in (DELTA_CONFIG, DELTA_WEIGHTS):
+                shutil.copyfile(path, temp / path.name)
     return Path(output)

@@ -23,13 +23,22 @@ from longnet.modeling.model import document_labels
 from longnet.training.budget import TimeBudget
 from longnet.training.builder import build_lm
 from longnet.training.loaders import ResumableDataOrder
-from longnet.training.lora import LoraSettings, apply_lora, check_delta_names, trainable_names
+from longnet.training.lora import (
+    LORA_BASE_KEY,
+    LoraSettings,
+    apply_lora,
+    base_record,
+    check_delta_names,
+    check_same_base,
+    trainable_names,
+)
 from longnet.training.metrics import TokenAccuracy, TokenCrossEntropy, lm_summary
 from longnet.training.optim import build_optimizer, parameter_groups
 from longnet.training.sharding import check_window_shards
 from longnet.training.strategy import SequenceParallelLayout
 from longnet.training.vocabulary import (
     TOKENIZER_KEY,
+    check_pretrained_tokenizer,
     check_tokenizer_record,
     data_token_ids,
     fitted_overrides,
@@ -133,7 +142,9 @@ class CausalLMModule(L.LightningModule):
             with ``train_kv_conv``) are trained, optimized and kept
             in checkpoints (the delta: a resume rebuilds the base from ``pretrained``), and
             :class:`~longnet.training.ExportPretrained` writes the delta folder
-            (:mod:`longnet.training.lora`).
+            (:mod:`longnet.training.lora`). The base's source and weights fingerprint
+            (``lora_base``) go into every checkpoint: a resume over another base is
+            refused.
         kv_conv_learning_rate: the peak learning rate of the key/value convolutions' taps
             (``kv_conv_size``), scheduled as ``learning_rate`` is; None: ``learning_rate``.
             AdamW moves a parameter by about its learning rate a step, so a tap that must go
@@ -178,6 +189,8 @@ class CausalLMModule(L.LightningModule):
         self.model = build_lm(model, pretrained=pretrained, config=config, overrides=overrides)
         if gradient_checkpointing:
             self.model.set_gradient_checkpointing(True)
+        # a LoRA run's base: its source and weights fingerprint, before the adapters go in
+        self.lora_base = None if self.lora is None else base_record(pretrained, self.model)
         if self.lora is not None:
             apply_lora(self.model, self.lora)
         self.bytes_per_token = bytes_per_token
@@ -239,15 +252,19 @@ class CausalLMModule(L.LightningModule):
     def fit_tokenizer(self, datamodule: Any) -> None:
         """Give a fresh model the vocabulary and EOS/padding ids of ``datamodule``'s tokenizer
         (rebuilt with them as ``overrides``, also in the saved hyper-parameters); nothing for a
-        datamodule without a tokenizer choice or a model that has them already.
+        datamodule without a tokenizer choice or a model that has them already. Pretrained
+        weights keep their own and must read the data's tokenizer.
 
         Raises:
-            UsageError: pretrained weights of another vocabulary, or a config ``vocab_size``
-                below the tokenizer's (``vocabulary.fitted_overrides``).
+            UsageError: pretrained weights of another vocabulary or tokenizer, or a config
+                ``vocab_size`` below the tokenizer's (``vocabulary.fitted_overrides``,
+                ``vocabulary.check_pretrained_tokenizer``).
         """
         ids = data_token_ids(datamodule)
         overrides = None if ids is None else fitted_overrides(ids, self.model.config,
                                                               self.hparams)
+        check_pretrained_tokenizer(self.hparams.get("pretrained"), self.model.config,
+                                   getattr(datamodule, "tokenizer", None))
         if overrides is None:
             return
         hp = self.hparams
@@ -321,15 +338,21 @@ class CausalLMModule(L.LightningModule):
             checkpoint[RNG_KEY]["cuda"] = torch.cuda.get_rng_state()
         if self._tokenizer_record is not None:
             checkpoint[TOKENIZER_KEY] = self._tokenizer_record
+        if self.lora_base is not None:
+            checkpoint[LORA_BASE_KEY] = self.lora_base
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Refuse a checkpoint of another tokenizer than the data's; under ``64-true``, make the
+        """Refuse a checkpoint of another tokenizer than the data's, or a LoRA run's of another
+        base (``lora.check_same_base``); under ``64-true``, make the
         module float64 first (Lightning loads the weights before it converts the module, and
         the float32 module it loads them into would round them); restore the RNG state."""
         tokenizer = getattr(self._trainer.datamodule, "tokenizer", None) \
             if self._trainer is not None else None
         if tokenizer is not None:
             check_tokenizer_record(checkpoint.get(TOKENIZER_KEY), tokenizer)
+        if self.lora_base is not None:
+            where = getattr(self._trainer, "ckpt_path", None) or "the checkpoint"
+            check_same_base(checkpoint.get(LORA_BASE_KEY), self.lora_base, str(where))
         if self._trainer is not None and isinstance(self._trainer.precision_plugin,
                                                     DoublePrecision):
             self.double()

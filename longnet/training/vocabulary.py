@@ -1,5 +1,5 @@
 """The data's tokenizer meets the model: its vocabulary and special ids given to a fresh model
-(refused for pretrained weights of another vocabulary), recorded in every checkpoint (a
+(refused for pretrained weights of another vocabulary or tokenizer), recorded in every checkpoint (a
 resume with another tokenizer is refused) and counted in bytes for bits per byte."""
 
 from __future__ import annotations
@@ -11,9 +11,14 @@ import torch
 from torch import Tensor
 
 from longnet.constants import IGNORE_INDEX
-from longnet.data.subword import SubwordTokenizer, load_tokenizer_folder
+from longnet.data.subword import (
+    TOKENIZER_FILE,
+    SubwordTokenizer,
+    folder_tokenizer_files,
+    tokenizer_from_files,
+)
 from longnet.data.tokenizer import ByteTokenizer
-from longnet.data.tokenizer_choice import BYTES
+from longnet.data.tokenizer_choice import BYTES, zoo_tokenizer
 from longnet.modeling import LongNetConfig
 from longnet.modeling.hub import list_models, resolve_model_dir
 from longnet.validation import UsageError
@@ -81,6 +86,63 @@ def fitted_overrides(ids: TokenIds, config: LongNetConfig, hparams: Any) -> dict
                         "eos_token_id": ids.eos_id, "pad_token_id": ids.pad_id}
 
 
+def check_pretrained_tokenizer(pretrained: str | None, config: LongNetConfig,
+                               tokenizer: ByteTokenizer | SubwordTokenizer | None) -> None:
+    """Refuse ``pretrained`` weights (a zoo name or model folder, ``config`` their config) whose
+    own tokenizer is not the data's ``tokenizer``, as a resume refuses a checkpoint's: the
+    fingerprints of both tokenizers' files where the model folder holds a ``tokenizer.json``,
+    else the vocabulary size and the end-of-document and padding ids its config sets (byte data
+    needs a byte-level model). Nothing for a fresh model (``pretrained`` None) or a tokenizer
+    not known yet (None: a BPE before the data's setup).
+
+    Raises:
+        UsageError: naming both tokenizers, what differs and the fix.
+    """
+    if pretrained is None or tokenizer is None:
+        return
+    folder = resolve_model_dir(pretrained)
+    own_files = None if isinstance(tokenizer, ByteTokenizer) or not (
+        folder / TOKENIZER_FILE).is_file() else folder_tokenizer_files(folder)
+    if own_files is not None and own_files == dict(tokenizer.files):
+        return  # the model's own files (the data names its folder): nothing to read
+    own = _config_facts(config) if own_files is None else \
+        _tokenizer_facts(tokenizer_from_files(own_files, str(folder)))
+    data = _tokenizer_facts(tokenizer)
+    differ = [name for name, value in own.items() if value is not None and value != data[name]]
+    if not differ:
+        return
+    where = "its config" if own_files is None else f"{folder / TOKENIZER_FILE}"
+    raise UsageError(
+        f"the pretrained model {pretrained} reads its own tokenizer ({_described(own)}; "
+        f"{where}), but the data's tokenizer {getattr(tokenizer, 'name', BYTES)} has "
+        f"{_described(data)}: they differ in {', '.join(differ)}, so the weights would read "
+        f"other tokens than they learned. Set --data.init_args.tokenizer {pretrained} (the model's "
+        "own tokenizer), or train a fresh model (model: instead of pretrained:)."
+    )
+
+
+def _tokenizer_facts(tokenizer: ByteTokenizer | SubwordTokenizer) -> dict[str, Any]:
+    """What :func:`check_pretrained_tokenizer` compares of a tokenizer: ids, special ids and
+    the fingerprint of its files (read back as a model folder's are: the same files give the
+    same fingerprint however the tokenizer was loaded; None for bytes)."""
+    fingerprint = None if isinstance(tokenizer, ByteTokenizer) else \
+        tokenizer_from_files(tokenizer.files, tokenizer.name).fingerprint
+    return {"vocabulary size": tokenizer.vocab_size, "end-of-document id": tokenizer.eos_id,
+            "padding id": tokenizer.pad_id, "fingerprint": fingerprint}
+
+
+def _config_facts(config: LongNetConfig) -> dict[str, Any]:
+    """The facts of :func:`_tokenizer_facts` a model config sets (None: not set)."""
+    return {"vocabulary size": config.vocab_size, "end-of-document id": config.eos_token_id,
+            "padding id": config.pad_token_id, "fingerprint": None}
+
+
+def _described(facts: dict[str, Any]) -> str:
+    """``facts`` for a message: ``"270 ids, end-of-document id 0, ..."``."""
+    return ", ".join(f"{value} ids" if name == "vocabulary size" else f"{name} {value}"
+                     for name, value in facts.items() if value is not None)
+
+
 def tokenizer_record(tokenizer: ByteTokenizer | SubwordTokenizer) -> dict[str, Any]:
     """What a checkpoint keeps of the data's tokenizer: ``name``, ``fingerprint`` and the
     ``files`` of a subword tokenizer (``save_pretrained`` layout); ``{"name": "bytes"}``."""
@@ -99,7 +161,7 @@ def record_by_name(record: dict[str, Any]) -> dict[str, Any]:
     if "files" not in record or name not in list_models():
         return record
     try:
-        fingerprint = _zoo_tokenizer(name).fingerprint
+        fingerprint = zoo_tokenizer(name).fingerprint
     except (FileNotFoundError, UsageError):  # not readable here: the files stay
         return record
     if fingerprint != record.get("fingerprint"):
@@ -120,7 +182,7 @@ def record_with_files(record: dict[str, Any], source: str) -> dict[str, Any]:
         return record
     name, recorded = record["name"], record.get("fingerprint")
     try:
-        tokenizer = _zoo_tokenizer(name)
+        tokenizer = zoo_tokenizer(name)
     except (FileNotFoundError, UsageError) as err:
         raise UsageError(f"{source} records its tokenizer by the zoo name {name!r} "
                          f"(fingerprint {recorded}), which cannot be read here: {err}") from None
@@ -132,12 +194,6 @@ def record_with_files(record: dict[str, Any], source: str) -> dict[str, Any]:
             "trained with."
         )
     return {**record, "files": dict(tokenizer.files)}
-
-
-def _zoo_tokenizer(name: str) -> SubwordTokenizer:
-    """The tokenizer of the zoo entry ``name`` (materialized on its first use where its
-    weights come from an installed distribution and a materializer is registered)."""
-    return load_tokenizer_folder(resolve_model_dir(name))
 
 
 def check_tokenizer_record(record: dict[str, Any] | None,

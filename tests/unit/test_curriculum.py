@@ -183,6 +183,18 @@ def test_a_passkey_window_too_short_for_the_task_is_refused():
                          passkey_label_mode="answers")
 
 
+@pytest.mark.parametrize(("options", "message"), [
+    ({"passkey_label_mode": "everything"}, r"label_mode must be 'answer', 'recall' or 'all', "
+     r"got 'everything'"),
+    ({"seed": -1}, r"seed must be a non-negative integer, got -1"),
+    ({"passkey_fraction": "0.1"}, r"passkey_fraction must be a number in \[0, 1\), got '0.1'"),
+    ({"passkey_fraction": True}, r"passkey_fraction must be a number in \[0, 1\), got True"),
+])
+def test_passkey_options_are_checked_when_given_even_with_passkeys_off(options, message):
+    with pytest.raises(ValueError, match=message):
+        LengthCurriculum([{"step": 0, "seq_len": 16}], **options)
+
+
 def setup_with(data: dict, position_encoding: str = "xpos",
                stages: list | None = None, passkey_fraction: float = 0.0) -> LengthCurriculum:
     config = LongNetConfig(vocab_size=256, hidden_size=16, num_layers=1, num_heads=2,

@@ -267,6 +267,28 @@ def test_a_bad_held_out_is_refused_naming_it(site: Path, held_out, message) -> N
         repository_source(list(NAMES), held_out)
 
 
+@pytest.mark.parametrize("max_file_bytes", [-1, 0, 2.5, True, "1000"])
+def test_a_bad_max_file_bytes_is_refused_naming_it(site: Path, max_file_bytes) -> None:
+    with pytest.raises(ValueError, match=r"^max_file_bytes must be a positive integer, got "):
+        repository_source(list(NAMES), HELD_OUT, max_file_bytes=max_file_bytes)
+
+
+def test_malformed_entries_and_held_out_are_refused_before_any_package_is_read(site: Path,
+                                                                    monkeypatch) -> None:
+    def unread(*args, **kwargs):
+        raise AssertionError("the packages were read before the options were checked")
+
+    monkeypatch.setattr("longnet.data.repositories._entry_packages", unread)
+    with pytest.raises(ValueError, match=r"held_out must be .*, got \['beta'\]"):
+        repository_source(list(NAMES), ["beta"])
+    with pytest.raises(ValueError, match=r"validation must be a non-empty list"):
+        repository_source(list(NAMES), {"validation": [], "test": ["beta"]})
+    with pytest.raises(ValueError, match=r"packages entry 'alpha>=1' is not 'stdlib'"):
+        repository_source(["installed", "alpha>=1"], HELD_OUT)
+    with pytest.raises(ValueError, match=r"packages repeats the entry 'beta'"):
+        repository_source(["installed", "beta", "beta"], HELD_OUT)
+
+
 def test_a_split_the_names_leave_empty_is_refused(site: Path) -> None:
     with pytest.raises(UsageError, match=(
         r"2 packages \(alpha, beta\) give the (\w+ and )?\w+ split no package: a package goes "

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import csv
 import functools
+import importlib
 import importlib.util
 import json
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -291,3 +294,103 @@ def test_eval_scripts_score_a_bpe_model_and_a_byte_model_on_the_same_bytes(
     rows = read_csv(out / "passkey_visibility.csv")
     assert sorted((r["visibility"], r["examples"]) for r in rows) == sorted(
         (kind, str(kinds.count(kind))) for kind in set(kinds))
+
+
+# ------------------------------------------- progress and results written as they finish
+def write_documents(tmp_path: Path) -> str:
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for index in range(3):
+        (docs / f"d{index}.txt").write_text(f"def g{index}(y):\n    return y - {index}\n" * 4)
+    return str(docs / "*.txt")
+
+
+def fail_from_call(monkeypatch, target: str, calls: int) -> None:
+    """Make ``target`` (``module.function``) raise on its call number ``calls + 1``: an
+    interrupted run."""
+    module, name = target.rsplit(".", 1)
+    real, done = getattr(importlib.import_module(module), name), []
+
+    def counted(*args, **kwargs):
+        if len(done) == calls:
+            raise RuntimeError("interrupted")
+        done.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(target, counted)
+
+
+def test_an_interrupted_perplexity_run_keeps_the_rows_of_the_lengths_it_finished(
+        tmp_path: Path, tiny_model: Path, monkeypatch, capsys):
+    fail_from_call(monkeypatch, "longnet.eval.perplexity.score_documents", 1)
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="interrupted"):
+        script("eval_perplexity").main([
+            "--models", str(tiny_model), "--data-files", write_documents(tmp_path),
+            "--split", "all", "--context-lengths", "16", "64", "--by-position",
+            "--out", str(out), "--no-progress",
+        ])
+    rows = read_csv(out / "perplexity.csv")
+    assert [(r["model"], r["context_length"]) for r in rows] == [("tiny", "16")]
+    assert float(rows[0]["bits_per_byte"]) > 0
+    assert {r["context_length"] for r in read_csv(out / "positions.csv")} == {"16"}
+    assert not (out / "perplexity.png").exists() and not (out / "run.json").exists()
+    assert f"tiny @ 16: {float(rows[0]['bits_per_byte']):.4f} bits per byte" in (
+        capsys.readouterr().out)
+
+
+def test_an_interrupted_passkey_run_keeps_the_cells_of_the_lengths_it_finished(
+        tmp_path: Path, tiny_model: Path, monkeypatch):
+    fail_from_call(monkeypatch, "longnet.eval.passkey.answer_examples", 2)  # 2 depths a length
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="interrupted"):
+        script("eval_passkey").main([
+            "--models", str(tiny_model), "--lengths", "240", "300", "--depths", "0", "1",
+            "--num-examples", "2", "--out", str(out), "--no-progress",
+        ])
+    rows = read_csv(out / "passkey.csv")
+    assert [(r["context_length"], r["depth"]) for r in rows] == [("240", "0.0"), ("240", "1.0")]
+    assert len(read_csv(out / "passkey_generations.csv")) == 4
+    assert {r["context_length"] for r in read_csv(out / "passkey_visibility.csv")} == {"240"}
+    assert not (out / "passkey.png").exists() and not (out / "run.json").exists()
+
+
+def test_progress_bars_per_model_and_length_show_on_stderr_unless_hidden(
+        tmp_path: Path, tiny_model: Path, capsys):
+    files = write_documents(tmp_path)
+    perplexity = ["--models", str(tiny_model), "--data-files", files, "--split", "all",
+                  "--context-lengths", "16", "64", "--out", str(tmp_path / "p")]
+    passkey = ["--models", str(tiny_model), "--lengths", "240", "300", "--depths", "0", "1",
+               "--num-examples", "2", "--out", str(tmp_path / "k")]
+    for name, argv in (("eval_perplexity", perplexity), ("eval_passkey", passkey)):
+        assert script(name).main(argv) == 0
+    err = capsys.readouterr().err
+    for bar in ("tiny @ 16: ", "tiny @ 64: ", "passkey tiny @ 240: ", "passkey tiny @ 300: "):
+        assert bar in err
+    # a passkey length's bar counts its examples, 2 depths x 2 (drawn at 0 when it opens;
+    # later draws depend on tqdm's refresh interval)
+    assert "passkey tiny @ 240:   0%|          | 0/4 [" in err
+    for name, argv in (("eval_perplexity", perplexity), ("eval_passkey", passkey)):
+        assert script(name).main([*argv, "--no-progress"]) == 0
+    assert "tiny @" not in capsys.readouterr().err
+
+
+def test_an_interrupted_harness_run_keeps_the_rows_of_the_models_it_finished(
+        tmp_path: Path, tiny_model: Path, monkeypatch):
+    """lm-eval stood in for (it is an extra): the first model's rows, then an interruption."""
+    def evaluate_model(loaded, work_dir, **options):
+        if loaded.label == "b":
+            raise RuntimeError("interrupted")
+        return [{"model": loaded.label, "task": "niah_single_1", "length": 64, "examples": 1,
+                 "metric": "string_match_all", "value": 0.0, "seconds": 0.1}]
+
+    monkeypatch.setitem(sys.modules, "longnet.hf.harness", types.SimpleNamespace(
+        BPB_TASK="longnet_bpb", NIAH_TASKS=("niah_single_1",), evaluate_model=evaluate_model))
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="interrupted"):
+        script("eval_harness").main([
+            "--models", str(tiny_model), str(tiny_model), "--labels", "a", "b",
+            "--tasks", "niah_single_1", "--out", str(out), "--no-progress",
+        ])
+    assert [(r["model"], r["value"]) for r in read_csv(out / "harness.csv")] == [("a", "0.0")]
+    assert not (out / "run.json").exists()

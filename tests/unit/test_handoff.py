@@ -260,7 +260,9 @@ def test_pack_refuses_more_files_than_allowed_and_unpack_names_a_bad_shard(runs,
     (tmp_path / "other" / "notes.txt").write_text("mine")
     with pytest.raises(UsageError, match="other holds other files \\(notes.txt\\)"):
         pack_state(last, tmp_path / "other")
-    pack_state(last, tmp_path / "state", max_shard_size=1 << 20)  # one shard replaces many
+    with pytest.raises(UsageError, match="state already holds .*pass --overwrite"):
+        pack_state(last, tmp_path / "state", max_shard_size=1 << 20)
+    pack_state(last, tmp_path / "state", max_shard_size=1 << 20, overwrite=True)  # 1 for many
     assert sorted(p.name for p in (tmp_path / "state").iterdir()) == [
         INDEX, "state-00001-of-00001.bin"]
 

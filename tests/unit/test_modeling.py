@@ -384,7 +384,7 @@ def test_save_pretrained_files_get_the_umask_and_a_folder_keeps_its_mode(tmp_pat
     assert set(modes.values()) == {0o644} and len(modes) == 5
     assert stat.S_IMODE((tmp_path / "m").stat().st_mode) == 0o755
     (tmp_path / "m").chmod(0o700)
-    make_lm().save_pretrained(tmp_path / "m")
+    make_lm().save_pretrained(tmp_path / "m", overwrite=True)
     assert stat.S_IMODE((tmp_path / "m").stat().st_mode) == 0o700
 
 
@@ -395,7 +395,7 @@ def test_save_pretrained_replaces_its_own_files_and_keeps_others(tmp_path):
     (tmp_path / "m" / "notes.txt").write_text("mine")
     (tmp_path / "m" / "plots").mkdir()
     (tmp_path / "m" / "plots" / "a.png").write_bytes(b"png")
-    make_lm().save_pretrained(tmp_path / "m")
+    make_lm().save_pretrained(tmp_path / "m", overwrite=True)
     assert sorted(p.name for p in (tmp_path / "m").iterdir()) == [
         "README.md", "config.json", "model.safetensors", "notes.txt", "plots"]
     assert (tmp_path / "m" / "plots" / "a.png").read_bytes() == b"png"
@@ -413,7 +413,7 @@ def test_an_interrupted_save_leaves_the_previous_model(tmp_path, monkeypatch):
 
     monkeypatch.setattr("longnet.modeling.pretrained.save_weights", fail)
     with pytest.raises(KeyboardInterrupt):
-        make_lm(seed=2, hidden_size=64).save_pretrained(tmp_path / "m")
+        make_lm(seed=2, hidden_size=64).save_pretrained(tmp_path / "m", overwrite=True)
     loaded = LongNetLM.from_pretrained(tmp_path / "m")
     assert loaded.config == old.config
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(),
@@ -430,7 +430,7 @@ model = LongNetLM(LongNetConfig(hidden_size=8, num_layers=1, num_heads=1, max_po
 for version in range(first, first + rounds):
     model.config.extra["version"] = version
     torch.nn.init.constant_(model.model.final_norm.weight, version)
-    model.save_pretrained(folder)
+    model.save_pretrained(folder, overwrite=True)
 """
 
 

@@ -123,6 +123,41 @@ def test_a_slow_timing_window_is_corrected_with_the_rate_continuous(tmp_path, ca
     assert 0.1 * peak < last < 0.101 * peak  # min_lr_ratio 0.1
 
 
+def test_a_machine_slowed_after_the_last_plan_is_planned_for_at_once(tmp_path, caplog):
+    """One plan (step 3: 60 steps), then every step from 20 on takes 1 s instead of 0.5 s. The
+    clock read after each step plans again at step 20 (the rate since step 3 says the plan ends
+    1.7 s late, past 5 % of 30 s: 56 steps) and at step 22 (1 step/s: 39 steps), which ends at
+    29.5 s; without the reads the run trains 60 steps in 50.5 s."""
+    config = write_config(tmp_path / "c.yaml", tmp_path / "cache",
+                          budget(replan_at=[], slow_steps=list(range(20, 100)), slow_seconds=1.0),
+                          steps=1000, val_every=1000)
+    assert main(run_args(config, tmp_path, "run")) == 0
+    checkpoint = load(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    state = checkpoint["callbacks"]["SteppedBudget"]
+    assert checkpoint["global_step"] == 39
+    assert state["plans"] == [[3, 60], [20, 56], [22, 39]] and state["trained_s"] == 29.5
+    assert any("re-planned at step 22: 1.00 steps/s over steps 20-22" in line
+               for line in caplog.messages)
+    rates = [rate for _, rate in sorted(learning_rates(tmp_path / "run").items())]
+    assert all(b <= a for a, b in zip(rates[5:], rates[6:]))
+
+
+def test_training_stops_after_the_step_that_spends_the_budget(tmp_path, caplog):
+    """Steps from 30 on take 10 s: re-planned at step 30 (36 steps), the budget is spent after
+    step 31 (34.5 s) and training stops there, one step late, not 30 steps (300 s) late."""
+    config = write_config(tmp_path / "c.yaml", tmp_path / "cache",
+                          budget(replan_at=[], slow_steps=list(range(30, 100)),
+                                 slow_seconds=10.0),
+                          steps=1000, val_every=1000)
+    assert main(run_args(config, tmp_path, "run")) == 0
+    checkpoint = load(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    state = checkpoint["callbacks"]["SteppedBudget"]
+    assert checkpoint["global_step"] == 31
+    assert state["plans"] == [[3, 60], [30, 36], [31, 31]] and state["trained_s"] == 34.5
+    assert any(line.startswith("Time budget: spent after step 31 of the plan's 36")
+               for line in caplog.messages)
+
+
 def test_without_re_plans_the_slow_window_stands(tmp_path):
     config = write_config(tmp_path / "c.yaml", tmp_path / "cache",
                           budget(slow_steps=[2, 3], replan_at=[]), steps=1000, val_every=1000)
