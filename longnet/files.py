@@ -16,6 +16,7 @@ torn file or a mix of the two, and a writer killed at any instant leaves a valid
   checkpoint (:func:`held_model`) is refused unless the user asks to replace it
   (``overwrite``), and one that is, holds or is inside a source of the write (the folder
   read, a LoRA run's base) always, before any work, so the target is left as it was.
+- :func:`link_or_copy`: a file linked into a new folder (copied where links are refused).
 - :func:`refused_write_line`: how a write the machine refused (no room, a read-only file
   system) is reported, by the ``longnet`` command and the scripts alike.
 - :func:`check_path_given`: an empty path is refused, by every function here too
@@ -349,6 +350,15 @@ def refused_write_line(err: OSError, rerun: str = "") -> str:
             f"{WRITE_FIXES[err.errno].capitalize()}, then run the command again{rerun}.")
 
 
+def link_or_copy(source: str | Path, destination: str | Path) -> None:
+    """Make ``destination`` a hard link to the file ``source``, or a copy where the file system
+    refuses links (another device, no link support)."""
+    try:
+        os.link(source, destination)
+    except OSError:
+        shutil.copy2(source, destination)
+
+
 # ---------------------------------------------------------------------- helpers
 def _sibling(path: Path, kind: str) -> Path:
     """A fresh name next to ``path``: ``.<name>.<kind>-<random>``."""
@@ -448,16 +458,9 @@ def _carry_over(source: Path, target: Path, skip: set[str]) -> None:
         if entry.is_symlink():
             os.symlink(os.readlink(entry.path), destination)
         elif entry.is_dir():
-            shutil.copytree(entry.path, destination, symlinks=True, copy_function=_link_or_copy)
+            shutil.copytree(entry.path, destination, symlinks=True, copy_function=link_or_copy)
         else:
-            _link_or_copy(entry.path, destination)
-
-
-def _link_or_copy(source: str, destination: str) -> None:
-    try:
-        os.link(source, destination)
-    except OSError:
-        shutil.copy2(source, destination)
+            link_or_copy(entry.path, destination)
 
 
 def _swap_in(temp: Path, target: Path) -> None:

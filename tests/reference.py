@@ -88,11 +88,13 @@ def retrieval_selection(q, k, branches, causal: bool, sinks: int, block: int, to
     """The blocks each query selects, from the spec with explicit loops: ``{(b, p, g): [block
     starts, best first]}`` for one document per batch row (``k`` with ``kv_heads`` heads).
 
-    Blocks of ``block`` tokens are cut from position ``sinks``; a candidate is complete and
-    lies outside the query's local segment (the largest rate-1 branch's segment holding ``p``,
-    else ``p`` alone), before it when causal. Its score is the sum over the group's query heads
-    and channels of ``max(q_c * min_t k_c, q_c * max_t k_c)``; the highest ``top_k`` win, the
-    earlier block on a tie."""
+    Blocks of ``block`` tokens are cut from the start of each segment of the largest rate-1
+    branch (from ``sinks`` in the first), a segment's last block shorter; without a rate-1
+    branch, from ``sinks`` over the whole document, complete blocks only (:func:`blocks_of`).
+    A candidate lies outside the query's local segment (the largest rate-1 branch's segment
+    holding ``p``, else ``p`` alone), before it when causal. Its score is the sum over the
+    group's query heads and channels of ``max(q_c * min_t k_c, q_c * max_t k_c)``; the highest
+    ``top_k`` win, the earlier block on a tie. Returned as ``(start, end)`` pairs."""
     batch, seq_len, num_heads, head_dim = q.shape
     kv_heads = k.shape[2]
     group = num_heads // kv_heads
@@ -101,20 +103,32 @@ def retrieval_selection(q, k, branches, causal: bool, sinks: int, block: int, to
     for b in range(batch):
         for p in range(seq_len):
             lo, hi = local_segment(p, seq_len, dense)
-            starts = [s for s in range(sinks, seq_len - block + 1, block)
-                      if s + block <= lo or (not causal and s >= hi)]
+            starts = [(s, e) for s, e in blocks_of(seq_len, dense, sinks, block)
+                      if e <= lo or (not causal and s >= hi)]
             for g in range(kv_heads):
                 scores = {}
-                for s in starts:
-                    keys = k[b, s : s + block, g]
+                for s, e in starts:
+                    keys = k[b, s:e, g]
                     total = 0.0
                     for h in range(g * group, (g + 1) * group):
                         for c in range(head_dim):
                             low, high = keys[:, c].min(), keys[:, c].max()
                             total += float(max(q[b, p, h, c] * low, q[b, p, h, c] * high))
-                    scores[s] = total
+                    scores[s, e] = total
                 chosen[b, p, g] = sorted(starts, key=lambda s: (-scores[s], s))[:top_k]
     return chosen
+
+
+def blocks_of(seq_len: int, dense_segments, sinks: int, block: int) -> list[tuple[int, int]]:
+    """The selectable blocks ``(start, end)`` of a document of ``seq_len`` tokens."""
+    if not dense_segments:
+        return [(s, s + block) for s in range(sinks, seq_len - block + 1, block)]
+    w = max(dense_segments)
+    found = []
+    for segment in range(0, seq_len, w):
+        stop = min(segment + w, seq_len)
+        found += [(s, min(s + block, stop)) for s in range(max(segment, sinks), stop, block)]
+    return found
 
 
 def local_segment(p: int, seq_len: int, dense_segments) -> tuple[int, int]:
@@ -148,8 +162,8 @@ def dense_retrieval_attention(q, k, v, branches, causal: bool, sinks: int, block
     selection = retrieval_selection(far_q.detach(), far_k.detach(), branches, causal, sinks,
                                     block, top_k)
     for (b, p, g), starts in selection.items():
-        for s in starts:
-            far[b, g * group : (g + 1) * group, p, s : s + block] += 1
+        for s, e in starts:
+            far[b, g * group : (g + 1) * group, p, s:e] += 1
     expand = lambda t: t.repeat_interleave(group, dim=2)  # noqa: E731
     terms = []
     for counts, queries, keys in ((near, q, expand(k)), (far, far_q, expand(far_k))):

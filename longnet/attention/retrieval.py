@@ -51,7 +51,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, selection: Selection, retrieval: R
         q_g, k_g, v_g = q[:, heads].to(compute), k[:, g].to(compute), v[:, g].to(compute)
         out_g, lse_g = out[:, heads].contiguous(), lse[:, heads].contiguous()
         for j, queries in blocks:
-            keys = block_rows(row, retrieval, j)
+            keys = block_rows(row, j)
             scores = torch.einsum("nhd,sd->nhs", q_g.index_select(0, queries), k_g[keys]) * scale
             block_lse = torch.logsumexp(scores, dim=-1)
             block_out = torch.einsum("nhs,sd->nhd", torch.exp(scores - block_lse[..., None]),
@@ -93,7 +93,7 @@ def _backward(d_out: Tensor, delta: Tensor, q: Tensor, k: Tensor, v: Tensor, lse
         d_out_g, lse_g, delta_g = d_out[:, heads], finite_lse[:, heads], delta[:, heads]
         dq_g = torch.zeros_like(q_g)
         for j, queries in blocks:
-            keys = block_rows(row, retrieval, j)
+            keys = block_rows(row, j)
             q_rows, d_rows = q_g.index_select(0, queries), d_out_g.index_select(0, queries)
             probs = torch.exp(torch.einsum("nhd,sd->nhs", q_rows, k_g[keys]) * scale
                               - lse_g.index_select(0, queries)[..., None])

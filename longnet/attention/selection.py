@@ -5,15 +5,19 @@ two branch kinds here reach a key at any offset, and join the dilated branches i
 softmax over the multiset union of keys:
 
 - **sinks** ``n``: the first ``n`` tokens of each document (StreamingLLM's attention sinks);
-- **selection** ``(block, top_k)``: the rest of each document is cut into blocks of ``block``
-  tokens; each query scores every complete block by an upper bound of its attention scores
-  (Quest's per-channel min/max bound, summed over the query heads of one K/V head) and
-  attends exactly to every token of its ``top_k`` best blocks (InfLLM, Quest, NSA's selection).
+- **selection** ``(block, top_k)``: the rest of each local segment (below) is cut into blocks
+  of ``block`` tokens from the segment's start, its last block shorter when ``block`` does not
+  divide it; each query scores every block outside its local segment by an upper bound of its
+  attention scores (Quest's per-channel min/max bound, summed over the query heads of one K/V
+  head) and attends exactly to every token of its ``top_k`` best blocks (InfLLM, Quest, NSA's
+  selection).
 
 Both give only keys outside the query's *local segment* (the segment of the pattern's largest
 rate-1 branch that holds it; the query alone for a pattern without one) and, with ``causal``,
-before it: the dense local branch already gives the rest. The selection is a function of the
-inputs, not differentiated; gradients flow through the attention given the selection.
+before it: the dense local branch already gives the rest. No block crosses a segment's edge,
+so every key outside a query's segment lies in a block it can choose (or is a sink). The
+selection is a function of the inputs, not differentiated; gradients flow through the attention
+given the selection.
 
 This module says which keys they give each query (``Retrieval``, the block selection, the
 sinks of a query tile); ``retrieval`` attends to them.
@@ -39,8 +43,9 @@ class Retrieval:
     Args:
         sinks: the first ``sinks`` tokens of each document are keys of every query outside
             their local segment (0: none).
-        block: tokens per selectable block; blocks are cut from each document's first token
-            after the sinks.
+        block: tokens per selectable block; blocks are cut from the start of each local
+            segment (after the document's sinks), the segment's last one shorter when
+            ``block`` does not divide what is left.
         top_k: blocks each query (per K/V head) selects (0: no selection).
     """
 
@@ -84,7 +89,7 @@ class RowGeometry:
 
     Key ``t`` (``0 .. keys - 1``) and query ``i`` (at key position ``offset + i``) carry their
     document's start and end; each query its local segment ``[lo, hi)``; each block (sorted by
-    position) its ``start`` and the document it lies in.
+    position) its keys ``[block_start, block_end)``.
     """
 
     doc_start: Tensor  # (keys,)
@@ -92,6 +97,7 @@ class RowGeometry:
     lo: Tensor  # (queries,)
     hi: Tensor  # (queries,)
     block_start: Tensor  # (blocks,)
+    block_end: Tensor  # (blocks,)
     offset: int
 
 
@@ -117,15 +123,30 @@ def row_geometry(
         hi = torch.minimum(lo + window, doc_end[keys - queries:])
     else:
         lo, hi = positions, positions + 1
-    block_starts = []
-    first = 0
+    blocks, first = [], 0
     for length in lengths:
-        block_starts += range(first + retrieval.sinks, first + length - retrieval.block + 1,
-                              retrieval.block)
+        blocks += document_blocks(first, length, window, retrieval)
         first += length
-    return RowGeometry(doc_start, doc_end, lo, hi,
-                       torch.tensor(block_starts, dtype=torch.long, device=device),
-                       keys - queries)
+    bounds = torch.tensor(blocks, dtype=torch.long, device=device).reshape(-1, 2).T.contiguous()
+    return RowGeometry(doc_start, doc_end, lo, hi, bounds[0], bounds[1], keys - queries)
+
+
+def document_blocks(first: int, length: int, window: int | None,
+                    retrieval: Retrieval) -> list[tuple[int, int]]:
+    """The blocks ``[(start, end), ...]`` of the document at keys ``first .. first + length -
+    1``: each local segment of ``window`` tokens cut from its start (after the document's
+    sinks) into ``retrieval.block`` tokens, its last block shorter. Without a window the
+    document is one segment whose last, incomplete block is left out (the keys it will hold
+    are not all there yet when decoding)."""
+    end = first + length
+    segments = range(first, end, window) if window else [first]
+    blocks = []
+    for segment in segments:
+        stop = min(segment + window, end) if window else end
+        for start in range(max(segment, first + retrieval.sinks), stop, retrieval.block):
+            if window or start + retrieval.block <= stop:
+                blocks.append((start, min(start + retrieval.block, stop)))
+    return blocks
 
 
 SELECT_CHUNK = 4096
@@ -141,9 +162,9 @@ def select_blocks(q: Tensor, k: Tensor, row: RowGeometry, retrieval: Retrieval,
     The score of block ``j`` for query ``p`` and K/V head ``g`` is ``sum over the query heads
     h of g, sum over channels c of max(q[p, h, c] * min_j[g, c], q[p, h, c] * max_j[g, c])``,
     an upper bound of ``q . k`` over the block's keys (``min_j``/``max_j``: the channel's
-    extremes over the block). Candidates: complete blocks of the query's document outside its
-    local segment (with ``causal``: ending before it). The highest ``top_k`` win, the earlier
-    block on a tie.
+    extremes over the block). Candidates: the blocks of the query's document outside its local
+    segment (with ``causal``: before it). The highest ``top_k`` win, the earlier block on a
+    tie.
 
     Args:
         q: ``(queries, heads, head_dim)``; k: ``(keys, kv_heads, head_dim)`` of one batch element.
@@ -152,14 +173,16 @@ def select_blocks(q: Tensor, k: Tensor, row: RowGeometry, retrieval: Retrieval,
         a query has fewer candidates than ``top_k``.
     """
     queries, kv_heads = q.shape[0], k.shape[1]
-    starts = row.block_start
+    starts, ends = row.block_start, row.block_end
     chosen = q.new_full((queries, kv_heads, retrieval.top_k), -1, dtype=torch.long)
     if retrieval.top_k == 0 or len(starts) == 0:
         return chosen
     compute = torch.promote_types(q.dtype, torch.float32)
-    members = k[starts[:, None] + torch.arange(retrieval.block, device=k.device)].to(compute)
+    # a short block's rows repeat its last key: the same minimum and maximum
+    rows = torch.minimum(starts[:, None] + torch.arange(retrieval.block, device=k.device),
+                         ends[:, None] - 1)
+    members = k[rows].to(compute)
     low, high = members.amin(1), members.amax(1)  # (blocks, kv_heads, dim)
-    ends = starts + retrieval.block
     for first in range(0, queries, SELECT_CHUNK):
         part = slice(first, min(first + SELECT_CHUNK, queries))
         # causal: only the blocks ending before the chunk's last local segment can be chosen
@@ -171,7 +194,7 @@ def select_blocks(q: Tensor, k: Tensor, row: RowGeometry, retrieval: Retrieval,
         qg = rearrange(q[part].to(compute), "n (g h) d -> n g h d", g=kv_heads)
         bound = (torch.einsum("ngd,jgd->ngj", qg.clamp(min=0).sum(2), high[:blocks])
                  + torch.einsum("ngd,jgd->ngj", qg.clamp(max=0).sum(2), low[:blocks]))
-        candidate = _candidates(row, starts[:blocks], retrieval.block, part, causal)[:, None]
+        candidate = _candidates(row, slice(0, blocks), part, causal)[:, None]
         bound = bound.masked_fill(~candidate, float("-inf"))
         # The top_k highest, ties to the earlier block: every block above the k-th highest
         # bound, then the earliest of those equal to it.
@@ -185,12 +208,13 @@ def select_blocks(q: Tensor, k: Tensor, row: RowGeometry, retrieval: Retrieval,
     return chosen
 
 
-def _candidates(row: RowGeometry, starts: Tensor, block: int, part: slice, causal: bool) -> Tensor:
-    """``(queries, blocks)`` bool: the complete blocks of each query's document outside its
+def _candidates(row: RowGeometry, blocks: slice, part: slice, causal: bool) -> Tensor:
+    """``(queries, blocks)`` bool: which of ``blocks`` lie in each query's document outside its
     local segment (before it when ``causal``)."""
+    starts, ends = row.block_start[blocks], row.block_end[blocks]
     same = row.doc_start[starts][None, :] == row.doc_start[row.offset + part.start:
                                                            row.offset + part.stop][:, None]
-    outside = (starts + block)[None, :] <= row.lo[part, None]
+    outside = ends[None, :] <= row.lo[part, None]
     if not causal:
         outside |= starts[None, :] >= row.hi[part, None]
     return same & outside
@@ -248,7 +272,6 @@ class Selection:
         return cls(row, chosen, _block_queries(chosen, len(row.block_start)))
 
 
-def block_rows(row: RowGeometry, retrieval: Retrieval, block: int) -> slice:
+def block_rows(row: RowGeometry, block: int) -> slice:
     """The key positions of block ``block``."""
-    start = int(row.block_start[block])
-    return slice(start, start + retrieval.block)
+    return slice(int(row.block_start[block]), int(row.block_end[block]))

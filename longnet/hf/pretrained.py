@@ -30,10 +30,17 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from longnet.files import check_path_given, check_target, replace_folder, write_atomic
+from longnet.files import (
+    check_path_given,
+    check_target,
+    link_or_copy,
+    replace_folder,
+    write_atomic,
+)
 from longnet.modeling import LongNetConfig, LongNetLM, models_dir, resolve_model_dir
 from longnet.modeling.hub import (
     CACHE_ENV,
+    VARIANT_OF,
     WEIGHTS_FROM,
     external_weights_hint,
     materialized_dir,
@@ -44,7 +51,7 @@ from longnet.modeling.importers import (
     import_hf_checkpoint,
 )
 from longnet.modeling.pretrained import CARD_NAME, SAVED_FILES, model_card
-from longnet.modeling.serialization import load_state_checked
+from longnet.modeling.serialization import WEIGHTS_NAME, load_state_checked
 from longnet.modeling.zoo import ZOO
 
 GGUF_SUFFIX = ".gguf"
@@ -114,7 +121,10 @@ def import_pretrained(
 def materialize(name: str, *, force: bool = False) -> Path:
     """The folder of the zoo entry ``name`` whose weights come from an installed
     distribution, imported into the user cache on the first call (or with ``force``), with
-    the entry's card.
+    the entry's card. A variant (``extra.weights_from`` names the entry it is a variant of
+    under :data:`VARIANT_OF`) holds that entry's materialized weights and tokenizer files,
+    linked, under its own config: the same weights used another way (another pattern, context
+    or retrieval branches).
 
     Raises:
         ValueError: ``name`` is no such zoo entry.
@@ -134,11 +144,24 @@ def materialize(name: str, *, force: bool = False) -> Path:
         return target
     check_target(target, overwrite=True,  # the cache's own entry, incomplete or forced
                  what=f"the user cache's folder of {name} (${CACHE_ENV} moves the cache)")
-    import_pretrained(distribution_file(name, external), target, expected=config,
-                      overwrite=True)
+    if VARIANT_OF in external:
+        _write_variant(materialize(external[VARIANT_OF], force=force), target, config)
+    else:
+        import_pretrained(distribution_file(name, external), target, expected=config,
+                          overwrite=True)
     card = model_card(config, name, has_weights=True, description=ZOO[name].description)
     write_atomic(target / CARD_NAME, card)
     return target
+
+
+def _write_variant(base: Path, target: Path, config: LongNetConfig) -> None:
+    """``target``: the weights and tokenizer files of the materialized folder ``base``, linked
+    (copied where links are refused), and ``config``, swapped in whole."""
+    with replace_folder(target, (*SAVED_FILES, *TOKENIZER_FILES), "output") as folder:
+        for path in sorted(base.iterdir()):
+            if path.name == WEIGHTS_NAME or path.name in TOKENIZER_FILES:
+                link_or_copy(path, folder / path.name)
+        config.save(folder)
 
 
 def resolve_or_materialize(name_or_dir: str | Path) -> Path:

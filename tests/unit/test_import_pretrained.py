@@ -332,3 +332,44 @@ def test_every_process_materializes_on_first_use_and_the_model_layer_imports_no_
     assert done.stdout.split()[0] == "True"
     if module == "longnet.modeling":
         assert done.stdout.split()[1] == "False"
+
+
+def test_a_variant_entry_holds_its_base_files_under_its_own_config(tmp_path):
+    """``_write_variant``: the base's weights and tokenizer files linked (one copy on disk), the
+    variant's config; the variant loads as the base with the config's differences as
+    overrides, and gives that model's outputs."""
+    from longnet.hf.pretrained import _write_variant
+
+    config = LongNetConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4,
+                           num_kv_heads=2, position_encoding="rope", max_positions=256,
+                           eos_token_id=1, pad_token_id=1)
+    base = tmp_path / "base"
+    torch.manual_seed(0)
+    LongNetLM(config).save_pretrained(base)
+    _tokenizer(base)
+    changes = dict(max_positions=512, segment_lengths=(16,), dilation_rates=(1,),
+                   attention_sinks=2, select_block=8, select_top_k=2,
+                   retrieval_positions="before_segment")
+    _write_variant(base, tmp_path / "variant", config.replace(**changes))
+    variant = tmp_path / "variant"
+    for name in ("model.safetensors", "tokenizer.json"):
+        assert (variant / name).stat().st_ino == (base / name).stat().st_ino, name
+    assert LongNetConfig.load(variant) == config.replace(**changes)
+    x = torch.randint(0, VOCAB, (1, 200))
+    got = LongNetLM.from_pretrained(variant, dtype=F64)(x).logits
+    expected = LongNetLM.from_pretrained(base, dtype=F64, **changes)(x).logits
+    assert torch.equal(got, expected)
+    assert not torch.allclose(got, LongNetLM.from_pretrained(base, dtype=F64)(x).logits)
+
+
+def test_smollm2_135m_32k_is_smollm2_135m_read_another_way():
+    """The zoo's variant shares every weight-shaping field with its base; only the context,
+    the pattern and the retrieval branches differ, and its weights name the base."""
+    base, variant = (LongNetConfig.from_pretrained(n) for n in ("smollm2-135m",
+                                                                "smollm2-135m-32k"))
+    differ = {f for f in base.to_dict() if base.to_dict()[f] != variant.to_dict()[f]}
+    assert differ == {"max_positions", "segment_lengths", "dilation_rates", "attention_sinks",
+                      "select_top_k", "retrieval_positions", "extra"}
+    assert variant.extra["weights_from"] == {**base.extra["weights_from"],
+                                             "model": "smollm2-135m"}
+    assert variant.max_positions == 32768 and variant.pattern.branches == ((2048, 1),)

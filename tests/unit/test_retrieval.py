@@ -143,7 +143,8 @@ def test_the_selection_is_the_rule(causal):
         chosen = select_blocks(q[b].detach(), k[b].detach(), row, retrieval, causal)
         for p in range(seq):
             for g in range(kv_heads):
-                got = [int(row.block_start[j]) for j in chosen[p, g] if j >= 0]
+                got = [(int(row.block_start[j]), int(row.block_end[j]))
+                       for j in chosen[p, g] if j >= 0]
                 assert sorted(got) == sorted(want[b, p, g]), (b, p, g)
     assert any(len(starts) == top_k for starts in want.values())
 
@@ -178,6 +179,23 @@ def test_a_misaligned_far_needle_is_reached():
     found = dilated_attention(q, k, v, branches, causal=True,
                               retrieval=Retrieval(block=block, top_k=1))
     assert plain[0, -1, 0, 1] < 0.01
+    assert found[0, -1, 0, 1] > 6.9
+
+
+def test_a_needle_just_before_the_local_segment_is_reached():
+    """A needle in the last block before the query's segment (cut at the segment's start,
+    so shorter than the others) is reached: no key before a segment is out of reach."""
+    seq, block = 64, 4
+    q = torch.zeros(1, seq, 1, 4, dtype=torch.float64)
+    k = torch.zeros(1, seq, 1, 4, dtype=torch.float64)
+    v = torch.zeros(1, seq, 1, 4, dtype=torch.float64)
+    needle = 55  # blocks are cut from each segment's start: [50, 54), [54, 56) here; the
+    # last query's segment is [56, 64)
+    q[0, -1, 0] = torch.tensor([40.0, 0, 0, 0])
+    k[0, needle, 0] = torch.tensor([1.0, 0, 0, 0])
+    v[0, needle, 0] = torch.tensor([0.0, 7.0, 0, 0])
+    found = dilated_attention(q, k, v, [(8, 1)], causal=True,
+                              retrieval=Retrieval(sinks=2, block=block, top_k=1))
     assert found[0, -1, 0, 1] > 6.9
 
 
@@ -260,7 +278,9 @@ def test_before_segment_places_each_far_block_before_the_segment_in_order(patter
     positions = torch.arange(seq)
     window = max((w for w, r in pattern if r == 1), default=None)
     into_segment = positions % window if window else torch.zeros(seq, dtype=torch.long)
-    offsets = torch.tensor([t if t < sinks else (t - sinks) % block for t in range(seq)])
+    offsets = torch.tensor([t if t < sinks else  # a key's offset in its block (a sink: t)
+                            (t - max(t // window * window if window else 0, sinks)) % block
+                            for t in range(seq)])
     out, _ = dense_retrieval_attention(
         _rotate(q, positions), _rotate(k, positions), v, pattern, True, sinks, block, 2,
         far_q=_rotate(q, into_segment + max(block, sinks)), far_k=_rotate(k, offsets))
