@@ -478,9 +478,9 @@ def test_corrupt_weights_file_gives_clear_error(tmp_path):
 
 # ---------------------------------------------------------------------- the zoo
 ZOO = ["longnet-base", "longnet-small", "longnet-tiny", "longnet-tiny-16k",
-       "longnet-tiny-16k-dense", "longnet-tiny-dense", "smollm2-135m"]
+       "longnet-tiny-16k-dense", "longnet-tiny-dense", "smollm2-135m", "smollm2-135m-32k"]
 TRAINED = ["longnet-tiny", "longnet-tiny-16k", "longnet-tiny-16k-dense", "longnet-tiny-dense"]
-EXTERNAL = ["smollm2-135m"]
+EXTERNAL = ["smollm2-135m", "smollm2-135m-32k"]
 """Entries whose weights come from another installed distribution (test_import_pretrained.py)."""
 
 

@@ -17,17 +17,16 @@ import types
 from pathlib import Path
 
 import lightning as L
-import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from longnet.cli import main
-from longnet.data import LongDocumentDataModule
 from longnet.data.subword import SubwordTokenizer, check_round_trip, from_backend
 from longnet.data.tokenizer_choice import EOS_TOKEN, PAD_TOKEN, parse_tokenizer, train_bpe
 from longnet.modeling import LongNetConfig, LongNetLM, hub
 from longnet.training import CausalLMModule
 from longnet.validation import UsageError
+from tests.unit.test_training_tokenizer import _data, write_words
 
 WORDS = ["alpha", "beta", "délta", "ε", "zeta\n", "東京", "def f():\n    return 1\n", "😀",
          "    "]
@@ -38,18 +37,7 @@ ASCII_TEXTS = ["def f(x):\n    return x + 1\n", "import os\nprint(os.path.join('
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     """24 documents of the words above (spaces, newlines, indentation, Greek, CJK, emoji)."""
-    folder = tmp_path_factory.mktemp("docs")
-    for index in range(24):
-        rng = np.random.default_rng(index)
-        (folder / f"doc{index:02d}.txt").write_text(
-            " ".join(rng.choice(WORDS, size=int(rng.integers(10, 60)))))
-    return folder
-
-
-def _data(corpus: Path, cache: Path, tokenizer: str) -> LongDocumentDataModule:
-    return LongDocumentDataModule(
-        seq_len=16, batch_size=2, data_files=str(corpus / "*.txt"), val_fraction=0.25,
-        test_fraction=0.25, cache_dir=str(cache), tokenizer=tokenizer)
+    return write_words(tmp_path_factory.mktemp("docs"), WORDS)
 
 
 def wordpiece(path: Path) -> Path:

@@ -27,14 +27,19 @@ CONFIG = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "segment_lengths":
 WORDS = ["alpha", "beta", "délta", "ε", "zeta\n", "東京", "def f():\n    return 1\n"]
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("docs")
+def write_words(folder: Path, words: list[str]) -> Path:
+    """24 documents ``doc00.txt`` ... of 10-59 of ``words`` each, drawn with seeds 0-23, in
+    ``folder``; returns ``folder``."""
     for index in range(24):
         rng = np.random.default_rng(index)
         (folder / f"doc{index:02d}.txt").write_text(
-            " ".join(rng.choice(WORDS, size=int(rng.integers(10, 60)))))
+            " ".join(rng.choice(words, size=int(rng.integers(10, 60)))))
     return folder
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return write_words(tmp_path_factory.mktemp("docs"), WORDS)
 
 
 def _data(corpus: Path, cache: Path, tokenizer: str) -> LongDocumentDataModule:
