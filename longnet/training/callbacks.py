@@ -236,9 +236,11 @@ class ExportPretrained(L.Callback):
     A destination that cannot be written (a file, a folder that is not writable, or a parent
     that cannot be created or written), or that is, holds or is inside a LoRA run's base,
     stops ``fit`` when it starts (``setup``), before any step, with a
-    :class:`~longnet.validation.UsageError` naming it and the fix. The destination is the
-    run's own: a model there (this run's export before a resume) is replaced (``longnet fit``
-    refuses a run folder that holds another run).
+    :class:`~longnet.validation.UsageError` naming it and the fix. ``<run folder>/model`` is
+    the run's own: a model there (this run's export before a resume) is replaced (``longnet
+    fit`` refuses a run folder that holds another run). A ``dirpath`` given that already holds
+    a model or checkpoint is replaced by a resumed fit (the run's own earlier export) or with
+    ``overwrite``; a fresh fit refuses it when training starts, before the first step.
 
     A ``fit`` that took no optimizer step (``max_steps: 0``, ``limit_train_batches: 0``,
     ``max_epochs: 0``, stopped before the first step) has no trained weights: nothing is
@@ -258,12 +260,14 @@ class ExportPretrained(L.Callback):
         weights: ``"best"``: the best checkpoint of the first ``ModelCheckpoint`` that has one
             (what ``test`` with ``ckpt_path="best"`` evaluates); ``"last"`` or no best
             checkpoint: the weights at the end of training.
+        overwrite: replace a model or checkpoint that ``dirpath`` holds on a fresh fit too.
     """
 
-    def __init__(self, dirpath: str | None = None, weights: str = "best") -> None:
+    def __init__(self, dirpath: str | None = None, weights: str = "best",
+                 overwrite: bool = False) -> None:
         if weights not in ("best", "last"):
             raise ValueError(f"weights must be 'best' or 'last', got {weights!r}.")
-        self.dirpath, self.weights = dirpath, weights
+        self.dirpath, self.weights, self.overwrite = dirpath, weights, overwrite
         self.exported: Path | None = None
 
     def destination(self, trainer: L.Trainer) -> Path:
@@ -285,6 +289,22 @@ class ExportPretrained(L.Callback):
                     "the LoRA base": base_folder(base["source"]) if base else None})
             except UsageError as err:
                 problem = str(err)
+        problem = trainer.strategy.broadcast(problem)
+        if problem:
+            raise UsageError(problem)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """A fresh fit (no checkpoint resumed: known only now) must not replace a model that a
+        ``dirpath`` given holds, unless ``overwrite``; checked on rank 0 for every rank."""
+        if self.dirpath is None or self.overwrite or trainer.ckpt_path is not None:
+            return
+        problem = None
+        if trainer.is_global_zero:
+            try:
+                check_target(self.dirpath, what="ExportPretrained dirpath")
+            except UsageError as err:
+                problem = (f"{err} (a fresh fit; set ExportPretrained's overwrite: true, or "
+                           "resume the run that wrote it with --ckpt_path)")
         problem = trainer.strategy.broadcast(problem)
         if problem:
             raise UsageError(problem)

@@ -439,3 +439,27 @@ def test_a_read_only_cache_is_refused_before_the_conversion(tmp_path, monkeypatc
     monkeypatch.setenv("LONGNET_CACHE", str(tmp_path / "cache"))
     with pytest.raises(UsageError, match=r"user cache's folder of smollm2-135m .*LONGNET_CACHE"):
         pretrained.materialize("smollm2-135m")
+
+
+@pytest.mark.parametrize("resumed, overwrite", [(False, False), (True, False), (False, True)])
+def test_an_export_folder_given_is_replaced_only_by_a_resume_or_when_asked(tmp_path, resumed,
+                                                                            overwrite):
+    """``ExportPretrained(dirpath=X)`` where X holds a model: a fresh fit stops when training
+    starts, X unchanged; a resumed fit (its own earlier export) and ``overwrite`` go on."""
+    from types import SimpleNamespace
+
+    from longnet.training import ExportPretrained
+
+    target = tmp_path / "export"
+    tiny_model().save_pretrained(target)
+    before = tree(target)
+    trainer = SimpleNamespace(is_global_zero=True, ckpt_path="last.ckpt" if resumed else None,
+                              strategy=SimpleNamespace(broadcast=lambda value: value))
+    callback = ExportPretrained(dirpath=str(target), overwrite=overwrite)
+    if resumed or overwrite:
+        callback.on_train_start(trainer, None)
+    else:
+        with pytest.raises(UsageError, match=f"ExportPretrained dirpath {target} already holds "
+                           "a model or checkpoint .*overwrite: true"):
+            callback.on_train_start(trainer, None)
+    assert tree(target) == before
