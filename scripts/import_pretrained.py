@@ -54,17 +54,18 @@ def check_source(source: str, output: str | None) -> None:
     """
     if Path(source).exists():
         return
-    if source in importable_names() and output is not None:
-        raise ValueError(
-            f"{source!r} is a zoo name: it imports into the user cache, without OUTPUT "
-            f"(python scripts/import_pretrained.py {source}, which prints the folder); copy "
-            f"that folder to {output} for a copy of your own."
-        )
-    if source in importable_names():
+    names = importable_names()
+    if source in names:
+        if output is not None:
+            raise ValueError(
+                f"{source!r} is a zoo name: it imports into the user cache, without OUTPUT "
+                f"(python scripts/import_pretrained.py {source}, which prints the folder); "
+                f"copy that folder to {output} for a copy of your own."
+            )
         return
     raise FileNotFoundError(
         f"{source!r} is no folder, .gguf file or zoo name to import. Zoo names that import: "
-        f"{', '.join(importable_names()) or 'none'} (the others, {', '.join(list_models())}, "
+        f"{', '.join(names) or 'none'} (the others, {', '.join(list_models())}, "
         "have no weights to import); else give a Hugging Face checkpoint folder or a .gguf "
         "file."
     )

@@ -149,6 +149,15 @@ def document_blocks(first: int, length: int, window: int | None,
     return blocks
 
 
+def block_offsets(positions: Tensor, window: int | None, retrieval: Retrieval) -> Tensor:
+    """Each key's offset in its block (:func:`document_blocks`' cut), a sink's its position;
+    ``positions``: document positions, any shape."""
+    start = positions - positions % window if window else torch.zeros_like(positions)
+    grid = start.clamp(min=retrieval.sinks)  # where the key's segment is cut from
+    return torch.where(positions < retrieval.sinks, positions,
+                       (positions - grid) % retrieval.block)
+
+
 SELECT_CHUNK = 4096
 """Queries scored at once by :func:`select_blocks` (bounds the ``(queries, kv_heads, blocks)``
 score tensor)."""

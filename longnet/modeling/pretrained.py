@@ -32,6 +32,7 @@ from longnet.modeling.hub import (
 )
 from longnet.modeling.importers import import_hf_checkpoint, is_hf_config
 from longnet.modeling.serialization import (
+    REWRITE_FIX,
     WEIGHTS_NAME,
     load_state_checked,
     parse_safetensors,
@@ -276,19 +277,13 @@ def _read_weights(data: bytes, folder: Path) -> dict[str, torch.Tensor]:
             zoo entry materialized from another distribution) the message says to delete the
             entry, which the next use imports again.
     """
-    path = folder / WEIGHTS_NAME
-    try:
-        return parse_safetensors(data, path)
-    except ValueError as err:
-        cached = Path(os.path.realpath(materialized_dir(folder.name)))
-        if Path(os.path.realpath(folder)) != cached:
-            raise
-        raise ValueError(
-            f"{err.args[0].split('; it is')[0]}: the cached import of {folder.name} is damaged "
-            f"(cut short by a copy, a full disk or a kill). To import it again, delete {folder} "
-            f"and load {folder.name!r} again, or run python scripts/import_pretrained.py "
-            f"{folder.name} (longnet.hf.materialize({folder.name!r}, force=True))."
-        ) from None
+    cached = Path(os.path.realpath(folder)) == Path(os.path.realpath(
+        materialized_dir(folder.name)))
+    fix = (f"It is the cached import of {folder.name} (cut short by a copy, a full disk or a "
+           f"kill): to import it again, delete {folder} and load {folder.name!r} again, or run "
+           f"python scripts/import_pretrained.py {folder.name} "
+           f"(longnet.hf.materialize({folder.name!r}, force=True)).") if cached else REWRITE_FIX
+    return parse_safetensors(data, folder / WEIGHTS_NAME, fix)
 
 
 def parameter_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:

@@ -65,20 +65,25 @@ def read_safetensors(path: str | Path) -> dict[str, Tensor]:
         raise unreadable_weights(path, err) from None
 
 
-def parse_safetensors(data: bytes, path: str | Path) -> dict[str, Tensor]:
+REWRITE_FIX = "Re-save or re-copy it."
+"""What to do about a damaged weights file, by default (:func:`unreadable_weights`)."""
+
+
+def parse_safetensors(data: bytes, path: str | Path, fix: str = REWRITE_FIX
+                      ) -> dict[str, Tensor]:
     """All tensors of the safetensors file ``path`` whose bytes are ``data``, on CPU; a damaged
-    file raises a clear ``ValueError`` naming ``path``."""
+    file raises a clear ``ValueError`` naming ``path`` and ``fix``."""
     try:
         return load(data)
     except _SAFETENSORS_ERRORS as err:
-        raise unreadable_weights(path, err) from None
+        raise unreadable_weights(path, err, fix) from None
 
 
-def unreadable_weights(path: str | Path, error: Exception) -> ValueError:
-    """The error for a weights file ``path`` that ``safetensors`` could not read."""
+def unreadable_weights(path: str | Path, error: Exception, fix: str = REWRITE_FIX) -> ValueError:
+    """The error for a weights file ``path`` that ``safetensors`` could not read, ending with
+    ``fix`` (what to do about it)."""
     return ValueError(
-        f"{path} is not a readable safetensors file ({error}); it is corrupt or truncated. "
-        "Re-save or re-copy it."
+        f"{path} is not a readable safetensors file ({error}); it is corrupt or truncated. {fix}"
     )
 
 

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from longnet.attention import DilatedPattern, Retrieval, dilated_attention
 from longnet.attention.documents import PackedDocuments
 from longnet.attention.retrieval import merge_attention, retrieval_attention
-from longnet.attention.selection import check_retrieval, local_segment_length
+from longnet.attention.selection import block_offsets, check_retrieval, local_segment_length
 from longnet.compiled import refuse
 from longnet.distributed.halo import previous_rows
 from longnet.distributed.sequence_parallel import SequenceParallel, call_setting
@@ -548,15 +548,12 @@ class MultiheadDilatedAttention(nn.Module):
         ``p`` by ``p - segment start + S``, a key by its offset in its block (a sink by its
         position), ``S = max(block, sinks)``; ``positions``: ``(seq,)`` or ``(batch, seq)``."""
         assert isinstance(self.positional, RotaryEmbedding) and self.retrieval is not None
-        sinks, block = self.retrieval.sinks, self.retrieval.block
         window = local_segment_length(self.pattern)
         into_segment = positions % window if window else torch.zeros_like(positions)
-        # where the key's blocks are cut from: its segment's start, after the sinks
-        grid = (positions - into_segment if window else torch.zeros_like(positions)).clamp(
-            min=sinks)
-        key_positions = torch.where(positions < sinks, positions, (positions - grid) % block)
-        q = apply_rotary(q, *self.positional.cos_sin(into_segment + max(block, sinks)))
-        return q, apply_rotary(k, *self.positional.cos_sin(key_positions))
+        lead = max(self.retrieval.block, self.retrieval.sinks)
+        q = apply_rotary(q, *self.positional.cos_sin(into_segment + lead))
+        offsets = block_offsets(positions, window, self.retrieval)
+        return q, apply_rotary(k, *self.positional.cos_sin(offsets))
 
 
 RETRIEVAL_POSITIONS = ("own", "before_segment")
