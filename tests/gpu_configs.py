@@ -1,4 +1,4 @@
-"""The GPU chunk configs (``configs/gpu/``) shrunk to run on the CPU in seconds."""
+"""The GPU chunk configs (``lab/configs/gpu/``) shrunk to run on the CPU in seconds."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ SHRINK = 128
 
 
 def tiny_gpu_config(name: str, cache_dir: Path, steps: int = 3) -> dict:
-    """``configs/gpu/<name>.yaml`` on the CPU in float32 at 1/128 of its lengths: ``steps``
+    """``lab/configs/gpu/<name>.yaml`` on the CPU in float32 at 1/128 of its lengths: ``steps``
     steps, the curriculum's stages at steps 0, 1, 2 (the last from step 2 on), validation and
     test of one batch, no passkeys (too short for the task), a ``StepProfiler`` on step 1, and
     the standard library's packages alone (two of them held out) in place of every installed
     one."""
-    config = yaml.safe_load((REPO / "configs" / "gpu" / f"{name}.yaml").read_text())
+    config = yaml.safe_load((REPO / "lab" / "configs" / "gpu" / f"{name}.yaml").read_text())
     trainer = config["trainer"]
     trainer.update(accelerator="cpu", precision="32-true", max_steps=steps,
                    val_check_interval=steps, limit_val_batches=1, limit_test_batches=1,

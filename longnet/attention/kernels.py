@@ -128,7 +128,7 @@ def _sequence_major(t: Tensor) -> Tensor:
 def cpu_flash_splits(q_len: int, k_len: int) -> tuple[int, int]:
     """The query and key tile sizes ATen's CPU flash attention picks for a block of ``q_len``
     queries and ``k_len`` keys (its per-thread buffers are sized by them; the memory models
-    of ``longnet.memory`` read them from here)."""
+    of ``lab.memory`` read them from here)."""
     q_split = 256 if q_len >= 768 else 64 if q_len >= 192 else 32
     return min(q_split, q_len), min(512, k_len)
 

@@ -1,5 +1,5 @@
 """Process-group plumbing: sequence parallelism applied to a model (``SequenceParallel``,
-``parallelize``), the launcher of the distributed tests and ``scripts/bench_ring.py``, and the
+``parallelize``), the launcher of the distributed tests and ``lab/scripts/bench_ring.py``, and the
 rank watch of the training strategies.
 
 ``SequenceParallel(process_group, layout, transport)`` says how each sequence is split over a

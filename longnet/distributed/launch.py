@@ -3,7 +3,7 @@
 gloo on CPU; NCCL (one GPU per rank) when enough CUDA devices exist. Every worker returns a
 picklable result; a worker that raises, hangs or dies fails the caller loudly. Collectives
 time out after ``COLLECTIVE_TIMEOUT``; the caller waits at most ``timeout`` seconds for all
-ranks. Used by ``tests/distributed`` and ``scripts/bench_ring.py``.
+ranks. Used by ``tests/distributed`` and ``lab/scripts/bench_ring.py``.
 """
 
 from __future__ import annotations

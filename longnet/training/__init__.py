@@ -20,15 +20,13 @@ from longnet.training.checkpoint import (
 )
 from longnet.training.curriculum import LengthCurriculum
 from longnet.training.curves import TrainingCurves, plot_training_curves, read_curves
-from longnet.training.handoff import Rewarmup
 from longnet.training.loaders import EpochIndexSampler, EpochLoader, ResumableDataOrder
 from longnet.training.logger import RunLogger
 from longnet.training.lora import LoraSettings, merge_delta
 from longnet.training.metrics import TokenAccuracy, TokenCrossEntropy, lm_summary
 from longnet.training.module import CausalLMModule, TrainingDiverged
-from longnet.training.optim import parameter_groups, warmup_cosine
+from longnet.training.optim import Rewarmup, parameter_groups, warmup_cosine
 from longnet.training.precision import AutoPrecisionTrainer
-from longnet.training.profiling import StepProfiler
 from longnet.training.progress import LineProgressBar, StepProgressBar
 from longnet.training.rank_memory import RankMemory
 from longnet.training.runs import RunId, RunLock
@@ -64,7 +62,6 @@ __all__ = [
     "SequenceParallelStrategy",
     "ShardedModule",
     "ShardedSequenceParallelStrategy",
-    "StepProfiler",
     "StepProgressBar",
     "StopOnSignal",
     "TimeBudget",

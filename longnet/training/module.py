@@ -149,7 +149,7 @@ class CausalLMModule(L.LightningModule):
             (``kv_conv_size``), scheduled as ``learning_rate`` is; None: ``learning_rate``.
             AdamW moves a parameter by about its learning rate a step, so a tap that must go
             from 0 to a sizeable weight in a few hundred steps needs a rate far above the
-            adapters' (docs/notes/retrofit-pilots.md: how far the taps went and at what cost).
+            adapters' (lab/notes/retrofit-pilots.md: how far the taps went and at what cost).
     """
 
     def __init__(

@@ -1,16 +1,20 @@
-"""AdamW with decoupled weight decay on matrices only, and a linear-warmup cosine schedule."""
+"""AdamW with decoupled weight decay on matrices only, a linear-warmup cosine schedule, and a
+re-warmup after a resume with fresh optimizer moments (:class:`Rewarmup`)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from typing import Any
 
+import lightning as L
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from longnet.nn.short_conv import CausalShortConv
+from longnet.validation import check_non_negative_int
 
 
 def parameter_groups(model: nn.Module, weight_decay: float,
@@ -122,3 +126,50 @@ def build_optimizer(
     optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps)
     scheduler = LambdaLR(optimizer, WarmupCosine(warmup_steps, min_lr_ratio, ((0, total_steps),)))
     return optimizer, scheduler
+
+
+class Rewarmup(L.Callback):
+    """Ramp the learning rate back up after a resume with fresh optimizer moments.
+
+    A fit that starts at step ``S > 0`` with optimizers that hold no state (for example a
+    checkpoint made from weights alone: the weights and the schedule's position, no AdamW moments)
+    would take its first steps at the scheduled rate with moments built from one gradient,
+    a large update. For the ``steps`` optimizer steps from ``S`` this callback multiplies
+    the rate its schedulers give by ``(k + 1) / (steps + 1)`` at step ``S + k``, as the
+    module's own warmup does from step 0. Any other start (step 0, a full checkpoint) is left
+    alone. ``S`` is kept in checkpoints, so a run stopped during the ramp resumes it exactly.
+
+    Args:
+        steps: optimizer steps of the ramp; 0 turns it off.
+    """
+
+    def __init__(self, steps: int = 100) -> None:
+        self.steps = check_non_negative_int("steps", steps)
+        self.start: int | None = None
+
+    def factor(self, step: int) -> float:
+        """The multiplier of the scheduled learning rate at optimizer step ``step``."""
+        if self.start is None or not self.start <= step < self.start + self.steps:
+            return 1.0
+        return (step - self.start + 1) / (self.steps + 1)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_step > 0 and not any(opt.state for opt in trainer.optimizers):
+            self.start = trainer.global_step
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                             batch: Any, batch_idx: int) -> None:
+        factor = self.factor(trainer.global_step)
+        if factor == 1.0:
+            return
+        # from the scheduler's rate, which its next step recomputes: nothing accumulates
+        for config in trainer.lr_scheduler_configs:
+            scheduler = config.scheduler
+            for group, rate in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+                group["lr"] = rate * factor
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"start": self.start}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.start = state_dict.get("start")

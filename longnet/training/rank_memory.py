@@ -1,5 +1,5 @@
 """Each rank's measured peak memory while it trains (the planner's counterpart:
-``longnet.memory`` and ``scripts/plan_context.py`` predict, this measures).
+``lab.memory`` and ``lab/scripts/plan_context.py`` predict, this measures).
 
 On CUDA the number is the caching allocator's peak (``torch.cuda.max_memory_allocated``); on
 CPU it is the process's peak resident set, ``VmHWM`` of ``/proc/self/status``, reset when

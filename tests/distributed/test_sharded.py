@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
+from lab.memory.state import ParameterShapes, StateDtypes, model_config, state_memory
 from longnet.distributed import run_workers
-from longnet.memory.state import ParameterShapes, StateDtypes, model_config, state_memory
 from longnet.modeling import LongNetLM
 from longnet.training.checkpoint import export_pretrained
 from tests.distributed.sharded_cases import CLIP, STEPS, sharded_runs, single_device_run
@@ -110,7 +110,7 @@ def test_meshes_equal_single_device_training(references, four_processes):
 def test_each_rank_holds_a_quarter_of_params_grads_and_optimizer_state(references, four_processes):
     """Local shards of every rank add up to one device's tensors exactly; none is larger than
     ``1 / world`` of them with every parameter's first dimension padded to a multiple of
-    ``world`` (what FSDP2 allocates). ``longnet.memory.state`` (``plan_context.py``) plans
+    ``world`` (what FSDP2 allocates). ``lab.memory.state`` (``plan_context.py``) plans
     that padded bound from the config alone, within 15 % of the largest rank's measured
     shards, and one device's tensors as what a DDP rank holds (its buckets aside)."""
     reference = references["token"]

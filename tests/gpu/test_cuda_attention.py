@@ -4,7 +4,7 @@ Exactness on the GPU is judged the way users judge a kernel: against float64, re
 ``scaled_dot_product_attention`` itself gets wrong at the same dtype on the same inputs when it
 computes the same function (its float mask ``log C``, the multiplicity of §2).
 Every case runs ``DRAWS`` fresh random draws (the bf16 failures these tests guard against were
-intermittent: memory read with the wrong layout). ``scripts/gpu_check.py`` runs this file.
+intermittent: memory read with the wrong layout). ``lab/scripts/gpu_check.py`` runs this file.
 """
 
 from __future__ import annotations

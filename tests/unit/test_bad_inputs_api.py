@@ -1,4 +1,4 @@
-"""Bad inputs of the Python API found by ``scripts/bad_inputs/api.yaml``: each is refused by
+"""Bad inputs of the Python API found by ``lab/bad_inputs/api.yaml``: each is refused by
 longnet's own checks with a message naming the value, or (NumPy numbers, dtype names) just
 works. Tiny random models; nothing is downloaded."""
 

@@ -1,4 +1,4 @@
-"""Bad inputs of the ``longnet`` command found by ``scripts/bad_inputs/cli.yaml``, each
+"""Bad inputs of the ``longnet`` command found by ``lab/bad_inputs/cli.yaml``, each
 reported in a few lines naming the file and the fix (no traceback, exit status 2)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Bad inputs and faults of the data and its files (scripts/bad_inputs/data.yaml), each fixed
+"""Bad inputs and faults of the data and its files (lab/bad_inputs/data.yaml), each fixed
 where it was found: NumPy sizes in the cache key, fractions that are not numbers, a folder
 given as data_files, an empty corpus named by its folder, a cache folder that is a file or
 an entry that is damaged, writes that find no room, and packed documents on zigzag shards."""

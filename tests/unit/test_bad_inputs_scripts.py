@@ -1,5 +1,5 @@
 """Bad arguments of the scripts end in one line naming the option, the value and the fix,
-before any work (the ``script-`` cases of ``scripts/bad_inputs/scripts.yaml``)."""
+before any work (the ``script-`` cases of ``lab/bad_inputs/scripts.yaml``)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from longnet.bench.attention import pattern_argument
+from lab.bench.attention import pattern_argument
+from lab.memory.state import model_config
 from longnet.eval.cli import device_argument
 from longnet.eval.documents import load_eval_documents
 from longnet.eval.passkey import check_passkey_grid
 from longnet.eval.reporting import write_csv
-from longnet.memory.state import model_config
 from longnet.validation import UsageError
 from tests.scripts import load_script
 
@@ -121,7 +121,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_demo_refuses_an_empty_sequence():
-    done = run("scripts/demo_attention.py", "--seq-len", "0")
+    done = run("-m", "lab.scripts.demo_attention", "--seq-len", "0")
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "argument --seq-len: lengths must be at least 1" in done.stderr
 
@@ -129,12 +129,12 @@ def test_demo_refuses_an_empty_sequence():
 def test_a_script_error_is_two_lines_and_verbose_adds_the_traceback(tmp_path: Path):
     """As the ``longnet`` command: the message and a line naming --verbose; --verbose
     (anywhere) prints the traceback too."""
-    argv = ["scripts/chunk_state.py", "unpack", str(tmp_path), str(tmp_path / "last.ckpt")]
+    argv = ["-m", "lab.scripts.chunk_state", "unpack", str(tmp_path), str(tmp_path / "last.ckpt")]
     done = run(*argv)
     assert done.returncode == 2 and done.stderr.splitlines() == [
-        f"error: no index.json in {tmp_path}: not a folder written by scripts/chunk_state.py "
+        f"error: no index.json in {tmp_path}: not a folder written by lab.scripts.chunk_state "
         "pack.", "(run again with --verbose to see the traceback)"], done.stderr
-    done = run(argv[0], "--verbose", *argv[1:])
+    done = run(*argv[:2], "--verbose", *argv[2:])
     assert done.returncode == 2 and "Traceback (most recent call last)" in done.stderr
     assert done.stderr.splitlines()[-2].startswith("error: no index.json")
 

@@ -31,7 +31,7 @@ from longnet.cli.entry import run_cli
 from longnet.modeling import LongNetConfig, LongNetLM
 
 REPO = Path(__file__).resolve().parents[2]
-CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+CONFIGS = sorted([*(REPO / "configs").glob("*.yaml"), *(REPO / "lab" / "configs").glob("*.yaml")])
 SMOKE = REPO / "configs" / "smoke.yaml"
 
 

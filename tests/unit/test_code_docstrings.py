@@ -1,6 +1,6 @@
 """What the code says about itself: every module docstring of ``longnet/`` and ``scripts/``
 says what the module is, never its history (no issue references such as ``issue 12`` or
-``#12``, no "used to" or "no longer"; stories go to docs/notes/ or the CHANGELOG), and
+``#12``, no "used to" or "no longer"; stories go to lab/notes/ or the CHANGELOG), and
 ``longnet.cli`` exports the command and its class only."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def history_lines(source: str) -> list[tuple[int, str]]:
 
 def test_the_modules_are_found():
     names = {str(p.relative_to(REPO)) for p in MODULES}
-    assert {"longnet/__init__.py", "longnet/cli/command.py", "scripts/gpu_check.py"} <= names
+    assert {"longnet/__init__.py", "longnet/cli/command.py", "lab/scripts/gpu_check.py"} <= names
 
 
 def test_module_docstrings_say_what_the_module_is_not_its_history():
@@ -46,7 +46,7 @@ def test_module_docstrings_say_what_the_module_is_not_its_history():
              for number, line in history_lines(path.read_text(encoding="utf-8"))]
     assert found == [], (
         "module docstrings that tell history; say what the module is and does, and move the "
-        "story to docs/notes/ or CHANGELOG.md:\n" + "\n".join(found)
+        "story to lab/notes/ or CHANGELOG.md:\n" + "\n".join(found)
     )
 
 

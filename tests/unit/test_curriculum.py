@@ -20,7 +20,7 @@ from longnet.training import LengthCurriculum
 from longnet.training.checkpoint import checkpoint_config
 from longnet.training.curriculum import split_windows
 from longnet.validation import UsageError
-from tests.unit.test_handoff import callback, chunk_config, fit, load, probed
+from tests.chunked import callback, chunk_config, fit, load, probed
 
 SWITCH, CRASH_AT = 3, 3  # last.ckpt at step 2, before the switch; the resumed run crosses it
 STAGES = [{"step": 0, "seq_len": 16}, {"step": SWITCH, "seq_len": 32, "rope_theta": 20000.0}]

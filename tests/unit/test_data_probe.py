@@ -1,4 +1,4 @@
-"""Data files and the cache folder as a new user gives them (scripts/bad_inputs/probe_data.yaml):
+"""Data files and the cache folder as a new user gives them (lab/bad_inputs/probe_data.yaml):
 link loops under ``**``, file names with glob characters, CSV/TSV tables, damaged parquet and
 JSON files, empty paths, and the user cache folder that is the default ``cache_dir``."""
 

@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 PAGES = sorted(
     {REPO / "README.md", REPO / "data" / "README.md"}
     | set((REPO / "docs").rglob("*.md"))
+    | set((REPO / "lab").rglob("*.md"))
     | set((REPO / "models").glob("*/README.md"))
 )
 
@@ -117,7 +118,7 @@ def test_the_pages_are_found_and_have_links():
         "docs/training.md",
         "docs/benchmarks.md",
         "data/README.md",
-        "docs/notes/training-log.md",
+        "lab/notes/training-log.md",
         "models/longnet-tiny/README.md",
     } <= names
     assert len(links(REPO / "README.md")) >= 5

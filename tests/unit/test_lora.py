@@ -16,10 +16,10 @@ import pytest
 import torch
 import yaml
 
+from lab.handoff import handoff_checkpoint, write_handoff
 from longnet.modeling import LongNetLM
 from longnet.training import CausalLMModule
 from longnet.training.checkpoint import export_pretrained, load_lightning_checkpoint
-from longnet.training.handoff import handoff_checkpoint, write_handoff
 from longnet.training.lora import (
     DELTA_CONFIG,
     DELTA_WEIGHTS,
@@ -30,9 +30,9 @@ from longnet.training.lora import (
 )
 from longnet.training.optim import parameter_groups
 from longnet.validation import UsageError
+from tests.chunked import CrashAtStep, Probe, fit, load, probed  # noqa: F401
 from tests.gpu_configs import REPO, tiny_pretrained_config
 from tests.scripts import load_script
-from tests.unit.test_handoff import CrashAtStep, Probe, fit, load, probed  # noqa: F401
 
 pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -279,11 +279,13 @@ def test_the_export_is_the_delta_and_merges_into_a_loadable_model(base, runs, tm
 
 
 def test_the_smollm2_32k_recipe_runs_on_the_cpu_at_tiny_size(base, tmp_path):
-    """``configs/gpu/smollm2_135m_32k.yaml`` at 1/128 of its lengths (``tiny_pretrained_config``:
+    """``lab/configs/gpu/smollm2_135m_32k.yaml`` at 1/128 of its lengths
+    (``tiny_pretrained_config``:
     the tiny imported Llama as the base, its BPE as the tokenizer, the standard library's
     packages): 3 LoRA steps, one per curriculum stage (the second profiled), then the test and
     the delta export."""
-    recipe = yaml.safe_load((REPO / "configs" / "gpu" / "smollm2_135m_32k.yaml").read_text())
+    recipe_file = REPO / "lab" / "configs" / "gpu" / "smollm2_135m_32k.yaml"
+    recipe = yaml.safe_load(recipe_file.read_text())
     model, data = recipe["model"]["init_args"], recipe["data"]["init_args"]
     assert model["pretrained"] == data["tokenizer"] == "smollm2-135m"
     assert model["overrides"]["segment_lengths"][-1] == data["seq_len"] == 32768

@@ -19,14 +19,14 @@ import pytest
 import torch
 import yaml
 
-from longnet.files import check_target, held_model
-from longnet.modeling import LongNetConfig, LongNetLM
-from longnet.training.handoff import (
+from lab.handoff import (
     handoff_checkpoint,
     restore_newest,
     unpack_state,
     write_handoff,
 )
+from longnet.files import check_target, held_model
+from longnet.modeling import LongNetConfig, LongNetLM
 from longnet.training.runs import RUN_ID_KEY
 from longnet.validation import UsageError
 from tests.scripts import load_script
@@ -383,7 +383,7 @@ def test_the_chunk_script_uses_the_run_name_given_on_the_command_line(tmp_path):
                                                 "name": "from-config"}
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
     done = subprocess.run(
-        ["bash", str(REPO / "scripts" / "train_chunk.sh"), str(tmp_path / "c.yaml"),
+        ["bash", str(REPO / "lab" / "gpu" / "train_chunk.sh"), str(tmp_path / "c.yaml"),
          "--trainer.logger.init_args.name", "given", "--trainer.max_steps=0"],
         capture_output=True, text=True, timeout=300,
         env={**os.environ, "OUT": str(tmp_path / "out")})

@@ -24,6 +24,7 @@ from longnet.training import (
     EpochLoader,
     ExportPretrained,
     RankMemory,
+    Rewarmup,
     SequenceParallelStrategy,
     TokenCrossEntropy,
     build_lm,
@@ -574,3 +575,14 @@ def test_an_export_folder_that_cannot_be_written_stops_fit_before_a_step(tmp_pat
     with pytest.raises(UsageError, match=re.escape(message)):
         trainer.fit(Allocates(mib=1))
     assert trainer.global_step == 0 and file.read_text() == "not a model folder"
+
+
+def test_rewarmup_ramps_from_the_resumed_step_only():
+    ramp = Rewarmup(steps=3)
+    assert [ramp.factor(step) for step in (0, 10)] == [1.0, 1.0]  # no fresh start seen
+    ramp.load_state_dict({"start": 10})
+    assert [ramp.factor(step) for step in (9, 10, 11, 12, 13)] == [1.0, 0.25, 0.5, 0.75, 1.0]
+    assert ramp.state_dict() == {"start": 10}
+    assert Rewarmup(steps=0).factor(0) == 1.0
+    with pytest.raises(ValueError, match="steps must be a non-negative integer, got -1"):
+        Rewarmup(steps=-1)
