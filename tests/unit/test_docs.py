@@ -1,7 +1,8 @@
 """The documentation's relative links resolve: every ``[text](path)`` and ``![alt](path)`` of
 README.md, docs/**/*.md, models/*/README.md and data/README.md names a file or folder that
 exists, and a ``#anchor`` names a heading of its target (GitHub's heading ids). Web and mail
-links are not followed. ``docs/training.md`` stays a reference page of at most 600 lines."""
+links are not followed. ``docs/training.md`` stays a reference page of at most 600 lines, the
+README at most 150."""
 
 from __future__ import annotations
 
@@ -156,3 +157,8 @@ def test_slugs_follow_github():
 def test_training_reference_is_short():
     lines = (REPO / "docs" / "training.md").read_text().splitlines()
     assert len(lines) <= 600, f"docs/training.md has {len(lines)} lines (at most 600)"
+
+
+def test_readme_is_short():
+    lines = (REPO / "README.md").read_text().splitlines()
+    assert len(lines) <= 150, f"README.md has {len(lines)} lines (at most 150)"
