@@ -37,9 +37,9 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from longnet.attention import DilatedPattern
-from longnet.data.long_document import LongDocumentDataModule
+from longnet.data.datamodules import LongDocumentDataModule
 from longnet.data.subword import SubwordTokenizer, load_tokenizer_folder
-from longnet.data.tokenizer_choice import parse_tokenizer
+from longnet.data.tokenizer import parse_tokenizer
 from longnet.eval.passkey import VISIBILITIES, copy_positions, visibility
 from longnet.files import write_atomic
 from longnet.training.checkpoint import checkpoint_config

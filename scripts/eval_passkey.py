@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from longnet.data.passkey import min_passkey_length, needle_window
+from longnet.data.synthetic import min_passkey_length, needle_window
 from longnet.eval import (
     PasskeyCell,
     accuracy_by_visibility,
@@ -78,7 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def check_depths_apart(lengths: list[int], depths: list[float], num_digits: int) -> None:
     """Refuse a length whose filler is too short to place the needles of two of ``depths``
-    apart (``longnet.data.passkey.needle_window``): their cells would be one cell reported as
+    apart (``longnet.data.synthetic.needle_window``): their cells would be one cell reported as
     two depths."""
     for length in lengths:
         budget = length - min_passkey_length(num_digits)

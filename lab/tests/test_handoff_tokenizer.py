@@ -16,7 +16,7 @@ import torch
 
 from lab.handoff import HANDOFF, handoff_checkpoint, write_handoff
 from longnet.data.subword import from_backend, load_tokenizer_folder
-from longnet.data.tokenizer_choice import parse_tokenizer, train_bpe
+from longnet.data.tokenizer import parse_tokenizer, train_bpe
 from longnet.modeling import LongNetConfig, LongNetLM, hub
 from longnet.modeling.hub import materialized_dir
 from longnet.training.vocabulary import (

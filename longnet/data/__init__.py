@@ -6,27 +6,24 @@ Recipes and cache layout: ``data/README.md``.
 """
 
 from longnet.constants import IGNORE_INDEX
-from longnet.data.answers import answer_accuracy, answer_exact_match
 from longnet.data.corpus import CorpusSettings, LongDocumentSplits, build_long_document_splits
-from longnet.data.long_document import LongDocumentDataModule
-from longnet.data.mqar import MQARDataset, MQARExample, make_mqar_example
-from longnet.data.passkey import (
+from longnet.data.datamodules import LongDocumentDataModule, MQARDataModule, PasskeyDataModule
+from longnet.data.reading import DocumentSource
+from longnet.data.repositories import Package, PackageSource, repository_source
+from longnet.data.sources import corpus_source, files_source, package_source, stdlib_source
+from longnet.data.synthetic import (
+    MQARDataset,
+    MQARExample,
     PasskeyDataset,
     PasskeyExample,
+    answer_accuracy,
+    answer_exact_match,
+    make_mqar_example,
     make_passkey_example,
     passkey_examples,
     passkey_match,
+    sample_rng,
 )
-from longnet.data.repositories import Package, PackageSource, repository_source
-from longnet.data.samples import sample_rng
-from longnet.data.sources import (
-    DocumentSource,
-    corpus_source,
-    files_source,
-    package_source,
-    stdlib_source,
-)
-from longnet.data.synthetic import MQARDataModule, PasskeyDataModule
 from longnet.data.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE, ByteTokenizer
 
 __all__ = [

@@ -2,20 +2,20 @@
 
 Pipeline (``build_long_document_splits``), every step a ``datasets`` operation:
 
-1. read the source's documents (``DocumentSource.read_documents``: ``sources.load_documents``,
+1. read the source's documents (``DocumentSource.read_documents``: ``reading.load_documents``,
    or one per package for ``repositories.PackageSource``);
-2. batched ``map``: UTF-8 bytes, a content hash and a split per document (by the hash, or the
-   document's own ``split`` when the source gives one: packages); empty documents
-   and documents shorter than ``min_document_bytes`` are dropped;
+2. batched ``map`` (``encoding.describe_documents``): UTF-8 bytes, a content hash and a split
+   per document (by the hash, or the document's own ``split`` when the source gives one:
+   packages); empty documents and documents shorter than ``min_document_bytes`` are dropped;
 3. keep the first documents (source order) up to ``max_documents`` and until their bytes
    reach ``max_bytes`` (the last kept document may cross it); with a subword tokenizer
-   (``tokenizer_choice``), a BPE is then trained on the kept training documents (or loaded
-   from its cache entry) and a second batched ``map`` encodes every document into its ids and
-   the UTF-8 bytes of each token (``encoding.py``);
-4. per split, batched ``map`` into windows (``windows.py``): training windows packed across
-   documents (with ``pack_documents``: whole framed documents and their ``document_ids``),
-   evaluation windows inside one document each, tagged with ``doc_id``/``offset``; subword
-   windows also carry ``label_bytes``;
+   (``tokenizer.parse_tokenizer``), a BPE is then trained on the kept training documents (or
+   loaded from its cache entry) and a second batched ``map`` encodes every document into its
+   ids and the UTF-8 bytes of each token (``encoding.encode_documents``);
+4. per split, batched ``map`` into windows (``encoding.window_dataset``): training windows
+   packed across documents (with ``pack_documents``: whole framed documents and their
+   ``document_ids``), evaluation windows inside one document each, tagged with
+   ``doc_id``/``offset``; subword windows also carry ``label_bytes``;
 5. ``save_to_disk`` under a cache entry keyed by the file list (sizes, mtimes), settings and
    tokenizer.
 
@@ -39,40 +39,35 @@ from pathlib import Path
 import datasets
 import numpy as np
 import pyarrow.compute as pc
-from datasets import Dataset, Features, Sequence, Value, load_from_disk
+from datasets import Dataset, load_from_disk
 
-from longnet.constants import IGNORE_INDEX
 from longnet.data.cache import build_once, cache_folder, fingerprint
 from longnet.data.compressors import compressor_baselines
 from longnet.data.encoding import (
-    TOKEN_BYTES_COLUMN,
+    BYTE_FRAMING,
+    DOCUMENT_COLUMN,
+    LABEL_BYTES_COLUMN,
+    SPLITS,
+    check_fractions,
     describe_documents,
     encode_documents,
-    kept_documents,
     split_texts,
+    subword_framing,
+    window_dataset,
 )
-from longnet.data.sources import DocumentSource
-from longnet.data.splits import SPLITS, check_fractions
+from longnet.data.reading import DocumentSource
 from longnet.data.subword import SubwordTokenizer, check_round_trip
-from longnet.data.tokenizer import ByteTokenizer
-from longnet.data.tokenizer_choice import BYTES, TokenizerChoice, Tokenizers, parse_tokenizer
-from longnet.data.windows import (
-    BYTE_FRAMING,
-    Framing,
-    document_windows,
-    packed_document_windows,
-    packed_windows,
+from longnet.data.tokenizer import (
+    BYTES,
+    ByteTokenizer,
+    TokenizerChoice,
+    Tokenizers,
+    parse_tokenizer,
 )
 from longnet.validation import UsageError, check_positive_int
 
 CORPUS_FORMAT_VERSION = 1
 SAMPLE_COLUMNS = ["input_ids", "labels"]
-DOCUMENT_COLUMN = "document_ids"
-LABEL_BYTES_COLUMN = "label_bytes"
-"""Per label, the UTF-8 bytes of the original text its target token covers (0 for EOS and
-ignored labels); stored for subword tokenizers (for bytes: 1 per scored byte, computed)."""
-COUNT_FRAMING = Framing(eos_id=0, pad_id=0, dtype=np.int32, label_dtype=np.int32)
-"""Framing of a stream of per-token byte counts: EOS and padding cover no byte."""
 
 
 @dataclass(frozen=True)
@@ -87,7 +82,7 @@ class CorpusSettings:
         min_document_bytes: drop documents shorter than this many bytes (before the split and
             the limits), e.g. to train and validate a long-context model on long documents only.
         pack_documents: training windows hold framed documents back to back with their
-            ``document_ids`` (``windows.packed_document_windows``) instead of the plain stream.
+            ``document_ids`` (``encoding.packed_document_windows``) instead of the plain stream.
     """
 
     seq_len: int
@@ -177,48 +172,6 @@ def _tokenizer_key(source: DocumentSource, settings: CorpusSettings,
     return {"bpe": tokenizer.bpe_vocab_size, "on": fingerprint(_bpe_key(source, settings))}
 
 
-def _encode_batch(
-    batch: dict[str, list], val_fraction: float, test_fraction: float, min_document_bytes: int
-) -> dict[str, list]:
-    out: dict[str, list] = {"tokens": [], "doc_id": [], "split": []}
-    for _, data, doc_id, split in kept_documents(batch, val_fraction, test_fraction,
-                                                 min_document_bytes):
-        out["tokens"].append(data)
-        out["doc_id"].append(doc_id)
-        out["split"].append(split)
-    return out
-
-
-def _pack_batch(batch: dict[str, list], seq_len: int, pack_documents: bool,
-                framing: Framing = BYTE_FRAMING) -> dict[str, np.ndarray]:
-    windows = packed_document_windows if pack_documents else packed_windows
-    parts = windows(list(batch["tokens"]), seq_len, framing)
-    out = {"input_ids": parts[0], "labels": parts[1]}
-    if pack_documents:
-        out[DOCUMENT_COLUMN] = parts[2]
-    if TOKEN_BYTES_COLUMN in batch:
-        counts = windows(list(batch[TOKEN_BYTES_COLUMN]), seq_len, COUNT_FRAMING)[1]
-        out[LABEL_BYTES_COLUMN] = np.where(out["labels"] == IGNORE_INDEX, 0, counts)
-    return out
-
-
-def _document_batch(batch: dict[str, list], seq_len: int,
-                    framing: Framing = BYTE_FRAMING) -> dict[str, np.ndarray]:
-    parts = [document_windows(tokens, seq_len, framing) for tokens in batch["tokens"]]
-    counts = [len(offsets) for _, _, offsets in parts]
-    out = {
-        "input_ids": np.concatenate([inputs for inputs, _, _ in parts]),
-        "labels": np.concatenate([labels for _, labels, _ in parts]),
-        "doc_id": np.repeat(np.asarray(batch["doc_id"], dtype=object), counts),
-        "offset": np.concatenate([offsets for _, _, offsets in parts]),
-    }
-    if TOKEN_BYTES_COLUMN in batch:
-        label_bytes = np.concatenate([document_windows(values, seq_len, COUNT_FRAMING)[1]
-                                      for values in batch[TOKEN_BYTES_COLUMN]])
-        out[LABEL_BYTES_COLUMN] = np.where(out["labels"] == IGNORE_INDEX, 0, label_bytes)
-    return out
-
-
 def _documents_kept(num_bytes: np.ndarray, settings: CorpusSettings) -> int:
     """How many leading documents the ``max_documents``/``max_bytes`` limits keep."""
     count = len(num_bytes)
@@ -229,28 +182,6 @@ def _documents_kept(num_bytes: np.ndarray, settings: CorpusSettings) -> int:
         if reached.size:
             count = int(reached[0]) + 1
     return count
-
-
-def _window_features(seq_len: int, with_document: bool, pack_documents: bool,
-                     framing: Framing = BYTE_FRAMING, label_bytes: bool = False) -> Features:
-    columns = {
-        "input_ids": Sequence(Value(np.dtype(framing.dtype).name), length=seq_len),
-        "labels": Sequence(Value(np.dtype(framing.label_dtype).name), length=seq_len),
-    }
-    if with_document:
-        columns |= {"doc_id": Value("string"), "offset": Value("int64")}
-    if pack_documents:
-        columns[DOCUMENT_COLUMN] = Sequence(Value("int32"), length=seq_len)
-    if label_bytes:
-        columns[LABEL_BYTES_COLUMN] = Sequence(Value("int32"), length=seq_len)
-    return Features(columns)
-
-
-def subword_framing(tokenizer: SubwordTokenizer) -> Framing:
-    """How a subword tokenizer's windows are stored: its EOS and padding ids, uint16 inputs
-    when every id fits, else int32; int32 labels."""
-    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.int32
-    return Framing(tokenizer.eos_id, tokenizer.pad_id, dtype, np.int32)
 
 
 def documents_needed(val_fraction: float, test_fraction: float, chance: float = 0.95) -> int:
@@ -292,44 +223,19 @@ def _check_splits(source: DocumentSource, settings: CorpusSettings, split_column
     )
 
 
-def _encode_bytes(documents: Dataset, settings: CorpusSettings) -> Dataset:
-    return documents.map(
-        _encode_batch,
-        batched=True,
-        remove_columns=documents.column_names,
-        fn_kwargs={"val_fraction": settings.val_fraction, "test_fraction": settings.test_fraction,
-                   "min_document_bytes": settings.min_document_bytes},
-        features=Features({
-            "tokens": Sequence(Value("uint8")), "doc_id": Value("string"), "split": Value("string"),
-        }),
-        desc="encode documents",
-    )
-
-
-def _kept(source: DocumentSource, settings: CorpusSettings, documents: Dataset,
-          num_bytes: np.ndarray) -> Dataset:
-    """The first documents the limits keep, every split checked to have one."""
-    documents = documents.select(range(_documents_kept(num_bytes, settings)))
-    _check_splits(source, settings, np.asarray(documents["split"][:]), available=len(num_bytes))
-    return documents
-
-
 def _build(source: DocumentSource, settings: CorpusSettings, staging: Path,
            choice: TokenizerChoice) -> None:
-    documents = source.read_documents(staging / "hf")
+    subword = choice.kind != BYTES
+    documents = describe_documents(source.read_documents(staging / "hf"), settings.val_fraction,
+                                   settings.test_fraction, settings.min_document_bytes, subword)
+    num_bytes = (np.asarray(documents["num_bytes"][:], dtype=np.int64) if subword
+                 else pc.list_value_length(documents.data.column("tokens")).to_numpy())
+    documents = documents.select(range(_documents_kept(num_bytes, settings)))
+    _check_splits(source, settings, np.asarray(documents["split"][:]), available=len(num_bytes))
+    source_documents = documents  # a subword tokenizer's: their text, before it is encoded
     info: dict = {}
-    if choice.kind == BYTES:
-        documents = _encode_bytes(documents, settings)
-        num_bytes = pc.list_value_length(documents.data.column("tokens")).to_numpy()
-        documents = _kept(source, settings, documents, num_bytes)
-        source_documents = documents
-        framing = BYTE_FRAMING
-    else:
-        documents = describe_documents(documents, settings.val_fraction, settings.test_fraction,
-                                       settings.min_document_bytes)
-        num_bytes = np.asarray(documents["num_bytes"][:], dtype=np.int64)
-        documents = _kept(source, settings, documents, num_bytes)
-        source_documents = documents  # their text, before the encoding replaces it
+    framing = BYTE_FRAMING
+    if subword:
         tokenizer = choice.resolve(lambda: split_texts(documents, "train"),
                                    _bpe_key(source, settings), staging.parent)
         check_round_trip(tokenizer, round_trip_sample(documents))
@@ -338,24 +244,12 @@ def _build(source: DocumentSource, settings: CorpusSettings, staging: Path,
         info["tokenizer"] = {"name": tokenizer.name, "fingerprint": tokenizer.fingerprint,
                              "tokens_per_s": round(tokens_per_s)}
     split_column = np.asarray(documents["split"][:])
-    info["gzip_bits_per_byte"] = held_out_gzip(documents, split_column, source_documents)
-    subword = choice.kind != BYTES
+    info["gzip_bits_per_byte"] = held_out_gzip(source_documents, split_column)
     counts = {}
     for split in SPLITS:
         part = documents.select(np.flatnonzero(split_column == split)).with_format("numpy")
         counts[split] = len(part)
-        train = split == "train"
-        packs = train and settings.pack_documents
-        windows = part.map(
-            _pack_batch if train else _document_batch,
-            batched=True,
-            batch_size=None if train else 256,
-            remove_columns=part.column_names,
-            fn_kwargs={"seq_len": settings.seq_len, "framing": framing}
-            | ({"pack_documents": packs} if train else {}),
-            features=_window_features(settings.seq_len, not train, packs, framing, subword),
-            desc=f"{split} windows",
-        )
+        windows = window_dataset(part, split, settings.seq_len, framing, settings.pack_documents)
         if len(windows) == 0:
             raise UsageError(
                 f"{source.name} corpus: the train split's {counts[split]} documents make no "
@@ -394,8 +288,7 @@ def round_trip_sample(documents: Dataset) -> list[tuple[str, str]]:
             for index, doc_id, text in zip(picked.tolist(), sample["doc_id"], sample["text"])]
 
 
-def held_out_gzip(documents: Dataset, split_column: np.ndarray,
-                  source_documents: Dataset) -> dict[str, float]:
+def held_out_gzip(source_documents: Dataset, split_column: np.ndarray) -> dict[str, float]:
     """gzip -9's bits per byte on the validation and on the test documents, each document
     compressed alone (as the model scores it): ``{"validation": x, "test": y}``.
     ``source_documents`` holds the documents' UTF-8 bytes (column ``tokens`` of a byte corpus)
@@ -405,8 +298,7 @@ def held_out_gzip(documents: Dataset, split_column: np.ndarray,
     for split in SPLITS[1:]:
         part = source_documents.select(np.flatnonzero(split_column == split))
         rows = part.with_format("numpy" if column == "tokens" else None)[column]
-        blobs = [row.encode("utf-8") if isinstance(row, str)
-                 else np.asarray(row, dtype=np.uint8).tobytes() for row in rows]
+        blobs = [row.encode("utf-8") if isinstance(row, str) else row for row in rows]
         if sum(map(len, blobs)):
             scores[split] = compressor_baselines(blobs, ["separate"], ["gzip"])[0].bits_per_byte
     return scores
@@ -443,7 +335,7 @@ def build_long_document_splits(
     when the files (list, sizes, mtimes), the settings or the tokenizer change.
 
     Args:
-        tokenizer: a :class:`~longnet.data.tokenizer_choice.TokenizerChoice` or the option it
+        tokenizer: a :class:`~longnet.data.tokenizer.TokenizerChoice` or the option it
             parses (``"bytes"``, ``"bpe:8192"``, a path, a model name); None is bytes. A
             subword tokenizer's windows also hold ``label_bytes`` (``LABEL_BYTES_COLUMN``).
 

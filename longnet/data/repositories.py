@@ -58,8 +58,9 @@ from pathlib import Path, PurePath
 import numpy as np
 from datasets import Dataset, Features, Value
 
-from longnet.data.sources import _CORPUS_ENTRY, DocumentSource, _is_document, stdlib_source
-from longnet.data.splits import SPLITS, check_fractions, document_hash, split_of
+from longnet.data.encoding import SPLITS, check_fractions, document_hash, split_of
+from longnet.data.reading import DocumentSource
+from longnet.data.sources import _CORPUS_ENTRY, _is_document, stdlib_source
 from longnet.validation import UsageError, check_positive_int
 
 STDLIB_PACKAGES = "stdlib"
@@ -130,7 +131,7 @@ def _source_text(data: bytes) -> str | None:
 
 @dataclass(frozen=True)
 class PackageSource(DocumentSource):
-    """A :class:`~longnet.data.sources.DocumentSource` of packages: one document per package,
+    """A :class:`~longnet.data.reading.DocumentSource` of packages: one document per package,
     with its split (``files``: every package's files, in order)."""
 
     packages: tuple[Package, ...] = ()
@@ -194,7 +195,7 @@ def canonical_name(name: str) -> str:
 
 
 def package_split(name: str, val_fraction: float, test_fraction: float) -> str:
-    """The split of the package ``name`` (canonical): ``splits.split_of`` of the BLAKE2b-64 of
+    """The split of the package ``name`` (canonical): ``encoding.split_of`` of the BLAKE2b-64 of
     its name's UTF-8 bytes."""
     digest = document_hash(np.frombuffer(name.encode("utf-8"), dtype=np.uint8))
     return split_of(digest, val_fraction, test_fraction)
@@ -417,17 +418,11 @@ def repository_source(
     test_fraction: float = 0.05,
     max_file_bytes: int = MAX_FILE_BYTES,
 ) -> PackageSource:
-    """The packages of ``packages`` (one entry or a list, read in that order; see the module
-    docstring), one document each, with their splits.
-
-    Args:
-        packages: ``"stdlib"``, ``"installed"``, ``"<distribution>"``,
-            ``"<distribution>==<version>"``, or a list of those.
-        held_out: ``{"validation": [...], "test": [...]}``: the packages of each held-out
-            split, every other in train; None splits by the hash of the names.
-        val_fraction, test_fraction: the expected shares of packages in validation and test
-            without ``held_out``.
-        max_file_bytes: a positive integer; larger files are left out.
+    """The packages of ``packages`` (``"stdlib"``, ``"installed"``, ``"<distribution>"``,
+    ``"<distribution>==<version>"`` or a list of those, read in that order; module docstring),
+    one document each, with their splits: ``held_out`` (``{"validation": [...], "test":
+    [...]}``, every other package in train), else :func:`package_split` with the expected
+    shares ``val_fraction``/``test_fraction``. Files over ``max_file_bytes`` are left out.
 
     Raises:
         ValueError: no entry, a malformed one, a package listed twice, bad fractions, a

@@ -1,6 +1,5 @@
-"""Where long documents come from, and reading them into a ``datasets.Dataset``.
-
-Three kinds of source:
+"""Where long documents come from: the :class:`~longnet.data.reading.DocumentSource` of the
+data options.
 
 - ``stdlib_source()``: the ``*.py`` files of the running interpreter's standard library
   (``sysconfig.get_paths()["stdlib"]``), one document per file. Folders named ``test``,
@@ -14,16 +13,12 @@ Three kinds of source:
   so the same pin gives the same documents on every machine.
 - ``files_source(data_files)``: local files matched by glob patterns (``**`` enters linked
   folders, each real folder once, so a link loop ends; a path naming an existing file is that
-  file, even with ``[``, ``*`` or ``?`` in its name). The rows of ``.json``/``.jsonl``,
-  ``.parquet``, ``.csv`` and ``.tsv`` files are documents (their ``text_column``); any other
-  file is one text document, which must be UTF-8 text: a binary file (a NUL byte) or one that
-  is not valid UTF-8 is refused, naming every such file, or skipped with a warning and a count
-  when the source is made with ``invalid_files="skip"``. A table file that cannot be parsed is
-  refused as damaged, naming it.
+  file, even with ``[``, ``*`` or ``?`` in its name): text files or tables
+  (``longnet.data.reading``).
 
 ``corpus_source(["stdlib", "sympy==1.14.0"])`` reads the first two kinds together, one source
-after the other; ``select_source`` picks the source from the data options.
-Files are ordered by path, rows by file then row, so reading is deterministic.
+after the other; ``select_source`` picks the source from the data options. Files are ordered by
+path.
 """
 
 from __future__ import annotations
@@ -36,17 +31,10 @@ import os
 import re
 import sys
 import sysconfig
-import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path, PurePath
-from typing import Literal
 
-import pandas as pd
-import pyarrow.parquet as pq
-from datasets import Dataset, Features, Value, load_dataset
-from datasets.exceptions import DatasetGenerationError
-
+from longnet.data.reading import DocumentSource, InvalidFiles, file_listing
 from longnet.validation import UsageError
 
 STDLIB_SKIPPED_DIRS = frozenset(
@@ -56,67 +44,12 @@ _ROW_FORMATS = {
     ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".tsv": "tsv"
 }
 """The table formats by file suffix: each row's ``text_column`` is a document."""
-_SEPARATORS = {"csv": ",", "tsv": "\t"}
-_READ_ERRORS = (DatasetGenerationError, ValueError)
-"""What ``load_dataset`` raises for a table file it cannot parse: its wrapper of the error, or
-(while it infers the schema from the first file) pyarrow's or pandas' error, a ``ValueError``."""
 _RECURSIVE = "**"
-InvalidFiles = Literal["error", "skip"]
-SHOWN_FILES = 5
-"""How many offending files an error or warning names (then a count of the rest)."""
 STDLIB_CORPUS = "stdlib"
 """The corpus entry naming :func:`stdlib_source` (any other entry names a distribution)."""
 _CORPUS_ENTRY = re.compile(
     r"(?P<name>[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?)(?:==(?P<version>[A-Za-z0-9][\w.+!-]*))?"
 )
-
-
-@dataclass(frozen=True)
-class DocumentSource:
-    """Files to read documents from.
-
-    Attributes:
-        name: short label used in cache folder names: ``"stdlib"``, ``"files"``,
-            ``"<distribution>-<version>"`` or several of those joined by ``+``.
-        files: the files, in reading order.
-        format: ``"text"`` (one document per file), ``"json"``, ``"parquet"``, ``"csv"`` or
-            ``"tsv"`` (one per row).
-        text_column: the column holding the text of table rows.
-        invalid_files: what reading does with a text file that is binary or not UTF-8:
-            ``"error"`` (refuse, naming the files) or ``"skip"`` (leave it out, with a warning).
-    """
-
-    name: str
-    files: tuple[Path, ...]
-    format: str
-    text_column: str = "text"
-    invalid_files: InvalidFiles = "error"
-
-    def file_stats(self) -> list[tuple[str, int, int]]:
-        """``(path, size in bytes, mtime in ns)`` of every file: what the cache is keyed by.
-
-        Raises:
-            UsageError: a file found when the source was made is gone (deleted or moved).
-        """
-        gone = [path for path in self.files if not path.is_file()]
-        if gone:
-            listed = ", ".join(map(str, gone[:SHOWN_FILES]))
-            more = f" and {len(gone) - SHOWN_FILES} more" if len(gone) > SHOWN_FILES else ""
-            raise UsageError(f"{len(gone)} data file(s) found when the data were set up are "
-                             f"gone now (deleted or moved): {listed}{more}; put them back, or "
-                             "run again to read the files there are.")
-        stats = [(str(path), path.stat()) for path in self.files]
-        return [(path, stat.st_size, stat.st_mtime_ns) for path, stat in stats]
-
-    def cache_fields(self) -> dict[str, object]:
-        """What the documents depend on, for the cache key: the format, the text column and
-        :meth:`file_stats` (a subclass adds its own, e.g. ``repositories.PackageSource``)."""
-        return {"format": self.format, "text_column": self.text_column,
-                "files": self.file_stats()}
-
-    def read_documents(self, cache_dir: Path) -> Dataset:
-        """The documents: :func:`load_documents` (a subclass may read them otherwise)."""
-        return load_documents(self, cache_dir)
 
 
 def _is_document(relative: PurePath) -> bool:
@@ -142,11 +75,8 @@ def stdlib_source() -> DocumentSource:
 
 
 def package_source(distribution: str, version: str | None = None) -> DocumentSource:
-    """The ``*.py`` files of the installed ``distribution``, named ``"<name>-<version>"``.
-
-    The files are those its ``RECORD`` lists (found with ``importlib.metadata``; the package is
-    not imported), outside the folders :data:`STDLIB_SKIPPED_DIRS` (test suites), ordered by
-    their path inside the distribution, and each one matching its ``RECORD`` hash.
+    """The ``*.py`` files of the installed ``distribution`` its ``RECORD`` lists (module
+    docstring), named ``"<name>-<version>"``, ordered by their path inside the distribution.
 
     Raises:
         UsageError: the distribution is not installed, is not ``version`` (when given), lists
@@ -172,7 +102,7 @@ def package_source(distribution: str, version: str | None = None) -> DocumentSou
     if problems:
         raise UsageError(
             f"{dist.name} {dist.version} at {dist.locate_file('')}: {len(problems)} of its "
-            f"{len(files)} *.py files do not match its RECORD:\n{_listing(problems)}\nThe "
+            f"{len(files)} *.py files do not match its RECORD:\n{file_listing(problems)}\nThe "
             f"installation was modified; reinstall it: pip install --force-reinstall {pin}"
         )
     return DocumentSource(name=f"{dist.name}-{dist.version}", files=tuple(files), format="text")
@@ -298,14 +228,10 @@ def files_source(
     text_column: str = "text",
     invalid_files: InvalidFiles = "error",
 ) -> DocumentSource:
-    """Local files matched by ``data_files`` (one glob or a list, ``~`` expanded), read in
-    pattern order, each pattern's files by path, each file once.
-
-    A pattern naming an existing file is that file, glob characters in its name included
-    (``a[1].txt``); any other is a glob (:func:`_glob`: ``**`` recurses, entering linked
-    folders but each real folder once, so a link loop ends).
-    ``invalid_files``: ``"error"`` or ``"skip"``, see :class:`DocumentSource` (checked when
-    the documents are read, :func:`load_documents`).
+    """Local files matched by ``data_files`` (one glob or a list, ``~`` expanded; globbing as
+    the module docstring says), read in pattern order, each pattern's files by path, each file
+    once. ``invalid_files``: ``"error"`` or ``"skip"``, see :class:`DocumentSource` (checked
+    when the documents are read).
 
     Raises:
         FileNotFoundError: a pattern matches no file (the error names the pattern, and for a
@@ -396,170 +322,3 @@ def _folders_once(top: str) -> Iterator[str]:
         yield folder
 
 
-def text_problem(path: Path) -> str | None:
-    """Why the file at ``path`` is not UTF-8 text (``"binary: a NUL byte at offset N"`` or
-    ``"not UTF-8: byte 0xNN at offset N"``), or None when it is."""
-    data = path.read_bytes()
-    nul = data.find(b"\0")
-    if nul >= 0:
-        return f"binary: a NUL byte at offset {nul:,}"
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        return f"not UTF-8: byte 0x{data[err.start]:02x} at offset {err.start:,}"
-    return None
-
-
-def _listing(problems: dict[Path, str]) -> str:
-    shown = [f"  {path}: {why}" for path, why in list(problems.items())[:SHOWN_FILES]]
-    if len(problems) > SHOWN_FILES:
-        shown.append(f"  and {len(problems) - SHOWN_FILES} more")
-    return "\n".join(shown)
-
-
-def readable_text_files(source: DocumentSource) -> list[Path]:
-    """The files of a text ``source`` that are UTF-8 text; the others raise
-    :class:`UsageError` naming them, or with ``invalid_files="skip"`` are left out with a
-    warning (a source with no readable file is refused either way)."""
-    problems = {path: why for path in source.files if (why := text_problem(path)) is not None}
-    if not problems:
-        return list(source.files)
-    count = f"{len(problems)} of the {len(source.files)} data_files"
-    if source.invalid_files == "error" or len(problems) == len(source.files):
-        raise UsageError(
-            f"{count} are not UTF-8 text:\n{_listing(problems)}\nRemove them from data_files "
-            "(or narrow the glob), convert them to UTF-8 (e.g. iconv -f latin1 -t utf-8), or "
-            "set invalid_files: skip to leave them out."
-        )
-    warnings.warn(f"skipping {count} (not UTF-8 text, invalid_files='skip'):\n"
-                  f"{_listing(problems)}", stacklevel=2)
-    return [path for path in source.files if path not in problems]
-
-
-def _read_text_files(paths: list[str]) -> Iterator[dict[str, str]]:
-    for path in paths:
-        yield {"text": Path(path).read_text(encoding="utf-8")}
-
-
-def load_documents(source: DocumentSource, cache_dir: Path) -> Dataset:
-    """Read every document of ``source`` into a dataset with one string column ``text``.
-
-    ``cache_dir`` receives the arrow files ``datasets`` writes (passed explicitly, because
-    ``HF_DATASETS_CACHE`` is only read when ``datasets`` is imported). Nothing is downloaded.
-
-    Raises:
-        UsageError: text files that are not UTF-8 (:func:`readable_text_files`), a table file
-            that cannot be parsed (named as damaged), table files that differ in their columns,
-            or ``text_column`` missing or not holding strings.
-    """
-    if source.format == "text":
-        return Dataset.from_generator(
-            _read_text_files,
-            features=Features({"text": Value("string")}),
-            cache_dir=str(cache_dir),
-            gen_kwargs={"paths": [str(path) for path in readable_text_files(source)]},
-        )
-    rows = _table_rows(source, cache_dir)
-    if source.text_column not in rows.column_names:
-        raise UsageError(
-            f"text_column={source.text_column!r} is not a column of the data_files rows "
-            f"(columns: {rows.column_names}); set text_column to the column holding the text."
-        )
-    if rows.features[source.text_column] not in (Value("string"), Value("large_string")):
-        raise UsageError(
-            f"text_column={source.text_column!r} holds {rows.features[source.text_column]}, not "
-            "strings; set text_column to the column holding the document text."
-        )
-    rows = rows.select_columns([source.text_column])
-    if source.text_column != "text":
-        rows = rows.rename_column(source.text_column, "text")
-    return rows
-
-
-def _table_rows(source: DocumentSource, cache_dir: Path) -> Dataset:
-    """The rows of the table files of ``source`` (json, parquet, csv or tsv); an empty file
-    has none (as an empty text file is no document), a file that cannot be parsed is refused
-    as damaged, naming it."""
-    paths = [str(path) for path in source.files if path.stat().st_size > 0]
-    if not paths:
-        return Dataset.from_dict({source.text_column: []},
-                                 features=Features({source.text_column: Value("string")}))
-    for path in paths:
-        _check_table_file(path, source)
-    try:
-        return _load_rows(source, paths, cache_dir)
-    except _READ_ERRORS as err:
-        raise _unreadable_rows(source, paths, cache_dir, err) from None
-
-
-def _load_rows(source: DocumentSource, paths: list[str], cache_dir: Path) -> Dataset:
-    """The rows of the table files ``paths`` of ``source``, read by ``datasets``; csv/tsv
-    columns are read as strings (no type guessing: ``42`` and ``NA`` stay text), with the
-    header of the first file."""
-    if source.format not in _SEPARATORS:
-        return load_dataset(source.format, data_files=paths, split="train",
-                            cache_dir=str(cache_dir))
-    columns = _table_columns(paths[0], source.format)
-    return load_dataset(
-        "csv", data_files=paths, split="train", cache_dir=str(cache_dir),
-        sep=_SEPARATORS[source.format], na_filter=False,
-        features=Features(dict.fromkeys(columns, Value("string"))),
-    )
-
-
-def _table_columns(path: str, file_format: str) -> list[str]:
-    """The column names of the header of the csv/tsv file at ``path``."""
-    return list(pd.read_csv(path, sep=_SEPARATORS[file_format], nrows=0).columns)
-
-
-def _check_table_file(path: str, source: DocumentSource) -> None:
-    """Refuse, before ``datasets`` reads it, a parquet file whose schema cannot be read (cut
-    short, not parquet) or a csv/tsv file whose header cannot be parsed or lacks
-    ``text_column``: :class:`UsageError` naming the file."""
-    try:
-        if source.format == "parquet":
-            pq.read_schema(path)
-        if source.format not in _SEPARATORS:
-            return
-        columns = _table_columns(path, source.format)
-    except (OSError, ValueError) as err:  # pyarrow's and pandas' parse errors are ValueErrors
-        raise _damaged(path, source.format, err) from None
-    if source.text_column not in columns:
-        raise UsageError(
-            f"text_column={source.text_column!r} is not a column of {path} (columns: "
-            f"{columns}); set text_column to the column holding the text."
-        )
-
-
-def _unreadable_rows(
-    source: DocumentSource, paths: list[str], cache_dir: Path, err: Exception
-) -> UsageError:
-    """The error for table files ``paths`` that ``datasets`` could not read together (``err``):
-    the first file that cannot be read alone, named as damaged, or else files whose columns
-    differ."""
-    if len(paths) == 1:
-        return _damaged(paths[0], source.format, err)
-    for path in paths:
-        try:
-            _load_rows(source, [path], cache_dir)
-        except _READ_ERRORS as alone:
-            return _damaged(path, source.format, alone)
-    return UsageError(
-        f"the {len(paths)} {source.format} data_files are each read alone but not together: "
-        f"their columns or column types differ ({_reason(err)}); give files of one layout."
-    )
-
-
-def _damaged(path: str, file_format: str, err: BaseException) -> UsageError:
-    """:class:`UsageError`: the file at ``path`` cannot be parsed as ``file_format``."""
-    return UsageError(
-        f"data_files: {path} is damaged or not a valid {file_format} file ({_reason(err)}); "
-        "re-create or re-copy it, or leave it out of data_files."
-    )
-
-
-def _reason(err: BaseException) -> str:
-    """``"<type>: <message>"`` of the error ``err`` is about (its cause, for the wrapper that
-    ``datasets`` raises), on one line."""
-    cause = err.__cause__ or err
-    return " ".join(f"{type(cause).__name__}: {cause}".split())

@@ -23,7 +23,7 @@ import functools
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -322,9 +322,8 @@ def tokenizer_from_files(files: Mapping[str, str], name: str) -> SubwordTokenize
         raise UsageError(f"tokenizer {name}: no readable {TOKENIZER_FILE} ({err}).") from None
     options = json.loads(files.get(TOKENIZER_CONFIG_FILE, "{}"))
     tokens = {key: _token_text(options.get(key)) for key in ("eos_token", "pad_token")}
-    tokenizer = from_backend(backend, name, tokens["eos_token"], tokens["pad_token"])
-    return SubwordTokenizer(tokenizer.backend, tokenizer.eos_id, tokenizer.pad_id, dict(files),
-                            name)
+    return replace(from_backend(backend, name, tokens["eos_token"], tokens["pad_token"]),
+                   files=dict(files))
 
 
 def _token_text(value: object) -> str | None:

@@ -1,127 +1,475 @@
-"""DataModules of the generated long-range tasks: passkey retrieval and MQAR.
+"""The generated long-range tasks: passkey retrieval and multi-query associative recall.
 
-Each split is a map-style dataset of a fixed size whose sample ``i`` is generated from
-``(seed, split, i)``, so nothing is stored and every run (and every worker/rank) sees the same
-samples. Training batches are shuffled; validation/test are in index order.
+Sample ``i`` of a split is generated from ``(seed, split, i)`` (:func:`sample_rng`), so nothing
+is stored and every run (and every worker/rank) sees the same samples. :func:`answer_accuracy`
+and :func:`answer_exact_match` check a model's answers where only the answers are labelled
+(passkey in ``"answer"`` mode, MQAR).
+
+Passkey retrieval (Mohtashami & Jaggi 2023): find a number hidden in filler text. A sample of
+``length`` bytes (all ASCII, so bytes and characters coincide) reads::
+
+    <TASK><filler...><NEEDLE with the key><...filler>\\nWhat is the pass key? The pass key is <key>
+
+The needle starts at a byte of the filler drawn uniformly from a window of ``2 *
+NEEDLE_JITTER + 1`` bytes (one filler period) around the requested depth (0 = right after the
+task line, 1 = right before the question), moved inside the filler at its ends, or from a third
+of the filler where it is shorter than three periods (``needle_window``: depths stay apart); as
+in the original task, it may cut a filler word. The jitter matters for dilated attention: a key
+beyond the dense branch's segment is seen only by queries at the same offset modulo the
+dilation rate (docs/architecture.md), so with the needle at one fixed byte every example of a
+``(length, depth)`` cell would share one alignment and the cell would measure that alignment's
+luck. The key has ``num_digits`` digits and no leading zero. The prompt is everything before
+the key, so an evaluator feeds the prompt and greedily generates ``num_digits`` bytes
+(``passkey_examples`` + ``passkey_match``). Training samples (``PasskeyDataset``) append
+``ANSWER_END`` (a full stop) to the key, so a model learns where the answer stops;
+``passkey_match`` rejects an answer followed by a digit. With a subword tokenizer the same text
+(the evaluation's prompt format) is counted in that tokenizer's tokens: ``PasskeyDataset(...,
+tokenizer=...)``, whose shortest sample is ``min_passkey_tokens(tokenizer, num_digits)`` tokens.
+
+Multi-query associative recall (MQAR, Arora et al. 2023, "Zoology"): a sample of ``seq_len +
+1`` tokens is ``num_kv_pairs`` key-value pairs followed by a query region. Keys are distinct
+ids from ``[1, 1 + (vocab_size - 1) // 2)``, values are ids from the rest of the vocabulary
+(repeats allowed), ``0`` is filler. The query region is cut into two-token slots;
+``num_queries`` distinct keys are asked in random slots as ``key value`` and the other slots
+are filler. Only the positions holding a queried key are labelled: their label is the value
+that follows, which the model can only know by recalling the pair::
+
+    k3 v3 k1 v1 k2 v2 | 0 0 k1 v1 0 0 0 0 k3 v3 0 0 ...
+                           ^ label v1        ^ label v3
 """
 
 from __future__ import annotations
 
-import lightning as L
-from torch.utils.data import DataLoader, Dataset
+from dataclasses import dataclass
+from typing import Literal
 
-from longnet.data.loaders import check_loader_args, make_loader
-from longnet.data.mqar import MQARDataset
-from longnet.data.passkey import LabelMode, PasskeyDataset
-from longnet.data.splits import SPLITS
-from longnet.data.tokenizer import VOCAB_SIZE
+import numpy as np
+import torch
+from torch.utils.data import Dataset
 
+from longnet.constants import IGNORE_INDEX
+from longnet.data.encoding import SPLITS, shifted_sample
+from longnet.data.subword import SubwordTokenizer
+from longnet.data.tokenizer import ByteTokenizer
+from longnet.validation import check_non_negative_int, check_positive_int, is_int
 
-class _SyntheticDataModule(L.LightningDataModule):
-    """Shared loaders; subclasses build one dataset per split in ``make_dataset``."""
-
-    def __init__(
-        self, batch_size: int, num_workers: int, train_size: int, val_size: int, test_size: int
-    ) -> None:
-        super().__init__()
-        check_loader_args(batch_size, num_workers)
-        self.batch_size, self.num_workers = batch_size, num_workers
-        sizes = dict(zip(SPLITS, (train_size, val_size, test_size)))
-        self.datasets = {split: self.make_dataset(split, size) for split, size in sizes.items()}
-
-    def make_dataset(self, split: str, size: int) -> Dataset:
-        """The dataset of ``split`` with ``size`` samples."""
-        raise NotImplementedError
-
-    def train_dataloader(self) -> DataLoader:
-        return make_loader(self.datasets["train"], self.batch_size, self.num_workers, True)
-
-    def val_dataloader(self) -> DataLoader:
-        return make_loader(self.datasets["validation"], self.batch_size, self.num_workers, False)
-
-    def test_dataloader(self) -> DataLoader:
-        return make_loader(self.datasets["test"], self.batch_size, self.num_workers, False)
+TASK = (
+    "There is an important piece of information hidden inside a lot of irrelevant text. "
+    "Find it and memorize it. I will quiz you about it.\n"
+)
+FILLER = (
+    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+)
+NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
+QUESTION = "\nWhat is the pass key? The pass key is "
+ANSWER_END = "."
+NEEDLE_PREFIX = NEEDLE[:NEEDLE.index("{")]  # "The pass key is ": what precedes the key
+NEEDLE_JITTER = len(FILLER) // 2
+PASSKEY_PROBE_KEYS = 32  # examples min_passkey_tokens measures
+LabelMode = Literal["answer", "recall", "all"]
+MQAR_FILLER_ID = 0
+SPLIT_STREAMS = {split: stream for stream, split in enumerate(SPLITS)}
 
 
-class PasskeyDataModule(_SyntheticDataModule):
-    """Passkey retrieval samples of ``seq_len`` tokens (see ``PasskeyDataset``).
+def sample_rng(seed: int, split: str, index: int) -> np.random.Generator:
+    """The random generator of sample ``index`` of a synthetic ``split`` under ``seed``.
+
+    Seeded by ``(seed, split, index)`` through ``numpy.random.SeedSequence``, so any sample can
+    be regenerated alone (map-style datasets, any sampler, any worker), the three splits of one
+    seed are independent streams, and different seeds give different samples.
+    """
+    if split not in SPLIT_STREAMS:
+        raise ValueError(f"split must be one of {sorted(SPLIT_STREAMS)}, got {split!r}.")
+    check_non_negative_int("seed", seed)
+    return np.random.default_rng([seed, SPLIT_STREAMS[split], index])
+
+
+@dataclass(frozen=True)
+class PasskeyExample:
+    """One passkey prompt and its answer.
+
+    Attributes:
+        prompt: the text up to the answer (``len(prompt) + len(answer)`` is the length asked).
+        answer: the key's digits.
+        depth: where the needle starts, as a fraction of the filler in ``[0, 1]``.
+    """
+
+    prompt: str
+    answer: str
+    depth: float
+
+    @property
+    def needle_distance(self) -> int:
+        """Bytes from the needle's first byte to the end of the prompt (its offset from the
+        question modulo a dilation rate decides which heads can see it)."""
+        return len(self.prompt) - self.prompt.index(NEEDLE_PREFIX)
+
+    @property
+    def key_start(self) -> int:
+        """The byte of the prompt where the needle's key begins; the answer, the same digits,
+        begins at ``len(prompt)``."""
+        return self.prompt.index(NEEDLE_PREFIX) + len(NEEDLE_PREFIX)
+
+
+def min_passkey_length(num_digits: int = 5) -> int:
+    """The shortest sample (bytes, answer included) with ``num_digits`` digits and no filler."""
+    return len(TASK) + len(NEEDLE.format(key="0" * num_digits)) + len(QUESTION) + num_digits
+
+
+def min_passkey_tokens(tokenizer: SubwordTokenizer, num_digits: int = 5) -> int:
+    """The shortest ``seq_len`` (tokens) of a ``PasskeyDataset`` sample in ``tokenizer``'s
+    tokens: the text of an example without filler (answer and end mark included) less one
+    token (samples are shifted), the most over ``PASSKEY_PROBE_KEYS`` drawn keys (a key's
+    digits may take more or fewer tokens). A rarer key that takes more still raises when its
+    sample is drawn, naming its own count."""
+    check_passkey_options(num_digits=num_digits)
+    shortest = min_passkey_length(num_digits)
+    examples = [make_passkey_example(shortest, np.random.default_rng([num_digits, probe]), 0.0,
+                                     num_digits) for probe in range(PASSKEY_PROBE_KEYS)]
+    texts = [e.prompt + e.answer + ANSWER_END for e in examples]
+    return max(len(ids) for ids, _ in tokenizer.encode_documents(texts)) - 1
+
+
+def make_passkey_example(
+    length: int, rng: np.random.Generator, depth: float | None = None, num_digits: int = 5
+) -> PasskeyExample:
+    """A passkey example of exactly ``length`` bytes, prompt plus answer.
 
     Args:
-        seq_len: tokens per sample.
-        batch_size: samples per batch.
-        train_size, val_size, test_size: samples per split.
-        depth: needle depth in ``[0, 1]``; None draws it per sample.
-        num_digits: digits of the key.
-        label_mode: ``"answer"`` (loss on the key only), ``"recall"`` (the key and the needle's
-            second copy of it) or ``"all"`` (every position).
-        seed: generation seed.
-        num_workers: DataLoader worker processes.
+        length: total bytes, at least ``min_passkey_length(num_digits)``.
+        rng: the source of the key and, when ``depth`` is None, of the depth.
+        depth: needle depth in ``[0, 1]``; None draws it uniformly.  The needle starts at a
+            byte drawn uniformly from ``needle_window`` (about ``NEEDLE_JITTER`` bytes of it).
+        num_digits: digits of the key (1-18).
+    """
+    _check_passkey_args(length, depth, num_digits)
+    key = str(int(rng.integers(10 ** (num_digits - 1), 10**num_digits)))
+    depth = float(rng.random()) if depth is None else depth
+    budget = length - min_passkey_length(num_digits)
+    filler = (FILLER * (budget // len(FILLER) + 1))[:budget]
+    low, high = needle_window(budget, depth)
+    cut = int(rng.integers(low, high + 1))
+    prompt = TASK + filler[:cut] + NEEDLE.format(key=key) + filler[cut:] + QUESTION
+    return PasskeyExample(prompt=prompt, answer=key, depth=cut / budget if budget else 0.0)
+
+
+def needle_window(budget: int, depth: float) -> tuple[int, int]:
+    """``(low, high)``: the filler bytes (of ``budget``) the needle may start at for ``depth``.
+
+    A window of one filler period (``2 * NEEDLE_JITTER + 1`` bytes) around ``depth * budget``,
+    moved inside the filler at its ends; in a filler shorter than six half periods, a window of
+    at most a third of it, so that depths stay apart (0, 0.5 and 1 take disjoint thirds).
+    """
+    jitter = min(NEEDLE_JITTER, budget // 6)
+    low = min(max(0, round(depth * budget) - jitter), budget - 2 * jitter)
+    return low, low + 2 * jitter
+
+
+def _check_passkey_args(length: int, depth: float | None, num_digits: int) -> None:
+    check_passkey_options(depth=depth, num_digits=num_digits)
+    if length < min_passkey_length(num_digits):
+        raise ValueError(
+            f"passkey length {length} is too short: the task, needle and question need "
+            f"{min_passkey_length(num_digits)} bytes with num_digits={num_digits}; raise seq_len."
+        )
+
+
+def check_passkey_options(
+    label_mode: LabelMode = "answer", depth: float | None = None, num_digits: int = 5,
+    seed: int = 0, split: str = "train",
+) -> None:
+    """Raise ``ValueError`` for a passkey setting no length makes right (everything
+    ``PasskeyDataset`` checks but ``seq_len``, which depends on the tokenizer)."""
+    if label_mode not in ("answer", "recall", "all"):
+        raise ValueError(
+            f"label_mode must be 'answer', 'recall' or 'all', got {label_mode!r}."
+        )
+    if not is_int(num_digits) or not 1 <= num_digits <= 18:
+        raise ValueError(f"num_digits must be an integer in [1, 18], got {num_digits!r}.")
+    if depth is not None and not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be in [0, 1] or None (random), got {depth!r}.")
+    sample_rng(seed, split, 0)  # validates seed and split
+
+
+def passkey_examples(
+    count: int, length: int, depth: float | None = None, seed: int = 0, num_digits: int = 5
+) -> list[PasskeyExample]:
+    """``count`` (prompt, answer) examples of ``length`` bytes for evaluation.
+
+    Example ``i`` is example ``i`` of ``PasskeyDataset(length, ..., seed=seed,
+    split="test")`` when the depth and digits agree.
+    """
+    return [
+        make_passkey_example(length, sample_rng(seed, "test", index), depth, num_digits)
+        for index in range(count)
+    ]
+
+
+def passkey_match(generated: str, answer: str) -> bool:
+    """Exact match: ``generated`` starts with ``answer`` and no further digit follows it."""
+    return generated.startswith(answer) and not generated[len(answer):len(answer) + 1].isdigit()
+
+
+class PasskeyDataset(Dataset):
+    """Map-style dataset of passkey samples, each generated from ``(seed, split, index)``.
+
+    A sample is ``{"input_ids": (seq_len,), "labels": (seq_len,)}`` (int64) of the text
+    ``prompt + key + ANSWER_END`` of an example of ``seq_len`` bytes (prompt + key), i.e.
+    ``seq_len + 1`` bytes. ``label_mode="answer"`` labels only the positions that predict the
+    key's digits and the end mark (``num_digits + 1`` positions); ``"recall"`` adds the digits
+    of the needle's second copy of the key (``"... Remember it. <key> is the pass key."``),
+    which a model can also only predict by recalling the first, a few bytes back: a
+    short-range copy in every sample next to the long-range one (``2 * num_digits + 1``
+    positions); ``"all"`` labels every position (language modelling on the whole text, the key
+    included).
+
+    With a subword ``tokenizer`` the sample is ``seq_len + 1`` **tokens**: the text is the
+    longest example (in bytes, drawn from the same ``(seed, split, index)``) whose tokens fit,
+    right-padded with the tokenizer's padding id (labels ignored there); the labelled positions
+    are those whose target token covers a byte of the answer as the evaluation reads it (the
+    prompt's final space, which it holds back, the key and the end mark; in ``"recall"`` also
+    the digits of the second copy); the sample also holds ``"label_bytes"`` ``(seq_len,)``,
+    the UTF-8 bytes of each label's token (0 where not labelled), as the corpus windows of
+    that tokenizer do. The text is the one the evaluation prompts with
+    (``longnet.eval.passkey``), so a model trained on these samples is asked in the format it
+    learned; ``seq_len`` must be at least ``min_passkey_tokens(tokenizer, num_digits)``.
+
+    Raises:
+        ValueError: a bad label mode, depth, number of digits, seed, split or size, or a
+            ``seq_len`` too short for the task (naming the minimum, in bytes or in tokens).
     """
 
     def __init__(
         self,
-        seq_len: int = 1024,
-        batch_size: int = 8,
-        train_size: int = 20_000,
-        val_size: int = 256,
-        test_size: int = 256,
+        seq_len: int,
+        size: int,
+        seed: int = 0,
+        split: str = "train",
         depth: float | None = None,
         num_digits: int = 5,
         label_mode: LabelMode = "answer",
-        seed: int = 0,
-        num_workers: int = 0,
+        tokenizer: SubwordTokenizer | None = None,
     ) -> None:
-        self.seq_len, self.depth, self.num_digits = seq_len, depth, num_digits
-        self.label_mode, self.seed = label_mode, seed
-        super().__init__(batch_size, num_workers, train_size, val_size, test_size)
-        self.save_hyperparameters()
+        check_passkey_options(label_mode, depth, num_digits, seed, split)
+        check_non_negative_int("size", size)
+        if isinstance(tokenizer, SubwordTokenizer):
+            shortest = min_passkey_tokens(tokenizer, num_digits)
+            if not is_int(seq_len) or seq_len < shortest:
+                raise ValueError(
+                    f"passkey seq_len {seq_len!r} is too short for the tokens of "
+                    f"{tokenizer.name}: the task, needle, question and answer take at least "
+                    f"{shortest} tokens with num_digits={num_digits}; raise seq_len."
+                )
+        else:
+            _check_passkey_args(seq_len, depth, num_digits)
+        self.seq_len, self.size, self.seed, self.split = seq_len, size, seed, split
+        self.depth, self.num_digits, self.label_mode = depth, num_digits, label_mode
+        self.tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
 
-    @property
-    def vocab_size(self) -> int:
-        """Token ids are bytes: 256."""
-        return VOCAB_SIZE
+    def __len__(self) -> int:
+        return self.size
 
-    def make_dataset(self, split: str, size: int) -> PasskeyDataset:
-        return PasskeyDataset(
-            self.seq_len, size, seed=self.seed, split=split, depth=self.depth,
-            num_digits=self.num_digits, label_mode=self.label_mode,
+    def example(self, index: int, length: int | None = None) -> PasskeyExample:
+        """The text behind sample ``index``: ``length`` bytes, by default ``seq_len`` bytes, or
+        with a subword tokenizer the example whose tokens make the sample."""
+        if length is None and isinstance(self.tokenizer, SubwordTokenizer):
+            return self._fitting_example(index)[0]
+        if not 0 <= index < self.size:
+            raise IndexError(f"index {index} out of range for a dataset of {self.size}.")
+        rng = sample_rng(self.seed, self.split, index)
+        return make_passkey_example(length or self.seq_len, rng, self.depth, self.num_digits)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if isinstance(self.tokenizer, SubwordTokenizer):
+            return self._subword_sample(index)
+        example = self.example(index)
+        tokens = self.tokenizer.encode_array(example.prompt + example.answer + ANSWER_END)
+        if self.label_mode == "all":
+            return shifted_sample(tokens)
+        labelled = np.zeros(self.seq_len, dtype=bool)
+        labelled[len(example.prompt) - 1:] = True
+        if self.label_mode == "recall":  # the filler has no digits: the second find is the copy
+            copy = example.prompt.find(example.answer, example.prompt.find(example.answer) + 1)
+            labelled[copy - 1:copy - 1 + len(example.answer)] = True
+        return shifted_sample(tokens, labelled)
+
+    def _subword_sample(self, index: int) -> dict[str, torch.Tensor]:
+        """Sample ``index`` in subword tokens (class docstring)."""
+        example, ids, counts = self._fitting_example(index)
+        ends = np.cumsum(counts)  # byte offset where each token ends
+        starts = ends - counts
+        # the answer as the evaluation asks for it: the prompt's final space (held back, as
+        # a subword tokenizer joins it to the key or keeps it alone), the key, its end mark
+        spans = [(len(example.prompt.rstrip(" ").encode()), int(ends[-1]))]
+        if self.label_mode == "recall":
+            copy = example.prompt.find(example.answer, example.prompt.find(example.answer) + 1)
+            spans.append((copy, copy + len(example.answer)))  # ASCII: bytes are characters
+        covers = np.zeros(len(ids), dtype=bool)
+        for low, high in spans:
+            covers |= (ends > low) & (starts < high)
+        if self.label_mode == "all":
+            covers[:] = True
+        tokens = np.full(self.seq_len + 1, self.tokenizer.pad_id, dtype=np.int64)
+        tokens[:len(ids)] = ids
+        labelled = np.zeros(self.seq_len, dtype=bool)
+        labelled[:len(ids) - 1] = covers[1:]
+        sample = shifted_sample(tokens, labelled)
+        label_bytes = np.zeros(self.seq_len, dtype=np.int64)
+        label_bytes[:len(ids) - 1] = counts[1:]
+        sample["label_bytes"] = torch.from_numpy(label_bytes)
+        sample["label_bytes"][sample["labels"] == IGNORE_INDEX] = 0
+        return sample
+
+    def _fitting_example(self, index: int) -> tuple[PasskeyExample, np.ndarray, np.ndarray]:
+        """The longest example of ``index`` whose text (answer and end mark included) is at
+        most ``seq_len + 1`` tokens, with its ids and the bytes of each token."""
+        shortest = min_passkey_length(self.num_digits)
+        filler = FILLER * 16  # what a long example is made of: 10 % more bytes than it takes
+        bytes_per_token = len(filler) / len(self.tokenizer.encode(filler))
+        length = max(shortest, int(1.1 * bytes_per_token * (self.seq_len + 1)))
+        while True:
+            example = self.example(index, length)
+            text = example.prompt + example.answer + ANSWER_END
+            ((ids, counts),) = self.tokenizer.encode_documents([text])
+            excess = len(ids) - (self.seq_len + 1)
+            if excess <= 0:
+                return example, ids, counts
+            if length == shortest:
+                raise ValueError(
+                    f"passkey seq_len {self.seq_len} is too short for example {index} in the "
+                    f"tokens of {self.tokenizer.name}: without filler it takes {len(ids) - 1} "
+                    "tokens (task, needle, question and answer); raise seq_len."
+                )
+            bytes_per_token = len(text.encode()) / len(ids)
+            length = max(shortest, length - max(1, int(excess * bytes_per_token)))
+
+
+@dataclass(frozen=True)
+class MQARExample:
+    """One MQAR sequence.
+
+    Attributes:
+        tokens: ``(seq_len + 1,)`` int64 token ids.
+        query_positions: ``(num_queries,)`` input positions holding a queried key, ascending.
+        answers: ``(num_queries,)`` the value each of those positions must predict.
+    """
+
+    tokens: np.ndarray
+    query_positions: np.ndarray
+    answers: np.ndarray
+
+
+def _check_mqar_args(seq_len: int, num_kv_pairs: int, num_queries: int, vocab_size: int) -> None:
+    for name, value in (("seq_len", seq_len), ("num_kv_pairs", num_kv_pairs),
+                        ("num_queries", num_queries), ("vocab_size", vocab_size)):
+        check_positive_int(name, value)
+    num_keys = (vocab_size - 1) // 2
+    if num_kv_pairs > num_keys:
+        raise ValueError(
+            f"num_kv_pairs={num_kv_pairs} needs that many distinct keys but vocab_size="
+            f"{vocab_size} has {num_keys}; raise vocab_size or lower num_kv_pairs."
+        )
+    if num_queries > num_kv_pairs:
+        raise ValueError(
+            f"num_queries={num_queries} exceeds num_kv_pairs={num_kv_pairs}; each query asks "
+            "a different key."
+        )
+    slots = (seq_len + 1 - 2 * num_kv_pairs) // 2
+    if num_queries > slots:
+        raise ValueError(
+            f"seq_len={seq_len} leaves {max(slots, 0)} query slots after {num_kv_pairs} pairs "
+            f"but num_queries={num_queries}; raise seq_len to at least "
+            f"{2 * (num_kv_pairs + num_queries) - 1}."
         )
 
 
-class MQARDataModule(_SyntheticDataModule):
-    """Multi-query associative recall samples (see ``MQARDataset``).
+def make_mqar_example(
+    rng: np.random.Generator, seq_len: int, num_kv_pairs: int, num_queries: int, vocab_size: int
+) -> MQARExample:
+    """An MQAR sequence of ``seq_len + 1`` tokens (layout in the module docstring)."""
+    _check_mqar_args(seq_len, num_kv_pairs, num_queries, vocab_size)
+    key_end = 1 + (vocab_size - 1) // 2
+    keys = rng.choice(np.arange(1, key_end), size=num_kv_pairs, replace=False)
+    values = rng.integers(key_end, vocab_size, size=num_kv_pairs)
+    tokens = np.full(seq_len + 1, MQAR_FILLER_ID, dtype=np.int64)
+    tokens[0:2 * num_kv_pairs:2], tokens[1:2 * num_kv_pairs:2] = keys, values
+    asked = rng.choice(num_kv_pairs, size=num_queries, replace=False)
+    slots = np.sort(rng.choice((seq_len + 1) // 2 - num_kv_pairs, size=num_queries, replace=False))
+    positions = 2 * num_kv_pairs + 2 * slots
+    tokens[positions], tokens[positions + 1] = keys[asked], values[asked]
+    return MQARExample(tokens=tokens, query_positions=positions, answers=values[asked])
 
-    Args:
-        seq_len: tokens per sample.
-        batch_size: samples per batch.
-        train_size, val_size, test_size: samples per split.
-        num_kv_pairs: key-value pairs per sample.
-        num_queries: keys asked per sample; None asks every key.
-        vocab_size: token ids are in ``[0, vocab_size)``.
-        seed: generation seed.
-        num_workers: DataLoader worker processes.
+
+class MQARDataset(Dataset):
+    """Map-style dataset of MQAR samples, each generated from ``(seed, split, index)``.
+
+    A sample is ``{"input_ids": (seq_len,), "labels": (seq_len,)}`` (int64) with labels only on
+    the ``num_queries`` query positions (``IGNORE_INDEX`` elsewhere). ``num_queries`` defaults
+    to ``num_kv_pairs`` (every key asked once).
     """
 
     def __init__(
         self,
         seq_len: int = 64,
-        batch_size: int = 64,
-        train_size: int = 100_000,
-        val_size: int = 1_000,
-        test_size: int = 1_000,
+        size: int = 10_000,
         num_kv_pairs: int = 4,
         num_queries: int | None = None,
-        vocab_size: int = VOCAB_SIZE,
+        vocab_size: int = 256,
         seed: int = 0,
-        num_workers: int = 0,
+        split: str = "train",
     ) -> None:
-        self.seq_len, self.num_kv_pairs, self.num_queries = seq_len, num_kv_pairs, num_queries
-        self.vocab_size, self.seed = vocab_size, seed
-        super().__init__(batch_size, num_workers, train_size, val_size, test_size)
-        self.save_hyperparameters()
+        num_queries = num_kv_pairs if num_queries is None else num_queries
+        _check_mqar_args(seq_len, num_kv_pairs, num_queries, vocab_size)
+        check_non_negative_int("size", size)
+        sample_rng(seed, split, 0)  # validates seed and split
+        self.seq_len, self.size, self.seed, self.split = seq_len, size, seed, split
+        self.num_kv_pairs, self.num_queries, self.vocab_size = num_kv_pairs, num_queries, vocab_size
 
-    def make_dataset(self, split: str, size: int) -> MQARDataset:
-        return MQARDataset(
-            self.seq_len, size, num_kv_pairs=self.num_kv_pairs, num_queries=self.num_queries,
-            vocab_size=self.vocab_size, seed=self.seed, split=split,
+    def __len__(self) -> int:
+        return self.size
+
+    def example(self, index: int) -> MQARExample:
+        """The sequence behind sample ``index``."""
+        if not 0 <= index < self.size:
+            raise IndexError(f"index {index} out of range for a dataset of {self.size}.")
+        return make_mqar_example(
+            sample_rng(self.seed, self.split, index),
+            self.seq_len, self.num_kv_pairs, self.num_queries, self.vocab_size,
         )
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        example = self.example(index)
+        labelled = np.zeros(self.seq_len, dtype=bool)
+        labelled[example.query_positions] = True
+        return shifted_sample(example.tokens, labelled)
+
+
+def _check(predictions: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    if predictions.shape != labels.shape:
+        raise ValueError(
+            f"predictions have shape {tuple(predictions.shape)} but labels "
+            f"{tuple(labels.shape)}; pass argmax token ids of shape (batch, seq_len)."
+        )
+    return labels != IGNORE_INDEX
+
+
+def answer_accuracy(predictions: torch.Tensor, labels: torch.Tensor) -> float:
+    """Share of labelled positions whose predicted token equals the label.
+
+    Args:
+        predictions: ``(batch, seq_len)`` predicted token ids (e.g. ``logits.argmax(-1)``).
+        labels: ``(batch, seq_len)`` labels with ``IGNORE_INDEX`` on unscored positions.
+    """
+    scored = _check(predictions, labels)
+    if not scored.any():
+        raise ValueError("labels have no scored position (all are IGNORE_INDEX).")
+    return (predictions[scored] == labels[scored]).float().mean().item()
+
+
+def answer_exact_match(predictions: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``(batch,)`` bools: every labelled position of the sample is predicted exactly.
+
+    Shapes as in ``answer_accuracy``.
+    """
+    scored = _check(predictions, labels)
+    return ((predictions == labels) | ~scored).all(dim=-1)

@@ -3,7 +3,7 @@
 The same documents as the evaluation windows of ``longnet.data``: a source's documents are
 read with the data layer's reader, encoded as UTF-8 bytes, empty ones dropped, the first
 ``max_documents`` kept (source order), and assigned to a split by the hash of their bytes
-(``longnet.data.splits``), so ``split="test"`` gives exactly the documents of
+(``longnet.data.encoding``), so ``split="test"`` gives exactly the documents of
 ``LongDocumentDataModule(...).test_dataset`` with the same fractions, whatever the tokenizer.
 :func:`tokenize_documents` gives the same documents in a subword tokenizer's tokens, each
 token with the UTF-8 bytes it covers.
@@ -18,8 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from longnet.data.sources import load_documents, select_source
-from longnet.data.splits import SPLITS, check_fractions, document_hash, split_of
+from longnet.data.encoding import SPLITS, check_fractions, document_hash, split_of
+from longnet.data.reading import load_documents
+from longnet.data.sources import select_source
 from longnet.data.subword import SubwordTokenizer
 from longnet.data.tokenizer import ByteTokenizer
 from longnet.validation import check_non_negative_int, check_positive_int

@@ -33,8 +33,8 @@ from tqdm.auto import tqdm
 
 from longnet.attention import DilatedPattern
 from longnet.data import ByteTokenizer, passkey_examples, passkey_match
-from longnet.data.passkey import PasskeyExample, min_passkey_length
 from longnet.data.subword import SubwordTokenizer
+from longnet.data.synthetic import PasskeyExample, min_passkey_length
 from longnet.eval.sliding import check_context_length
 from longnet.modeling import LongNetLM
 from longnet.validation import check_non_negative_int, check_positive_int, is_int

@@ -2,7 +2,7 @@
 crossing a document boundary.
 
 A document of ``n`` tokens (bytes, or a subword tokenizer's) is framed as in training,
-``[EOS] tokens [EOS]`` (``n + 2`` tokens, :func:`longnet.data.windows.frame_document`, with the
+``[EOS] tokens [EOS]`` (``n + 2`` tokens, :func:`longnet.data.encoding.frame_document`, with the
 model's ``eos_token_id``). Input position ``p`` (``0 <= p <= n``) predicts token ``p + 1``, so
 a document has ``n + 1`` targets: its tokens and the closing EOS. Bits per byte divide the
 summed NLL of all targets by the document's UTF-8 bytes (each token's, from the tokenizer's
@@ -33,8 +33,8 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from longnet.constants import NATS_PER_BIT
+from longnet.data.encoding import frame_document
 from longnet.data.tokenizer import EOS_ID, PAD_ID
-from longnet.data.windows import frame_document
 from longnet.eval.documents import EvalDocument
 from longnet.modeling import LongNetLM
 from longnet.validation import check_positive_int

@@ -23,9 +23,9 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
-from longnet.data.passkey import LabelMode, PasskeyDataset, check_passkey_options
 from longnet.data.subword import SubwordTokenizer
-from longnet.data.tokenizer_choice import BYTES
+from longnet.data.synthetic import LabelMode, PasskeyDataset, check_passkey_options
+from longnet.data.tokenizer import BYTES
 from longnet.nn.positional import RotaryEmbedding
 from longnet.training.module import PASSKEY_ROWS, _datamodule_seq_len
 from longnet.training.strategy import SequenceParallelLayout

@@ -17,8 +17,7 @@ from longnet.data.subword import (
     folder_tokenizer_files,
     tokenizer_from_files,
 )
-from longnet.data.tokenizer import ByteTokenizer
-from longnet.data.tokenizer_choice import BYTES, zoo_tokenizer
+from longnet.data.tokenizer import BYTES, ByteTokenizer, zoo_tokenizer
 from longnet.modeling import LongNetConfig
 from longnet.modeling.hub import list_models, resolve_model_dir
 from longnet.validation import UsageError

@@ -13,8 +13,8 @@ import pytest
 import torch
 import yaml
 
-from longnet.data.passkey import PasskeyDataset
-from longnet.data.windows import packed_document_windows, packed_windows
+from longnet.data.encoding import packed_document_windows, packed_windows
+from longnet.data.synthetic import PasskeyDataset
 from longnet.modeling import LongNetConfig, LongNetLM
 from longnet.training import LengthCurriculum
 from longnet.training.checkpoint import checkpoint_config

@@ -23,7 +23,7 @@ from longnet.data import (
     files_source,
     stdlib_source,
 )
-from longnet.data.splits import SPLITS, document_hash
+from longnet.data.encoding import SPLITS, document_hash
 from longnet.data.tokenizer import EOS_ID, PAD_ID, ByteTokenizer
 from longnet.validation import UsageError
 

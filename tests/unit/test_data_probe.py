@@ -18,7 +18,7 @@ from longnet.data import (
     files_source,
 )
 from longnet.data.cache import default_cache_dir
-from longnet.data.sources import load_documents
+from longnet.data.reading import load_documents
 from longnet.validation import UsageError
 
 SETTINGS = CorpusSettings(seq_len=32, val_fraction=0.25, test_fraction=0.25)

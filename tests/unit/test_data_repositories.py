@@ -17,6 +17,7 @@ import pytest
 from longnet.constants import IGNORE_INDEX
 from longnet.data import LongDocumentDataModule, Package, PackageSource, repository_source
 from longnet.data.corpus import CorpusSettings, build_long_document_splits, corpus_cache_key
+from longnet.data.encoding import SPLITS
 from longnet.data.repositories import (
     MAX_FILE_BYTES,
     installed_packages,
@@ -24,7 +25,6 @@ from longnet.data.repositories import (
     stdlib_packages,
 )
 from longnet.data.sources import stdlib_source
-from longnet.data.splits import SPLITS
 from longnet.data.tokenizer import EOS_ID
 from longnet.validation import UsageError
 from tests.unit.test_data_sources import write_distribution

@@ -26,8 +26,8 @@ from longnet.data import (
 from longnet.data import sources as sources_module
 from longnet.data.cache import fingerprint
 from longnet.data.corpus import corpus_cache_key
-from longnet.data.sources import SHOWN_FILES
-from longnet.data.splits import document_hash, split_of
+from longnet.data.encoding import document_hash, split_of
+from longnet.data.reading import SHOWN_FILES
 from longnet.data.tokenizer import ByteTokenizer
 from longnet.eval import load_eval_documents
 from longnet.eval.cli import documents_from_args

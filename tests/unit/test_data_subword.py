@@ -24,7 +24,7 @@ from longnet.data.subword import (
     load_tokenizer_folder,
     load_tokenizer_json,
 )
-from longnet.data.tokenizer_choice import (
+from longnet.data.tokenizer import (
     EOS_TOKEN,
     MAX_VOCAB,
     MIN_BPE_VOCAB,

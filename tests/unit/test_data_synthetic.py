@@ -19,7 +19,7 @@ from longnet.data import (
     passkey_match,
     sample_rng,
 )
-from longnet.data.passkey import NEEDLE_JITTER, min_passkey_length
+from longnet.data.synthetic import NEEDLE_JITTER, min_passkey_length
 from longnet.data.tokenizer import ByteTokenizer
 
 

@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from longnet.data.samples import IGNORE_INDEX, shifted_sample
+from longnet.data.encoding import IGNORE_INDEX, document_windows, packed_windows, shifted_sample
 from longnet.data.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE, ByteTokenizer
-from longnet.data.windows import document_windows, packed_windows
 
 TEXTS = ["", "hello", "naïve café — 東京 🚀\n\tend", "a" * 1000]
 

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from longnet.data import ByteTokenizer, passkey_examples, passkey_match
-from longnet.data.passkey import NEEDLE_JITTER, min_passkey_length, needle_window
 from longnet.data.subword import from_backend
-from longnet.data.tokenizer_choice import train_bpe
+from longnet.data.synthetic import NEEDLE_JITTER, min_passkey_length, needle_window
+from longnet.data.tokenizer import train_bpe
 from longnet.eval import (
     accuracy_by_alignment,
     accuracy_by_visibility,

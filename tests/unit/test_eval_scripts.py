@@ -16,7 +16,7 @@ import torch
 
 from longnet.data import passkey_examples
 from longnet.data.subword import from_backend
-from longnet.data.tokenizer_choice import train_bpe
+from longnet.data.tokenizer import train_bpe
 from longnet.modeling import LongNetConfig, LongNetLM
 from tests.reference import copy_visibility
 

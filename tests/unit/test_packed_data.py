@@ -10,7 +10,7 @@ import pytest
 
 from longnet.constants import IGNORE_INDEX
 from longnet.data import LongDocumentDataModule
-from longnet.data.splits import document_hash
+from longnet.data.encoding import document_hash
 from longnet.data.tokenizer import EOS_ID, ByteTokenizer
 
 SEQ_LEN = 64

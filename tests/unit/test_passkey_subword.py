@@ -14,7 +14,8 @@ import torch
 
 from longnet.constants import IGNORE_INDEX
 from longnet.data import LongDocumentDataModule
-from longnet.data.passkey import (
+from longnet.data.subword import SubwordTokenizer, from_backend
+from longnet.data.synthetic import (
     ANSWER_END,
     NEEDLE,
     NEEDLE_JITTER,
@@ -24,8 +25,7 @@ from longnet.data.passkey import (
     min_passkey_length,
     min_passkey_tokens,
 )
-from longnet.data.subword import SubwordTokenizer, from_backend
-from longnet.data.tokenizer_choice import train_bpe
+from longnet.data.tokenizer import train_bpe
 from longnet.training import LengthCurriculum
 from longnet.validation import UsageError
 

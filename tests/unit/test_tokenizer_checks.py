@@ -22,7 +22,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 
 from longnet.cli import main
 from longnet.data.subword import SubwordTokenizer, check_round_trip, from_backend
-from longnet.data.tokenizer_choice import EOS_TOKEN, PAD_TOKEN, parse_tokenizer, train_bpe
+from longnet.data.tokenizer import EOS_TOKEN, PAD_TOKEN, parse_tokenizer, train_bpe
 from longnet.modeling import LongNetConfig, LongNetLM, hub
 from longnet.training import CausalLMModule
 from longnet.validation import UsageError
@@ -297,7 +297,7 @@ def test_loading_a_subword_model_folder_logs_no_model_type_warning(tmp_path):
     code = "\n".join([
         "import sys",
         "from longnet.modeling import LongNetLM",
-        "from longnet.data.tokenizer_choice import parse_tokenizer",
+        "from longnet.data.tokenizer import parse_tokenizer",
         "from longnet.eval import load_model",
         f"folder = {str(folder)!r}",
         "LongNetLM.from_pretrained(folder); parse_tokenizer(folder); load_model(folder)",

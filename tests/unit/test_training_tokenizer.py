@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from longnet.data import LongDocumentDataModule
-from longnet.data.tokenizer_choice import train_bpe
+from longnet.data.tokenizer import train_bpe
 from longnet.eval import load_model
 from longnet.modeling import LongNetLM
 from longnet.training import CausalLMModule, ExportPretrained

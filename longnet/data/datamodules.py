@@ -1,5 +1,6 @@
-"""``LongDocumentDataModule``: causal-LM windows of long documents, optionally mixed with
-passkey examples."""
+"""The Lightning DataModules: windows of long documents (:class:`LongDocumentDataModule`) and
+the generated tasks (:class:`PasskeyDataModule`, :class:`MQARDataModule`).
+"""
 
 from __future__ import annotations
 
@@ -8,16 +9,52 @@ from torch.utils.data import ConcatDataset, DataLoader, Dataset
 
 from longnet.data.cache import cache_folder
 from longnet.data.corpus import CorpusSettings, LongDocumentSplits, build_long_document_splits
-from longnet.data.loaders import check_loader_args, make_loader
-from longnet.data.passkey import LabelMode, PasskeyDataset, check_passkey_options
+from longnet.data.encoding import SPLITS
+from longnet.data.reading import InvalidFiles
 from longnet.data.repositories import check_package_options, repository_source
-from longnet.data.sources import InvalidFiles, select_source
+from longnet.data.sources import select_source
 from longnet.data.subword import SubwordTokenizer
-from longnet.data.tokenizer_choice import BYTES, Tokenizers, parse_tokenizer
-from longnet.validation import UsageError
+from longnet.data.synthetic import LabelMode, MQARDataset, PasskeyDataset, check_passkey_options
+from longnet.data.tokenizer import BYTES, VOCAB_SIZE, Tokenizers, parse_tokenizer
+from longnet.validation import UsageError, check_non_negative_int, check_positive_int
 
 
-class LongDocumentDataModule(L.LightningDataModule):
+class _Loaders(L.LightningDataModule):
+    """The loaders of the split datasets a subclass sets: batches ``{"input_ids": (batch,
+    seq_len), "labels": (batch, seq_len)}``, training ones shuffled. ``batch_size`` and
+    ``num_workers`` may be NumPy integers (given to torch as ``int``). Under a distributed
+    strategy Lightning swaps in a ``DistributedSampler`` (which keeps ``shuffle``)."""
+
+    def __init__(self, batch_size: int, num_workers: int,
+                 eval_batch_size: int | None = None) -> None:
+        super().__init__()
+        self.eval_batch_size = batch_size if eval_batch_size is None else eval_batch_size
+        for name, size in (("batch_size", batch_size), ("eval_batch_size", self.eval_batch_size)):
+            check_positive_int(name, size)
+        check_non_negative_int("num_workers", num_workers)
+        self.batch_size, self.num_workers = batch_size, num_workers
+        self.train_dataset: Dataset | None = None
+        self.val_dataset: Dataset | None = None
+        self.test_dataset: Dataset | None = None
+
+    def _loader(self, dataset: Dataset | None, batch_size: int, shuffle: bool) -> DataLoader:
+        if dataset is None:
+            raise RuntimeError(f"{type(self).__name__}: call setup() before asking for a loader.")
+        return DataLoader(dataset, batch_size=int(batch_size), shuffle=shuffle,
+                          num_workers=int(self.num_workers),
+                          persistent_workers=self.num_workers > 0)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_dataset, self.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_dataset, self.eval_batch_size, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(self.test_dataset, self.eval_batch_size, shuffle=False)
+
+
+class LongDocumentDataModule(_Loaders):
     """Windows of long documents in tokens of a chosen tokenizer, bytes by default (see
     ``data/README.md`` for the recipe).
 
@@ -35,12 +72,9 @@ class LongDocumentDataModule(L.LightningDataModule):
         data_files: glob(s) of local files (``sources.files_source``): text, or tables
             (json/jsonl, parquet, csv, tsv) whose ``text_column`` rows are documents;
             None uses ``corpus``.
-        corpus: the offline corpus when ``data_files`` is None: one entry or a list, read in
-            that order, one document per ``*.py`` file: ``"stdlib"`` (the running Python's
-            standard library) and installed distributions, pinned as ``"sympy==1.14.0"``
-            (``longnet.data.corpus_source``). None (the default) is ``"stdlib"``, unchanged:
-            the same documents, splits and cache entry as ``corpus="stdlib"``. Setting both
-            ``data_files`` and ``corpus`` is an error.
+        corpus: the offline corpus when ``data_files`` is None, one document per ``*.py``
+            file: ``"stdlib"`` (the default) and/or installed distributions, pinned as
+            ``"sympy==1.14.0"``, read in that order (``longnet.data.corpus_source``).
         text_column: column holding the text in table rows (json, parquet, csv, tsv).
         invalid_files: text ``data_files`` that are binary or not UTF-8 are refused
             (``"error"``, naming them) or left out with a warning (``"skip"``).
@@ -61,27 +95,20 @@ class LongDocumentDataModule(L.LightningDataModule):
             ``$XDG_CACHE_HOME/longnet`` or ``~/.cache/longnet`` (``cache.default_cache_dir``).
         num_workers: DataLoader worker processes.
         eval_batch_size: samples per validation/test batch; None uses ``batch_size``.
-        pack_documents: training windows hold whole framed documents (``[EOS] + bytes +
-            [EOS]``, as evaluation frames them) back to back, long ones cut into pieces by the
-            window, with ``document_ids`` numbering each window's documents: the model attends
-            within each document only, positions restart at each, and no label crosses into
-            the next (docs/training.md, "Packed documents"). False (default): the plain packed
-            stream, unchanged. Not with ``passkey_fraction``.
-        packages: the repository-level code corpus instead of ``corpus``/``data_files``: one
-            document per package, its ``*.py`` files one after another, each after a line
-            ``# file: <path>``; entries ``"stdlib"`` (its top-level modules and packages),
-            ``"installed"`` (every distribution installed from a wheel), ``"<distribution>"``
-            or ``"<distribution>==<version>"`` (``longnet.data.repositories``). A package goes
-            whole into the split its name hashes to (``val_fraction``/``test_fraction``).
+        pack_documents: training windows hold whole framed documents back to back with
+            ``document_ids``, so the model attends within each document only
+            (``longnet.data.encoding``; docs/training.md, "Packed documents"). Not with
+            ``passkey_fraction``.
+        packages: the repository-level code corpus instead of ``corpus``/``data_files``, one
+            document per package: ``"stdlib"``, ``"installed"``, ``"<distribution>"`` or
+            ``"<distribution>==<version>"`` (``longnet.data.repositories``), split by the hash
+            of each package's name.
         held_out: with ``packages``, the held-out packages instead of the hash:
             ``{"validation": [...], "test": [...]}``, every other package in train.
-        tokenizer: ``"bytes"`` (default: one token per UTF-8 byte, vocabulary 256),
-            ``"bpe:<vocab size>"`` (a byte-level BPE trained on the training split with the
-            ``tokenizers`` library, cached), a ``tokenizer.json`` path, a Hugging Face
-            tokenizer folder, or a model folder or zoo name (its tokenizer files, read with
-            ``AutoTokenizer`` offline); ``longnet.data.tokenizer_choice``. The model takes its
-            ``vocab_size`` and special ids from it (:attr:`vocab_size`, :attr:`eos_id`,
-            :attr:`pad_id`); :attr:`tokenizer` is the tokenizer itself after ``setup``.
+        tokenizer: ``"bytes"`` (default), ``"bpe:<vocab size>"`` (trained on the training
+            split, cached), a ``tokenizer.json`` path, a tokenizer or model folder, or a zoo
+            name (``longnet.data.tokenizer``). The model takes its ``vocab_size`` and special
+            ids from it; :attr:`tokenizer` is the tokenizer itself after ``setup``.
 
     Raises:
         FileNotFoundError: a ``data_files`` pattern matches nothing (raised here, before work).
@@ -90,7 +117,7 @@ class LongDocumentDataModule(L.LightningDataModule):
             is found in ``setup``.
         UsageError: (here) a ``corpus`` distribution that is not installed, not the pinned
             version, or modified since it was installed (files that differ from its RECORD);
-            a ``tokenizer`` that is not one (``tokenizer_choice.parse_tokenizer``).
+            a ``tokenizer`` that is not one (``tokenizer.parse_tokenizer``).
         UsageError: (in ``prepare_data``/``setup``) data that cannot be used: files that are
             not UTF-8 text, no document, a corpus too small to split (see
             ``build_long_document_splits``).
@@ -120,7 +147,7 @@ class LongDocumentDataModule(L.LightningDataModule):
         held_out: dict[str, list[str]] | None = None,
         tokenizer: str = BYTES,
     ) -> None:
-        super().__init__()
+        super().__init__(batch_size, num_workers, eval_batch_size)
         self.save_hyperparameters()
         self.settings = CorpusSettings(
             seq_len=seq_len,
@@ -131,11 +158,6 @@ class LongDocumentDataModule(L.LightningDataModule):
             min_document_bytes=min_document_bytes,
             pack_documents=pack_documents,
         )
-        self.batch_size = batch_size
-        self.eval_batch_size = batch_size if eval_batch_size is None else eval_batch_size
-        self.num_workers = num_workers
-        check_loader_args(batch_size, num_workers)
-        check_loader_args(self.eval_batch_size, num_workers)
         if not 0.0 <= passkey_fraction < 1.0:
             raise ValueError(f"passkey_fraction must be in [0, 1), got {passkey_fraction!r}.")
         if passkey_fraction > 0 and pack_documents:
@@ -160,9 +182,6 @@ class LongDocumentDataModule(L.LightningDataModule):
                            tokenizer=self._passkey_tokenizer(self.tokenizer_choice.loaded))
         self.tokenizer: Tokenizers | None = self.tokenizer_choice.loaded
         self.splits: LongDocumentSplits | None = None
-        self.train_dataset: Dataset | None = None
-        self.val_dataset: Dataset | None = None
-        self.test_dataset: Dataset | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -213,20 +232,6 @@ class LongDocumentDataModule(L.LightningDataModule):
         """What ``PasskeyDataset`` counts in: None for bytes, else the data's tokenizer."""
         return None if self.tokenizer_choice.kind == BYTES else tokenizer
 
-    def _loader(self, dataset: Dataset | None, batch_size: int, shuffle: bool) -> DataLoader:
-        if dataset is None:
-            raise RuntimeError("LongDocumentDataModule: call setup() before asking for a loader.")
-        return make_loader(dataset, batch_size, self.num_workers, shuffle)
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_dataset, self.batch_size, shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_dataset, self.eval_batch_size, shuffle=False)
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader(self.test_dataset, self.eval_batch_size, shuffle=False)
-
 
 def _check_window_fits_a_document(splits: LongDocumentSplits, seq_len: int) -> None:
     """Refuse windows longer than every document: each would pack several documents and no
@@ -240,4 +245,104 @@ def _check_window_fits_a_document(splits: LongDocumentSplits, seq_len: int) -> N
             f"{unit.removeprefix('num_')} at {splits.path}): each window would pack several "
             f"short documents. Lower seq_len to at most {longest + 1}, or give data_files with "
             "longer documents."
+        )
+
+
+class _SyntheticDataModule(_Loaders):
+    """One generated dataset per split, made by the subclass's ``make_dataset``."""
+
+    def __init__(
+        self, batch_size: int, num_workers: int, train_size: int, val_size: int, test_size: int
+    ) -> None:
+        super().__init__(batch_size, num_workers)
+        sizes = dict(zip(SPLITS, (train_size, val_size, test_size)))
+        self.datasets = {split: self.make_dataset(split, size) for split, size in sizes.items()}
+        self.train_dataset, self.val_dataset, self.test_dataset = self.datasets.values()
+
+    def make_dataset(self, split: str, size: int) -> Dataset:
+        """The dataset of ``split`` with ``size`` samples."""
+        raise NotImplementedError
+
+
+class PasskeyDataModule(_SyntheticDataModule):
+    """Passkey retrieval samples of ``seq_len`` tokens (see ``PasskeyDataset``).
+
+    Args:
+        seq_len: tokens per sample.
+        batch_size: samples per batch.
+        train_size, val_size, test_size: samples per split.
+        depth: needle depth in ``[0, 1]``; None draws it per sample.
+        num_digits: digits of the key.
+        label_mode: ``"answer"`` (loss on the key only), ``"recall"`` (the key and the needle's
+            second copy of it) or ``"all"`` (every position).
+        seed: generation seed.
+        num_workers: DataLoader worker processes.
+    """
+
+    def __init__(
+        self,
+        seq_len: int = 1024,
+        batch_size: int = 8,
+        train_size: int = 20_000,
+        val_size: int = 256,
+        test_size: int = 256,
+        depth: float | None = None,
+        num_digits: int = 5,
+        label_mode: LabelMode = "answer",
+        seed: int = 0,
+        num_workers: int = 0,
+    ) -> None:
+        self.seq_len, self.depth, self.num_digits = seq_len, depth, num_digits
+        self.label_mode, self.seed = label_mode, seed
+        super().__init__(batch_size, num_workers, train_size, val_size, test_size)
+        self.save_hyperparameters()
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids are bytes: 256."""
+        return VOCAB_SIZE
+
+    def make_dataset(self, split: str, size: int) -> PasskeyDataset:
+        return PasskeyDataset(
+            self.seq_len, size, seed=self.seed, split=split, depth=self.depth,
+            num_digits=self.num_digits, label_mode=self.label_mode,
+        )
+
+
+class MQARDataModule(_SyntheticDataModule):
+    """Multi-query associative recall samples (see ``MQARDataset``).
+
+    Args:
+        seq_len: tokens per sample.
+        batch_size: samples per batch.
+        train_size, val_size, test_size: samples per split.
+        num_kv_pairs: key-value pairs per sample.
+        num_queries: keys asked per sample; None asks every key.
+        vocab_size: token ids are in ``[0, vocab_size)``.
+        seed: generation seed.
+        num_workers: DataLoader worker processes.
+    """
+
+    def __init__(
+        self,
+        seq_len: int = 64,
+        batch_size: int = 64,
+        train_size: int = 100_000,
+        val_size: int = 1_000,
+        test_size: int = 1_000,
+        num_kv_pairs: int = 4,
+        num_queries: int | None = None,
+        vocab_size: int = VOCAB_SIZE,
+        seed: int = 0,
+        num_workers: int = 0,
+    ) -> None:
+        self.seq_len, self.num_kv_pairs, self.num_queries = seq_len, num_kv_pairs, num_queries
+        self.vocab_size, self.seed = vocab_size, seed
+        super().__init__(batch_size, num_workers, train_size, val_size, test_size)
+        self.save_hyperparameters()
+
+    def make_dataset(self, split: str, size: int) -> MQARDataset:
+        return MQARDataset(
+            self.seq_len, size, num_kv_pairs=self.num_kv_pairs, num_queries=self.num_queries,
+            vocab_size=self.vocab_size, seed=self.seed, split=split,
         )
