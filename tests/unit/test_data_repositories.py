@@ -327,7 +327,7 @@ def test_every_split_has_packages_of_stdlib_and_installed(site: Path) -> None:
 # ---------------------------------------------------------------------------- the benchmark
 def test_bench_loader_times_the_loader_and_writes_its_table(site: Path, tmp_path: Path,
                                                             capsys) -> None:
-    path = REPO / "scripts" / "bench_loader.py"
+    path = REPO / "lab" / "scripts" / "bench_loader.py"
     spec = importlib.util.spec_from_file_location("bench_loader", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
