@@ -1,44 +1,23 @@
-"""Files and folders replaced whole: a reader sees the old version or the new one, never a
-torn file or a mix of the two, and a writer killed at any instant leaves a valid version.
+"""Files and folders replaced whole: a reader sees the old version or the new one, never a torn file
+or a mix of the two, and a writer killed at any instant leaves a valid version.
 
-- :func:`write_atomic`: one file. The data goes to a temporary file next to it
-  (``.<name>.tmp-<random>``), flushed to disk, then renamed over the file in one step.
-- :func:`replace_folder`: a folder of files that belong together (a model: its config and its
-  weights). The ``with`` block writes into a new temporary folder next to it; when the block
-  ends, the new folder takes the old one's place in one step and the old one is deleted. An
-  exception in the block (or a kill) leaves the old folder as it was.
-- :func:`open_files`: the readers' half. Files of one folder, opened from one version of it:
-  a concurrent :func:`replace_folder` changes nothing in what they read.
-- :func:`check_output_folder`, :func:`check_replaceable_folder`: before a long computation,
-  whether its output can be written.
-- :func:`check_target`: the one check of every writer of a model folder, checkpoint or state
-  (imports, exports, merges, saves, the chunk handovers): a target that holds a model or
-  checkpoint (:func:`held_model`) is refused unless the user asks to replace it
-  (``overwrite``), and one that is, holds or is inside a source of the write (the folder
-  read, a LoRA run's base) always, before any work, so the target is left as it was.
-- :func:`link_or_copy`: a file linked into a new folder (copied where links are refused).
-- :func:`refused_write_line`: how a write the machine refused (no room, a read-only file
-  system) is reported, by the ``longnet`` command and the scripts alike.
-- :func:`check_path_given`: an empty path is refused, by every function here too
-  (``Path("")`` is the current folder, where an empty setting would silently read or write),
-  and :func:`replace_folder` never replaces the current folder or a folder holding it.
+:func:`write_atomic` replaces one file, :func:`replace_folder` a folder of files that belong
+together (a model: its config and its weights); :func:`open_files` reads a folder's files from one
+version of it. Before any work, :func:`check_output_folder` refuses an output that cannot be
+written, and :func:`check_target` (every writer of a model folder, checkpoint or state) a target
+that must not be replaced; an empty path is refused everywhere (:func:`check_path_given`).
 
-The swap: on Linux one ``renameat2(RENAME_EXCHANGE)`` call exchanges the two folders, so the
-path always holds a complete version. Where the system or the file system cannot (macOS,
-NFS, ...), two renames: the old folder moves to ``.<name>.old-<random>``, then the new one in;
-for that instant the path is absent (:func:`open_files` waits for it; a reader that looks
-for the folder itself then finds none), and a kill in between leaves the old version under
-the ``.old-`` name. A kill before the swap leaves a ``.<name>.tmp-<random>``
-folder or file next to the target, ignored by readers, which can be deleted.
+The swap: on Linux one ``renameat2(RENAME_EXCHANGE)`` call exchanges the two folders, so the path
+always holds a complete version. Where the system or the file system cannot (macOS, NFS, ...), two
+renames: the old folder moves to ``.<name>.old-<random>``, then the new one in; for that instant the
+path is absent (:func:`open_files` waits for it; a reader that looks for the folder itself then
+finds none), and a kill in between leaves the old version under the ``.old-`` name. A kill before
+the swap leaves a ``.<name>.tmp-<random>`` folder or file next to the target, ignored by readers,
+which can be deleted.
 
-A write that finds no room (a full disk, a quota, the file size limit ``ulimit -f``) or a
-read-only file system raises an ``OSError`` with that errno naming the file or folder being
-written (also where ``safetensors`` reports it in its own exception), and leaves the old
-version.
-
-New files and folders get the permission bits of anything created with ``open`` /
-``mkdir`` (``0o666`` / ``0o777`` less the umask: ``0644`` / ``0755`` under umask ``022``); a
-replaced folder keeps the old one's bits. Reading needs ``dir_fd`` (POSIX systems).
+New files and folders get the permission bits of anything created with ``open`` / ``mkdir``
+(``0o666`` / ``0o777`` less the umask: ``0644`` / ``0755`` under umask ``022``); a replaced folder
+keeps the old one's bits. Reading needs ``dir_fd`` (POSIX systems).
 """
 
 from __future__ import annotations
@@ -64,15 +43,13 @@ from longnet.validation import UsageError
 OPEN_ATTEMPTS = 50
 """How often :func:`open_files` opens a folder that keeps being replaced before giving up."""
 _RETRY_SECONDS = 0.002
-NO_ROOM_ERRNOS = frozenset({errno.EFBIG, errno.ENOSPC, errno.EDQUOT})
-"""Errors of a write that found no room: the file size limit, a full disk, a quota."""
-REFUSED_WRITE_ERRNOS = NO_ROOM_ERRNOS | {errno.EROFS}
-"""Errors of a write the machine refused: no room, or a read-only file system."""
 WRITE_FIXES = {errno.EFBIG: "raise the file size limit (ulimit -f)",
                errno.ENOSPC: "free space on the disk", errno.EDQUOT: "free space in your quota",
                errno.EROFS: "give a path on a writable file system"}
-"""What the user can do about each write the machine refused (:data:`REFUSED_WRITE_ERRNOS`)."""
-assert set(WRITE_FIXES) == REFUSED_WRITE_ERRNOS
+"""What the user can do about each write the machine refused: no room (the file size limit, a
+full disk, a quota) or a read-only file system."""
+REFUSED_WRITE_ERRNOS = frozenset(WRITE_FIXES)
+"""Errors of a write the machine refused (:data:`WRITE_FIXES`)."""
 _RENAME_EXCHANGE = 2  # linux/fs.h
 _AT_FDCWD = -100
 
@@ -80,8 +57,10 @@ _AT_FDCWD = -100
 def write_atomic(path: str | Path, data: str | bytes) -> Path:
     """Write ``data`` (``str`` as UTF-8) to ``path`` whole or not at all; returns ``path``.
 
-    A concurrent reader sees the old content or the new one; a kill leaves the old file. The
-    parent folders are created. The file gets the bits of a new file (module docstring).
+    The data goes to ``.<name>.tmp-<random>`` next to ``path``, is flushed to disk and renamed
+    over it: a concurrent reader sees the old content or the new one; a kill leaves the old
+    file. The parent folders are created. The file gets the bits of a new file (module
+    docstring).
 
     Raises:
         UsageError: ``path`` is empty.
@@ -121,8 +100,7 @@ def replace_folder(directory: str | Path, owned: Collection[str] = (),
         UsageError: ``directory`` is empty, a file, the current folder or a folder holding it,
             or its parent cannot be written (before the block runs).
         OSError: no room for the new version or a read-only file system
-            (:data:`REFUSED_WRITE_ERRNOS`, naming ``directory``);
-            the old folder is kept.
+            (:data:`REFUSED_WRITE_ERRNOS`, naming ``directory``); the old folder is kept.
     """
     check_replaceable_folder(directory, what)
     target = Path(os.path.realpath(directory))
@@ -161,9 +139,8 @@ def open_files(directory: str | Path, names: Sequence[str]) -> Iterator[dict[str
     Raises:
         FileNotFoundError: there is no folder at ``directory``.
         NotADirectoryError: ``directory`` is a file.
-        UsageError: ``directory`` is empty.
-        UsageError: the folder was replaced :data:`OPEN_ATTEMPTS` times in a row while being
-            opened.
+        UsageError: ``directory`` is empty, or the folder was replaced :data:`OPEN_ATTEMPTS`
+            times in a row while being opened.
     """
     directory = check_path_given(directory, "folder")
     for attempt in range(OPEN_ATTEMPTS):
@@ -255,9 +232,8 @@ OVERWRITE_FIX = "pass --overwrite (overwrite=True from Python) to replace it"
 
 def held_model(path: str | Path) -> str | None:
     """What at ``path`` a writer must not replace unasked: ``"a file of N bytes"`` for a file,
-    ``"a model or checkpoint (names)"`` for a folder holding a model file
-    (:data:`MODEL_NAMES`, :data:`MODEL_SUFFIXES`); None for nothing, or a folder of other
-    files (which the writers keep: :func:`replace_folder`)."""
+    ``"a model or checkpoint (names)"`` for a folder holding :func:`model_entries`; None for
+    nothing, or a folder of other files (which the writers keep: :func:`replace_folder`)."""
     path = Path(path)
     if path.is_file():
         return f"a file of {path.stat().st_size:,} bytes"
@@ -270,9 +246,8 @@ def held_model(path: str | Path) -> str | None:
 
 def model_entries(folder: str | Path) -> set[str]:
     """The names in ``folder`` that make it a model, checkpoint or state (:data:`MODEL_NAMES`,
-    :data:`MODEL_SUFFIXES`): what a writer that replaces ``folder`` owns
-    (:func:`replace_folder`'s ``owned``), so that the new version inherits none of them; empty
-    for a folder without any, or no folder."""
+    :data:`MODEL_SUFFIXES`; none for no folder): what a writer replacing it owns, so that the
+    new version inherits none of them (:func:`replace_folder`'s ``owned``)."""
     folder = Path(folder)
     if not folder.is_dir():
         return set()
@@ -293,10 +268,8 @@ def check_target(path: str | Path, *, sources: Mapping[str, str | Path | None] |
     - ``kind="folder"``: as :func:`check_replaceable_folder`; ``kind="file"``: ``path`` must
       not be a folder and its parent must be writable.
 
-    ``what`` names the setting in the messages, which name the path, what it holds and the fix.
-
     Raises:
-        UsageError: any of the above.
+        UsageError: any of the above, naming the path (as ``what``), what it holds and the fix.
     """
     path = check_path_given(path, what)
     for description, source in (sources or {}).items():
@@ -321,14 +294,10 @@ def check_target(path: str | Path, *, sources: Mapping[str, str | Path | None] |
 
 
 def check_path_given(path: str | os.PathLike[str], what: str) -> Path:
-    """``path`` as a :class:`~pathlib.Path`, refusing an empty one: ``Path("")`` is the
-    current folder, so an empty setting would read or write there without a word. (Only a
-    string can be empty: check a setting before turning it into a ``Path``.) ``what`` names
-    the setting in the message.
-
-    Raises:
-        UsageError: ``path`` is empty.
-    """
+    """``path`` as a :class:`~pathlib.Path`, refusing an empty one (:class:`UsageError`):
+    ``Path("")`` is the current folder, so an empty setting would read or write there without
+    a word. (Only a string can be empty: check a setting before turning it into a ``Path``.)
+    ``what`` names the setting in the message."""
     if os.fspath(path) == "":
         raise UsageError(f"{what} is empty; give a path (an empty path would be the current "
                          f"folder, {os.getcwd()}).")

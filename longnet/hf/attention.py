@@ -52,7 +52,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from longnet.attention import DilatedPattern, Retrieval, dilated_attention
 from longnet.attention.selection import check_retrieval
-from longnet.nn.attention import decode_attention
+from longnet.nn.kv_cache import decode_attention
 
 ATTENTION_NAME = "longnet_dilated"
 PATTERN_ATTRIBUTE = "longnet_pattern"

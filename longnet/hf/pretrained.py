@@ -38,6 +38,7 @@ from longnet.files import (
     write_atomic,
 )
 from longnet.modeling import LongNetConfig, LongNetLM, models_dir, resolve_model_dir
+from longnet.modeling.gguf import check_gguf_file
 from longnet.modeling.hub import (
     CACHE_ENV,
     VARIANT_OF,
@@ -46,7 +47,6 @@ from longnet.modeling.hub import (
     materialized_dir,
 )
 from longnet.modeling.importers import (
-    check_gguf_file,
     convert_hf_checkpoint,
     import_hf_checkpoint,
 )

@@ -14,10 +14,10 @@ from typing import Any
 from longnet.attention import DilatedPattern, Retrieval
 from longnet.files import write_atomic
 from longnet.modeling.hub import CONFIG_NAME, resolve_model_dir
-from longnet.nn.attention import check_retrieval_positions
+from longnet.nn.attention import check_heads, check_retrieval_positions
 from longnet.nn.feedforward import ACTIVATIONS, FFN_KINDS
 from longnet.nn.norm import check_norm
-from longnet.nn.positional import POSITION_ENCODINGS
+from longnet.nn.positional import POSITION_ENCODINGS, check_rotary_head_dim, check_xpos_pattern
 from longnet.nn.rope_extension import check_rope_extension
 from longnet.nn.short_conv import check_kv_conv_size
 from longnet.validation import (
@@ -196,11 +196,12 @@ class LongNetConfig:
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad field and how to fix it (``TypeError``
         for a flag that is not a ``bool``)."""
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_positions"):
+        for name in ("vocab_size", "num_layers", "max_positions"):
             check_positive_int(name, getattr(self, name))
-        for name in ("num_kv_heads", "head_dim", "ffn_hidden_size"):
-            if getattr(self, name) is not None:
-                check_positive_int(name, getattr(self, name))
+        check_heads(self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
+                    "hidden_size")
+        if self.ffn_hidden_size is not None:
+            check_positive_int("ffn_hidden_size", self.ffn_hidden_size)
         check_positive_int("num_labels", self.num_labels)
         check_kv_conv_size(self.kv_conv_size)
         check_non_negative_int("attention_sinks", self.attention_sinks)
@@ -226,22 +227,8 @@ class LongNetConfig:
                 f"position_encoding is {self.position_encoding!r}; it extends RoPE only: set "
                 "position_encoding='rope' or rope_extension=None."
             )
-        if self.head_dim is None and self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"hidden_size ({self.hidden_size}) is not divisible by num_heads "
-                f"({self.num_heads}); change one of them or set head_dim explicitly."
-            )
-        if self.num_heads % self.resolved_num_kv_heads:
-            raise ValueError(
-                f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads}); "
-                "use a divisor of num_heads (or None for one K/V head per query head)."
-            )
-        if self.position_encoding in ("rope", "xpos") and self.resolved_head_dim % 2:
-            raise ValueError(
-                f"head_dim ({self.resolved_head_dim}) must be even for "
-                f"position_encoding={self.position_encoding!r}; change hidden_size/num_heads "
-                "or head_dim."
-            )
+        if self.position_encoding in ("rope", "xpos"):
+            check_rotary_head_dim(self.resolved_head_dim)
         if (self.segment_lengths is None) != (self.dilation_rates is None):
             raise ValueError(
                 "segment_lengths and dilation_rates must be given together (or both None for "
@@ -254,14 +241,7 @@ class LongNetConfig:
             except ValueError as err:
                 raise ValueError(f"segment_lengths/dilation_rates: {err}") from None
             if self.position_encoding == "xpos":
-                largest = pattern.segment_lengths[-1]
-                bad = [w for w in pattern.segment_lengths if largest % w]
-                if bad:
-                    raise ValueError(
-                        f"segment_lengths: with position_encoding='xpos' every segment length "
-                        f"must divide the largest ({largest}); {bad} do not. Use nested "
-                        "segments (e.g. powers of two) or position_encoding='rope'."
-                    )
+                check_xpos_pattern(pattern, pattern.segment_lengths[-1])
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             value = getattr(self, name)
             if value is not None and (not is_int(value) or not 0 <= value < self.vocab_size):

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from longnet.nn.attention import KVCache
+from longnet.nn.kv_cache import KVCache
 from longnet.validation import check_bool, check_number, check_positive_int, describe, is_int
 
 

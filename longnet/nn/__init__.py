@@ -6,14 +6,10 @@ All modules take activations as ``(batch, seq, embed_dim)`` and global ``positio
 attribute.
 """
 
-from longnet.nn.attention import (
-    KVCache,
-    LayerKVCache,
-    MultiheadDilatedAttention,
-    multiplicity_attention,
-)
+from longnet.nn.attention import MultiheadDilatedAttention
 from longnet.nn.block import TransformerBlock
 from longnet.nn.feedforward import ACTIVATIONS, FFN_KINDS, MLP, GatedMLP, build_feed_forward
+from longnet.nn.kv_cache import KVCache, LayerKVCache, multiplicity_attention
 from longnet.nn.norm import NORM_KINDS, RMSNorm, build_norm
 from longnet.nn.positional import (
     POSITION_ENCODINGS,

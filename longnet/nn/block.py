@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from longnet.attention.documents import PackedDocuments
-from longnet.distributed.sequence_parallel import call_setting
-from longnet.nn.attention import LayerKVCache, MultiheadDilatedAttention
+from longnet.nn.attention import MultiheadDilatedAttention
+from longnet.nn.kv_cache import LayerKVCache
 from longnet.validation import check_bool
 
 
@@ -54,16 +52,14 @@ class TransformerBlock(nn.Module):
         position_ids: Tensor | None = None,
         cache: LayerKVCache | None = None,
         document_ids: Tensor | PackedDocuments | None = None,
-        **deprecated: Any,
     ) -> Tensor:
         """``x`` ``(batch, seq, embed_dim)`` -> ``(batch, seq, embed_dim)``; ``position_ids``,
-        ``cache``, ``document_ids`` and the deprecated ``group=``/``layout=`` as
-        :meth:`MultiheadDilatedAttention.forward` takes them."""
-        _, passed = call_setting(type(self).__name__, None, deprecated)
+        ``cache`` and ``document_ids`` as :meth:`MultiheadDilatedAttention.forward` takes
+        them."""
         if self.gradient_checkpointing and cache is None and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, position_ids, None, document_ids, passed,
+            return checkpoint(self._forward, x, position_ids, None, document_ids,
                               use_reentrant=False)
-        return self._forward(x, position_ids, cache, document_ids, passed)
+        return self._forward(x, position_ids, cache, document_ids)
 
     def _forward(
         self,
@@ -71,7 +67,6 @@ class TransformerBlock(nn.Module):
         position_ids: Tensor | None,
         cache: LayerKVCache | None,
         document_ids: Tensor | PackedDocuments | None,
-        passed: dict[str, Any],
     ) -> Tensor:
-        h = x + self.attn(self.attn_norm(x), position_ids, cache, document_ids, **passed)
+        h = x + self.attn(self.attn_norm(x), position_ids, cache, document_ids)
         return h + self.ffn(self.ffn_norm(h))

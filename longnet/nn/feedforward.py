@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -73,31 +74,14 @@ class MLP(nn.Module):
 class GatedMLP(MLP):
     """Gated linear unit: ``down_proj(act(gate_proj(x)) * up_proj(x))``; SwiGLU with ``silu``.
 
+    The keyword arguments are :class:`MLP`'s (``dropout``, ``sub_ln``, ``norm``, ``norm_eps``),
+    with the defaults of Llama's FFN: ``activation="silu"``, ``bias=False``.
     Shapes: ``(..., embed_dim)`` -> ``(..., embed_dim)``.
     """
 
-    def __init__(
-        self,
-        embed_dim: int,
-        hidden_dim: int,
-        *,
-        activation: str = "silu",
-        bias: bool = False,
-        dropout: float = 0.0,
-        sub_ln: bool = False,
-        norm: str = "layernorm",
-        norm_eps: float = 1e-5,
-    ) -> None:
-        super().__init__(
-            embed_dim,
-            hidden_dim,
-            activation=activation,
-            bias=bias,
-            dropout=dropout,
-            sub_ln=sub_ln,
-            norm=norm,
-            norm_eps=norm_eps,
-        )
+    def __init__(self, embed_dim: int, hidden_dim: int, *, activation: str = "silu",
+                 bias: bool = False, **kwargs: Any) -> None:
+        super().__init__(embed_dim, hidden_dim, activation=activation, bias=bias, **kwargs)
         self.gate_proj = nn.Linear(self.up_proj.in_features, self.up_proj.out_features, bias=bias)
 
     def hidden(self, x: Tensor) -> Tensor:

@@ -40,6 +40,28 @@ def check_position_ids(position_ids: Tensor, batch: int, seq: int) -> Tensor:
     return position_ids
 
 
+def check_rotary_head_dim(head_dim: int) -> int:
+    """``head_dim`` of rotary positions (RoPE, xPos): a positive even integer, else
+    ``ValueError``."""
+    head_dim = check_positive_int("head_dim", head_dim)
+    if head_dim % 2:
+        raise ValueError(f"head_dim ({head_dim}) must be even for rotary positions (RoPE, xPos); "
+                         "change hidden_size/num_heads or head_dim.")
+    return head_dim
+
+
+def check_xpos_pattern(pattern: DilatedPattern, block_size: int) -> None:
+    """Refuse, with a ``ValueError``, a pattern whose segment lengths do not all divide the xPos
+    ``block_size``: it would compare positions of different centres (:class:`XPos`)."""
+    bad = [w for w in pattern.segment_lengths if block_size % w]
+    if bad:
+        raise ValueError(
+            f"xPos: segment_lengths {bad} do not divide the xPos block size {block_size}; use "
+            "segment lengths that all divide the largest one (e.g. powers of two) so every "
+            "attended pair shares its xPos centre, or position_encoding='rope'."
+        )
+
+
 def _angle_dtype(device: torch.device) -> torch.dtype:
     # Angles position * frequency are computed in float64: float32 angles are off by up to
     # position * 2**-24 radians, which is 0.06 rad at position 1e6.  MPS has no float64.
@@ -87,10 +109,7 @@ class RotaryEmbedding(nn.Module):
         self, head_dim: int, theta: float = 10000.0, extension: dict | None = None
     ) -> None:
         super().__init__()
-        head_dim = check_positive_int("head_dim", head_dim)
-        if head_dim % 2:
-            raise ValueError(f"rotary embedding: head_dim must be even, got {head_dim}.")
-        self.head_dim = head_dim
+        self.head_dim = check_rotary_head_dim(head_dim)
         self.theta = check_positive_float("theta", theta)
         self.extension = check_rope_extension(extension)
         self._frequencies: dict[tuple, tuple[Tensor, float]] = {}
@@ -156,13 +175,7 @@ class XPos(RotaryEmbedding):
 
     def check_pattern(self, pattern: DilatedPattern) -> None:
         """Refuse a pattern that compares positions across the centring blocks."""
-        bad = [w for w in pattern.segment_lengths if self.block_size % w]
-        if bad:
-            raise ValueError(
-                f"xPos: segment lengths {bad} do not divide the xPos block size "
-                f"{self.block_size}; use segment lengths that all divide the largest one "
-                "(e.g. powers of two) so every attended pair shares its xPos centre."
-            )
+        check_xpos_pattern(pattern, self.block_size)
 
     def zeta(self, device: torch.device, dtype: torch.dtype) -> Tensor:
         """Per-pair decay base ``(head_dim / 2,)``."""

@@ -1,5 +1,5 @@
 """Broken GGUF files are refused naming the file, what is wrong and the fix
-(``longnet.modeling.importers.check_gguf_file``), not with ``struct.error``, "cannot reshape
+(``longnet.modeling.gguf.check_gguf_file``), not with ``struct.error``, "cannot reshape
 array" or "cannot mmap an empty file".
 
 The files are written here by hand in the GGUF layout (version 3: magic, version, counts,
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from longnet.eval.cli import run_cli
-from longnet.modeling.importers import GGML_BLOCKS, check_gguf_file
+from longnet.modeling.gguf import GGML_BLOCKS, check_gguf_file
 from longnet.validation import UsageError
 from tests.scripts import load_script
 

@@ -167,19 +167,6 @@ def test_loss_is_mean_over_labelled_tokens():
         model(x, targets=labels[:, :-1])
 
 
-def test_labels_is_the_deprecated_name_of_targets():
-    model = make_lm().double()
-    x, targets = torch.randint(0, 40, (2, 16)), torch.randint(0, 40, (2, 16))
-    with pytest.warns(FutureWarning, match=r"labels= is renamed targets=.*"
-                      r"longnet.hf.LongNetForCausalLM") as caught:
-        old = model(x, labels=targets)
-    assert caught[0].filename == __file__
-    assert torch.equal(old.loss, model(x, targets=targets).loss)
-    with pytest.warns(FutureWarning), pytest.raises(ValueError, match="pass one of targets= "
-                                                    "and labels="):
-        model(x, targets, labels=targets)
-
-
 def test_targets_equal_to_the_inputs_are_warned_about():
     model = make_lm()
     tokens = torch.randint(0, 40, (2, 17))
@@ -589,10 +576,7 @@ def test_base_has_the_paper_shape():
 # ---------------------------------------------------------------------- sequence parallel
 def _sequence_parallel_case(rank, world_size, device):
     """On every rank, for both layouts: the shard results of the parallelized models equal the
-    single-device results (float64); the deprecated per-call ``group=``/``layout=`` give the
-    parallelized model's results exactly, for that call only."""
-    import warnings
-
+    single-device results (float64)."""
     import torch.distributed as dist
 
     from longnet.distributed import SequenceParallel, parallelize
@@ -633,17 +617,6 @@ def _sequence_parallel_case(rank, world_size, device):
             if not torch.allclose(grad, full_grads[name], rtol=1e-9, atol=1e-9):
                 failures.append(f"rank {rank}: gradient of {name} differs ({layout})")
         parallelize(lm, None)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            with torch.no_grad():
-                old = lm(x[:, shard], targets=labels[:, shard], group=group, layout=layout)
-        if not any(issubclass(w.category, FutureWarning) and "parallelize" in str(w.message)
-                   for w in caught):
-            failures.append(f"rank {rank}: group=/layout= gave no FutureWarning ({layout})")
-        if not torch.equal(old.logits, local.logits):
-            failures.append(f"rank {rank}: group=/layout= differ from parallelize ({layout})")
-        if any(getattr(m, "sequence_parallel", None) is not None for m in lm.modules()):
-            failures.append(f"rank {rank}: group= outlived its call ({layout})")
     classes = labels[:, 0] % 2
     for pooling in ("mean", "first", "last"):
         torch.manual_seed(0)

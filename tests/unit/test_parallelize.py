@@ -1,11 +1,8 @@
 """Sequence parallelism applied from outside (``longnet.distributed.SequenceParallel``,
-``parallelize``) and the deprecated per-call ``group=``/``layout=`` of the model forwards, on
-a one-rank gloo group in this process (the multi-rank exactness runs in
+``parallelize``) on a one-rank gloo group in this process (the multi-rank exactness runs in
 ``tests/unit/test_modeling.py`` and ``tests/distributed``)."""
 
 from __future__ import annotations
-
-import warnings
 
 import pytest
 import torch
@@ -129,63 +126,7 @@ def test_the_encoder_pools_over_a_parallelized_group(group):
     assert torch.equal(encoder(x).logits, plain)
 
 
-# ---------------------------------------------------------------- deprecated group=/layout=
-def test_group_and_layout_keywords_warn_and_apply_to_their_call_only(group):
-    model = make_lm()
-    x = torch.randint(0, 256, (1, 16))
-    plain = model(x).logits
-    with pytest.warns(FutureWarning, match=r"LongNetLM.forward: group= and layout= are "
-                      r"deprecated.*longnet.distributed.parallelize\(model, "
-                      r"SequenceParallel\(group, layout\)\)"):
-        old = model(x, group=group, layout="contiguous").logits
-    assert torch.equal(old, plain)
-    assert all(m.sequence_parallel is None for m in readers(model))
-
-
-@pytest.mark.parametrize("owner", ["LongNetLM", "LongNetModel", "TransformerBlock",
-                                   "MultiheadDilatedAttention", "LongNetEncoder"])
-def test_every_forward_takes_the_deprecated_group_with_a_warning(group, owner):
-    lm = make_lm()
-    ids = torch.randint(0, 256, (1, 16))
-    hidden = torch.randn(1, 16, 32, dtype=torch.float64)
-    torch.manual_seed(0)
-    encoder = LongNetEncoder(LongNetConfig(**TINY)).double()
-    modules = {"LongNetLM": (lm, ids), "LongNetModel": (lm.model, ids),
-               "TransformerBlock": (lm.model.layers[0], hidden),
-               "MultiheadDilatedAttention": (lm.model.layers[0].attn, hidden),
-               "LongNetEncoder": (encoder, ids)}
-    module, inputs = modules[owner]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        expected = module(inputs)
-    with pytest.warns(FutureWarning, match=f"{owner}.forward: group= is deprecated") as caught:
-        out = module(inputs, group=group)
-    assert len(caught) == 1  # the inner modules take the setting silently
-    assert caught[0].filename == __file__  # the warning points at the caller's line
-    for got, want in zip(_tensors(out), _tensors(expected)):
-        assert torch.equal(got, want)
-
-
-def _tensors(out) -> list[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return [out]
-    return [value for value in vars(out).values() if isinstance(value, torch.Tensor)]
-
-
-def test_group_none_runs_on_one_device_over_a_parallelized_model(group):
-    model = make_lm()
-    x = torch.randint(0, 256, (1, 16))
-    parallelize(model, SequenceParallel(group))
-    with pytest.warns(FutureWarning, match="group= is deprecated"):
-        model(x, group=None)
-    assert all(m.sequence_parallel is not None for m in readers(model))
-
-
 @pytest.mark.parametrize("call, error, match", [
-    (lambda lm, x: lm(x, group="world"), TypeError,
-     "group must be a torch.distributed.ProcessGroup or None, got str 'world'"),
-    (lambda lm, x: lm(x, layout="striped"), ValueError,
-     r"LongNetLM.forward: layout must be one of \('contiguous', 'zigzag'\), got 'striped'"),
     (lambda lm, x: lm(x, grop=None), TypeError,
      "LongNetLM.forward.. got an unexpected keyword argument 'grop'"),
     (lambda lm, x: lm.model.layers[0].attn(torch.randn(1, 16, 32, dtype=torch.float64),
@@ -196,10 +137,8 @@ def test_group_none_runs_on_one_device_over_a_parallelized_model(group):
      "cache must be a KVCache or None, got ProcessGroup"),
 ])
 def test_bad_or_positional_groups_are_named(group, call, error, match):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        with pytest.raises(error, match=match):
-            call(make_lm(), torch.randint(0, 256, (1, 16)))
+    with pytest.raises(error, match=match):
+        call(make_lm(), torch.randint(0, 256, (1, 16)))
 
 
 def test_a_kv_cache_under_sequence_parallelism_says_how_to_decode(group):
@@ -218,24 +157,9 @@ def test_packed_documents_under_sequence_parallelism_need_positions(group):
         model(torch.randint(0, 256, (1, 16)), document_ids=torch.zeros(1, 16, dtype=torch.long))
 
 
-def test_encoder_pool_takes_a_process_group_with_a_warning(group):
-    torch.manual_seed(0)
-    encoder = LongNetEncoder(LongNetConfig(**TINY, pooling="first")).double()
-    hidden = torch.randn(2, 8, 32, dtype=torch.float64)
-    with pytest.warns(FutureWarning, match=r"pass SequenceParallel\(group, layout\)"):
-        pooled = encoder.pool(hidden, group)
-    assert torch.equal(pooled, hidden[:, 0])
-
-
 # ---------------------------------------------------------------- output_dropout
-def test_attention_dropout_is_renamed_output_dropout():
+def test_attention_output_dropout_is_checked():
     assert MultiheadDilatedAttention(16, 2, [(8, 1)], output_dropout=0.25).output_dropout.p == 0.25
-    with pytest.warns(FutureWarning, match="dropout= is renamed output_dropout="):
-        layer = MultiheadDilatedAttention(16, 2, [(8, 1)], dropout=0.25)
-    assert layer.output_dropout.p == 0.25
-    with pytest.warns(FutureWarning), pytest.raises(ValueError, match="pass one of dropout= "
-                                                    "and output_dropout="):
-        MultiheadDilatedAttention(16, 2, [(8, 1)], dropout=0.25, output_dropout=0.5)
     with pytest.raises(TypeError, match="unexpected keyword argument 'dropuot'"):
         MultiheadDilatedAttention(16, 2, [(8, 1)], dropuot=0.25)
     with pytest.raises(ValueError, match=r"output_dropout must be a number in \[0, 1\), got 2"):
