@@ -146,7 +146,6 @@ def test_attention_layer_refuses_a_kv_conv_size_that_is_no_integer(size):
 @pytest.mark.parametrize("call", [
     lambda: attention()(torch.randn(1, 16, 32), group="world"),
     lambda: make_lm()(torch.tensor([[1, 2, 3]]), group="world"),
-    lambda: dilated_attention(*torch.randn(3, 1, 16, 2, 8), [(8, 1)], process_group="world"),
     lambda: default_position_ids(16, torch.device("cpu"), group="world"),
     lambda: SequenceParallel("world"),
 ])
