@@ -1,4 +1,4 @@
-"""Memory of the branches whose segments lie on one rank (``attention/local.py``): the chunks
+"""Memory of the branches whose segments lie on one rank (``attention/op.py``): the chunks
 of the plan, one at a time, above the accumulators."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import replace
 from lab.memory.setup import AttentionSetup
 from lab.memory.workspace import kernel_workspace_backward, kernel_workspace_forward
 from longnet.attention.blocks import BlockGroup, gathers_view
-from longnet.attention.merge import MERGE_TEMPORARIES
+from longnet.attention.kernels import MERGE_TEMPORARIES
 
 
 def local_chunks(setup: AttentionSetup) -> list[tuple[int, BlockGroup]]:

@@ -6,7 +6,7 @@ A branch ``(w, r)`` spanning ``g`` ranks runs as pieces of a few heads each
 heads into one message of ``M = 2 * batch * heads_per_piece * R * head_dim`` elements
 (``R = ceil(L / r)``, ``message_rows``). Communication counts the payload bytes of the
 point-to-point sends (``batch_isend_irecv``); the call check (one 24-byte ``all_reduce`` the
-first time a group meets a signature, ``transport.agree_on_call``) is not counted.
+first time a group meets a signature, ``dilated.agree_on_call``) is not counted.
 With drifting offsets the block work is an upper bound (all heads of a piece in one block of
 ``ceil(L / r)`` rows).
 """
@@ -19,9 +19,9 @@ from lab.memory.local import _lse_part
 from lab.memory.setup import AttentionSetup
 from lab.memory.workspace import kernel_workspace_backward, kernel_workspace_forward
 from longnet.attention.blocks import selected_rows
-from longnet.attention.merge import MERGE_TEMPORARIES
+from longnet.attention.kernels import MERGE_TEMPORARIES
 from longnet.attention.plan.spanning import heads_per_piece, segment_group
-from longnet.attention.transport import Schedule
+from longnet.attention.ring import Schedule
 
 
 @dataclass(frozen=True)

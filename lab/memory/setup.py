@@ -13,12 +13,11 @@ from dataclasses import dataclass, field
 import torch
 
 from longnet.attention.blocks import BlockGroup
+from longnet.attention.dilated import transports_per_branch
 from longnet.attention.kernels import accumulation_dtype, select_kernel
 from longnet.attention.pattern import DilatedPattern
 from longnet.attention.plan import CPU_BLOCK_ELEMENTS, adopted_branch
-from longnet.attention.plan.spanning import plan_sequence_parallel
-from longnet.attention.shard_lengths import padded_length
-from longnet.attention.transport import transports_per_branch
+from longnet.attention.plan.spanning import padded_length, plan_sequence_parallel
 
 MODELLED_DEVICE = torch.device("cpu")
 """The device whose kernels the plans model (ATen's CPU flash attention, a fused kernel)."""

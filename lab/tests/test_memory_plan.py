@@ -22,9 +22,8 @@ from lab.memory.ring import message_rows
 from longnet.attention import DilatedPattern
 from longnet.attention.blocks import branch_groups, gather, gathers_view
 from longnet.attention.plan import CPU_BLOCK_ELEMENTS, branch_chunks
-from longnet.attention.plan.spanning import plan_sequence_parallel
+from longnet.attention.plan.spanning import fits_shards, padded_length, plan_sequence_parallel
 from longnet.attention.ring import pack
-from longnet.attention.shard_lengths import fits_shards, padded_length
 
 ROOT = Path(__file__).resolve().parents[2]
 

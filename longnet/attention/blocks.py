@@ -2,17 +2,14 @@
 
 A branch ``(w, r)`` over a sequence of ``n`` tokens cuts it into segments; in every segment
 head ``h`` selects the rows ``h % r, h % r + r, ...``. Heads whose selections have the same
-length form one :class:`BlockGroup`, run as one batched kernel call on tensors of the kernel
-layout ``(batch * segments, heads, rows, dim)`` (docs/architecture.md §3).
+length form one :class:`BlockGroup` (with packed documents, of one batch element; several of
+one block shape form a :class:`BlockStack`), run as one batched kernel call on tensors of the
+kernel layout ``(batch * segments, heads, rows, dim)`` (docs/architecture.md §3).
 
 Gathers and scatters are strided views, never index kernels: the members of a group (a head
 and its first row) are split into a few :class:`Lattice` s, each of which is one strided view of
 the sequence tensor, so moving a whole group costs one copy per lattice (one or two for the
 usual patterns), whatever the sequence length.
-
-Packed documents (``dilated_attention(document_ids=...)``) give groups of one batch element
-(``BlockGroup.batch``) and :class:`BlockStack` s: groups of one block shape from several
-documents, gathered into one tensor and run as one kernel call.
 """
 
 from __future__ import annotations
@@ -233,46 +230,35 @@ def gather(x: Tensor, blocks: Blocks) -> Tensor:
     lattice (and group) into sequence-major memory ``(batch * segments, rows, heads, dim)``,
     the layout the fused kernels read fastest.
     """
-    if isinstance(blocks, BlockStack):
-        first = blocks.groups[0]
-        sizes = _stack_sizes(blocks, x.shape[0])
-        gathered = x.new_empty(sum(sizes), first.rows, len(first.heads), x.shape[3])
-        for group, part in zip(blocks.groups, gathered.split(sizes)):
-            _copy_group(x, group, part)
-        return rearrange(gathered, "m c h d -> m h c d")
     if gathers_view(blocks, x.shape[0], x.shape[1]):
         (lattice,) = blocks.lattices
         return rearrange(_lattice_view(x, blocks, lattice), "b n i j c d -> (b n) (i j) c d")
-    gathered = x.new_empty(group_batch(blocks, x.shape[0]) * blocks.num_segments, blocks.rows,
-                           len(blocks.heads), x.shape[3])
-    _copy_group(x, blocks, gathered)
+    groups, sizes = _groups(blocks, x.shape[0])
+    gathered = x.new_empty(sum(sizes), groups[0].rows, len(groups[0].heads), x.shape[3])
+    for group, part in zip(groups, gathered.split(sizes)):
+        part = rearrange(part, "(b n) c h d -> b n c h d", n=group.num_segments)
+        for lattice, member_rows in zip(group.lattices, _member_slices(part, group)):
+            member_rows.copy_(_lattice_view(x, group, lattice))
     return rearrange(gathered, "m c h d -> m h c d")
-
-
-def _copy_group(x: Tensor, group: BlockGroup, target: Tensor) -> None:
-    """Copy the blocks of ``group`` into ``target`` ``(batch * segments, rows, heads, dim)``."""
-    target = rearrange(target, "(b n) c h d -> b n c h d", n=group.num_segments)
-    for lattice, member_rows in zip(group.lattices, _member_slices(target, group)):
-        member_rows.copy_(_lattice_view(x, group, lattice))
-
-
-def _stack_sizes(stack: BlockStack, batch: int) -> list[int]:
-    """How many blocks each group of ``stack`` has in the kernel layout."""
-    return [group_batch(group, batch) * group.num_segments for group in stack.groups]
 
 
 def scatter_(x: Tensor, blocks: Blocks, gathered: Tensor, accumulate: bool = False) -> None:
     """Write (or add, with ``accumulate``) ``gathered`` ``(batch * segments, heads, rows,
     dim)``, the layout of ``gather(x, blocks)``, into its places in ``x`` ``(batch, seq, heads,
     dim)``, in place: one strided copy (or add) per lattice (and group)."""
-    if isinstance(blocks, BlockStack):
-        for group, part in zip(blocks.groups, gathered.split(_stack_sizes(blocks, x.shape[0]))):
-            scatter_(x, group, part, accumulate)
-        return
-    gathered = rearrange(gathered, "(b n) h c d -> b n c h d", n=blocks.num_segments)
-    for lattice, source in zip(blocks.lattices, _member_slices(gathered, blocks)):
-        target = _lattice_view(x, blocks, lattice)
-        (target.add_ if accumulate else target.copy_)(source)
+    groups, sizes = _groups(blocks, x.shape[0])
+    for group, part in zip(groups, gathered.split(sizes)):
+        part = rearrange(part, "(b n) h c d -> b n c h d", n=group.num_segments)
+        for lattice, source in zip(group.lattices, _member_slices(part, group)):
+            target = _lattice_view(x, group, lattice)
+            (target.add_ if accumulate else target.copy_)(source)
+
+
+def _groups(blocks: Blocks, batch: int) -> tuple[tuple[BlockGroup, ...], list[int]]:
+    """The groups of ``blocks`` (itself, or a stack's) and how many blocks each has in the
+    kernel layout of a ``batch``-element input."""
+    groups = blocks.groups if isinstance(blocks, BlockStack) else (blocks,)
+    return groups, [group_batch(group, batch) * group.num_segments for group in groups]
 
 
 def _member_slices(blocks: Tensor, group: BlockGroup) -> Iterator[Tensor]:

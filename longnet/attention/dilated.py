@@ -1,47 +1,37 @@
-"""Exact LongNet dilated attention on one device or across ranks (docs/architecture.md §2-4).
-
-One device: the custom op ``longnet::dilated_attention`` (``op``), which ``torch.compile``
-traces; across ranks: the autograd function below. Both run the executors of ``execute``.
-
-Forward: the call's :class:`~longnet.attention.plan.AttentionPlan` (cached per signature); every
-branch's selected rows are gathered into dense blocks, one kernel call per chunk returns
-``(out, lse)``, and each block is merged into a running result by log-sum-exp: one softmax
-over the multiset union of all branches' keys (``local``). Branches whose segments span ranks
-run in pieces of a few heads, exchanging the selected K/V rows by ring or all-gather
-(``ring``).
-
-Backward: each block's kernel backward runs with the GLOBAL merged ``out`` and ``lse`` (the
-flash-attention identity), which is exactly that block's share of the gradient of the mixture.
-Only ``q, k, v, out, lse`` are saved.
+"""``dilated_attention``: exact LongNet dilated attention on one device or across ranks
+(docs/architecture.md §2-4). Its checks (across ranks also :func:`agree_on_call`: every rank
+made the same call), then the custom op ``longnet::dilated_attention`` on one device (``op``;
+``torch.compile`` traces it) or the autograd function below across a process group, both
+running ``op.attend``/``attend_backward``; the retrieval branches are merged in by
+``retrieval``.
 """
 
 from __future__ import annotations
 
-import warnings
+import zlib
 from collections.abc import Sequence
+from weakref import WeakKeyDictionary
 
 import torch
 import torch.distributed as dist
 from einops import rearrange
 from torch import Tensor
 
-from longnet.attention.documents import PackedDocuments, document_lengths, global_documents
-from longnet.attention.execute import attend, attend_backward
+from longnet.attention.documents import PackedDocuments, resolve_documents
 from longnet.attention.kernels import kernel_names
-from longnet.attention.op import dilated_attention_op, flat_documents
+from longnet.attention.op import attend, attend_backward, dilated_attention_op, flat_documents
 from longnet.attention.pattern import DilatedPattern
 from longnet.attention.plan import AttentionPlan, default_block_elements, plan_attention
 from longnet.attention.retrieval import dilated_with_retrieval
 from longnet.attention.selection import Retrieval, check_retrieval
-from longnet.attention.transport import agree_on_call, transports_per_branch
 from longnet.compiled import refuse
-from longnet.distributed.sequence_parallel import SequenceParallel, check_process_group
+from longnet.distributed.sequence_parallel import TRANSPORTS, SequenceParallel
 from longnet.validation import check_bool, check_positive_float, is_int
 
 
 class _DilatedAttention(torch.autograd.Function):
     """The sequence-parallel call (one device runs ``op.dilated_attention_op``): the shared
-    executors of ``execute`` with the group's exchanges."""
+    executors of ``op`` with the group's exchanges."""
 
     @staticmethod
     def forward(ctx, q, k, v, plan: AttentionPlan, group: dist.ProcessGroup):
@@ -77,7 +67,6 @@ def dilated_attention(
     check_finite: bool = False,
     retrieval: Retrieval | None = None,
     retrieval_qk: tuple[Tensor, Tensor] | None = None,
-    **deprecated: object,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """LongNet dilated attention, exact in forward and backward.
 
@@ -126,15 +115,18 @@ def dilated_attention(
             otherwise, ATen's flash kernel on the CPU, math for the rest) or one of those names.
         block_elements: the most elements of one gathered block tensor (bounds the working
             memory); default from the device (``plan.default_block_elements``).
-        **deprecated: ``process_group=G`` (and the older ``group=G``), ``layout=`` and
-            ``transport=``: accepted for one release with a ``FutureWarning``; pass
-            ``sequence_parallel=SequenceParallel(G, layout=..., transport=...)``.
     Returns:
         ``out`` ``(batch, seq, heads, head_dim)`` in the input dtype, and with ``return_lse``
         ``lse`` ``(batch, heads, seq)`` in float32 (float64 for float64 inputs). Queries that no
         branch covers get ``out = 0`` and ``lse = -inf``.
     """
-    sequence_parallel = _sequence_parallel(sequence_parallel, deprecated)
+    if sequence_parallel is not None and not isinstance(sequence_parallel, SequenceParallel):
+        raise TypeError(
+            "dilated_attention: sequence_parallel must be a "
+            "longnet.distributed.SequenceParallel or None, got "
+            f"{type(sequence_parallel).__name__} {sequence_parallel!r}; wrap a process group "
+            "as SequenceParallel(group)."
+        )
     _check_inputs(q, k, v, scale)
     for name, flag in (("causal", causal), ("return_lse", return_lse),
                        ("check_finite", check_finite)):
@@ -172,12 +164,23 @@ def dilated_attention(
             "layout='contiguous')."
         )
     scale = float(scale) if scale is not None else q.shape[-1] ** -0.5
+    process_group = sequence_parallel.process_group if grouped else None
+    if grouped:  # before any exchange: every rank made this call
+        budget = agree_on_call(
+            f"shape={tuple(q.shape)} dtype={q.dtype} pattern={pattern.branches} causal={causal} "
+            f"scale={scale} transport={transports} kernel={kernel} layout={layout} "
+            f"documents={document_ids is not None}",
+            default_block_elements(q.device) if block_elements is None else int(block_elements),
+            process_group,
+            q.device,
+        )
+    documents = None
+    if document_ids is not None:
+        if not isinstance(document_ids, PackedDocuments):
+            document_ids = resolve_documents(document_ids, q.shape[0], q.shape[1], q.device,
+                                             process_group)
+        documents = document_ids.lengths_for(q.shape, world_size)
     if not grouped:
-        documents = None
-        if isinstance(document_ids, PackedDocuments):
-            documents = document_ids.lengths_for(q.shape, 1)
-        elif document_ids is not None:
-            documents = document_lengths(document_ids, q.shape, q.device)
         op_args = (list(pattern.segment_lengths), list(pattern.dilation_rates), causal, scale,
                    kernel, None if block_elements is None else int(block_elements),
                    *flat_documents(documents))
@@ -188,91 +191,64 @@ def dilated_attention(
                                               causal=causal, scale=scale, documents=documents,
                                               far_qk=retrieval_qk)
         return (out, lse) if return_lse else out
-    k, v = _expand_kv(q, k), _expand_kv(q, v)
-    process_group = sequence_parallel.process_group
-    budget = default_block_elements(q.device) if block_elements is None else int(block_elements)
-    budget = agree_on_call(
-        f"shape={tuple(q.shape)} dtype={q.dtype} pattern={pattern.branches} causal={causal} "
-        f"scale={scale} transport={transports} kernel={kernel} layout={layout} "
-        f"documents={document_ids is not None}",
-        budget,
-        process_group,
-        q.device,
-    )
-    documents = None
-    if isinstance(document_ids, PackedDocuments):
-        documents = document_ids.lengths_for(q.shape, world_size)
-    elif document_ids is not None:
-        documents = global_documents(document_ids, q.shape, q.device, process_group)
     plan = plan_attention(
         pattern, tuple(q.shape), q.dtype, q.device, causal=causal, scale=scale,
         world_size=world_size, rank=sequence_parallel.rank, layout=layout,
         transports=transports, kernel=kernel, block_elements=budget, documents=documents,
     )
-    out, lse = _DilatedAttention.apply(q, k, v, plan, process_group)
+    out, lse = _DilatedAttention.apply(q, _expand_kv(q, k), _expand_kv(q, v), plan,
+                                      process_group)
     return (out, lse) if return_lse else out
 
 
-_DEPRECATED = ("process_group", "group", "layout", "transport")
-"""The keywords ``dilated_attention`` accepts for one more release (``**deprecated``)."""
+def transports_per_branch(transport: str | Sequence[str], num_branches: int) -> tuple[str, ...]:
+    """One transport name per branch (``transport`` is one name for all or one per branch)."""
+    transports = (transport,) * num_branches if isinstance(transport, str) else tuple(transport)
+    if len(transports) != num_branches or any(t not in TRANSPORTS for t in transports):
+        raise ValueError(
+            f"dilated_attention: transport must be one of {TRANSPORTS} or a list of them, one "
+            f"per branch ({num_branches}), got {transport!r}."
+        )
+    return transports
 
 
-def _sequence_parallel(
-    sequence_parallel: SequenceParallel | None, deprecated: dict[str, object]
-) -> SequenceParallel | None:
-    """``sequence_parallel``, or the one the deprecated keywords ``process_group``/``group``,
-    ``layout`` and ``transport`` describe (with a ``FutureWarning`` naming the replacement).
+_AGREED: WeakKeyDictionary[dist.ProcessGroup, dict[tuple[str, int], int]] = WeakKeyDictionary()
+"""The calls each process group agreed on: ``(signature, block budget) -> agreed budget``."""
 
-    Raises:
-        TypeError: an unknown keyword, or ``sequence_parallel`` of another type.
-        ValueError: ``layout``/``transport`` without a group, both ``group`` and
-            ``process_group``, or a deprecated keyword together with ``sequence_parallel``.
-    """
-    for name in deprecated:
-        if name not in _DEPRECATED:
-            raise TypeError(f"dilated_attention() got an unexpected keyword argument {name!r}")
-    if sequence_parallel is not None and not isinstance(sequence_parallel, SequenceParallel):
-        raise TypeError(
-            "dilated_attention: sequence_parallel must be a "
-            "longnet.distributed.SequenceParallel or None, got "
-            f"{type(sequence_parallel).__name__} {sequence_parallel!r}; wrap a process group "
-            "as SequenceParallel(group)."
-        )
-    if not deprecated:
-        return sequence_parallel
-    names = ", ".join(f"{name}=" for name in deprecated)
-    if sequence_parallel is not None:
+
+def agree_on_call(
+    signature: str, block_elements: int, process_group: dist.ProcessGroup, device: torch.device
+) -> int:
+    """Raise on every rank if any rank of ``process_group`` called with a different
+    ``signature``; return the smallest ``block_elements`` of the group (every member of a
+    segment group must cut a branch into the same pieces).
+
+    One all-reduce and one host sync the first time a group meets a signature; the answer is
+    kept for the group's lifetime, so later calls with that signature cost nothing (a rank
+    that later calls with a signature the others do not share is then caught by the exchange
+    itself, not here)."""
+    agreed = _AGREED.setdefault(process_group, {})
+    key = (signature, block_elements)
+    if key not in agreed:
+        agreed[key] = _all_agree(signature, block_elements, process_group, device)
+    return agreed[key]
+
+
+def _all_agree(
+    signature: str, block_elements: int, process_group: dist.ProcessGroup, device: torch.device
+) -> int:
+    """The all-reduce of :func:`agree_on_call`."""
+    code = zlib.crc32(signature.encode())
+    values = torch.tensor([code, -code, -block_elements], dtype=torch.int64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=process_group)
+    if values[0].item() != code or -values[1].item() != code:
         raise ValueError(
-            f"dilated_attention: {names} goes with the deprecated process_group= only; with "
-            "sequence_parallel, set the group, layout and transport on the SequenceParallel."
+            f"dilated_attention: rank {dist.get_rank(process_group)} of the sequence-parallel "
+            f"group was called with ({signature}) but another rank passed different shapes, "
+            "dtype, pattern or options; every rank must pass equal-length shards and the same "
+            "arguments."
         )
-    group_names = [name for name in ("process_group", "group") if name in deprecated]
-    if len(group_names) == 2:
-        raise ValueError(
-            "dilated_attention: pass one of group= and process_group= (both deprecated: pass "
-            "sequence_parallel=SequenceParallel(group))."
-        )
-    group = deprecated[group_names[0]] if group_names else None
-    fields = {name: deprecated[name] for name in ("layout", "transport") if name in deprecated}
-    if group is None and fields:
-        raise ValueError(
-            f"dilated_attention: {', '.join(f'{name}=' for name in fields)} only applies to a "
-            "sequence split over a process group, and none was given; drop it on one device, "
-            "or pass sequence_parallel=SequenceParallel(group, layout=..., transport=...)."
-        )
-    replacement = ", ".join(["G", *(f"{name}={value!r}" for name, value in fields.items())])
-    warnings.warn(
-        f"dilated_attention: {names} is deprecated and will be removed in the next release; "
-        f"pass sequence_parallel=SequenceParallel({replacement}) "
-        "(longnet.distributed.sequence_parallel)"
-        + (" or nothing on one device" if group is None else "") + ".",
-        FutureWarning,
-        stacklevel=3,
-    )
-    if group is None:
-        return None
-    check_process_group(f"dilated_attention: {group_names[0]}", group)
-    return SequenceParallel(group, **fields)
+    return int(-values[2].item())
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> None:

@@ -1,20 +1,33 @@
-"""Packed documents as ``dilated_attention`` takes them: ``document_ids`` ``(batch, seq)``
-mark runs of equal ids as documents (docs/architecture.md §2). This module checks the ids and
-turns them into document lengths (:data:`~longnet.attention.plan.Documents`), on one device or
-agreed across the ranks of a process group, per call or once for many calls
-(:class:`PackedDocuments`); the plan (``plan.packed``) lays the documents out.
+"""Packed documents (docs/architecture.md §2 and §4, "Packed documents"):
+``dilated_attention(document_ids=...)`` marks runs of equal ids ``(batch, seq)`` as documents,
+each attended as if it were alone: its branches' segments start at its first token and no key
+of another document is seen.
+
+This module checks the ids and turns them into document lengths (:data:`Documents`), on one
+device or agreed across the ranks of a process group, per call or once for many calls
+(:class:`PackedDocuments`), and lays the documents of one device out for the plan: per
+document, the block groups are ``branch_groups(length, ...)`` moved to the document's start
+(:func:`document_branches`), stacked into few kernel calls (:func:`stacked_chunks`). The
+documents of every batch element share their block groups when every batch element holds the
+same document lengths, else each group covers one batch element (``BlockGroup.batch``;
+:func:`placed_documents`). Across ranks, ``plan.spanning.plan_document_ring`` lays them out.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from longnet.attention.plan import Documents
+from longnet.attention.blocks import BlockGroup, Blocks, BlockStack, branch_groups, group_batch
+from longnet.attention.pattern import DilatedPattern
 from longnet.compiled import host_read
+
+Documents = tuple[tuple[int, ...], ...]
+"""The document lengths of each batch element, in sequence order (each sums to ``seq``)."""
 
 
 def check_document_ids(
@@ -67,32 +80,11 @@ def check_document_ids(
     return ids
 
 
-def document_lengths(document_ids: Tensor, shape: torch.Size, device: torch.device) -> Documents:
-    """The lengths of the documents of ``document_ids``, checked (``check_document_ids``)
-    against ``q`` of ``shape`` ``(batch, seq, heads, head_dim)`` on ``device``."""
-    return run_lengths(check_document_ids(document_ids, shape[0], shape[1], device))
-
-
 def run_lengths(ids: Tensor) -> Documents:
     """The lengths of the runs of equal ids of every row of checked host ids ``(batch, seq)``."""
     return tuple(
         tuple(torch.unique_consecutive(row, return_counts=True)[1].tolist()) for row in ids
     )
-
-
-def global_documents(document_ids: Tensor, shard_shape: tuple[int, ...], device: torch.device,
-                     process_group: dist.ProcessGroup) -> Documents:
-    """The document lengths of the whole sequence of every batch element, from this rank's
-    contiguous shard of ``document_ids`` ``(batch, shard)`` (checked against ``q`` of
-    ``shard_shape`` on ``device``): one all-gather of the ids on that device, one transfer to
-    the host (docs/architecture.md §4, "Packed documents across ranks")."""
-    batch, shard_len = shard_shape[0], shard_shape[1]
-    check_document_ids(document_ids, batch, shard_len, device)
-    ids = document_ids.long().contiguous()
-    parts = [torch.empty_like(ids) for _ in range(dist.get_world_size(process_group))]
-    dist.all_gather(parts, ids, group=process_group)
-    whole = torch.cat(parts, dim=1)
-    return run_lengths(check_document_ids(whole, batch, whole.shape[1], device))  # across shards
 
 
 @dataclass(frozen=True, eq=False)
@@ -140,10 +132,79 @@ def resolve_documents(
     :func:`check_document_ids` does, messages naming ``caller`` and ``of``) with their document
     lengths: one transfer of the ids to the host; with a ``process_group`` of several ranks,
     the ids are this rank's contiguous shard and the ranks agree on the lengths of the whole
-    sequence with one all-gather (:func:`global_documents`)."""
-    if process_group is None or dist.get_world_size(process_group) == 1:
-        ids = check_document_ids(document_ids, batch, seq_len, device, caller, of)
-        return PackedDocuments(document_ids, run_lengths(ids))
-    return PackedDocuments(
-        document_ids, global_documents(document_ids, (batch, seq_len), device, process_group)
-    )
+    sequence with one all-gather of the ids on ``device`` and one more transfer
+    (docs/architecture.md §4, "Packed documents across ranks")."""
+    ids = check_document_ids(document_ids, batch, seq_len, device, caller, of)
+    if process_group is not None and dist.get_world_size(process_group) > 1:
+        shard = document_ids.long().contiguous()
+        parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(process_group))]
+        dist.all_gather(parts, shard, group=process_group)
+        whole = torch.cat(parts, dim=1)
+        ids = check_document_ids(whole, batch, whole.shape[1], device, caller, of)  # across shards
+    return PackedDocuments(document_ids, run_lengths(ids))
+
+
+def placed_documents(documents: Documents) -> list[tuple[int | None, tuple[int, ...]]]:
+    """``(batch element, document lengths)`` to lay out: one entry for all batch elements
+    (element None) when they hold the same documents, else one per batch element."""
+    if len(set(documents)) == 1:
+        return [(None, documents[0])]
+    return list(enumerate(documents))
+
+
+def document_segments(lengths: Sequence[int], segment_length: int) -> Iterator[tuple[int, int]]:
+    """``(start, stop)`` of every segment of every document of ``lengths`` (in sequence
+    order), segments of ``segment_length`` tokens counted from each document's first token."""
+    start = 0
+    for length in lengths:
+        for first in range(start, start + length, segment_length):
+            yield first, min(first + segment_length, start + length)
+        start += length
+
+
+def document_branches(
+    pattern: DilatedPattern, documents: Documents, num_heads: int
+) -> list[list[BlockGroup]]:
+    """The block groups of every branch over the documents of one device."""
+    branches = []
+    for w, r in pattern.branches:
+        groups = []
+        for element, lengths in placed_documents(documents):
+            start = 0
+            for length in lengths:
+                groups += [
+                    replace(group, start=start + group.start, batch=element)
+                    for group in branch_groups(length, num_heads, w, r)
+                ]
+                start += length
+        branches.append(groups)
+    return branches
+
+
+def stacked_chunks(
+    groups: Sequence[BlockGroup], batch: int, head_dim: int, block_elements: int
+) -> Iterator[Blocks]:
+    """The groups of one branch as kernel calls: each group split into chunks of at most
+    ``block_elements`` elements (``BlockGroup.chunks``), the chunks of one block shape (the
+    full segments of every document, tails of equal length) stacked (``BlockStack``) while the
+    stack stays within the budget; a lone chunk is run as it is."""
+    by_shape: dict[tuple[int, int], list[BlockGroup]] = {}
+    for group in groups:
+        row_elements = group_batch(group, batch) * head_dim
+        for chunk in group.chunks(block_elements, row_elements):
+            by_shape.setdefault((len(chunk.heads), chunk.rows), []).append(chunk)
+    for (heads, rows), chunks in by_shape.items():
+        stack: list[BlockGroup] = []
+        elements = 0
+        for chunk in chunks:
+            size = group_batch(chunk, batch) * chunk.num_segments * heads * rows * head_dim
+            if stack and elements + size > block_elements:
+                yield _as_blocks(stack)
+                stack, elements = [], 0
+            stack.append(chunk)
+            elements += size
+        yield _as_blocks(stack)
+
+
+def _as_blocks(chunks: list[BlockGroup]) -> Blocks:
+    return chunks[0] if len(chunks) == 1 else BlockStack(tuple(chunks))

@@ -1,4 +1,5 @@
-"""Block attention kernels: one registry of ``(forward, backward)`` pairs, chosen once per call.
+"""Block attention kernels (one registry of ``(forward, backward)`` pairs, chosen once per
+call), the accumulators of a call and the log-sum-exp merge that folds block results into them.
 
 Every kernel takes the kernel layout ``(batch, heads, length, head_dim)`` and returns ``(out,
 lse)`` with ``lse`` ``(batch, heads, length)`` in the accumulation dtype (float32; float64 for
@@ -25,6 +26,8 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+from longnet.attention.blocks import Blocks, gather, scatter_
 
 
 class BlockBackward(NamedTuple):
@@ -223,10 +226,9 @@ class Kernel:
 
     ``device``: the device type (``None``: any); ``dtypes``: the input dtypes (``None``: any
     floating dtype); ``max_head_dim``: the largest head it takes; ``row_bytes``: a head's size in
-    bytes must be a multiple of this (the CUDA kernels load 16 bytes at a time, so a row of
-    ``head_dim`` elements must end on a 16-byte boundary);
-    ``needs``: a further hardware condition; ``fused``: it never holds a block's score matrix
-    (the math kernel does, so blocks for it must stay small).
+    bytes must be a multiple of this (the CUDA kernels load 16 bytes at a time: see
+    :func:`_fused_ready`); ``needs``: a further hardware condition; ``fused``: it never holds a
+    block's score matrix (the math kernel does, so blocks for it must stay small).
     """
 
     name: str
@@ -305,3 +307,87 @@ def select_kernel(
             "kernel='auto' to let the library choose."
         )
     return kernel
+
+
+# -- the accumulators (sequence layout, accumulation dtype) and the log-sum-exp merge ------------
+
+
+MERGE_TEMPORARIES = 3
+"""lse-sized temporaries alive at once in :func:`lse_merge_` (the difference of the two lse,
+its NaN-free copy, the sigmoid weight); ``lerp_`` and ``logaddexp`` then write in place."""
+
+
+def lse_merge_(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
+    """Fold attention over key set B into attention over key set A, in place in ``out_a, lse_a``.
+
+    Args:
+        out_a, out_b: ``(..., length, dim)`` normalised outputs of each part.
+        lse_a, lse_b: ``(..., length)`` log-sum-exp of each part's scores (``-inf``: no keys;
+            ``out_a`` must then be 0 there, as fresh accumulators are).
+    The union's output is ``out_a + w (out_b - out_a)`` with ``w = exp(lse_b - lse_union)
+    = sigmoid(lse_b - lse_a)`` (the two weights sum to 1): one pass over the outputs. A side
+    with no keys (``lse_b = -inf``) gets ``w = 0``, also when the other side has none either
+    (``-inf - -inf``): ``out = 0``, ``lse = -inf``, no NaN. A NaN on either side stays NaN.
+    """
+    weight = torch.sigmoid((lse_b - lse_a).masked_fill(torch.isneginf(lse_b), float("-inf")))
+    out_a.lerp_(out_b.to(out_a.dtype), weight[..., None].to(out_a.dtype))
+    torch.logaddexp(lse_a, lse_b, out=lse_a)
+
+
+def accumulators(q: Tensor) -> tuple[Tensor, Tensor]:
+    """Zeroed ``out`` and ``-inf`` ``lse`` accumulators for ``q`` ``(batch, seq, heads, dim)``."""
+    acc = accumulation_dtype(q.dtype)
+    out = q.new_zeros(q.shape, dtype=acc)
+    lse = q.new_full((*q.shape[:3], 1), float("-inf"), dtype=acc)
+    return out, lse
+
+
+class QueryRows(NamedTuple):
+    """The accumulator rows of one block group's (or stack's) queries, gathered into the
+    kernel layout: ``out`` ``(batch * segments, heads, rows, dim)`` and ``lse`` ``(batch *
+    segments, heads, rows)``. Views of the accumulators when ``gathers_view``, else copies:
+    merge into them in place, then ``write_back_``."""
+
+    group: Blocks
+    out: Tensor
+    lse: Tensor
+
+    @classmethod
+    def gather(cls, out: Tensor, lse: Tensor, group: Blocks) -> QueryRows:
+        return cls(group, gather(out, group), gather(lse, group)[..., 0])
+
+    def write_back_(self, out: Tensor, lse: Tensor) -> None:
+        """Store the merged rows into the accumulators, unless they are views of them (the
+        gather returned memory of ``out`` itself)."""
+        if self.out.untyped_storage().data_ptr() != out.untyped_storage().data_ptr():
+            scatter_(out, self.group, self.out)
+            scatter_(lse, self.group, self.lse[..., None])
+
+
+class BackwardQueries(NamedTuple):
+    """What the backward needs of one block group's (or stack's) queries (kernel layout): the
+    upstream gradient, the queries, and the GLOBAL merged ``out``/``lse`` (and ``d_lse``, the
+    gradient into lse, or None) of their rows."""
+
+    d_out: Tensor
+    q: Tensor
+    out: Tensor
+    lse: Tensor
+    d_lse: Tensor | None
+
+    @classmethod
+    def gather(
+        cls, d_out: Tensor, q: Tensor, out: Tensor, lse: Tensor, d_lse: Tensor | None,
+        group: Blocks,
+    ) -> BackwardQueries:
+        return cls(
+            gather(d_out, group),
+            gather(q, group),
+            gather(out, group),
+            gather(lse, group)[..., 0].contiguous(),
+            None if d_lse is None else gather(d_lse, group)[..., 0],
+        )
+
+    def block(self, k: Tensor, v: Tensor) -> BlockBackward:
+        """The kernel backward's inputs for these queries against the keys ``k``, ``v``."""
+        return BlockBackward(self.d_out, self.q, k, v, self.out, self.lse)

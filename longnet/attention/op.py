@@ -1,16 +1,19 @@
-"""``longnet::dilated_attention``: dilated attention on one device as a PyTorch custom op.
+"""A call's plan executed, forward and backward, and ``longnet::dilated_attention``, the custom
+op that runs it on one device (the autograd function of ``dilated`` runs it across a process
+group): the one copy of the attention math (docs/architecture.md §3-4).
 
-``torch.library.custom_op`` ops with fake (meta) implementations, so that ``torch.compile``
-traces through them without a graph break (docs/architecture.md §3, "One op"):
+:func:`attend` runs the local branches (:func:`attend_local`), then the pieces of branches
+spanning ranks (``ring``). Locally, the first branch covers each row and head at most once, so
+its chunks are copied into the accumulators and every later chunk is merged by log-sum-exp;
+with ``plan.adopted`` the first branch runs as one kernel call whose outputs become the
+accumulators themselves.
 
-- ``longnet::dilated_attention(q, k, v, ...) -> (out, lse)``;
-- ``longnet::dilated_attention_backward(d_out, d_lse, q, k, v, out, lse, ...) -> (dq, dk, dv)``,
-  its gradient (``register_autograd``).
-
-Both take the call as plain values (segment lengths and rates, ``causal``, ``scale``, the
-kernel name, the block budget, packed documents as flat lengths), rebuild the cached plan from
-them and run the shared executors (``execute.attend``/``attend_backward``). Sequence-parallel
-calls do not come here: they run the autograd function of ``dilated``.
+The ops are ``longnet::dilated_attention(q, k, v, ...) -> (out, lse)`` and its gradient
+``longnet::dilated_attention_backward(d_out, d_lse, q, k, v, out, lse, ...) -> (dq, dk, dv)``
+(``register_autograd``), with fake (meta) implementations, so that ``torch.compile`` traces
+through them without a graph break (docs/architecture.md §3, "One op"). Both take the call as
+plain values (segment lengths and rates, ``causal``, ``scale``, the kernel name, the block
+budget, packed documents as flat lengths) and rebuild the cached plan from them.
 """
 
 from __future__ import annotations
@@ -18,13 +21,135 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from einops import rearrange
 from torch import Tensor
 
-from longnet.attention.execute import attend, attend_backward
-from longnet.attention.kernels import accumulation_dtype
+from longnet.attention.blocks import Blocks, gather, scatter_
+from longnet.attention.kernels import (
+    BackwardQueries,
+    QueryRows,
+    accumulation_dtype,
+    accumulators,
+    lse_merge_,
+)
 from longnet.attention.pattern import DilatedPattern
 from longnet.attention.plan import AttentionPlan, Documents, plan_attention
+from longnet.attention.ring import ring_backward_, ring_forward_
+
+
+def _sequence_layout(block: Tensor, batch: int) -> Tensor:
+    """Kernel-layout result ``(batch * segments, heads, rows[, dim])`` of a whole branch -> the
+    accumulator layout ``(batch, seq, heads, dim)`` (or ``(batch, seq, heads, 1)`` for lse).
+    A view when the kernel wrote sequence-major memory (ATen's fused ops do)."""
+    if block.dim() == 3:
+        block = block[..., None]
+    return rearrange(block, "(b n) h w d -> b (n w) h d", b=batch).contiguous()
+
+
+def merge_into_(
+    out: Tensor, lse: Tensor, group: Blocks, block_out: Tensor, block_lse: Tensor, fresh: bool
+) -> None:
+    """Fold a block result ``(batch', heads, rows, dim)`` / ``(batch', heads, rows)`` into the
+    accumulators at the rows of ``group``; ``fresh``: nothing was written there yet (copy)."""
+    if fresh:
+        scatter_(out, group, block_out)
+        scatter_(lse, group, block_lse[..., None])
+        return
+    rows = QueryRows.gather(out, lse, group)
+    lse_merge_(rows.out, rows.lse, block_out, block_lse)
+    rows.write_back_(out, lse)
+
+
+def attend_local(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan) -> tuple[Tensor, Tensor]:
+    """``out, lse`` accumulators (``(batch, seq, heads, dim)``, ``(batch, seq, heads, 1)``)
+    holding the attention of every local block of the plan."""
+    forward, causal, scale = plan.kernel.forward, plan.causal, plan.scale
+    if plan.adopted is None:
+        out, lse = accumulators(q)
+    else:
+        group = plan.adopted
+        block_out, block_lse = forward(gather(q, group), gather(k, group), gather(v, group),
+                                       causal, scale)
+        out, lse = _sequence_layout(block_out, q.shape[0]), _sequence_layout(block_lse, q.shape[0])
+    for index, chunk in plan.chunks:
+        block_out, block_lse = forward(gather(q, chunk), gather(k, chunk), gather(v, chunk),
+                                       causal, scale)
+        merge_into_(out, lse, chunk, block_out, block_lse, fresh=index == 0)
+        del block_out, block_lse  # free before the next kernel call allocates its outputs
+    return out, lse
+
+
+def attend_local_backward(
+    d_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    d_lse: Tensor | None,
+    plan: AttentionPlan,
+) -> list[Tensor]:
+    """Gradient accumulators ``[dq, dk, dv]`` ``(batch, seq, heads, dim)`` (accumulation
+    dtype) of every local block, given the global ``out``/``lse`` (sequence layout) and the
+    upstream gradients ``d_out`` and ``d_lse`` (``(batch, seq, heads, 1)`` or None)."""
+    kernel, causal, scale = plan.kernel, plan.causal, plan.scale
+    chunks = list(plan.chunks)
+    if plan.adopted is not None and d_lse is None:
+        group = plan.adopted
+        rows = BackwardQueries.gather(d_out, q, out, lse, None, group)
+        block_grads = kernel.backward(rows.block(gather(k, group), gather(v, group)), causal,
+                                      scale)
+        grads = [_sequence_layout(grad, q.shape[0]) for grad in block_grads]
+        del rows, block_grads
+    else:
+        grads = [torch.zeros(q.shape, dtype=lse.dtype, device=q.device) for _ in range(3)]
+        if plan.adopted is not None:  # a gradient into lse: the adopted branch in chunks too
+            row_elements = q.shape[0] * q.shape[-1]
+            chunks[:0] = [(0, c) for c in plan.adopted.chunks(plan.block_elements, row_elements)]
+    for _, chunk in chunks:
+        rows = BackwardQueries.gather(d_out, q, out, lse, d_lse, chunk)
+        block_grads = kernel.block_backward(
+            rows.block(gather(k, chunk), gather(v, chunk)), rows.d_lse, causal, scale
+        )
+        del rows
+        for grad, block_grad in zip(grads, block_grads):
+            scatter_(grad, chunk, block_grad, accumulate=True)
+        del block_grads  # free before the next chunk's gathers and kernel call
+    return grads
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan,
+           group: dist.ProcessGroup | None) -> tuple[Tensor, Tensor]:
+    """``out`` ``(batch, seq, heads, dim)`` in ``q``'s dtype and ``lse`` ``(batch, seq, heads,
+    1)`` in the accumulation dtype of ``q, k, v`` ``(batch, seq, heads, dim)`` (this rank's
+    shard with ``group``; None: one device, the plan has no pieces)."""
+    out, lse = attend_local(q, k, v, plan)
+    for pieces in plan.pieces:
+        ring_forward_(pieces, out, lse, q, k, v, plan, group)
+    # a NaN query gives a NaN row, as in dense attention (ATen's CPU flash kernel returns
+    # such a row as empty: out 0, lse 0); a row sum is NaN when the row holds one, and
+    # costs an lse-sized temporary where isnan() would hold a bool per element of q
+    nan_queries = q.sum(-1, keepdim=True).isnan()
+    out.masked_fill_(nan_queries, float("nan"))
+    lse.masked_fill_(nan_queries, float("nan"))
+    return out.to(q.dtype), lse
+
+
+def attend_backward(d_out: Tensor, d_lse: Tensor | None, saved: tuple[Tensor, ...],
+                    plan: AttentionPlan, group: dist.ProcessGroup | None
+                    ) -> tuple[Tensor, Tensor, Tensor]:
+    """``dq, dk, dv`` ``(batch, seq, heads, dim)`` in ``q``'s dtype; ``saved = (q, k, v, out,
+    lse)`` as :func:`attend` took and returned them; ``d_out`` like ``out``, ``d_lse`` like
+    ``lse`` (any floating dtype) or None when no gradient flows into ``lse``."""
+    q, _, _, out, lse = saved
+    if d_lse is not None:
+        d_lse = d_lse.to(lse.dtype)
+    grads = attend_local_backward(d_out, *saved, d_lse, plan)
+    for pieces in plan.pieces:
+        ring_backward_(pieces, grads, d_out, d_lse, saved, plan, group)
+    d_q, d_k, d_v = (grad.to(q.dtype) for grad in grads)
+    return d_q, d_k, d_v
 
 
 def flat_documents(documents: Documents | None) -> tuple[list[int], list[int]]:

@@ -4,8 +4,7 @@ they give: ``selection``; docs/architecture.md §2).
 The sinks are attended in query tiles (a tile reads its documents' sinks once); the selection
 block by block (a chosen block attends to the queries that chose it, merged into their rows by
 log-sum-exp): no copy of K/V is made per query. With the dilated branches they form one
-softmax (``dilated_with_retrieval``), whose backward runs each part's backward with the merged
-``out`` and ``lse``.
+softmax (:func:`dilated_with_retrieval`).
 """
 
 from __future__ import annotations
@@ -27,12 +26,7 @@ QUERY_TILE = 1024
 def _forward(q: Tensor, k: Tensor, v: Tensor, selection: Selection, retrieval: Retrieval,
              causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     """``(out, lse)`` of one batch element over the retrieval branches' keys, in the compute
-    dtype: ``(queries, heads, dim)`` and ``(queries, heads)``.
-
-    The sinks run in query tiles (a tile reads its documents' sinks, masked per query); the
-    selection block by block: each chosen block attends to the queries that chose it, merged
-    into their rows by log-sum-exp, so no key is gathered per query.
-    """
+    dtype: ``(queries, heads, dim)`` and ``(queries, heads)`` (module docstring)."""
     compute = torch.promote_types(q.dtype, torch.float32)
     group, row = q.shape[1] // k.shape[1], selection.row
     out = q.new_zeros(q.shape, dtype=compute)

@@ -2,33 +2,32 @@
 (docs/architecture.md §4).
 
 The plan (``plan.spanning``) cuts each such branch into pieces of a few heads
-(:class:`~longnet.attention.plan.SpanningPiece`); this module runs them. Per piece, each
-member packs its selected K and V rows into one message and gathers its query-side rows once;
-then every block the member computes with arrives (:func:`arriving_blocks`) and is attended:
+(:class:`~longnet.attention.plan.SpanningPiece`), run on each segment group (the members
+holding one segment); this module runs them. Per piece, each member packs its selected K and V
+rows into one message (:func:`pack`) and gathers its query-side rows once; then every block the
+member computes with arrives (:func:`arriving_blocks`) and is attended: the forward merges each
+block result into the accumulators by log-sum-exp, the backward runs each block's kernel
+backward with the global merged ``out``/``lse``.
 
-- ``ring``: the message rotates around the segment group, one batched send/recv per hop
-  (``transport.shift``); the next hop is posted before the current block is computed. In the
-  backward, the dK/dV accumulator travels with its block and arrives home after the full loop.
-- ``allgather``: every member receives every block of its segment group at once; the backward
-  sends each block's dK/dV partial sums straight to the block's owner.
-
-The forward merges each block result into the accumulators by log-sum-exp; the backward runs
-each block's kernel backward with the GLOBAL merged ``out``/``lse`` (docs/architecture.md §3).
+:class:`Schedule`, who computes with whose block, is the one schedule of the forward, the
+backward and the memory models. Both transports (:func:`shift` hop by hop for ``ring``,
+:class:`Peers` for ``allgather``) use batched point-to-point calls (``batch_isend_irecv``, peers
+mapped to global ranks so that subgroups work) and name the rank and the step when a peer fails.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from longnet.attention.blocks import gather, scatter_
-from longnet.attention.kernels import accumulation_dtype
-from longnet.attention.merge import BackwardQueries, QueryRows, lse_merge_
+from longnet.attention.kernels import BackwardQueries, QueryRows, accumulation_dtype, lse_merge_
 from longnet.attention.plan import AttentionPlan, SpanningPiece
-from longnet.attention.transport import Peers, Schedule, shift
 
 Arrival = tuple[int, int, Tensor, Tensor | None]
 """``(member, source, block, dK/dV)``: member ``pieces[member]`` computes with member
@@ -116,9 +115,9 @@ def arriving_blocks(
 def _ring(group: dist.ProcessGroup, pieces: Sequence[SpanningPiece], kvs: list[Tensor],
           causal: bool, label: str, homes: list[Tensor | None] | None) -> Iterator[Arrival]:
     """The ``ring`` transport, hop by hop: all members' messages of a hop in one batched
-    exchange, so that two members on one rank (zigzag) never wait for each other. In the
-    backward a dK/dV accumulator travels with each block, every member adds into it, and it is
-    home after the last hop."""
+    exchange (two members on one rank, zigzag, never wait for each other), the next hop posted
+    before the current block is computed. In the backward a dK/dV accumulator travels with each
+    block, every member adds into it, and it is home after the last hop."""
     hops = [list(Schedule(len(p.members), p.index, causal).hops()) for p in pieces]
     d_kvs = [None if homes is None else torch.zeros_like(kv, dtype=accumulation_dtype(kv.dtype))
              for kv in kvs]
@@ -190,3 +189,164 @@ def key_blocks(
         if rows:
             index = piece.positions(query_group.heads, kv.device)
             yield number, index, kv[0][:, index, :rows], kv[1][:, index, :rows]
+
+
+# -- the transports --------------------------------------------------------------------------------
+
+
+class Hop(NamedTuple):
+    """One hop of the ``ring`` transport, seen from one member of a segment group."""
+
+    number: int
+    source: int  # the member whose K/V block this rank holds during the hop
+    attended: bool  # whether this rank computes with that block
+    last: bool  # no block arrives after this hop (nothing to post)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Who computes with whose K/V block in a segment group of ``size`` members, seen from
+    member ``index``.
+
+    Causal: a later member's keys are all in the future of an earlier member's queries, so
+    member ``i`` computes with the blocks of members ``0..i`` only.
+    """
+
+    size: int
+    index: int
+    causal: bool
+
+    def attends(self, reader: int, source: int) -> bool:
+        """Whether member ``reader`` computes with member ``source``'s block."""
+        return not (self.causal and source > reader)
+
+    @property
+    def sources(self) -> list[int]:
+        """The members whose blocks this rank computes with, in member order."""
+        return [source for source in range(self.size) if self.attends(self.index, source)]
+
+    @property
+    def readers(self) -> list[int]:
+        """The other members that compute with this rank's block (``allgather``: each sends
+        this rank a dK/dV partial in the backward)."""
+        members = range(self.size)
+        return [m for m in members if m != self.index and self.attends(m, self.index)]
+
+    def hops(self) -> Iterator[Hop]:
+        """``ring``: every block moves one member on per hop (member ``m`` sends to ``m + 1``,
+        receives from ``m - 1``), so at hop ``h`` this rank holds member ``index - h``'s block.
+        Every member joins every hop, attended or not (a member that skipped one would leave
+        its peers waiting)."""
+        for number in range(self.size):
+            source = (self.index - number) % self.size
+            yield Hop(number, source, self.attends(self.index, source), number + 1 == self.size)
+
+
+class Peers:
+    """Batched all-gather and reduce among the members of one segment group (the
+    ``allgather`` transport; :func:`shift` runs the ``ring`` transport's hops).
+
+    ``members``: the group ranks of the segment group in sequence order; ``index``: this rank's
+    place among them; ``where``: how errors name this rank's step.
+    """
+
+    def __init__(
+        self, process_group: dist.ProcessGroup, members: Sequence[int], index: int, where: str
+    ) -> None:
+        group_ranks = dist.get_process_group_ranks(process_group)
+        self.process_group = process_group
+        self.index = index
+        self.ranks = [group_ranks[member] for member in members]
+        self.where = f"rank {dist.get_rank()} ({where})"
+
+    @staticmethod
+    def post(ops: list[dist.P2POp], where: str) -> Callable[[], None]:
+        """Start ``ops`` as one batch; returns a function that waits for all of them (and keeps
+        their tensors alive until then), raising an error that names ``where`` (the rank and
+        the step)."""
+        works = dist.batch_isend_irecv(ops) if ops else []
+
+        def wait() -> None:
+            try:
+                for work in works:
+                    work.wait()
+            except Exception as error:  # a dead or mismatched peer: say who and where
+                raise RuntimeError(f"dilated_attention: {where} failed: {error}") from error
+            ops.clear()
+
+        return wait
+
+    def all_gather(self, tensor: Tensor) -> list[Tensor]:
+        """Every member's ``tensor`` (same shape everywhere), in member order."""
+        gathered = [
+            tensor if m == self.index else torch.empty_like(tensor) for m in range(len(self.ranks))
+        ]
+        ops = []
+        for member, rank in enumerate(self.ranks):
+            if member != self.index:
+                ops.append(dist.P2POp(dist.isend, tensor.contiguous(), rank, self.process_group))
+                ops.append(dist.P2POp(dist.irecv, gathered[member], rank, self.process_group))
+        if ops:
+            self.post(ops, f"{self.where} at all-gather among ranks {self.ranks}")()
+        return gathered
+
+    def reduce_to_owners(self, partials: list[Tensor | None], schedule: Schedule) -> Tensor:
+        """Send ``partials[m]`` (None: none, this rank did not compute with ``m``'s block) to
+        member ``m``; return the sum of the partials for this rank's block, received from
+        ``schedule.readers``."""
+        total = partials[self.index].clone()
+        readers = schedule.readers
+        received, ops = [], []
+        for member, rank in enumerate(self.ranks):
+            if member != self.index and partials[member] is not None:
+                ops.append(dist.P2POp(dist.isend, partials[member], rank, self.process_group))
+            if member in readers:
+                buffer = torch.empty_like(total)
+                received.append(buffer)
+                ops.append(dist.P2POp(dist.irecv, buffer, rank, self.process_group))
+        if ops:
+            self.post(ops, f"{self.where} at reduce among ranks {self.ranks}")()
+        for buffer in received:
+            total += buffer
+        return total
+
+
+def shift(process_group: dist.ProcessGroup, moves: Sequence[tuple[SpanningPiece, Tensor]],
+          hop: int, kind: int, label: str) -> Callable[[], list[Tensor]]:
+    """One hop of the ``ring`` transport: for every ``(member, tensor)`` of ``moves``, send the
+    tensor to the next member of its segment group and receive the previous member's; returns
+    a function that waits and gives the received tensors, in order. A message between two
+    members on this rank is handed over without a send. Messages are posted in one order on
+    both sides of every pair of ranks (by sender and receiver member) and tagged by receiver
+    and ``kind`` (0: K/V, 1: dK/dV), so that two on one link cannot be confused."""
+    me = dist.get_rank(process_group)
+    global_ranks = dist.get_process_group_ranks(process_group)
+    handed: dict[tuple[tuple[int, ...], int], Tensor] = {}
+    received: list[Tensor | None] = [None] * len(moves)
+    ops: list[tuple[tuple[int, int], dist.P2POp]] = []
+    for i, (piece, tensor) in enumerate(moves):
+        size, index = len(piece.members), piece.index
+        if size == 1:
+            received[i] = tensor
+            continue
+        after, before = (index + 1) % size, (index - 1) % size
+        if piece.hosts[after] == me:
+            handed[piece.members, after] = tensor
+        else:
+            tag = kind + 2 * piece.members[after]
+            peer = global_ranks[piece.hosts[after]]
+            op = dist.P2POp(dist.isend, tensor.contiguous(), peer, process_group, tag)
+            ops.append(((piece.members[index], piece.members[after]), op))
+        if piece.hosts[before] != me:
+            received[i] = torch.empty_like(tensor)
+            tag = kind + 2 * piece.members[index]
+            peer = global_ranks[piece.hosts[before]]
+            op = dist.P2POp(dist.irecv, received[i], peer, process_group, tag)
+            ops.append(((piece.members[before], piece.members[index]), op))
+    for i, (piece, _) in enumerate(moves):
+        if received[i] is None:
+            received[i] = handed[piece.members, piece.index]
+    ops.sort(key=lambda entry: entry[0])
+    where = f"rank {dist.get_rank()} ({label}) at hop {hop}"
+    wait = Peers.post([op for _, op in ops], where)
+    return lambda: (wait(), received)[1]

@@ -43,9 +43,8 @@ class Retrieval:
     Args:
         sinks: the first ``sinks`` tokens of each document are keys of every query outside
             their local segment (0: none).
-        block: tokens per selectable block; blocks are cut from the start of each local
-            segment (after the document's sinks), the segment's last one shorter when
-            ``block`` does not divide what is left.
+        block: tokens per selectable block, cut from the start of each local segment (after
+            the document's sinks), the segment's last one shorter.
         top_k: blocks each query (per K/V head) selects (0: no selection).
     """
 
@@ -62,7 +61,6 @@ class Retrieval:
     def active(self) -> bool:
         """Whether any key comes from these branches."""
         return self.sinks > 0 or self.top_k > 0
-
 
 
 def check_retrieval(where: str, retrieval: object) -> Retrieval | None:

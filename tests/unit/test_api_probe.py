@@ -144,11 +144,9 @@ def test_attention_layer_refuses_a_kv_conv_size_that_is_no_integer(size):
 
 
 @pytest.mark.parametrize("call", [
-    lambda: dilated_attention(*torch.randn(3, 1, 16, 2, 8), [(8, 1)], process_group="world"),
     lambda: default_position_ids(16, torch.device("cpu"), group="world"),
     lambda: SequenceParallel("world"),
 ])
-@pytest.mark.filterwarnings("ignore:.*deprecated:FutureWarning")  # the old keywords warn first
 def test_a_group_that_is_not_a_process_group_is_refused(call):
     with pytest.raises(TypeError, match=r"must be a torch.distributed.ProcessGroup( or None)?, "
                        r"got str 'world'"):

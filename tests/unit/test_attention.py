@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import warnings
 
 import pytest
 import torch
@@ -16,11 +15,10 @@ from longnet.attention.kernels import (
     BlockBackward,
     cpu_flash_backward,
     cpu_flash_forward,
+    lse_merge_,
     math_backward,
     math_forward,
 )
-from longnet.attention.merge import lse_merge_
-from longnet.distributed.sequence_parallel import SequenceParallel
 from tests.reference import branch_counts, dense_dilated_attention
 
 TOL = 1e-10
@@ -424,45 +422,16 @@ def group_of_one():
             dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("old, replacement", [
-    ({"process_group": "G"}, r"sequence_parallel=SequenceParallel\(G\)"),
-    ({"group": "G"}, r"sequence_parallel=SequenceParallel\(G\)"),
-    ({"process_group": "G", "layout": "contiguous", "transport": ["allgather"]},
-     r"SequenceParallel\(G, layout='contiguous', transport=\['allgather'\]\)"),
-    ({"process_group": None}, r"SequenceParallel\(G\).*or nothing on one device"),
-])
-def test_deprecated_keywords_warn_and_give_the_same_result(group_of_one, old, replacement):
-    q, k, v = _inputs(2, 24, 3, 4)
-    kwargs = {name: group_of_one if value == "G" else value for name, value in old.items()}
-    expected = dilated_attention(q, k, v, [(8, 1)], causal=True, return_lse=True)
-    with pytest.warns(FutureWarning, match=replacement):
-        got = dilated_attention(q, k, v, [(8, 1)], causal=True, return_lse=True, **kwargs)
-    for a, b in zip(got, expected):
-        torch.testing.assert_close(a, b, atol=0, rtol=0)
-    with_object = dilated_attention(q, k, v, [(8, 1)], causal=True, return_lse=True,
-                                    sequence_parallel=SequenceParallel(group_of_one))
-    for a, b in zip(with_object, expected):
-        torch.testing.assert_close(a, b, atol=0, rtol=0)
-
-
 @pytest.mark.parametrize("kwargs, error, match", [
-    ({"layout": "zigzag"}, ValueError, "layout= only applies to a sequence split over a process"),
-    ({"transport": "ring"}, ValueError, "transport= only applies"),
-    ({"process_group": None, "layout": "contiguous"}, ValueError, "layout= only applies"),
-    ({"process_group": "G", "group": "G"}, ValueError, "pass one of group= and process_group="),
-    ({"sequence_parallel": "SP", "layout": "zigzag"}, ValueError,
-     "set the group, layout and transport on the SequenceParallel"),
     ({"sequence_parallel": "G"}, TypeError, "sequence_parallel must be a "
      "longnet.distributed.SequenceParallel or None, got ProcessGroup"),
-    ({"process_group": 3}, TypeError, "process_group must be a torch.distributed.ProcessGroup"),
     ({"segment_lengths": (8,)}, TypeError,
      r"dilated_attention\(\) got an unexpected keyword argument 'segment_lengths'"),
 ])
 def test_sequence_parallel_keywords_that_cannot_apply_raise(group_of_one, kwargs, error, match):
-    values = {"G": group_of_one, "SP": SequenceParallel(group_of_one)}
+    values = {"G": group_of_one}
     kwargs = {name: values.get(value, value) if isinstance(value, str) else value
               for name, value in kwargs.items()}
     q, k, v = _qkv(1, 8, 2, 4)
-    with pytest.raises(error, match=match), warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
+    with pytest.raises(error, match=match):
         dilated_attention(q, k, v, [(8, 1)], **kwargs)

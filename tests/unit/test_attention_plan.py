@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from longnet.attention import dilated_attention, kernels, op, transport
+from longnet.attention import dilated, dilated_attention, kernels, op
 from longnet.attention.blocks import branch_groups, gather, region_groups, scatter_
 from longnet.attention.pattern import DilatedPattern
 from longnet.attention.plan import (
@@ -217,10 +217,10 @@ def test_ranks_agree_on_a_signature_once_per_group(monkeypatch):
     class Group:  # any weak-referenceable key stands in for a ProcessGroup here
         pass
 
-    monkeypatch.setattr(transport, "_all_agree", all_agree)
+    monkeypatch.setattr(dilated, "_all_agree", all_agree)
     one, two = Group(), Group()
     cpu = torch.device("cpu")
-    assert [transport.agree_on_call("a", 10, one, cpu) for _ in range(3)] == [9, 9, 9]
-    transport.agree_on_call("b", 10, one, cpu)
-    transport.agree_on_call("a", 10, two, cpu)
+    assert [dilated.agree_on_call("a", 10, one, cpu) for _ in range(3)] == [9, 9, 9]
+    dilated.agree_on_call("b", 10, one, cpu)
+    dilated.agree_on_call("a", 10, two, cpu)
     assert calls == [("a", one), ("b", one), ("a", two)]

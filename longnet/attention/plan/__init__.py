@@ -5,8 +5,9 @@
 (:func:`default_block_elements`), the local branches' block groups cut into chunks that fit the
 budget, the branch adopted as the accumulators, and the pieces of branches whose segments span
 ranks (``spanning``); with packed documents, the documents' block groups, stacked into few
-kernel calls, or cut at shard boundaries across ranks (``packed``). The forward and the
-backward read the same plan (docs/architecture.md §3); ``local.py`` and ``ring.py`` execute it.
+kernel calls (``documents``), or cut at shard boundaries across ranks (``spanning``). The
+forward and the backward read the same plan (docs/architecture.md §3); ``op.py`` and
+``ring.py`` execute it.
 
 Every function here depends only on hashable arguments (no tensor, no process group), so plans
 are cached: a model calls attention with one signature per layer and step, and gets the same
@@ -22,15 +23,14 @@ from dataclasses import dataclass
 import torch
 
 from longnet.attention.blocks import BlockGroup, Blocks, branch_groups
+from longnet.attention.documents import Documents, document_branches, stacked_chunks
 from longnet.attention.kernels import Kernel, accumulation_dtype, select_kernel
 from longnet.attention.pattern import DilatedPattern
-from longnet.attention.plan.packed import (
-    Documents,
-    document_branches,
+from longnet.attention.plan.spanning import (
+    SpanningPiece,
     plan_document_ring,
-    stacked_chunks,
+    plan_sequence_parallel,
 )
-from longnet.attention.plan.spanning import SpanningPiece, plan_sequence_parallel
 
 CPU_BLOCK_ELEMENTS = 2**18
 """Block budget on the CPU, in elements of one gathered tensor. It bounds the working memory

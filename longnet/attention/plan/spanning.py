@@ -9,19 +9,23 @@ chunks); only the dilated rows of K and V travel among their hosts, as
 
 Dilation offsets may drift from member to member (when ``r`` does not divide the chunk): every
 rank knows every member's selected rows from the global geometry, so this is handled exactly.
+
+The same rule (:func:`branch_fits`) gives the sequence lengths ``P`` ranks can run a pattern on
+as they are (:func:`fits_shards`) and the smallest padded one (:func:`padded_length`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
 from longnet.attention.blocks import BlockGroup, branch_groups, region_groups, restrict
+from longnet.attention.documents import Documents, document_segments, placed_documents
 from longnet.attention.pattern import DilatedPattern
-from longnet.attention.shard_lengths import branch_fits, padded_length
 from longnet.distributed.shards import chunk_count, chunk_host, chunks_per_rank, rank_chunks
 
 
@@ -123,11 +127,6 @@ def plan_sequence_parallel(
         if segment <= chunk_len:  # a chunk holds whole segments: so does a zigzag shard
             local.append(branch_groups(shard_len, num_heads, segment, r))
             continue
-        if per_rank == 2 and transport != "ring":
-            raise ValueError(
-                f"dilated_attention: the zigzag layout runs the ring transport only; branch "
-                f"(w={w}, r={r}) asks for {transport!r}. Use transport='ring'."
-            )
         per_member = []
         for slot, member in enumerate(rank_chunks(rank, world_size, layout)):
             start, members = segment_group(member, chunk_len, segment, seq_len)
@@ -221,3 +220,113 @@ def query_groups(
             by_keys.setdefault(key, []).append(head)
         parts += [restrict(group, heads) for heads in by_keys.values()]
     return tuple(parts)
+
+
+def plan_document_ring(
+    pattern: DilatedPattern,
+    documents: Documents,
+    shard_len: int,
+    rank: int,
+    num_heads: int,
+    transports: Sequence[str],
+    head_dim: int,
+    block_elements: int,
+) -> tuple[list[list[BlockGroup]], list[tuple[SpanningPiece, ...]]]:
+    """This rank's local block groups per branch (shard coordinates) and the spanning pieces
+    it is a member of, for packed ``documents`` on contiguous shards of ``shard_len`` tokens
+    (members are group ranks). A document's segment inside one shard is a block group of the
+    rank holding it; one crossing shard boundaries is a spanning piece whose members are the
+    ranks it touches, each holding the part inside its shard, its rows keeping the dilation
+    offsets of the whole segment. Every rank derives the same global list and runs the pieces
+    it is a member of in that order, each as a one-member set, so two ranks sharing several
+    pieces meet in each at the same time."""
+    placed = placed_documents(documents)
+    row_elements = (len(documents) if placed[0][0] is None else 1) * head_dim
+    local: list[list[BlockGroup]] = [[] for _ in pattern.branches]
+    sets: list[tuple[SpanningPiece, ...]] = []
+    here = (rank * shard_len, (rank + 1) * shard_len)
+    for branch, ((w, r), transport) in enumerate(zip(pattern.branches, transports)):
+        for element, lengths in placed:
+            for start, stop in document_segments(lengths, w):
+                first, last = start // shard_len, (stop - 1) // shard_len
+                if not first <= rank <= last:
+                    continue
+                if first == last:
+                    local[branch] += _part(start, stop, here, num_heads, r, element)
+                    continue
+                members = tuple(range(first, last + 1))
+                member_groups = tuple(
+                    tuple(_part(start, stop, (m * shard_len, (m + 1) * shard_len), num_heads,
+                                r, element))
+                    for m in members
+                )
+                label = f"branch w={w} r={r} document segment {start}-{stop}"
+                sets += [(piece,) for piece in spanning_pieces(
+                    members, rank - first, member_groups, transport, label, num_heads,
+                    row_elements, block_elements, members,
+                )]
+    return local, sets
+
+
+def _part(start: int, stop: int, shard: tuple[int, int], num_heads: int, rate: int,
+          element: int | None) -> list[BlockGroup]:
+    """The block groups of the part of segment ``[start, stop)`` inside ``shard`` (global
+    ``[first, end)``), in shard coordinates, for batch element ``element`` (None: all); heads
+    keep the segment's dilation offsets (``shift``)."""
+    first, end = max(start, shard[0]), min(stop, shard[1])
+    return [replace(group, batch=element)
+            for group in region_groups(first - shard[0], end - first, 1, num_heads, rate,
+                                       shift=first - start)]
+
+
+def branch_fits(segment_length: int, shard_len: int) -> bool:
+    """Whether a branch of ``segment_length`` runs on shards of ``shard_len`` tokens: one divides
+    the other."""
+    return shard_len % segment_length == 0 or segment_length % shard_len == 0
+
+
+def fits_shards(
+    seq_len: int, pattern: DilatedPattern | Sequence[tuple[int, int]], world_size: int
+) -> bool:
+    """Whether ``world_size`` ranks run ``pattern`` on ``seq_len`` tokens as they are: equal
+    shards, which every branch (its segment capped at ``seq_len``) fits (:func:`branch_fits`)."""
+    if seq_len % world_size:
+        return False
+    shard_len = seq_len // world_size
+    pattern = DilatedPattern.coerce(pattern)
+    return all(branch_fits(min(w, seq_len), shard_len) for w in pattern.segment_lengths)
+
+
+def padded_length(
+    seq_len: int, pattern: DilatedPattern | Sequence[tuple[int, int]], world_size: int
+) -> int:
+    """The smallest length ``>= seq_len`` that ``world_size`` ranks can run ``pattern`` on
+    (:func:`fits_shards`). Padding at the end is exact for causal attention (no real query sees
+    a later token); for bidirectional attention pad tokens are keys. The search skips the shard
+    lengths that cannot fit (:func:`_next_shard_len`): a few steps per branch whatever the
+    length."""
+    pattern = DilatedPattern.coerce(pattern)
+    if seq_len < 1 or world_size < 1:
+        raise ValueError(
+            f"padded_length: need seq_len >= 1 and world_size >= 1, got {seq_len}, {world_size}."
+        )
+    shard_len = -(-seq_len // world_size)
+    while (longer := _next_shard_len(shard_len, pattern.segment_lengths, world_size)) > shard_len:
+        shard_len = longer
+    return shard_len * world_size
+
+
+def _next_shard_len(shard_len: int, segment_lengths: Sequence[int], world_size: int) -> int:
+    """``shard_len`` if every branch fits shards of that length (:func:`fits_shards`), else the
+    next shard length that is not ruled out: segments (capped at the sequence length) up to
+    ``shard_len`` must divide it, so it must be a multiple of their least common multiple; a
+    longer segment ``w`` inside the sequence must be a multiple of it, so it must divide ``w``
+    (the smallest divisor of ``w`` above ``shard_len``, at most ``w`` itself)."""
+    segments = [min(w, shard_len * world_size) for w in segment_lengths]
+    step = math.lcm(*(w for w in segments if w <= shard_len))
+    if shard_len % step:
+        return shard_len + step - shard_len % step
+    for w in segments:
+        if w > shard_len and w % shard_len:  # q < w / shard_len <= world_size candidates
+            return next(w // q for q in range((w - 1) // shard_len, 0, -1) if w % q == 0)
+    return shard_len
