@@ -1,4 +1,4 @@
-"""What the code says about itself: every module docstring of ``longnet/`` and ``scripts/``
+"""What the code says about itself: every module docstring of ``longnet/`` and ``lab/``
 says what the module is, never its history (no issue references such as ``issue 12`` or
 ``#12``, no "used to" or "no longer"; stories go to lab/notes/ or the CHANGELOG), and
 ``longnet.cli`` exports the command and its class only."""
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-MODULES = sorted([*(REPO / "longnet").rglob("*.py"), *(REPO / "scripts").glob("*.py")])
+MODULES = sorted([*(REPO / "longnet").rglob("*.py"), *(REPO / "lab").rglob("*.py")])
 
 HISTORY = re.compile(
     r"\bissues?\s+#?\d+"  # issue 12, issues 3 and 4, issue #12
