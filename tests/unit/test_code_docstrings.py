@@ -1,4 +1,4 @@
-"""What the code says about itself: every module docstring of ``longnet/`` and ``scripts/``
+"""What the code says about itself: every module docstring of ``longnet/`` and ``lab/scripts/``
 says what the module is, never its history (no issue references such as ``issue 12`` or
 ``#12``, no "used to" or "no longer"; stories go to lab/notes/ or the CHANGELOG), and
 ``longnet.cli`` exports the command and its class only."""
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-MODULES = sorted([*(REPO / "longnet").rglob("*.py"), *(REPO / "scripts").glob("*.py")])
+MODULES = sorted([*(REPO / "longnet").rglob("*.py"), *(REPO / "lab" / "scripts").glob("*.py")])
 
 HISTORY = re.compile(
     r"\bissues?\s+#?\d+"  # issue 12, issues 3 and 4, issue #12
@@ -74,7 +74,7 @@ def test_what_is_not_history_is_not_found(source):
 
 def test_the_cli_package_exports_the_command_and_its_class():
     """``longnet.cli`` is the command (:func:`main`) and its class (:class:`LongNetCLI`);
-    its helpers are imported from their modules (``longnet.cli.runs``, ``.errors``,
+    its helpers are imported from their modules (``longnet.cli.run_checks``, ``.errors``,
     ``.entry``, ``.command``)."""
     import longnet.cli
     from longnet.cli.command import LongNetCLI
