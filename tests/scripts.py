@@ -1,4 +1,4 @@
-"""Load a script of ``scripts/`` or ``lab/scripts/`` as a module, to call it in a test."""
+"""Load a script of ``lab/scripts/`` as a module, to call it in a test."""
 
 from __future__ import annotations
 
@@ -11,10 +11,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def load_script(name: str) -> ModuleType:
-    """``scripts/<name>.py`` (else ``lab/scripts/<name>.py``) imported as the module ``name``."""
-    path = REPO / "scripts" / f"{name}.py"
-    if not path.exists():
-        path = REPO / "lab" / "scripts" / f"{name}.py"
+    """``lab/scripts/<name>.py`` imported as the module ``name``."""
+    path = REPO / "lab" / "scripts" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses of a script look their module up

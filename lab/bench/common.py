@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 import longnet.attention
 from longnet.attention import DilatedPattern
-from longnet.eval.cli import path_argument
+from longnet.cli.arguments import path_argument
 from longnet.files import check_output_folder
 from longnet.training.rank_memory import MALLOC_FIXED, MIB
 from longnet.validation import UsageError

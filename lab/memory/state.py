@@ -276,7 +276,7 @@ def model_config(source: str | Path, overrides: Mapping[str, Any] | None = None)
             raise UsageError(
                 f"model {source} is not a config.json (not text: a checkpoint or weights?); "
                 "give a zoo name, a model folder or its config.json (export a .ckpt with "
-                "scripts/export_pretrained.py)."
+                "longnet export)."
             ) from None
     raise UsageError(
         f"model {str(source)!r} is neither a zoo name nor a config.json file or model folder; "

@@ -73,14 +73,13 @@ from lab.bench.attention import (
     table_rows,
     timing_child,
 )
-from longnet.eval.cli import (
-    ScriptParser,
+from lab.scripts.arguments import ScriptParser, run_cli
+from longnet.cli.arguments import (
     float_argument,
     length_argument,
     non_negative_int_argument,
     position_argument,
     positive_int_argument,
-    run_cli,
 )
 
 ROOT = Path(__file__).resolve().parents[1]

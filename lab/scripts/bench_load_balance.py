@@ -29,16 +29,15 @@ from pathlib import Path
 from lab.bench import common
 from lab.bench.balance import RankSteps, step_worker
 from lab.bench.ring import SECTION
-from longnet.distributed import run_workers
-from longnet.distributed.shards import LAYOUTS
-from longnet.eval.cli import (
-    ScriptParser,
+from lab.scripts.arguments import ScriptParser, run_cli
+from longnet.cli.arguments import (
     float_argument,
     length_argument,
     non_negative_int_argument,
     positive_int_argument,
-    run_cli,
 )
+from longnet.distributed import run_workers
+from longnet.distributed.shards import LAYOUTS
 from longnet.modeling.zoo import ZOO
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -25,8 +25,9 @@ from pathlib import Path
 import torch
 
 from lab.bench import common
+from lab.scripts.arguments import ScriptParser, run_cli
+from longnet.cli.arguments import length_argument, positive_int_argument
 from longnet.data import LongDocumentDataModule
-from longnet.eval.cli import ScriptParser, length_argument, positive_int_argument, run_cli
 from longnet.files import check_output_folder, write_atomic
 
 ROOT = Path(__file__).resolve().parents[1]

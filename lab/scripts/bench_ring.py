@@ -54,15 +54,14 @@ from lab.bench.ring_report import (
     main_table,
     plot,
 )
+from lab.scripts.arguments import ScriptParser, run_cli
 from longnet.attention import padded_length
-from longnet.eval.cli import (
-    ScriptParser,
+from longnet.cli.arguments import (
     float_argument,
     length_argument,
     non_negative_int_argument,
     position_argument,
     positive_int_argument,
-    run_cli,
 )
 
 ROOT = Path(__file__).resolve().parents[1]

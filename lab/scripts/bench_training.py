@@ -36,15 +36,14 @@ from lab.bench.training import (
     twin_config,
 )
 from lab.memory.state import model_config
-from longnet.denormals import denormals_kept, flushing_denormals
-from longnet.eval.cli import (
-    ScriptParser,
+from lab.scripts.arguments import ScriptParser, run_cli
+from longnet.cli.arguments import (
     length_argument,
     non_negative_int_argument,
     path_argument,
     positive_int_argument,
-    run_cli,
 )
+from longnet.denormals import denormals_kept, flushing_denormals
 from longnet.modeling import LongNetConfig
 
 SECTION = "## Training step"

@@ -44,13 +44,8 @@ from lab.handoff import (
     unpack_state,
     write_handoff,
 )
-from longnet.eval.cli import (
-    ScriptParser,
-    length_argument,
-    path_argument,
-    positive_int_argument,
-    run_cli,
-)
+from lab.scripts.arguments import ScriptParser, run_cli
+from longnet.cli.arguments import length_argument, path_argument, positive_int_argument
 
 
 def describe(files: list[Path]) -> str:

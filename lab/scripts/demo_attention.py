@@ -15,8 +15,9 @@ import time
 import torch
 import torch.nn.functional as F
 
+from lab.scripts.arguments import ScriptParser, run_cli
 from longnet.attention import DilatedPattern, dilated_attention
-from longnet.eval.cli import ScriptParser, length_argument, positive_int_argument, run_cli
+from longnet.cli.arguments import length_argument, positive_int_argument
 from longnet.nn import multiplicity_attention
 
 

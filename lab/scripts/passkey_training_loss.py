@@ -27,8 +27,9 @@ from lab.passkey_training import (
     read_passkey_steps,
     span_for,
 )
+from lab.scripts.arguments import ScriptParser, run_cli
+from longnet.cli.arguments import path_argument, positive_int_argument
 from longnet.eval import format_table, write_csv
-from longnet.eval.cli import ScriptParser, path_argument, positive_int_argument, run_cli
 from longnet.validation import UsageError
 
 

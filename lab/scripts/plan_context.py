@@ -54,14 +54,13 @@ from lab.memory.state import (
     model_config,
     state_memory,
 )
+from lab.scripts.arguments import ScriptParser, run_cli
 from longnet.attention import DilatedPattern, padded_length
-from longnet.eval.cli import (
-    ScriptParser,
+from longnet.cli.arguments import (
     float_argument,
     length_argument,
     path_argument,
     positive_int_argument,
-    run_cli,
 )
 from longnet.modeling import LongNetConfig
 from longnet.validation import UsageError

@@ -3,7 +3,7 @@
 :class:`LongNetCLI` is a :class:`~lightning.pytorch.cli.LightningCLI` over
 :class:`longnet.training.CausalLMModule` (or a subclass) and any ``LightningDataModule``
 (``class_path``/``init_args`` in YAML); it adds ``--test_after_fit``, the checks of the run
-folder and the ``--ckpt_path`` before any work (:mod:`longnet.cli.runs`), the run lock and
+folder and the ``--ckpt_path`` before any work (:mod:`longnet.cli.run_checks`), the run lock and
 run id, the signal handling, the step progress and the list of what a run left.
 :class:`RunConfigSaver` writes the resolved config into the run folder. The user-facing list
 of these behaviours is docs/training.md, "The command".
@@ -30,7 +30,7 @@ from longnet.cli.errors import (
     parse_error_message,
     undecodable_config,
 )
-from longnet.cli.runs import (
+from longnet.cli.run_checks import (
     check_batches_to_run,
     check_checkpoint_shape,
     check_default_root_dir,

@@ -1,10 +1,16 @@
-"""The ``longnet`` command's entry point: :func:`main` runs :class:`LongNetCLI` in its own
-context (:func:`run_in_own_context`), with subnormal floats flushed and signals turned into a
-clean stop, and turns what it raises into an exit status and a few lines on stderr."""
+"""The ``longnet`` command's entry point and its table of subcommands (:data:`COMMANDS`).
+
+:func:`main` runs ``fit|validate|test|predict`` with :class:`LongNetCLI` in its own context
+(:func:`run_in_own_context`), with subnormal floats flushed and signals turned into a clean
+stop, and ``eval perplexity|passkey|harness``, ``import`` and ``export`` with argparse
+(:func:`command_parser`); it turns what they raise into an exit status and a few lines on
+stderr."""
 
 from __future__ import annotations
 
+import argparse
 import contextvars
+import inspect
 import logging
 import signal
 import sys
@@ -15,6 +21,9 @@ from collections.abc import Sequence
 from jsonargparse import ArgumentError
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from longnet.cli import eval as evaluate
+from longnet.cli import pretrained
+from longnet.cli.arguments import CommandParser
 from longnet.cli.command import LongNetCLI
 from longnet.cli.errors import (
     EXPECTED_ERRORS,
@@ -22,7 +31,7 @@ from longnet.cli.errors import (
     parse_error_message,
 )
 from longnet.denormals import denormals_kept, flushing_denormals
-from longnet.files import refused_write
+from longnet.files import refused_write, refused_write_line
 from longnet.training.signals import (
     RERUN_HINT,
     Interrupted,
@@ -30,10 +39,69 @@ from longnet.training.signals import (
     raising_on_signals,
     signal_name,
 )
-from longnet.validation import VERBOSE_FLAG
+from longnet.validation import VERBOSE_FLAG, VERBOSE_HINT
 
 USAGE_EXIT = 2
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
+"""Lightning's subcommands (:class:`LongNetCLI`); :data:`COMMANDS` has the others."""
+COMMANDS = {
+    "eval": {
+        "perplexity": (evaluate.perplexity_arguments, evaluate.perplexity),
+        "passkey": (evaluate.passkey_arguments, evaluate.passkey),
+        "harness": (evaluate.harness_arguments, evaluate.harness),
+    },
+    "import": (pretrained.import_arguments, pretrained.import_model),
+    "export": (pretrained.export_arguments, pretrained.export_model),
+}
+"""The argparse subcommands: name -> (add its arguments, run it), or a table of its own."""
+
+
+def command_parser() -> argparse.ArgumentParser:
+    """The parser of ``longnet``'s argparse subcommands (:data:`COMMANDS`); its help lists
+    Lightning's too. A parsed command line's ``run`` runs its subcommand."""
+    parser = CommandParser(prog="longnet", description="LongNet dilated-attention LMs: train, "
+                           f"evaluate, import, export. {VERBOSE_FLAG} (anywhere): show the "
+                           "traceback of an error.")
+    subcommands = parser.add_subparsers(title="subcommands", required=True)
+    for name in SUBCOMMANDS:
+        subcommands.add_parser(name, help=f"Lightning's {name} (longnet {name} --help)")
+
+    def add(subcommands: argparse._SubParsersAction, table: dict) -> None:
+        for name, entry in table.items():
+            if isinstance(entry, dict):
+                group = subcommands.add_parser(name, help=f"{name} {'|'.join(entry)}")
+                add(group.add_subparsers(title="subcommands", required=True), entry)
+                continue
+            arguments, run = entry
+            doc = inspect.cleandoc(run.__doc__)
+            command = subcommands.add_parser(name, help=doc.splitlines()[0], description=doc,
+                                             formatter_class=argparse.RawDescriptionHelpFormatter)
+            arguments(command)
+            command.set_defaults(run=run)
+
+    add(subcommands, COMMANDS)
+    return parser
+
+
+def run_command(argv: list[str], verbose: bool) -> int:
+    """Run an argparse subcommand: a bad argument ends in one line, exit status 2; so do a bad
+    value or input (``ValueError``, ``FileNotFoundError``) and a write the machine refused, in
+    two lines (the second names ``--verbose``, which prints the traceback too)."""
+    try:
+        args = command_parser().parse_args(argv)
+    except SystemExit as stop:  # --help, or a bad argument (its line printed)
+        return stop.code or 0
+    try:
+        return args.run(args)
+    except (ValueError, OSError) as err:
+        if isinstance(err, OSError) and not (isinstance(err, FileNotFoundError)
+                                             or refused_write(err)):
+            raise
+        if verbose:
+            traceback.print_exc()
+        line = refused_write_line(err) if refused_write(err) else f"error: {err}"
+        print(f"longnet: {line}\n{VERBOSE_HINT}", file=sys.stderr)
+        return USAGE_EXIT
 
 
 def run_cli(args: Sequence[str] | None = None) -> LongNetCLI:
@@ -64,12 +132,15 @@ def quiet_lightning() -> None:
 
 def main(args: Sequence[str] | None = None) -> int:
     """Console entry point; returns the exit status: 0; 2 for an expected error
-    (:data:`EXPECTED_ERRORS`, parser errors, a full disk or a file size limit, reported in a
-    few lines without a traceback unless ``--verbose`` is given); ``128 + signal`` for a run
-    stopped by SIGTERM (143) or SIGINT (130)."""
+    (:data:`EXPECTED_ERRORS`, parser errors, a full disk or a file size limit; for
+    :data:`COMMANDS`, :func:`run_command`'s), reported in a few lines without a traceback
+    unless ``--verbose`` is given); ``128 + signal`` for a run stopped by SIGTERM (143) or
+    SIGINT (130)."""
     argv = sys.argv[1:] if args is None else list(args)
     verbose = VERBOSE_FLAG in argv
     argv = [arg for arg in argv if arg != VERBOSE_FLAG]
+    if not argv or argv[0] in ("-h", "--help", *COMMANDS):
+        return run_command(argv, verbose)
     if args is None:
         sys.argv[1:] = argv  # LightningCLI reads sys.argv itself (and warns if given args too)
     quiet_lightning()

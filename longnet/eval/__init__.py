@@ -1,13 +1,11 @@
-"""Long-context evaluations used by ``scripts/``: bits per byte versus context length with
+"""Long-context evaluations behind ``longnet eval``: bits per byte versus context length with
 sliding windows inside documents, compressor baselines, and passkey retrieval grids.
 
 Modules: ``loading`` (zoo names, model folders, and Lightning checkpoints through
 ``longnet.training.checkpoint``), ``documents`` (whole held-out documents), ``sliding`` (the
 sliding-window scorer), ``perplexity`` (rows per model and context length), ``positions`` (bits
-per byte by position in the document), ``passkey``, ``passkey_training`` (a training run's
-passkey loss by whether the model's heads see the copy, from its log), ``plotting``,
-``reporting`` (CSV, tables); the compressor baselines come from ``longnet.data.compressors``.
-See ``docs/evaluation.md``.
+per byte by position in the document), ``passkey``, ``plotting``, ``reporting`` (CSV, tables);
+the compressor baselines come from ``longnet.data.compressors``. See ``docs/evaluation.md``.
 """
 
 from longnet.data.compressors import COMPRESSORS, CompressorBaseline, compressor_baselines
@@ -28,7 +26,6 @@ from longnet.eval.perplexity import (
     ContextScore,
     bits_per_byte_rows,
     default_context_lengths,
-    evaluate_bits_per_byte,
     position_rows,
     score_models,
 )
@@ -74,7 +71,6 @@ __all__ = [
     "copy_distance",
     "copy_positions",
     "default_context_lengths",
-    "evaluate_bits_per_byte",
     "evaluate_passkey",
     "format_table",
     "load_eval_documents",

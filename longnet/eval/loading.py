@@ -81,7 +81,7 @@ def load_model(
         if overrides:
             raise UsageError(
                 f"{spec}: config overrides apply to model folders and zoo names, not to a "
-                "Lightning checkpoint; export it (scripts/export_pretrained.py) and evaluate "
+                "Lightning checkpoint; export it (longnet export) and evaluate "
                 "the folder with the overrides."
             )
         model = load_lightning_checkpoint(path, dtype=dtype)  # raises naming a missing file
@@ -114,7 +114,7 @@ def model_tokenizer(model: LongNetLM, source: str,
     if "files" not in record:
         raise UsageError(
             f"{source}: the checkpoint of a model of vocab_size {model.config.vocab_size} "
-            "records no tokenizer; export it (scripts/export_pretrained.py), write its tokenizer "
+            "records no tokenizer; export it (longnet export), write its tokenizer "
             "files into the export (tokenizer.save_pretrained) and evaluate that folder."
         )
     return tokenizer_from_files(record["files"], f"{source} ({record.get('name')})")

@@ -286,6 +286,32 @@ def visibility(pattern: DilatedPattern, num_heads: int, query: int, key: int) ->
     return SPARSE if rates else UNSEEN
 
 
+def passkey_rows(label: str, cells: Sequence[PasskeyCell], num_digits: int
+                 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The rows of ``passkey.csv`` (one per cell; ``context_tokens``: the mean prompt tokens
+    plus the key's digits) and of ``passkey_generations.csv`` (one per example) of the model
+    ``label``'s ``cells``."""
+    rows, example_rows = [], []
+    for cell in cells:
+        rows.append({
+            "model": label, "context_length": cell.length,
+            "context_tokens": round(sum(o.prompt_tokens for o in cell.outcomes)
+                                    / cell.num_examples) + num_digits,
+            "depth": cell.depth, "mean_depth": cell.mean_depth, "examples": cell.num_examples,
+            "correct": cell.num_correct, "accuracy": cell.accuracy,
+        })
+        example_rows += [
+            {"model": label, "context_length": cell.length, "depth": cell.depth,
+             "index": index, "actual_depth": o.depth,
+             "needle_distance": o.needle_distance, "copy_distance": o.copy_distance,
+             "visibility": o.visibility, "answer": o.answer,
+             "generated": o.generated, "correct": o.correct,
+             "prompt_tokens": o.prompt_tokens}
+            for index, o in enumerate(cell.outcomes)
+        ]
+    return rows, example_rows
+
+
 def accuracy_by_visibility(cells: Sequence[PasskeyCell]) -> list[dict[str, int | float | str]]:
     """Accuracy per context length and :func:`visibility` of the examples' copies.
 

@@ -140,19 +140,3 @@ def position_rows(
         for bucket in bits_by_position(score.result.token_nll, buckets, score.result.token_bytes)
     ]
 
-
-def evaluate_bits_per_byte(
-    models: Sequence[LoadedModel],
-    documents: Sequence[EvalDocument],
-    context_lengths: Sequence[int],
-    *,
-    stride: int | float | None = None,
-    batch_size: int = 1,
-    score_from: int | None = None,
-    progress: bool = False,
-) -> list[dict[str, Any]]:
-    """:func:`bits_per_byte_rows` of :func:`score_models`: one row per (model, context
-    length), models outer."""
-    scores = score_models(models, documents, context_lengths, stride=stride,
-                          batch_size=batch_size, progress=progress)
-    return bits_per_byte_rows(scores, score_from)

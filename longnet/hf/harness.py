@@ -7,7 +7,7 @@
 - :func:`evaluate`: ``lm_eval.simple_evaluate`` on such tasks and lm-eval's own (RULER's
   ``niah_*``), with the NIAH lengths and the tokenizer folder as task metadata.
 
-**The bits-per-byte task computes what** ``scripts/eval_perplexity.py --stride 1.0
+**The bits-per-byte task computes what** ``longnet eval perplexity --stride 1.0
 --score-from 0`` **reports as** ``scored_bits_per_byte`` (``sliding_bits_per_byte``). lm-eval's
 rolling windows of ``max_length`` ``C`` (``utils.get_rolling_token_windows`` with
 ``context_len=1``): the first window is ``[EOS] + bytes[:C-1]`` and predicts ``bytes[:C]``;
@@ -15,9 +15,9 @@ each later window predicts the next ``C`` bytes from the ``C`` tokens that end j
 the last of them, so the last, shorter chunk still gets a full window. These are the sliding
 windows of ``longnet.eval.sliding`` with stride ``C`` (each document framed ``[EOS] bytes
 [EOS]``). Two differences remain: lm-eval scores the bytes only, while ``bits_per_byte`` of
-``eval_perplexity.py`` also scores each document's closing EOS (hence ``--score-from 0``, the
+``longnet eval perplexity`` also scores each document's closing EOS (hence ``--score-from 0``, the
 bytes alone); and where a document's length is not a multiple of ``C``, the window of its last
-chunk ends one token later in ``eval_perplexity.py`` (it also scores that EOS), so those bytes
+chunk ends one token later in ``longnet eval perplexity`` (it also scores that EOS), so those bytes
 see one token less context there. Both are documented with measured sizes in
 docs/evaluation.md.
 
@@ -189,7 +189,7 @@ def sliding_bits_per_byte(
 ) -> float:
     """Bits per byte of the documents' bytes (closing EOS left out) with sliding windows of
     ``context_length`` tokens of ``tokenizer`` (None: bytes) and stride ``context_length``:
-    what ``scripts/eval_perplexity.py --stride 1.0 --score-from 0`` reports as
+    what ``longnet eval perplexity --stride 1.0 --score-from 0`` reports as
     ``scored_bits_per_byte``, and what the bits-per-byte task measures (module docstring)."""
     tokenized = tokenize_documents(documents, tokenizer or ByteTokenizer())
     result = score_documents(model, tokenized, context_length, 1.0, batch_size=batch_size,
@@ -218,7 +218,7 @@ def evaluate_model(
 
     Writes the tokenizer and the task files into ``work_dir``. Returns one row per measured value:
     ``model``, ``task``, ``length`` (context or NIAH length), ``examples``, ``metric``,
-    ``value``, ``seconds``; with ``compare`` also the ``eval_perplexity.py`` value of the
+    ``value``, ``seconds``; with ``compare`` also the ``longnet eval perplexity`` value of the
     same documents (task ``eval_perplexity``, :func:`sliding_bits_per_byte`).
     """
     work_dir = Path(work_dir)

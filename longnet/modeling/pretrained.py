@@ -275,7 +275,7 @@ def _read_weights(data: bytes, folder: Path) -> dict[str, torch.Tensor]:
         materialized_dir(folder.name)))
     fix = (f"It is the cached import of {folder.name} (cut short by a copy, a full disk or a "
            f"kill): to import it again, delete {folder} and load {folder.name!r} again, or run "
-           f"python scripts/import_pretrained.py {folder.name} "
+           f"longnet import {folder.name} "
            f"(longnet.hf.materialize({folder.name!r}, force=True)).") if cached else REWRITE_FIX
     return parse_safetensors(data, folder / WEIGHTS_NAME, fix)
 

@@ -11,7 +11,7 @@ results) that rewriting keeps.  The LongNet models read the byte-level vocabular
 
 ``smollm2-135m`` is a pretrained model imported from elsewhere: its folder holds the config
 and card, and its config names the installed distribution its weights come from
-(``extra["weights_from"]``); ``longnet.hf.materialize`` (or ``scripts/import_pretrained.py``)
+(``extra["weights_from"]``); ``longnet.hf.materialize`` (or ``longnet import``)
 imports it, with its own tokenizer, into the user cache once.
 """
 

@@ -10,7 +10,7 @@ pickled object (so the module's hyper-parameters must be plain values, as ``long
 writes them). A folder's ``.metadata`` (the shards' index) is a pickle that
 ``torch.distributed.checkpoint`` reads as such: load folders you trust.
 
-``scripts/export_pretrained.py CKPT OUT`` writes a checkpoint's model as a
+``longnet export CKPT OUT`` writes a checkpoint's model as a
 ``save_pretrained`` folder (:func:`export_pretrained`): into a temporary folder that then takes
 ``OUT``'s place whole; an ``OUT`` that holds a model is replaced only when asked
 (``overwrite``), and one that is, holds or is inside the checkpoint or a LoRA run's base never

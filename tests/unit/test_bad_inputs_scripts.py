@@ -1,5 +1,6 @@
-"""Bad arguments of the scripts end in one line naming the option, the value and the fix,
-before any work (the ``script-`` cases of ``lab/bad_inputs/scripts.yaml``)."""
+"""Bad arguments of ``longnet eval`` and the lab scripts end in one line naming the option,
+the value and the fix, before any work (the ``script-`` cases of
+``lab/bad_inputs/scripts.yaml``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import pytest
 
 from lab.bench.attention import pattern_argument
 from lab.memory.state import model_config
-from longnet.eval.cli import device_argument
+from longnet.cli import main
+from longnet.cli.arguments import device_argument
+from longnet.cli.entry import command_parser
 from longnet.eval.documents import load_eval_documents
 from longnet.eval.passkey import check_passkey_grid
 from longnet.eval.reporting import write_csv
@@ -32,12 +35,13 @@ def refused(parse, argv: list[str], capsys) -> str:
 
 
 def test_an_argument_error_is_one_line_without_the_usage(capsys):
-    module = load_script("eval_perplexity")
-    err = refused(module.parse_args, ["--models", "m", "--context-lengths", "0"], capsys)
+    argv = ["eval", "perplexity", "--models", "m", "--context-lengths", "0"]
+    err = refused(command_parser().parse_args, argv, capsys)
     assert err.splitlines() == [
         "error: argument --context-lengths: lengths must be at least 1, got '0'; "
-        f"see {module.ScriptParser().prog} --help."
+        "see longnet eval perplexity --help."
     ]
+    assert main(argv) == 2 and capsys.readouterr().err == err
 
 
 @pytest.mark.parametrize("text, message", [
@@ -68,7 +72,7 @@ def test_plan_context_reads_lengths_with_units_and_names_bad_segments(capsys):
 def test_a_checkpoint_is_not_a_config_to_plan(tmp_path: Path):
     checkpoint = tmp_path / "last.ckpt"
     checkpoint.write_bytes(b"PK\x03\x04\x80\xff binary")
-    with pytest.raises(UsageError, match=r"last\.ckpt is not a config\.json.*export_pretrained"):
+    with pytest.raises(UsageError, match=r"last\.ckpt is not a config\.json.*longnet export"):
         model_config(checkpoint)
 
 
@@ -113,7 +117,9 @@ def test_bench_training_checks_the_model_before_any_step(tmp_path: Path, capsys)
     ("eval_passkey", ["--models", "m", "--num-digits", "0"], "argument --num-digits"),
 ])
 def test_counts_and_lengths_are_positive(name: str, argv: list[str], message: str, capsys):
-    assert message in refused(load_script(name).parse_args, argv, capsys)
+    parse = (load_script(name).parse_args if name.startswith("bench") else
+             lambda argv: command_parser().parse_args(["eval", "passkey", *argv]))
+    assert message in refused(parse, argv, capsys)
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -139,11 +145,10 @@ def test_a_script_error_is_two_lines_and_verbose_adds_the_traceback(tmp_path: Pa
     assert done.stderr.splitlines()[-2].startswith("error: no index.json")
 
 
-def test_eval_harness_without_lm_eval_says_what_to_install():
-    done = run("-c", "import runpy, sys; sys.modules['lm_eval'] = None; "
-               "sys.argv = ['eval_harness.py', '--help']; "
-               "runpy.run_path('scripts/eval_harness.py', run_name='__main__')")
-    assert done.returncode == 1 and "Traceback" not in done.stderr
+def test_eval_harness_without_lm_eval_says_what_to_install(tmp_path: Path):
+    done = run("-c", "import sys; sys.modules['lm_eval'] = None; from longnet.cli import main; "
+               f"sys.exit(main(['eval', 'harness', '--models', 'm', '--out', '{tmp_path}']))")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "needs EleutherAI's lm-eval" in done.stderr
     assert 'pip install -e ".[eval-harness]"' in done.stderr
 

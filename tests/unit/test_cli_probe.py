@@ -1,4 +1,4 @@
-"""What a tester found the ``longnet`` command and ``scripts/export_pretrained.py`` doing
+"""What a tester found the ``longnet`` command and its ``export`` (then a script) doing
 without a word (issue 41): empty paths taken as the current folder, ``test``/``validate``/
 ``predict`` scoring random weights, ``predict`` writing nothing, ``default_root_dir`` ignored,
 tracebacks for ``overfit_batches`` and ``--ckpt_path hpc``. Each is now refused in a few
@@ -6,8 +6,6 @@ lines naming the value and the fix, or does what was asked."""
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import json
 import os
 import re
@@ -123,26 +121,17 @@ def test_a_checkpoint_folder_given_as_empty_is_refused(tmp_path, data_cache, cap
     assert sorted(os.listdir(tmp_path)) == ["run.yaml"]
 
 
-def export_script():
-    spec = importlib.util.spec_from_file_location(
-        "export_pretrained", REPO / "scripts" / "export_pretrained.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize(("argv", "message"), [
     (["{ckpt}", ""], "OUTPUT is empty; give a path"),
     (["{ckpt}", "."], r"OUTPUT \. is the current folder: it would be replaced whole"),
     (["", "model"], "CHECKPOINT is empty; give a path"),
 ])
 def test_export_refuses_an_empty_path(tmp_path, capsys, monkeypatch, argv, message):
-    """``export_pretrained.py CKPT ""`` replaced the current folder by the model, exit 0."""
+    """``longnet export CKPT ""`` replaced the current folder by the model, exit 0."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "README.md").write_text("mine")
-    module = export_script()
     argv = [arg.replace("{ckpt}", str(tmp_path / "missing.ckpt")) for arg in argv]
-    assert module.run_cli(functools.partial(module.main, argv)) == 2
+    assert main(["export", *argv]) == 2
     err = capsys.readouterr().err
     assert re.search(message, err) and "Traceback" not in err, err
     assert os.listdir(tmp_path) == ["README.md"] and os.getcwd() == str(tmp_path)

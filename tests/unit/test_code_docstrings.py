@@ -74,7 +74,7 @@ def test_what_is_not_history_is_not_found(source):
 
 def test_the_cli_package_exports_the_command_and_its_class():
     """``longnet.cli`` is the command (:func:`main`) and its class (:class:`LongNetCLI`);
-    its helpers are imported from their modules (``longnet.cli.runs``, ``.errors``,
+    its helpers are imported from their modules (``longnet.cli.run_checks``, ``.errors``,
     ``.entry``, ``.command``)."""
     import longnet.cli
     from longnet.cli.command import LongNetCLI

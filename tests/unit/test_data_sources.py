@@ -14,6 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from longnet.cli.entry import command_parser
+from longnet.cli.eval import documents_from_args
 from longnet.data import (
     CorpusSettings,
     DocumentSource,
@@ -30,7 +32,6 @@ from longnet.data.encoding import document_hash, split_of
 from longnet.data.reading import SHOWN_FILES
 from longnet.data.tokenizer import ByteTokenizer
 from longnet.eval import load_eval_documents
-from longnet.eval.cli import documents_from_args
 from longnet.validation import UsageError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -259,22 +260,15 @@ def test_default_module_documents_and_splits_are_unchanged(tmp_path: Path, monke
 
 
 # --------------------------------------------------------------------------- evaluation side
-def _eval_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_eval_documents_read_the_corpus(site: Path) -> None:
     corpus = ["fakedist==1.0", "otherdist==2.0"]
     settings = CorpusSettings(seq_len=8, val_fraction=0.25, test_fraction=0.25)
     expected = _documents(corpus_source(corpus).files, settings)
     documents = load_eval_documents(corpus=corpus, split="all")
     assert [d.doc_id for d in documents] == [row["doc_id"] for row in expected]
-    args = _eval_script("eval_perplexity").parse_args(
-        ["--models", "unused", "--corpus", *corpus, "--split", "held-out", "--val-fraction",
-         "0.25", "--test-fraction", "0.25"]
+    args = command_parser().parse_args(
+        ["eval", "perplexity", "--models", "unused", "--corpus", *corpus, "--split",
+         "held-out", "--val-fraction", "0.25", "--test-fraction", "0.25"]
     )
     assert args.corpus == corpus
     held_out = [row["doc_id"] for row in expected if row["split"] != "train"]

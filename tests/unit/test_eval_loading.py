@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from longnet.attention import Retrieval
+from longnet.cli.arguments import json_object_argument
 from longnet.eval import checkpoint_config, load_model, load_models
-from longnet.eval.cli import json_object_argument
 from longnet.modeling import (
     LongNetConfig,
     LongNetLM,

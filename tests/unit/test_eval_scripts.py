@@ -1,11 +1,10 @@
-"""Both evaluation scripts end to end on a tiny saved model: files written, rows as expected."""
+"""``longnet eval perplexity|passkey|harness`` end to end on a tiny saved model: files written,
+rows as expected."""
 
 from __future__ import annotations
 
 import csv
-import functools
 import importlib
-import importlib.util
 import json
 import sys
 import types
@@ -14,20 +13,22 @@ from pathlib import Path
 import pytest
 import torch
 
+from longnet.cli import main
+from longnet.cli.entry import command_parser
 from longnet.data import passkey_examples
 from longnet.data.subword import from_backend
 from longnet.data.tokenizer import train_bpe
 from longnet.modeling import LongNetConfig, LongNetLM
 from tests.reference import copy_visibility
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 def script(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """``longnet eval <name>`` (``export`` for ``export_pretrained``), called as
+    ``script(name).main(argv)``."""
+    command = ["export"] if name == "export_pretrained" else ["eval", name.removeprefix("eval_")]
+    return types.SimpleNamespace(main=lambda argv: main([*command, *argv]),
+                                 parse_args=lambda argv: command_parser().parse_args(
+                                     [*command, *argv]))
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
@@ -109,7 +110,7 @@ def test_eval_perplexity_by_position_and_same_scored_bytes(tmp_path: Path, tiny_
 
 def test_eval_perplexity_score_from_zero_scores_every_byte(tmp_path: Path, tiny_model: Path):
     """``--score-from 0``: all bytes, the closing EOS left out (what lm-eval's bits per byte
-    of the same documents measures, see scripts/eval_harness.py)."""
+    of the same documents measures, see longnet eval harness)."""
     docs = tmp_path / "docs"
     docs.mkdir()
     for index in range(2):
@@ -132,7 +133,7 @@ def test_eval_perplexity_refuses_impossible_lengths(tmp_path: Path, tiny_model: 
     assert "at least 1" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         module.parse_args(["--models", "x", "--stride", "1.5"])
-    assert module.run_cli(lambda: module.main(["--models", "longnet-nope"])) == 2
+    assert module.main(["--models", "longnet-nope"]) == 2
     assert "Known models" in capsys.readouterr().err
 
 
@@ -152,7 +153,7 @@ def test_an_unwritable_out_is_refused_before_any_work(tmp_path: Path, name: str,
         (blocked, f"--out {blocked}: {table} is a folder where a file is to be written"),
     ]:
         argv = ["--models", "longnet-nope", "--out", str(out)]
-        assert module.run_cli(functools.partial(module.main, argv)) == 2
+        assert module.main(argv) == 2
         assert message in capsys.readouterr().err
     assert existing.read_text() == "earlier results"
 
@@ -162,7 +163,7 @@ def test_export_refuses_an_output_file_before_reading_the_checkpoint(tmp_path: P
     existing.write_text("not a folder")
     module = script("export_pretrained")
     argv = [str(tmp_path / "missing.ckpt"), str(existing)]
-    assert module.run_cli(functools.partial(module.main, argv)) == 2
+    assert module.main(argv) == 2
     assert f"OUTPUT {existing} is a file, not a folder" in capsys.readouterr().err
 
 
@@ -232,7 +233,7 @@ def test_eval_passkey_refuses_depths_a_length_cannot_tell_apart(tmp_path: Path, 
     module = script("eval_passkey")
     argv = ["--models", str(tiny_model), "--lengths", "238", "--depths", "0", "0.5", "1",
             "--out", str(tmp_path / "out"), "--no-progress"]
-    assert module.run_cli(functools.partial(module.main, argv)) == 2
+    assert module.main(argv) == 2
     assert ("--lengths 238: its filler of 1 byte(s) puts the needle of depths 0 and 0.5 on the "
             "same bytes (0 to 0); give longer lengths or fewer depths") in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
@@ -384,6 +385,8 @@ def test_an_interrupted_harness_run_keeps_the_rows_of_the_models_it_finished(
         return [{"model": loaded.label, "task": "niah_single_1", "length": 64, "examples": 1,
                  "metric": "string_match_all", "value": 0.0, "seconds": 0.1}]
 
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):  # set: the command leaves them
+        monkeypatch.setenv(name, "1")
     monkeypatch.setitem(sys.modules, "longnet.hf.harness", types.SimpleNamespace(
         BPB_TASK="longnet_bpb", NIAH_TASKS=("niah_single_1",), evaluate_model=evaluate_model))
     out = tmp_path / "out"

@@ -18,10 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from longnet.eval.cli import run_cli
+from longnet.cli import main
 from longnet.modeling.gguf import GGML_BLOCKS, check_gguf_file
 from longnet.validation import UsageError
-from tests.scripts import load_script
 
 ALIGNMENT = 32
 F32 = 0
@@ -162,8 +161,7 @@ def test_the_import_script_says_what_is_wrong_in_a_few_lines(tmp_path, monkeypat
                         lambda name, *a: object() if name in ("gguf", "accelerate")
                         else real_spec(name, *a))
     path = write(tmp_path, data)
-    script = load_script("import_pretrained")
-    assert run_cli(lambda: script.main([str(path), str(tmp_path / "out")])) == 2
+    assert main(["import", str(path), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert f"error: {path} is " in err and "download it again" in err
     assert len(err.splitlines()) <= 3 and "Traceback" not in err

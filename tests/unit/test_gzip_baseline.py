@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from longnet.cli.runs import gzip_comparison
+from longnet.cli.run_checks import gzip_comparison
 from longnet.data import LongDocumentDataModule
 from longnet.data.compressors import compressor_baselines
 from longnet.eval import load_eval_documents

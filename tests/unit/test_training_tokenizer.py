@@ -96,7 +96,7 @@ def test_checkpoints_record_the_tokenizer_and_a_resume_cannot_switch(corpus, tmp
     trainer.save_checkpoint(path)
     record = torch.load(path, weights_only=True)[TOKENIZER_KEY]
     assert record == tokenizer_record(data.tokenizer) and "tokenizer.json" in record["files"]
-    exported = export_pretrained(path, tmp_path / "exported")  # scripts/export_pretrained.py
+    exported = export_pretrained(path, tmp_path / "exported")  # longnet export
     assert (exported / "tokenizer.json").read_text() == record["files"]["tokenizer.json"]
     loaded = load_model(path)  # the evaluation reads the checkpoint's model and tokenizer
     assert loaded.model.config.vocab_size == 300
