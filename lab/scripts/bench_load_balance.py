@@ -30,7 +30,7 @@ from lab.bench import common
 from lab.bench.balance import RankSteps, step_worker
 from lab.bench.ring import SECTION
 from longnet.distributed import run_workers
-from longnet.distributed.shards import LAYOUTS
+from longnet.distributed.layouts import LAYOUTS
 from longnet.eval.cli import (
     ScriptParser,
     float_argument,

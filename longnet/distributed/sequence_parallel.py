@@ -19,7 +19,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from longnet.distributed.shards import LAYOUTS, check_layout
+from longnet.distributed.layouts import LAYOUTS, check_layout
 
 TRANSPORTS = ("ring", "allgather")
 """``ring``: blocks rotate one member on per hop; ``allgather``: every member receives every
@@ -49,7 +49,7 @@ class SequenceParallel:
             tokens.
         layout: ``"contiguous"`` (rank ``r`` holds tokens ``r L .. (r + 1) L - 1``) or
             ``"zigzag"`` (``2P`` chunks; rank ``r`` holds chunks ``r`` and ``2P - 1 - r``, which
-            balances causal work; ``longnet.distributed.shards``).
+            balances causal work; ``longnet.distributed.layouts``).
         transport: how branches whose segments span ranks move K/V: ``"ring"`` or
             ``"allgather"``, one name for all branches or a sequence of names, one per branch
             (checked against the pattern when attention runs). ``zigzag`` runs ``ring`` only.
