@@ -48,6 +48,16 @@ from longnet.files import write_atomic
 from longnet.training.run_folder import RUN_ID_COLUMN, run_dir
 from longnet.validation import check_positive_int
 
+CURVE_KEYS = ("train/bpb", "val/bpb")
+SMOOTHING_FRACTION = 0.05
+"""Training curves get a trailing mean over this fraction of their logged points."""
+MIB = 2**20
+MMAP_THRESHOLD = "MALLOC_MMAP_THRESHOLD_"
+MALLOC_FIXED = {MMAP_THRESHOLD: "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+"""glibc settings under which freed buffers above 128 KiB leave the RSS at once, so that the
+peak RSS is the peak of live bytes (glibc's default adapts its threshold up to 32 MiB and keeps
+freed buffers below it). The benchmarks start their measuring processes under them."""
+
 
 def total_steps(trainer: L.Trainer) -> float:
     """The optimizer steps the run will reach (``inf`` when unbounded)."""
@@ -257,11 +267,6 @@ class PredictionsWriter(BasePredictionWriter):
                 handle.write(json.dumps(record) + "\n")
 
 
-CURVE_KEYS = ("train/bpb", "val/bpb")
-SMOOTHING_FRACTION = 0.05
-"""Training curves get a trailing mean over this fraction of their logged points."""
-
-
 def read_curves(
     metrics_csv: str | Path, keys: Sequence[str] = CURVE_KEYS, run_id: str | None = None
 ) -> dict[str, list[tuple[int, float]]]:
@@ -351,14 +356,6 @@ class TrainingCurves(L.Callback):
         curves = read_curves(metrics, run_id=getattr(trainer.logger, "run_id", None))
         title = f"Training curves: {folder.name}"
         plot_training_curves(curves, folder / self.filename, title=title)
-
-
-MIB = 2**20
-MMAP_THRESHOLD = "MALLOC_MMAP_THRESHOLD_"
-MALLOC_FIXED = {MMAP_THRESHOLD: "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
-"""glibc settings under which freed buffers above 128 KiB leave the RSS at once, so that the
-peak RSS is the peak of live bytes (glibc's default adapts its threshold up to 32 MiB and keeps
-freed buffers below it). The benchmarks start their measuring processes under them."""
 
 
 def status_bytes(field: str) -> int:

@@ -45,6 +45,8 @@ LOCK_NAME = "run.lock"
 RUN_ID_KEY = "longnet_run_id"
 """Top-level key of the run id in the checkpoints :class:`RunId` tags."""
 EXPORT_NAME = "model"
+RUN_ID_COLUMN = "run_id"
+"""The ``metrics.csv`` column of the run id (:class:`RunLogger`)."""
 
 
 def new_run_id() -> str:
@@ -221,9 +223,6 @@ def checkpoint_dirs(trainer: L.Trainer, *, save_last: bool = False) -> list[Path
         else:
             folders.append(Path(trainer.default_root_dir, "checkpoints"))
     return list(dict.fromkeys(folders))
-
-
-RUN_ID_COLUMN = "run_id"
 
 
 class AppendingExperimentWriter(ExperimentWriter):

@@ -31,6 +31,12 @@ from torch.optim.lr_scheduler import LambdaLR
 from longnet.nn.short_conv import CausalShortConv
 from longnet.validation import UsageError, check_non_negative_int, check_positive_int, is_real
 
+REPLAN_AT = (0.25, 0.5, 0.75, 0.9)
+"""The shares of the plan at which :class:`TimeBudget` plans again, by default."""
+LATE_SHARE = 0.05
+"""How late (a share of the budget) the rate since the last plan may say a plan ends before
+:class:`TimeBudget` plans again between its shares."""
+
 
 def parameter_groups(model: nn.Module, weight_decay: float,
                      kv_conv_lr: float | None = None) -> list[dict]:
@@ -224,13 +230,6 @@ class Rewarmup(L.Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.start = state_dict.get("start")
-
-
-REPLAN_AT = (0.25, 0.5, 0.75, 0.9)
-"""The shares of the plan at which :class:`TimeBudget` plans again, by default."""
-LATE_SHARE = 0.05
-"""How late (a share of the budget) the rate since the last plan may say a plan ends before
-:class:`TimeBudget` plans again between its shares."""
 
 
 class TimeBudget(L.Callback):
