@@ -43,7 +43,7 @@ from longnet.files import check_path_given, check_target, replace_folder, write_
 from longnet.modeling.serialization import parse_safetensors
 from longnet.training.checkpoint import STATE_DICT, read_checkpoint
 from longnet.training.lora import LORA_BASE_KEY
-from longnet.training.runs import RUN_ID_KEY, checkpoint_run_id
+from longnet.training.run_folder import RUN_ID_KEY, checkpoint_run_id
 from longnet.training.vocabulary import TOKENIZER_KEY, record_by_name, record_with_files
 from longnet.validation import UsageError, check_positive_int, is_int
 

@@ -44,7 +44,7 @@ from longnet.eval.passkey import VISIBILITIES, copy_positions, visibility
 from longnet.files import write_atomic
 from longnet.training.checkpoint import checkpoint_config
 from longnet.training.curriculum import LengthCurriculum
-from longnet.training.curves import read_curves
+from longnet.training.reports import read_curves
 from longnet.validation import UsageError, check_positive_int
 
 PASSKEY_LOSS_KEY = "train/passkey_loss"

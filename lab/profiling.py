@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from longnet.training.callbacks import run_dir
+from longnet.training.run_folder import run_dir
 from longnet.validation import check_non_negative_int, check_positive_int
 
 

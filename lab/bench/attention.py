@@ -42,7 +42,7 @@ from lab.bench.common import (
 )
 from lab.bench.peers import dilated_attention_pytorch
 from longnet.attention import DilatedPattern, dilated_attention
-from longnet.training.rank_memory import reset_peak_rss, status_bytes
+from longnet.training.reports import reset_peak_rss, status_bytes
 
 SECTION = "## Attention"
 PREFIX = "bench_attention"

@@ -2,7 +2,7 @@
 
 * glibc's allocator settings for child processes that measure their peak memory
   (``malloc_env``, ``fixed_malloc``; the settings ``MALLOC_FIXED`` and the readers live in
-  ``longnet.training.rank_memory``);
+  ``longnet.training.reports``);
 * what the error checks compare against: float64 ``reference_rows`` at ``sample_rows``, and
   dense SDPA in our ``(batch, seq, heads, head_dim)`` layout (``sdpa``);
 * the run's description: ``machine``, ``commit_version`` / ``source_version`` (the code),
@@ -37,7 +37,7 @@ import longnet.attention
 from longnet.attention import DilatedPattern
 from longnet.cli.arguments import path_argument
 from longnet.files import check_output_folder
-from longnet.training.rank_memory import MALLOC_FIXED, MIB
+from longnet.training.reports import MALLOC_FIXED, MIB
 from longnet.validation import UsageError
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}

@@ -51,7 +51,7 @@ from lab.memory import AttentionSetup, plan_memory
 from longnet.attention import DilatedPattern, dilated_attention
 from longnet.distributed import run_workers
 from longnet.distributed.sequence_parallel import SequenceParallel
-from longnet.training.rank_memory import reset_peak_rss, status_bytes
+from longnet.training.reports import reset_peak_rss, status_bytes
 
 SECTION = "## Sequence-parallel ring"
 PREFIX = "bench_ring"

@@ -37,7 +37,7 @@ from longnet.cli.arguments import (
     positive_int_argument,
 )
 from longnet.distributed import run_workers
-from longnet.distributed.shards import LAYOUTS
+from longnet.distributed.layouts import LAYOUTS
 from longnet.modeling.zoo import ZOO
 
 ROOT = Path(__file__).resolve().parents[1]

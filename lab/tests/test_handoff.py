@@ -29,7 +29,7 @@ from lab.handoff import (
     write_handoff,
 )
 from longnet import files
-from longnet.training.runs import RUN_ID_KEY
+from longnet.training.run_folder import RUN_ID_KEY
 from longnet.validation import UsageError
 from tests.chunked import (
     CRASH_AT,

@@ -50,20 +50,20 @@ from longnet.cli.run_checks import (
 from longnet.data.subword import RUN_TOKENIZER_FOLDER, SubwordTokenizer
 from longnet.files import write_atomic
 from longnet.training import CausalLMModule
-from longnet.training.callbacks import PredictionsWriter, ValidateLastStep, run_dir
+from longnet.training.callbacks import ValidateLastStep
 from longnet.training.checkpoint import is_sharded_checkpoint, read_checkpoint
 from longnet.training.module import TrainingDiverged
-from longnet.training.precision import AutoPrecisionTrainer
-from longnet.training.progress import progress_bar
-from longnet.training.runs import (
+from longnet.training.reports import PredictionsWriter, progress_bar
+from longnet.training.run_folder import (
     RunId,
     RunLock,
     checkpoint_dirs,
     checkpoint_run_id,
     new_run_id,
+    run_dir,
     run_folder,
 )
-from longnet.training.signals import StopOnSignal
+from longnet.training.trainer import AutoPrecisionTrainer, StopOnSignal
 from longnet.validation import VERBOSE_FLAG, UsageError, check_positive_int, is_real
 
 
@@ -189,7 +189,7 @@ class LongNetCLI(LightningCLI):
         """Lightning's, plus :class:`RunId` first among the callbacks,
         :class:`~longnet.training.callbacks.ValidateLastStep`, :class:`StopOnSignal` and,
         unless the config disables the bar or brings its own,
-        :func:`~longnet.training.progress.progress_bar` and, for ``predict`` without a
+        :func:`~longnet.training.reports.progress_bar` and, for ``predict`` without a
         prediction writer, :class:`~longnet.training.PredictionsWriter`; trainer values it
         cannot use are refused first (:func:`check_trainer_values`)."""
         config = self._get(self.config_init, "trainer", default={})

@@ -32,7 +32,7 @@ from longnet.cli.errors import (
 )
 from longnet.denormals import denormals_kept, flushing_denormals
 from longnet.files import refused_write, refused_write_line
-from longnet.training.signals import (
+from longnet.training.trainer import (
     RERUN_HINT,
     Interrupted,
     exit_status,
@@ -126,7 +126,7 @@ def quiet_lightning() -> None:
             logger.addFilter(_NoTips())
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
     # a resumed fit writes into its own checkpoint folder; a new one never gets there
-    # (longnet.training.runs refuses a folder with another run's checkpoints)
+    # (longnet.training.run_folder refuses a folder with another run's checkpoints)
     warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
 
 
@@ -180,7 +180,7 @@ def run_in_own_context(args: Sequence[str] | None) -> None:
     jsonargparse leaves its last subcommand parser in a context variable, and the parser
     reaches the CLI, its trainer, strategy and process groups. Left there, a distributed run's
     process groups would outlive the exit hook that destroys them
-    (:func:`~longnet.training.strategy.destroy_process_group_at_exit`) and be freed only while
+    (:func:`~longnet.distributed.strategy.destroy_process_group_at_exit`) and be freed only while
     the interpreter shuts down, where gloo can abort a process whose run finished
     ("terminate called without an active exception"; docs/training.md, "A lost rank")."""
     contextvars.copy_context().run(run_cli, args)

@@ -6,7 +6,7 @@ model's shape and, for a ``fit``, not already past ``max_steps`` (:func:`check_s
 trained weights to evaluate (:func:`check_trained_weights`) and batches to evaluate
 (:func:`check_batches_to_run`), no earlier run overwritten by a new ``fit``; and what a run
 left behind (:func:`describe_run`, :func:`max_time_cut`, :func:`last_good_checkpoint`). The
-run folder's lock and run ids are ``longnet.training.runs``'s."""
+run folder's lock and run ids are ``longnet.training.run_folder``'s."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from longnet.training.checkpoint import (
     last_checkpoint,
     read_checkpoint,
 )
-from longnet.training.runs import (
+from longnet.training.run_folder import (
     LOCK_NAME,
     checkpoint_dirs,
     earlier_run_outputs,

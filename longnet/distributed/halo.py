@@ -2,7 +2,7 @@
 
 A causal convolution of width ``k`` over a sharded sequence needs, before every chunk a rank
 holds, the ``k - 1`` rows that precede it in the whole sequence. The chunks are those of the
-layout (``longnet.distributed.shards``): one per rank (``contiguous``) or two (``zigzag``).
+layout (``longnet.distributed.layouts``): one per rank (``contiguous``) or two (``zigzag``).
 Forward: the tail of every chunk goes to the holder of the next chunk (a copy when that is this
 rank); the first chunk of the sequence gets zeros. Backward: the gradient of every received
 halo goes back to the chunk it came from and is added to that chunk's tail gradient. Between
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from longnet.distributed.shards import (
+from longnet.distributed.layouts import (
     check_layout,
     chunk_count,
     chunk_host,

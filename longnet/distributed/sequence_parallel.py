@@ -5,21 +5,17 @@ the tokens are sharded, how K/V blocks travel) and checks that the combination r
 built. :func:`parallelize` hands it to every module of a model that reads it, so the model's
 ``forward`` takes only data (ids, positions, document ids), as in torchtitan, where
 parallelism is applied to a model rather than threaded through its calls.
-:func:`call_setting` gives each forward the setting of its call, which the deprecated
-per-call ``group=``/``layout=`` keywords can still set.
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch.distributed as dist
 from torch import nn
 
-from longnet.distributed.shards import LAYOUTS, check_layout
+from longnet.distributed.layouts import LAYOUTS, check_layout
 
 TRANSPORTS = ("ring", "allgather")
 """``ring``: blocks rotate one member on per hop; ``allgather``: every member receives every
@@ -49,7 +45,7 @@ class SequenceParallel:
             tokens.
         layout: ``"contiguous"`` (rank ``r`` holds tokens ``r L .. (r + 1) L - 1``) or
             ``"zigzag"`` (``2P`` chunks; rank ``r`` holds chunks ``r`` and ``2P - 1 - r``, which
-            balances causal work; ``longnet.distributed.shards``).
+            balances causal work; ``longnet.distributed.layouts``).
         transport: how branches whose segments span ranks move K/V: ``"ring"`` or
             ``"allgather"``, one name for all branches or a sequence of names, one per branch
             (checked against the pattern when attention runs). ``zigzag`` runs ``ring`` only.
@@ -132,53 +128,7 @@ def parallelize(model: nn.Module, sequence_parallel: SequenceParallel | None) ->
     return model
 
 
-PASSED_ON = "_sequence_parallel"
-"""The keyword under which a model hands the setting of one call to its submodules, when the
-caller gave the deprecated ``group=``/``layout=`` (see :func:`call_setting`)."""
-
-
-def call_setting(
-    owner: str, setting: SequenceParallel | None, keywords: Mapping[str, Any]
-) -> tuple[SequenceParallel | None, dict[str, Any]]:
-    """The sequence parallelism one ``forward`` call of ``owner`` runs with, and the keywords
-    it hands to its submodules' forwards.
-
-    ``keywords`` are the extra keywords the forward received: none (the call runs with
-    ``setting``, the module's ``sequence_parallel``, and hands nothing on), the deprecated
-    ``group=``/``layout=`` (a ``FutureWarning`` naming :func:`parallelize`; the call, and only
-    it, runs with ``SequenceParallel(group, layout)``, or on one device when ``group`` is
-    None), or :data:`PASSED_ON` (the setting an enclosing module resolved for this call).
-
-    Raises:
-        TypeError: an unknown keyword (named as Python names it), or a ``group`` that is not a
-            ``ProcessGroup``.
-        ValueError: an unknown ``layout``, or ``zigzag`` where :class:`SequenceParallel` refuses
-            it.
-    """
-    for name in keywords:
-        if name not in ("group", "layout", PASSED_ON):
-            raise TypeError(f"{owner}.forward() got an unexpected keyword argument {name!r}")
-    if PASSED_ON in keywords:
-        return keywords[PASSED_ON], {PASSED_ON: keywords[PASSED_ON]}
-    if not keywords:
-        return setting, {}
-    group, layout = keywords.get("group"), keywords.get("layout", "contiguous")
-    warnings.warn(
-        f"{owner}.forward: {' and '.join(f'{name}=' for name in keywords)} "
-        f"{'is' if len(keywords) == 1 else 'are'} deprecated and will be removed in the next "
-        "release; apply the sequence parallelism to the model once, "
-        "longnet.distributed.parallelize(model, SequenceParallel(group, layout)), and call it "
-        "without them (given here, they apply to this call only).",
-        FutureWarning,
-        stacklevel=5,  # call_setting <- forward <- Module._call_impl <- __call__ <- the caller
-    )
-    check_process_group(f"{owner}.forward: group", group)
-    check_layout(layout, f"{owner}.forward")
-    sequence_parallel = None if group is None else SequenceParallel(group, layout)
-    return sequence_parallel, {PASSED_ON: sequence_parallel}
-
-
 __all__ = [
-    "LAYOUTS", "TRANSPORTS", "SequenceParallel", "call_setting", "check_process_group",
+    "LAYOUTS", "TRANSPORTS", "SequenceParallel", "check_process_group",
     "parallelize",
 ]

@@ -12,8 +12,8 @@ from longnet.attention.documents import PackedDocuments
 from longnet.attention.selection import block_offsets, check_retrieval, local_segment_length
 from longnet.compiled import refuse
 from longnet.distributed.halo import previous_rows
+from longnet.distributed.layouts import chunks_per_rank
 from longnet.distributed.sequence_parallel import SequenceParallel
-from longnet.distributed.shards import chunks_per_rank
 from longnet.nn.kv_cache import LayerKVCache, check_cache, decode_attention
 from longnet.nn.norm import build_norm, check_norm
 from longnet.nn.positional import (

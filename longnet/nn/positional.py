@@ -17,8 +17,8 @@ from torch import Tensor, nn
 
 from longnet.attention import DilatedPattern
 from longnet.compiled import refuse
+from longnet.distributed.layouts import shard_positions
 from longnet.distributed.sequence_parallel import check_process_group
-from longnet.distributed.shards import shard_positions
 from longnet.nn.rope_extension import check_rope_extension, extended_frequencies
 from longnet.validation import check_positive_float, check_positive_int
 
@@ -272,7 +272,7 @@ def default_position_ids(
 
     Without a group: ``offset .. offset + seq_len - 1``.  With a sequence-parallel group the
     input is taken to be this rank's shard of a sequence sharded over the group by ``layout``
-    (``longnet.distributed.shards``: the contiguous shard starts at ``offset + rank *
+    (``longnet.distributed.layouts``: the contiguous shard starts at ``offset + rank *
     seq_len``); pass ``position_ids`` explicitly for anything else.
     """
     check_process_group("group", group)

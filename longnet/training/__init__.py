@@ -1,43 +1,47 @@
-"""Training: the causal-LM LightningModule, sequence parallelism, data order, callbacks.
+"""Training: the causal-LM LightningModule, its learning rate, data order, callbacks.
 
 The ``longnet`` command (``longnet.cli``) drives these from YAML configs in ``configs/``;
-see ``docs/training.md``.
+see ``docs/training.md``. The sequence-parallel strategies are ``longnet.distributed``'s
+(``longnet.distributed.strategy.SequenceParallelStrategy``,
+``longnet.distributed.fsdp.ShardedSequenceParallelStrategy``).
 """
 
-from longnet.training.budget import TimeBudget, TrainingDeadline
-from longnet.training.builder import build_lm
-from longnet.training.callbacks import (
-    ExportPretrained,
-    LastCheckpoint,
-    MetricsSummary,
-    PredictionsWriter,
-    ValidateLastStep,
-)
+from longnet.training.callbacks import ExportPretrained, LastCheckpoint, ValidateLastStep
 from longnet.training.checkpoint import (
+    build_lm,
     checkpoint_config,
     load_lightning_checkpoint,
     read_checkpoint,
 )
 from longnet.training.curriculum import LengthCurriculum
-from longnet.training.curves import TrainingCurves, plot_training_curves, read_curves
-from longnet.training.loaders import EpochIndexSampler, EpochLoader, ResumableDataOrder
-from longnet.training.logger import RunLogger
 from longnet.training.lora import LoraSettings, merge_delta
-from longnet.training.metrics import TokenAccuracy, TokenCrossEntropy, lm_summary
-from longnet.training.module import CausalLMModule, TrainingDiverged
-from longnet.training.optim import Rewarmup, parameter_groups, warmup_cosine
-from longnet.training.precision import AutoPrecisionTrainer
-from longnet.training.progress import LineProgressBar, StepProgressBar
-from longnet.training.rank_memory import RankMemory
-from longnet.training.runs import RunId, RunLock
-from longnet.training.sharded import ShardedModule, ShardedSequenceParallelStrategy
-from longnet.training.sharding import pad_sequences, shard_batch
-from longnet.training.signals import StopOnSignal
-from longnet.training.strategy import (
-    SequenceParallelLayout,
-    SequenceParallelModule,
-    SequenceParallelStrategy,
+from longnet.training.module import (
+    CausalLMModule,
+    TokenAccuracy,
+    TokenCrossEntropy,
+    TrainingDiverged,
+    lm_summary,
 )
+from longnet.training.order import EpochIndexSampler, EpochLoader, ResumableDataOrder
+from longnet.training.reports import (
+    LineProgressBar,
+    MetricsSummary,
+    PeakMemory,
+    PredictionsWriter,
+    StepProgressBar,
+    TrainingCurves,
+    plot_training_curves,
+    read_curves,
+)
+from longnet.training.run_folder import RunId, RunLock, RunLogger
+from longnet.training.schedule import (
+    Rewarmup,
+    TimeBudget,
+    TrainingDeadline,
+    parameter_groups,
+    warmup_cosine,
+)
+from longnet.training.trainer import AutoPrecisionTrainer, StopOnSignal
 
 __all__ = [
     "AutoPrecisionTrainer",
@@ -50,18 +54,13 @@ __all__ = [
     "LineProgressBar",
     "LoraSettings",
     "MetricsSummary",
+    "PeakMemory",
     "PredictionsWriter",
-    "RankMemory",
     "ResumableDataOrder",
     "Rewarmup",
     "RunId",
     "RunLock",
     "RunLogger",
-    "SequenceParallelLayout",
-    "SequenceParallelModule",
-    "SequenceParallelStrategy",
-    "ShardedModule",
-    "ShardedSequenceParallelStrategy",
     "StepProgressBar",
     "StopOnSignal",
     "TimeBudget",
@@ -76,11 +75,9 @@ __all__ = [
     "lm_summary",
     "load_lightning_checkpoint",
     "merge_delta",
-    "pad_sequences",
     "parameter_groups",
     "plot_training_curves",
     "read_checkpoint",
     "read_curves",
-    "shard_batch",
     "warmup_cosine",
 ]

@@ -1,9 +1,8 @@
-"""Callbacks that leave a trained model and its metrics in the run folder."""
+"""Callbacks that keep a run's state and its trained model in the run folder: the last
+checkpoint (``last.ckpt``), the validation after the last step, the exported model."""
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import shutil
 import warnings
@@ -13,7 +12,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
@@ -21,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from longnet.data.subword import SubwordTokenizer
-from longnet.files import check_output_folder, check_target, write_atomic
+from longnet.files import check_output_folder, check_target
 from longnet.modeling import LongNetLM
 from longnet.training.checkpoint import (
     MODEL_PREFIX,
@@ -31,18 +30,8 @@ from longnet.training.checkpoint import (
     read_checkpoint,
 )
 from longnet.training.lora import base_folder, save_delta
-from longnet.training.runs import RUN_ID_KEY
-from longnet.training.strategy import SequenceParallelLayout
+from longnet.training.run_folder import RUN_ID_KEY, run_dir
 from longnet.validation import UsageError, check_positive_int
-
-
-def run_dir(trainer: L.Trainer) -> Path:
-    """The run folder: the logger's ``log_dir`` (else ``trainer.default_root_dir``).
-
-    ``trainer.log_dir`` broadcasts from rank 0: call this on EVERY rank (a rank-zero-only call
-    deadlocks a multi-process run).
-    """
-    return Path(trainer.log_dir or trainer.default_root_dir)
 
 
 def validation_follows(trainer: L.Trainer) -> bool:
@@ -347,85 +336,3 @@ class ExportPretrained(L.Callback):
                 tokenizer.save(target)
         self.exported = target
         trainer.strategy.barrier("ExportPretrained")
-
-
-class MetricsSummary(L.Callback):
-    """Write the last validation and test metrics to ``<run folder>/metrics.json``.
-
-    ``{"validate": {...}, "test": {...}}``, each with ``step``, the ``run_id`` of the run that
-    wrote it (the logger's, when it has one) and every ``val/*`` or ``test/*`` value; updated
-    after every validation (outside the sanity check) and test.
-    """
-
-    def __init__(self, filename: str = "metrics.json") -> None:
-        self.filename = filename
-
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not trainer.sanity_checking:
-            self._write(trainer, "validate", "val/")
-
-    def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._write(trainer, "test", "test/")
-
-    def _write(self, trainer: L.Trainer, section: str, prefix: str) -> None:
-        path = run_dir(trainer) / self.filename  # on every rank: log_dir is a collective
-        if not trainer.is_global_zero:
-            return
-        values: dict[str, Any] = {"step": trainer.global_step}
-        run_id = getattr(trainer.logger, "run_id", None)
-        if run_id is not None:
-            values["run_id"] = run_id
-        for key, value in trainer.callback_metrics.items():
-            if key.startswith(prefix):
-                number = float(value)
-                values[key] = number if math.isfinite(number) else str(number)
-        data = json.loads(path.read_text()) if path.is_file() else {}
-        data[section] = values
-        write_atomic(path, json.dumps(data, indent=2) + "\n")
-
-
-class PredictionsWriter(BasePredictionWriter):
-    """Write ``predict`` outputs (per-sample ``loss_sum``, ``num_tokens``, ``bpb``) as JSON
-    lines, one file per data-parallel rank: ``<dirpath>/predictions-<rank>.jsonl``.
-
-    Args:
-        dirpath: destination folder; None is the run folder.
-    """
-
-    def __init__(self, dirpath: str | None = None) -> None:
-        super().__init__(write_interval="batch")
-        self.dirpath = dirpath
-        self._folder: Path | None = None
-
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        # resolved here, on every rank (log_dir is a collective; ranks may get different
-        # numbers of predict batches)
-        self._folder = Path(self.dirpath) if self.dirpath else run_dir(trainer)
-        path = self._path(trainer)
-        if stage == "predict" and path is not None:
-            path.unlink(missing_ok=True)  # a new predict replaces the file, never extends it
-
-    def _path(self, trainer: L.Trainer) -> Path | None:
-        """This rank's file; None where another rank of its sequence-parallel group writes
-        the same values."""
-        folder = self._folder or Path(self.dirpath or trainer.default_root_dir)
-        strategy, rank = trainer.strategy, trainer.global_rank
-        if isinstance(strategy, SequenceParallelLayout):
-            if strategy.sequence_parallel_rank != 0:
-                return None
-            rank = strategy.data_parallel_rank
-        return folder / f"predictions-{rank}.jsonl"
-
-    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch,
-                           batch_idx, dataloader_idx) -> None:
-        path = self._path(trainer)
-        if path is None:
-            return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        columns = {key: value.tolist() for key, value in prediction.items()}
-        indices = list(batch_indices) if batch_indices is not None else [None] * len(
-            next(iter(columns.values())))
-        with open(path, "a") as handle:
-            for row, index in enumerate(indices):
-                record = {"index": index, **{key: column[row] for key, column in columns.items()}}
-                handle.write(json.dumps(record) + "\n")

@@ -1,4 +1,5 @@
-"""Read the :class:`~longnet.modeling.LongNetLM` out of a Lightning checkpoint, safely.
+"""Build the :class:`~longnet.modeling.LongNetLM` of a run, and read it out of a Lightning
+checkpoint, safely.
 
 The one loader of Lightning checkpoints (``*.ckpt``) that training (``ExportPretrained``) and
 evaluation (``longnet.eval.load_model``) share. A checkpoint is a file (one process, DDP) or a
@@ -17,10 +18,11 @@ writes them). A folder's ``.metadata`` (the shards' index) is a pickle that
 (:func:`longnet.files.check_target`). A LoRA checkpoint is merged only into the base it was
 trained over (its recorded weights fingerprint: :func:`longnet.training.lora.check_same_base`).
 
-The model is rebuilt by :func:`longnet.training.builder.lm_config` from the arguments
-:class:`~longnet.training.CausalLMModule` stores in its hyper-parameters (``model``,
-``pretrained`` or ``config``, and ``overrides``) and its weights are the ``state_dict`` entries
-under the attribute that holds it (``model.`` for ``CausalLMModule``).
+The model is built from the arguments of :class:`~longnet.training.CausalLMModule`
+(``model``, ``pretrained`` or ``config``, and ``overrides``) in one place: training builds
+it with :func:`build_lm`, and a checkpoint's is rebuilt by :func:`lm_config` from the same
+arguments stored in its hyper-parameters, its weights the ``state_dict`` entries under the
+attribute that holds it (``model.`` for ``CausalLMModule``).
 """
 
 from __future__ import annotations
@@ -41,9 +43,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from longnet.files import check_path_given, check_target, model_entries, replace_folder
 from longnet.modeling import LongNetConfig, LongNetLM, WeightsMismatchError
-from longnet.modeling.pretrained import SAVED_FILES
+from longnet.modeling.pretrained import SAVED_FILES, pretrained_config
 from longnet.modeling.serialization import load_state_checked, unique_state_dict
-from longnet.training.builder import MODEL_SOURCES, build_lm, lm_config
 from longnet.training.lora import (
     LORA_BASE_KEY,
     LoraSettings,
@@ -61,6 +62,71 @@ SHARDED_INDEX = ".metadata"  # torch.distributed.checkpoint's index of a folder'
 SHARDED_META = "meta.pt"  # Lightning's non-tensor state (loops, callbacks, hyper-parameters)
 STATE_DICT = "state_dict"
 MODEL_PREFIX = "model."  # CausalLMModule's attribute that holds the LM
+
+
+MODEL_SOURCES = ("model", "pretrained", "config")
+"""The arguments that name where a model comes from; exactly one is given."""
+
+
+def build_lm(
+    model: str | None = None,
+    *,
+    pretrained: str | None = None,
+    config: dict[str, Any] | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> LongNetLM:
+    """A causal LM from exactly one source, with config fields replaced by ``overrides``.
+
+    Args:
+        model: a zoo name (``"longnet-tiny"``, see ``longnet.modeling.list_models()``) or a
+            model folder; its config is used and the weights are freshly initialised.
+        pretrained: a zoo name or folder written by ``save_pretrained`` (or a local Hugging
+            Face GPT-2/Llama checkpoint); its weights are loaded.
+        config: the fields of a :class:`~longnet.modeling.LongNetConfig` (fresh weights).
+        overrides: config fields to replace, e.g. ``{"hidden_size": 32, "num_layers": 2}``
+            (with ``pretrained``: only fields that keep the weights' shapes, such as
+            ``dropout``, ``gradient_checkpointing`` or the dilated pattern).
+
+    Raises:
+        ValueError: none or several sources are given, or a field is invalid.
+        FileNotFoundError: an unknown model name or folder (the message lists the zoo).
+    """
+    _check_one_source(model, pretrained, config)
+    if pretrained is not None:
+        return LongNetLM.from_pretrained(pretrained, **dict(overrides or {})).train()
+    return LongNetLM(lm_config(model, config=config, overrides=overrides))
+
+
+def lm_config(
+    model: str | None = None,
+    *,
+    pretrained: str | None = None,
+    config: dict[str, Any] | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> LongNetConfig:
+    """The config of the model :func:`build_lm` builds from the same arguments, without
+    building it (a ``pretrained`` source is read: its ``config.json``, and for a Hugging Face
+    checkpoint its weights too). Raises as :func:`build_lm`."""
+    _check_one_source(model, pretrained, config)
+    overrides = dict(overrides or {})
+    if pretrained is not None:
+        return pretrained_config(pretrained, **overrides)
+    if config is not None:
+        if not isinstance(config, dict):
+            raise ValueError(f"config must be a mapping of LongNetConfig fields, got {config!r}.")
+        return LongNetConfig.from_dict(dict(config), **overrides)
+    return LongNetConfig.from_pretrained(model, **overrides)
+
+
+def _check_one_source(model: Any, pretrained: Any, config: Any) -> None:
+    given = [name for name, value in zip(MODEL_SOURCES, (model, pretrained, config))
+             if value is not None]
+    if len(given) != 1:
+        raise ValueError(
+            "give exactly one of model (a zoo name or folder, fresh weights), pretrained (a "
+            "name or folder with weights) or config (LongNetConfig fields); got "
+            f"{given or 'none'}. Example: model: longnet-tiny."
+        )
 
 
 def is_sharded_checkpoint(path: str | Path) -> bool:
@@ -167,10 +233,9 @@ def checkpoint_config(
     checkpoint: Mapping[str, Any], *, source: str = "checkpoint"
 ) -> LongNetConfig:
     """The ``LongNetConfig`` of a checkpoint's model: its ``hyper_parameters`` (those of
-    :class:`~longnet.training.CausalLMModule`) resolved by
-    :func:`~longnet.training.builder.lm_config`, as the module built it: ``model`` (a zoo
-    name or folder) or ``pretrained`` (read now), or ``config`` (a dict of fields), with
-    ``overrides`` applied."""
+    :class:`~longnet.training.CausalLMModule`) resolved by :func:`lm_config`, as the module
+    built it: ``model`` (a zoo name or folder) or ``pretrained`` (read now), or ``config`` (a
+    dict of fields), with ``overrides`` applied."""
     hparams = checkpoint.get("hyper_parameters") or {}
     sources = {key: hparams.get(key) for key in MODEL_SOURCES}
     if isinstance(sources["config"], Mapping):

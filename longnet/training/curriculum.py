@@ -26,9 +26,10 @@ from torch import Tensor
 from longnet.data.subword import SubwordTokenizer
 from longnet.data.synthetic import LabelMode, PasskeyDataset, check_passkey_options
 from longnet.data.tokenizer import BYTES
+from longnet.distributed.strategy import SequenceParallelLayout
 from longnet.nn.positional import RotaryEmbedding
-from longnet.training.module import PASSKEY_ROWS, _datamodule_seq_len
-from longnet.training.strategy import SequenceParallelLayout
+from longnet.training.module import PASSKEY_ROWS
+from longnet.training.vocabulary import datamodule_seq_len
 from longnet.validation import (
     UsageError,
     check_dropout,
@@ -149,7 +150,7 @@ class LengthCurriculum(L.Callback):
         if stage != "fit":
             return
         datamodule = trainer.datamodule
-        length = _datamodule_seq_len(datamodule)
+        length = datamodule_seq_len(datamodule)
         if length is None:
             raise UsageError("LengthCurriculum needs a datamodule with a seq_len (the longest "
                              "stage's window), e.g. longnet.data.LongDocumentDataModule.")

@@ -204,7 +204,7 @@ def apply_trainability(model: LongNetLM, settings: LoraSettings) -> None:
 def weights_fingerprint(model: nn.Module) -> str:
     """The SHA-256 (hex) of ``model``'s weights: each tensor of its ``state_dict`` (a tied one
     once) in name order, as its name, dtype, shape and bytes. Taken of a LoRA base as
-    :func:`~longnet.training.builder.build_lm` builds it (``from_pretrained``: float32, the
+    :func:`~longnet.training.checkpoint.build_lm` builds it (``from_pretrained``: float32, the
     overrides applied), it does not depend on the files' format (a LongNet folder, a Hugging
     Face folder, a GGUF import) and costs one pass over the weights (about half a second for
     135 M parameters)."""

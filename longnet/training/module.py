@@ -1,4 +1,15 @@
-"""``CausalLMModule``: the LightningModule that trains and evaluates a LongNet causal LM."""
+"""``CausalLMModule``: the LightningModule that trains and evaluates a LongNet causal LM, and
+its metrics.
+
+The metrics are exact across ranks and batches: cross-entropy is accumulated as a *sum* over
+scored tokens together with the number of scored tokens, both torchmetrics states reduced by
+summation, so the epoch value is ``sum(CE) / sum(tokens)`` over every token of every rank, what
+one device computes on the whole split. Perplexity is derived from that mean (never from a
+materialised softmax: see docs/training.md, "Pitfalls found here"), per token. Bits per byte
+divide the summed cross-entropy by the UTF-8 bytes of the text the scored tokens cover, counted
+per token by the data (``label_bytes``; for byte text one per scored byte, none for an EOS), so
+a byte model and a subword model are compared on the same bytes.
+"""
 
 from __future__ import annotations
 
@@ -11,18 +22,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch.plugins.precision import DoublePrecision
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.distributed.tensor import DTensor
+from torchmetrics import Metric
 
 from longnet.attention import DilatedPattern
-from longnet.constants import IGNORE_INDEX
+from longnet.constants import IGNORE_INDEX, NATS_PER_BIT
+from longnet.distributed.batches import check_window_shards
 from longnet.distributed.sequence_parallel import parallelize
+from longnet.distributed.strategy import SequenceParallelLayout
 from longnet.modeling import LMOutput
 from longnet.modeling.model import document_labels
-from longnet.training.budget import TimeBudget
-from longnet.training.builder import build_lm
-from longnet.training.loaders import ResumableDataOrder
+from longnet.training.checkpoint import build_lm
 from longnet.training.lora import (
     LORA_BASE_KEY,
     LoraSettings,
@@ -32,15 +43,18 @@ from longnet.training.lora import (
     check_same_base,
     trainable_names,
 )
-from longnet.training.metrics import TokenAccuracy, TokenCrossEntropy, lm_summary
-from longnet.training.optim import build_optimizer, parameter_groups
-from longnet.training.sharding import check_window_shards
-from longnet.training.strategy import SequenceParallelLayout
+from longnet.training.order import ResumableDataOrder
+from longnet.training.schedule import (
+    build_optimizer,
+    follow_configured_length,
+    parameter_groups,
+)
 from longnet.training.vocabulary import (
     TOKENIZER_KEY,
     check_pretrained_tokenizer,
     check_tokenizer_record,
     data_token_ids,
+    datamodule_seq_len,
     fitted_overrides,
     scored_bytes,
     tokenizer_record,
@@ -58,6 +72,88 @@ PASSKEY_ROWS = "passkey_rows"
 """Batch key of a ``(batch,)`` bool mask of the windows that are passkey examples (set by
 :class:`~longnet.training.LengthCurriculum`): their scored tokens' mean loss is logged as
 ``train/passkey_loss`` (NaN on a step without one)."""
+
+
+def lm_summary(loss_sum: Tensor, num_tokens: Tensor, num_bytes: Tensor | None = None,
+               bytes_per_token: float = 1.0) -> dict:
+    """``loss`` (nats per token), ``bpb`` (bits per byte) and ``ppl`` (per token) from summed
+    CE.
+
+    Args:
+        loss_sum: summed cross-entropy in nats (scalar or ``(batch,)``).
+        num_tokens: number of scored tokens (same shape).
+        num_bytes: UTF-8 bytes of text the scored tokens cover (same shape); None:
+            ``bytes_per_token`` per token.
+        bytes_per_token: bytes per token when ``num_bytes`` is None.
+    """
+    loss = loss_sum.double() / num_tokens.double().clamp(min=1)
+    covered = num_tokens * bytes_per_token if num_bytes is None else num_bytes
+    return {
+        "loss": loss,
+        "bpb": loss_sum.double() / NATS_PER_BIT / covered.double().clamp(min=1),
+        "ppl": torch.exp(loss.clamp(max=80.0)),
+    }
+
+
+class TokenCrossEntropy(Metric):
+    """Summed cross-entropy, scored tokens and the bytes they cover; ``compute()`` gives loss
+    (nats per token), bpb (bits per byte), perplexity (per token), tokens and bytes.
+
+    ``update(loss_sum, num_tokens, num_bytes)`` takes the scalar outputs of
+    :class:`longnet.modeling.LongNetLM` (``LMOutput.loss_sum`` / ``LMOutput.num_tokens``) for
+    one batch (or one sequence shard) and the UTF-8 bytes its scored tokens cover (None:
+    ``bytes_per_token`` per token). States are float64 and reduced with ``sum`` across
+    processes, so sequence shards and data-parallel replicas add up to the exact global value.
+
+    Args:
+        bytes_per_token: bytes per token for updates without ``num_bytes``.
+    """
+
+    full_state_update = False
+    higher_is_better = False
+
+    def __init__(self, bytes_per_token: float = 1.0, **kwargs) -> None:
+        super().__init__(**kwargs)
+        if not bytes_per_token > 0:
+            raise ValueError(f"bytes_per_token must be positive, got {bytes_per_token!r}.")
+        self.bytes_per_token = float(bytes_per_token)
+        for name in ("loss_sum", "num_tokens", "num_bytes"):
+            self.add_state(name, torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, loss_sum: Tensor, num_tokens: Tensor, num_bytes: Tensor | None = None) -> None:
+        self.loss_sum += loss_sum.detach().to(torch.float64)
+        self.num_tokens += num_tokens.detach().to(torch.float64)
+        covered = num_tokens * self.bytes_per_token if num_bytes is None else num_bytes
+        self.num_bytes += covered.detach().to(torch.float64)
+
+    def compute(self) -> dict:
+        return {
+            **lm_summary(self.loss_sum, self.num_tokens, self.num_bytes),
+            "tokens": self.num_tokens,
+            "bytes": self.num_bytes,
+        }
+
+
+class TokenAccuracy(Metric):
+    """Share of scored tokens whose argmax prediction equals the label (exact across ranks).
+
+    ``update(correct, num_tokens)`` takes counts of one batch or shard.
+    """
+
+    full_state_update = False
+    higher_is_better = True
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.add_state("correct", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("total", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, correct: Tensor, total: Tensor) -> None:
+        self.correct += correct.detach().to(torch.float64)
+        self.total += total.detach().to(torch.float64)
+
+    def compute(self) -> Tensor:
+        return self.correct / self.total.clamp(min=1)
 
 
 class TrainingDiverged(UsageError):
@@ -85,8 +181,8 @@ class CausalLMModule(L.LightningModule):
     (-100 ignored), as every ``longnet.data`` datamodule yields; the labels are aligned, the
     model's ``targets`` (with packed documents also ``"document_ids": (batch, seq)``, passed to
     the model; labels whose target begins the next document are not scored); under
-    :class:`~longnet.training.SequenceParallelStrategy` they arrive as this rank's shard with
-    global ``position_ids`` ``(shard,)``, and :meth:`setup` applies the strategy's
+    :class:`~longnet.distributed.strategy.SequenceParallelStrategy` they arrive as this rank's
+    shard with global ``position_ids`` ``(shard,)``, and :meth:`setup` applies the strategy's
     ``sequence_parallel`` to the model (:func:`longnet.distributed.parallelize`; released in
     :meth:`teardown`).
 
@@ -134,22 +230,14 @@ class CausalLMModule(L.LightningModule):
             resumable, exact-evaluation data order); turn off to keep Lightning's loaders.
         loss_reduction: ``"token"`` (mean over scored tokens) or ``"sample"`` (mean over
             samples of their mean over scored tokens); see above.
-        lora: fine-tune ``pretrained`` weights with LoRA adapters (``peft``):
-            ``{r: 16, alpha: 32, dropout: 0.0, target_modules: [q_proj, k_proj, v_proj,
-            out_proj, gate_proj, up_proj, down_proj], train_norms: true}``
-            (:class:`~longnet.training.lora.LoraSettings`). The base weights are frozen; only
-            the adapters (and the norms with ``train_norms``, the key/value convolutions
-            with ``train_kv_conv``) are trained, optimized and kept
-            in checkpoints (the delta: a resume rebuilds the base from ``pretrained``), and
-            :class:`~longnet.training.ExportPretrained` writes the delta folder
-            (:mod:`longnet.training.lora`). The base's source and weights fingerprint
-            (``lora_base``) go into every checkpoint: a resume over another base is
-            refused.
+        lora: fine-tune ``pretrained`` weights with LoRA adapters (``peft``), e.g. ``{r: 16,
+            alpha: 32, train_norms: true}`` (:class:`~longnet.training.lora.LoraSettings`):
+            only the delta (adapters, norms, key/value convolutions) is trained and kept in
+            checkpoints and exports, bound to its base (:mod:`longnet.training.lora`).
         kv_conv_learning_rate: the peak learning rate of the key/value convolutions' taps
-            (``kv_conv_size``), scheduled as ``learning_rate`` is; None: ``learning_rate``.
-            AdamW moves a parameter by about its learning rate a step, so a tap that must go
-            from 0 to a sizeable weight in a few hundred steps needs a rate far above the
-            adapters' (lab/notes/retrofit-pilots.md: how far the taps went and at what cost).
+            (``kv_conv_size``), scheduled as ``learning_rate`` is; None: ``learning_rate``
+            (AdamW moves a parameter by about its rate a step: a tap that must grow from 0 in
+            a few hundred steps needs a rate far above the adapters').
     """
 
     def __init__(
@@ -232,9 +320,9 @@ class CausalLMModule(L.LightningModule):
 
     def sequence_parallel_group(self) -> dist.ProcessGroup | None:
         """The sequence-parallel group of the trainer's strategy: that of a
-        :class:`~longnet.training.SequenceParallelStrategy` or
-        :class:`~longnet.training.ShardedSequenceParallelStrategy` (None when its size is 1),
-        None under any other strategy or without a trainer."""
+        :class:`~longnet.distributed.strategy.SequenceParallelStrategy` or
+        :class:`~longnet.distributed.fsdp.ShardedSequenceParallelStrategy` (None when its size
+        is 1), None under any other strategy or without a trainer."""
         strategy = self._trainer.strategy if self._trainer is not None else None
         if isinstance(strategy, SequenceParallelLayout):
             return strategy.sequence_parallel_group
@@ -288,7 +376,7 @@ class CausalLMModule(L.LightningModule):
                 f"the data has vocab_size {vocab} but the model only {config.vocab_size}; set "
                 f"model overrides {{vocab_size: {vocab}}} or use matching data."
             )
-        seq_len = _datamodule_seq_len(datamodule)
+        seq_len = datamodule_seq_len(datamodule)
         if seq_len is not None and config.position_encoding == "learned" \
                 and seq_len > config.max_positions:
             raise UsageError(
@@ -515,41 +603,10 @@ class CausalLMModule(L.LightningModule):
         }
 
     def on_train_start(self) -> None:
-        """A resumed fit whose schedule length (``total_steps``, else ``max_steps``) is not the
-        one its checkpoint's schedule was laid over (``--trainer.max_steps N`` to extend a
-        finished run) trains with the schedule of a run of the new length from its start:
-        where the old one had ended, the rate goes back up (a warm restart). A
-        :class:`~longnet.training.TimeBudget` plans the schedule itself and is left to."""
-        if any(isinstance(callback, TimeBudget) for callback in self.trainer.callbacks):
-            return
-        total = self.schedule_length()
-        schedule = self.lr_schedulers().lr_lambdas[0]
-        if [tuple(plan) for plan in schedule.plans] == [(0, total)]:
-            return
-        step, before = self.trainer.global_step, schedule(self.trainer.global_step)
-        self.plan_schedule(total)
-        rank_zero_info(
-            f"Resumed at step {step:,} with a learning-rate schedule of "
-            f"{schedule.plans[-1][1]:,} steps (the checkpoint's); it is now that of "
-            f"{total:,} steps, as configured: the rate at step {step:,} goes from "
-            f"{before * self.hparams.learning_rate:.3g} to "
-            f"{self.lr_schedulers().lr_lambdas[0](step) * self.hparams.learning_rate:.3g}.")
-
-    def plan_schedule(self, total_steps: int, from_step: int = 0) -> None:
-        """Lay the learning-rate decay over ``total_steps`` optimizer steps from ``from_step``
-        on (a :class:`~longnet.training.TimeBudget` plan): the rate at ``from_step`` is the one
-        the schedule in force gives there, and the cosine goes on from it to its end at
-        ``total_steps`` (:class:`~longnet.training.optim.WarmupCosine`); plans starting at or
-        after ``from_step`` are replaced. The warmup does not depend on the length, so a plan
-        made during the warmup gives the same learning rates as a run configured with
-        ``total_steps`` from its start."""
-        check_positive_int("total_steps", total_steps)
-        check_non_negative_int("from_step", from_step)
-        scheduler = self.lr_schedulers()
-        schedule = scheduler.lr_lambdas[0].relaid(total_steps, from_step)
-        scheduler.lr_lambdas = [schedule] * len(scheduler.optimizer.param_groups)
-        scheduler.last_epoch -= 1  # recompute the pending step's rate from the new schedule
-        scheduler.step()
+        """A resumed fit with another schedule length than its checkpoint's restarts the
+        schedule at that length (:func:`~longnet.training.schedule.follow_configured_length`)."""
+        follow_configured_length(self.trainer, self.lr_schedulers(), self.schedule_length(),
+                                 self.hparams.learning_rate)
 
     # ------------------------------------------------------------------ helpers
     def _scored_bytes(self, batch: Batch) -> Tensor:
@@ -626,14 +683,6 @@ def _per_sample_ce(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
         logits.float().transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none"
     )
     return ce.sum(-1), (labels != IGNORE_INDEX).sum(-1)
-
-
-def _datamodule_seq_len(datamodule: Any) -> int | None:
-    seq_len = getattr(datamodule, "seq_len", None)
-    if seq_len is None:
-        settings = getattr(datamodule, "settings", None)
-        seq_len = getattr(settings, "seq_len", None)
-    return seq_len if isinstance(seq_len, int) else None
 
 
 def _check_hparams(lr, weight_decay, betas, eps, warmup_steps, total_steps, min_lr_ratio,

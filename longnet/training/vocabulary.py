@@ -1,6 +1,7 @@
-"""The data's tokenizer meets the model: its vocabulary and special ids given to a fresh model
+"""The data meets the model: the tokenizer's vocabulary and special ids given to a fresh model
 (refused for pretrained weights of another vocabulary or tokenizer), recorded in every checkpoint (a
-resume with another tokenizer is refused) and counted in bytes for bits per byte."""
+resume with another tokenizer is refused) and counted in bytes for bits per byte; the window
+length a datamodule serves (:func:`datamodule_seq_len`)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,16 @@ def data_token_ids(datamodule: Any) -> TokenIds | None:
     if choice is None or choice.kind == BYTES:
         return None
     return TokenIds(datamodule.vocab_size, datamodule.eos_id, datamodule.pad_id)
+
+
+def datamodule_seq_len(datamodule: Any) -> int | None:
+    """The length of the windows ``datamodule`` serves: its ``seq_len``, else its
+    ``settings.seq_len`` (``longnet.data`` datamodules have one or the other); None when it
+    names no integer length (no datamodule, loaders given to the trainer directly)."""
+    seq_len = getattr(datamodule, "seq_len", None)
+    if seq_len is None:
+        seq_len = getattr(getattr(datamodule, "settings", None), "seq_len", None)
+    return seq_len if isinstance(seq_len, int) else None
 
 
 def fitted_overrides(ids: TokenIds, config: LongNetConfig, hparams: Any) -> dict | None:

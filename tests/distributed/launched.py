@@ -11,7 +11,7 @@ starts the process group (gloo on loopback).
 (``{"rank": R, "step": S, "signum": N}``: rank ``R`` sends itself signal ``N``, SIGKILL by
 default, in the middle of optimizer step ``S``, after its forward, before its backward, and
 writes the time it did to ``out/signalled``), ``stop_on_signal`` (add
-``longnet.training.signals.StopOnSignal``, as the ``longnet`` command does: a stop by SIGTERM
+``longnet.training.trainer.StopOnSignal``, as the ``longnet`` command does: a stop by SIGTERM
 exits with status 143) and ``out`` (a folder: each rank pickles
 its result there as ``rank<R>.pkl``, and at exit ``rank<R>.exit``: whether the process
 group was destroyed, and its group objects freed, before the interpreter's teardown). The tiny
@@ -36,12 +36,10 @@ from typing import Any
 import lightning as L
 import torch
 
-from longnet.training import (
-    LastCheckpoint,
-    SequenceParallelStrategy,
-    ShardedSequenceParallelStrategy,
-)
-from longnet.training.signals import StopOnSignal
+from longnet.distributed.fsdp import ShardedSequenceParallelStrategy
+from longnet.distributed.strategy import SequenceParallelStrategy
+from longnet.training import LastCheckpoint
+from longnet.training.trainer import StopOnSignal
 from tests.distributed.sharded_cases import StepLosses, result, trainer_kwargs
 from tests.distributed.strategy_cases import GLOBAL_BATCH, STEPS, TinyData, make_module
 

@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from longnet.attention import Retrieval, dilated_attention
 from longnet.attention.plan import CPU_BLOCK_ELEMENTS
+from longnet.distributed.layouts import shard_positions
 from longnet.distributed.sequence_parallel import SequenceParallel, parallelize
-from longnet.distributed.shards import shard_positions
 from longnet.nn import MultiheadDilatedAttention, RotaryEmbedding
 from tests.reference import dense_dilated_attention, document_ids_of, per_document_reference
 

@@ -223,7 +223,7 @@ LEARNED_64 = ("--model.init_args.overrides={hidden_size: 32, num_layers: 2, num_
 BAD_COMMANDS = [  # (subcommand, extra arguments ({bad} = the bad_inputs folder), message)
     ("fit", ["--trainer.max_steps=-5"], r"`max_steps` must be .* You passed in -5"),
     ("fit", ["--trainer.devices=0"], r"devices='0'\)` value is not a valid input"),
-    ("fit", ["--trainer.strategy=longnet.training.SequenceParallelStrategy",
+    ("fit", ["--trainer.strategy=longnet.distributed.strategy.SequenceParallelStrategy",
              "--trainer.strategy.sequence_parallel_size=2", "--trainer.devices=3"],
      r"sequence_parallel_size=2 does not divide the 3 processes"),
     ("fit", ["--data.init_args.seq_len=0"], r"seq_len must be a positive integer, got 0"),
@@ -517,7 +517,7 @@ def test_a_run_cut_by_max_time_says_so(tmp_path, data_cache, capsys):
 
 
 def test_precision_auto_follows_the_hardware(monkeypatch, caplog):
-    from longnet.training import precision
+    from longnet.training import trainer as precision
 
     assert precision.auto_precision("cpu", {"avx2", "amx_bf16"})[0] == "bf16-mixed"
     assert precision.auto_precision("cpu", {"avx512f", "avx512_bf16"}) == (

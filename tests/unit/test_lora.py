@@ -29,7 +29,7 @@ from longnet.training.lora import (
     read_delta,
     save_delta,
 )
-from longnet.training.optim import parameter_groups
+from longnet.training.schedule import parameter_groups
 from longnet.validation import UsageError
 from tests.chunked import CrashAtStep, Probe, fit, load, probed  # noqa: F401
 from tests.gpu_configs import REPO, tiny_pretrained_config

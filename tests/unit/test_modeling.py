@@ -580,7 +580,7 @@ def _sequence_parallel_case(rank, world_size, device):
     import torch.distributed as dist
 
     from longnet.distributed import SequenceParallel, parallelize
-    from longnet.distributed.shards import LAYOUTS, shard_positions
+    from longnet.distributed.layouts import LAYOUTS, shard_positions
 
     group = dist.group.WORLD
     seq = 16 * world_size

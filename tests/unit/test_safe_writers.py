@@ -28,7 +28,7 @@ from lab.handoff import (
 from longnet.cli import main
 from longnet.files import check_target, held_model
 from longnet.modeling import LongNetConfig, LongNetLM
-from longnet.training.runs import RUN_ID_KEY
+from longnet.training.run_folder import RUN_ID_KEY
 from longnet.validation import UsageError
 from tests.scripts import load_script
 

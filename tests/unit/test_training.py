@@ -17,24 +17,23 @@ import torch
 from torch.utils.data import DataLoader
 
 from longnet.attention import DilatedPattern, padded_length
+from longnet.distributed.batches import check_window_shards, shard_batch
+from longnet.distributed.strategy import SequenceParallelStrategy
 from longnet.modeling import LongNetLM
 from longnet.training import (
     CausalLMModule,
     EpochIndexSampler,
     EpochLoader,
     ExportPretrained,
-    RankMemory,
+    PeakMemory,
     Rewarmup,
-    SequenceParallelStrategy,
     TokenCrossEntropy,
     build_lm,
     lm_summary,
     parameter_groups,
-    shard_batch,
     warmup_cosine,
 )
 from longnet.training import module as module_source
-from longnet.training.sharding import check_window_shards
 from longnet.validation import UsageError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -115,8 +114,6 @@ def test_token_cross_entropy_is_token_weighted():
     half = lm_summary(torch.tensor(2.0), torch.tensor(1), num_bytes=torch.tensor(2))
     assert half["bpb"].item() == pytest.approx(1 / math.log(2))
     assert lm_summary(torch.tensor(2.0), torch.tensor(1), bytes_per_token=2.0)["bpb"] == half["bpb"]
-    with pytest.warns(FutureWarning, match="third argument is now num_bytes"):
-        assert lm_summary(torch.tensor(2.0), torch.tensor(1), 2.0)["bpb"] == half["bpb"]
     counted = TokenCrossEntropy()
     counted.update(torch.tensor(10.0), torch.tensor(4), torch.tensor(12))
     counted.update(torch.tensor(2.0), torch.tensor(1))  # no count: one byte per token
@@ -426,7 +423,7 @@ def test_strategy_and_module_contract():
     the module finds a group only on that strategy, none under Lightning's own strategies."""
     import lightning as L
 
-    from longnet.training import SequenceParallelModule
+    from longnet.distributed.strategy import SequenceParallelModule
 
     class Plain(L.LightningModule):
         pass
@@ -467,7 +464,7 @@ def test_sharded_strategy_refuses_bad_input_when_the_trainer_is_built():
     name its network and blocks: errors before any process starts."""
     import lightning as L
 
-    from longnet.training import ShardedModule, ShardedSequenceParallelStrategy
+    from longnet.distributed.fsdp import ShardedModule, ShardedSequenceParallelStrategy
 
     def trainer(devices: int, precision: str = "32-true", **kwargs) -> L.Trainer:
         strategy = ShardedSequenceParallelStrategy(**kwargs)
@@ -538,10 +535,10 @@ class Allocates(L.LightningModule):
 
 
 def fit_allocating(mib: int, root: str) -> None:
-    """One step of :class:`Allocates` with :class:`RankMemory`, writing ``root/memory.json``."""
+    """One step of :class:`Allocates` with :class:`PeakMemory`, writing ``root/memory.json``."""
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False,
-                        default_root_dir=root, callbacks=[RankMemory()])
+                        default_root_dir=root, callbacks=[PeakMemory()])
     trainer.fit(Allocates(mib=mib))
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from longnet.training import plot_training_curves, read_curves
-from longnet.training.curves import trailing_mean
+from longnet.training.reports import trailing_mean
 
 
 def write_csv(path, rows):

@@ -102,7 +102,7 @@ def plan_attention(
 ) -> AttentionPlan:
     """The plan of a call on ``q`` of ``shape`` ``(batch, seq, heads, head_dim)``: this rank's
     shard when ``world_size > 1`` (group rank ``rank``, sharded by ``layout``, one of
-    ``longnet.distributed.shards.LAYOUTS``; ``transports``: one per branch); ``documents``:
+    ``longnet.distributed.layouts.LAYOUTS``; ``transports``: one per branch); ``documents``:
     the document lengths of each batch element's whole sequence (contiguous layout only), or
     None for one document per batch element. Cached: equal arguments give the same object."""
     batch, seq_len, heads, head_dim = shape

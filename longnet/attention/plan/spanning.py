@@ -1,7 +1,7 @@
 """Geometry of the branches whose segments span ranks (docs/architecture.md §4).
 
 A process group of ``P`` ranks holds shards of ``L = N / P`` tokens (``contiguous``), or of two
-chunks of ``C = N / 2P`` tokens each (``zigzag``, ``longnet.distributed.shards``). A branch
+chunks of ``C = N / 2P`` tokens each (``zigzag``, ``longnet.distributed.layouts``). A branch
 whose segment length ``w`` divides the chunk is local. A branch with ``w`` a multiple of it has
 segments spanning ``g = w / C`` consecutive chunks (its segment group, whose members are the
 chunks); only the dilated rows of K and V travel among their hosts, as
@@ -26,7 +26,7 @@ from torch import Tensor
 from longnet.attention.blocks import BlockGroup, branch_groups, region_groups, restrict
 from longnet.attention.documents import Documents, document_segments, placed_documents
 from longnet.attention.pattern import DilatedPattern
-from longnet.distributed.shards import chunk_count, chunk_host, chunks_per_rank, rank_chunks
+from longnet.distributed.layouts import chunk_count, chunk_host, chunks_per_rank, rank_chunks
 
 
 @dataclass(frozen=True)

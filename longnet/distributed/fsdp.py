@@ -1,27 +1,20 @@
 """``ShardedSequenceParallelStrategy``: FSDP2 over the whole ``(data, sequence)`` mesh, with
-sequence parallelism inside attention (torchtitan's FSDP x context-parallel layout).
+sequence parallelism inside attention (torchtitan's FSDP x context-parallel layout; see
+docs/training.md for when to pick which strategy).
 
-See docs/training.md (``ShardedSequenceParallelStrategy``, and when to pick which strategy).
+The layout is :class:`~longnet.distributed.strategy.SequenceParallelLayout`, as for
+``SequenceParallelStrategy``; what differs is where the parameters, gradients and optimizer
+state live: cut into ``world`` shards, one per rank of the flattened ``dp x sp`` mesh. Every
+transformer block is one FSDP2 unit (its parameters all-gathered just before its forward and
+backward, freed after) and the network is the root unit (embeddings, final norm, LM head).
+Gradients are reduce-scattered and averaged over all ``world`` ranks, as DDP averages them, so
+``CausalLMModule``'s loss scaling is unchanged.
 
-The layout is :class:`~longnet.training.strategy.SequenceParallelLayout`, the same code as
-``SequenceParallelStrategy``'s: ``world = dp * sp`` ranks form a ``(dp, sp)`` mesh, the ranks
-of a sequence-parallel group read the same samples and each holds one contiguous shard of
-every sequence (padded to fit the dilated pattern). What differs is where the parameters,
-gradients and optimizer state live: not replicated on every rank (DDP) but cut into ``world``
-shards, one per rank of the flattened ``dp x sp`` mesh. Every transformer block is one FSDP2
-unit (``fully_shard``: its parameters are all-gathered just before its forward and backward
-and freed after), and the network itself is the root unit (embeddings, final norm, LM head).
-Gradients are reduce-scattered and averaged over all ``world`` ranks, exactly as DDP averages
-them, so ``CausalLMModule``'s loss scaling (``world / global scored tokens``) makes the update
-that of one device on the global batch, unchanged.
-
-Where ``fully_shard`` is applied: by the strategy, in :meth:`setup`, on the module's
-``network`` and ``blocks`` (a :class:`ShardedModule`). Lightning's ``ModelParallelStrategy``
-asks the LightningModule to shard itself in ``configure_model``; doing it here instead keeps
-``CausalLMModule`` strategy-agnostic (the same module, unchanged, runs on one device, under
-``SequenceParallelStrategy`` or under this strategy), and the whole parallel layout (mesh,
-sharding, activation checkpointing, mixed precision) is configured in one place, the trainer's
-strategy. A module that shards itself in ``configure_model`` is refused.
+The strategy applies ``fully_shard`` itself, in :meth:`setup`, on the module's ``network`` and
+``blocks`` (a :class:`ShardedModule`), instead of Lightning's ``configure_model``: the same
+``CausalLMModule`` runs on one device or under either strategy, and the whole parallel layout
+(mesh, sharding, activation checkpointing, mixed precision) is configured in one place, the
+trainer's strategy. A module that shards itself in ``configure_model`` is refused.
 """
 
 from __future__ import annotations
@@ -43,20 +36,24 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from longnet.attention import DilatedPattern
+from longnet.distributed.strategy import (
+    MESH_DIMS,
+    SequenceParallelLayout,
+    SequenceParallelModule,
+    check_module_protocol,
+)
 from longnet.training.checkpoint import is_sharded_checkpoint, sharded_tensor_shapes
-from longnet.training.strategy import MESH_DIMS, SequenceParallelLayout, check_module_protocol
 
 FLAT_MESH_DIM = "dp_sp"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @runtime_checkable
-class ShardedModule(Protocol):
+class ShardedModule(SequenceParallelModule, Protocol):
     """What :class:`ShardedSequenceParallelStrategy` needs of the LightningModule it runs
     (:class:`~longnet.training.CausalLMModule` is one): a
-    :class:`~longnet.training.SequenceParallelModule` (``pattern``, ``pad_token_id``) that also
-    names what to shard.
+    :class:`~longnet.distributed.strategy.SequenceParallelModule` that also names what to
+    shard.
 
     Attributes:
         network: the ``nn.Module`` whose ``forward`` the module's steps call: the FSDP root
@@ -64,12 +61,6 @@ class ShardedModule(Protocol):
         blocks: the network's repeated blocks: one FSDP unit (and, when asked, one
             activation-checkpointing unit) each.
     """
-
-    @property
-    def pattern(self) -> DilatedPattern | None: ...
-
-    @property
-    def pad_token_id(self) -> int: ...
 
     @property
     def network(self) -> nn.Module: ...
@@ -104,14 +95,14 @@ def mixed_precision_policy(
 
 class ShardedSequenceParallelStrategy(SequenceParallelLayout, ModelParallelStrategy):
     """FSDP2 ``fully_shard`` over the flattened ``(dp, sp)`` mesh, sequence parallelism in
-    the attention (:class:`~longnet.training.strategy.SequenceParallelLayout`).
+    the attention (:class:`~longnet.distributed.strategy.SequenceParallelLayout`).
 
     Select it from YAML (``configs/fsdp_sequence_parallel.yaml``)::
 
         trainer:
           devices: 4
           strategy:
-            class_path: longnet.training.ShardedSequenceParallelStrategy
+            class_path: longnet.distributed.fsdp.ShardedSequenceParallelStrategy
             init_args: {sequence_parallel_size: 2}
 
     Per rank, parameters, gradients and AdamW state take ``1 / world`` of one device's
@@ -123,8 +114,9 @@ class ShardedSequenceParallelStrategy(SequenceParallelLayout, ModelParallelStrat
     Args:
         sequence_parallel_size: ranks per sequence-parallel group; must divide the number of
             processes (``devices * num_nodes``). 1 is plain FSDP.
-        load_balance: zigzag shards (as :class:`~longnet.training.SequenceParallelStrategy`);
-            False keeps contiguous shards.
+        load_balance: zigzag shards (as
+            :class:`~longnet.distributed.strategy.SequenceParallelStrategy`); False keeps
+            contiguous shards.
         activation_checkpointing: recompute every block's activations in backward
             (``torch.distributed._composable.checkpoint`` on each block, applied before
             ``fully_shard``; parameter names are unchanged).

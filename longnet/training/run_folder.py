@@ -1,7 +1,10 @@
-"""One run per run folder: a lock while a command works in it, and a run id on its outputs.
+"""One run per run folder: the folder itself, a lock while a command works in it, a run id on
+its outputs, and its CSV log.
 
 The ``longnet`` command (``longnet.cli``) uses these around every subcommand:
 
+- :func:`run_dir`, :func:`run_folder`: the run folder (the logger's ``log_dir``), where
+  checkpoints, the saved config, the metrics and the exports go;
 - :class:`RunLock`: ``<run folder>/run.lock`` holds the pid, host and run id of the command
   working in the folder (taken by rank 0 only, before any process is started or file written;
   released when the command ends). A second command into the same folder is refused with the
@@ -9,12 +12,15 @@ The ``longnet`` command (``longnet.cli``) uses these around every subcommand:
   note.
 - :func:`earlier_run_outputs`: a new ``fit`` (no ``--ckpt_path``) refuses a folder that already
   holds another run's checkpoints or export, instead of mixing its files with them.
-- :class:`RunId`: the run id in every row of ``metrics.csv`` (``RunLogger``), in
+- :class:`RunId`: the run id in every row of ``metrics.csv`` (:class:`RunLogger`), in
   ``metrics.json`` and in every checkpoint, so a resumed run keeps its id.
+- :class:`RunLogger`: CSV metrics in the run folder that survive resumes and later runs,
+  every row tagged with the id of the run that wrote it.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import secrets
@@ -27,6 +33,11 @@ from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.loggers.logger import rank_zero_experiment
+from lightning.pytorch.utilities import rank_zero_only
+from torch import Tensor
 
 from longnet.validation import UsageError
 
@@ -34,6 +45,8 @@ LOCK_NAME = "run.lock"
 RUN_ID_KEY = "longnet_run_id"
 """Top-level key of the run id in the checkpoints :class:`RunId` tags."""
 EXPORT_NAME = "model"
+RUN_ID_COLUMN = "run_id"
+"""The ``metrics.csv`` column of the run id (:class:`RunLogger`)."""
 
 
 def new_run_id() -> str:
@@ -171,6 +184,15 @@ class RunId(L.Callback):
         checkpoint[RUN_ID_KEY] = self.run_id
 
 
+def run_dir(trainer: L.Trainer) -> Path:
+    """The run folder: the logger's ``log_dir`` (else ``trainer.default_root_dir``).
+
+    ``trainer.log_dir`` broadcasts from rank 0: call this on EVERY rank (a rank-zero-only call
+    deadlocks a multi-process run).
+    """
+    return Path(trainer.log_dir or trainer.default_root_dir)
+
+
 def run_folder(trainer: L.Trainer) -> Path:
     """The run folder as ``trainer.log_dir`` finds it (the first logger's ``log_dir``, else its
     ``save_dir``, else ``default_root_dir``), without its collective: safe before the
@@ -201,3 +223,59 @@ def checkpoint_dirs(trainer: L.Trainer, *, save_last: bool = False) -> list[Path
         else:
             folders.append(Path(trainer.default_root_dir, "checkpoints"))
     return list(dict.fromkeys(folders))
+
+
+class AppendingExperimentWriter(ExperimentWriter):
+    """Lightning's CSV writer, except that an existing ``metrics.csv`` is continued (its header
+    kept, rows appended) instead of deleted."""
+
+    def _check_log_dir_exists(self) -> None:
+        if self._fs.isfile(self.metrics_file_path):
+            with self._fs.open(self.metrics_file_path, "r", newline="") as handle:
+                self.metrics_keys = list(next(csv.reader(handle), []))
+
+
+class RunLogger(CSVLogger):
+    """Log to ``<save_dir>/<name>/metrics.csv`` (+ ``hparams.yaml``); that folder is the run
+    folder (``trainer.log_dir``) where checkpoints, the saved config and exports also go.
+
+    Unlike ``CSVLogger`` there is no ``version_N`` sub-folder, so re-running a command (e.g.
+    ``fit --ckpt_path last`` after an interruption, or ``test`` later) finds the same folder,
+    and ``metrics.csv`` is appended to, not replaced. Steps between the last checkpoint and an
+    interruption may appear twice; the later rows are the resumed run's.
+
+    Every row carries the ``run_id`` column: the id the ``longnet`` command gives each run
+    (:class:`RunId` sets :attr:`run_id`; a resumed run keeps its id), so rows
+    of different commands in one folder (a ``fit``, a later ``test``) stay apart.
+
+    Args:
+        save_dir: parent folder of runs (not empty).
+        name: the run's folder name.
+        flush_logs_every_n_steps: how often rows are written to disk.
+    """
+
+    def __init__(self, save_dir: str = "runs", name: str = "run",
+                 flush_logs_every_n_steps: int = 50) -> None:
+        if not name:
+            raise ValueError("name must be a non-empty folder name for the run.")
+        if not save_dir:
+            raise ValueError("save_dir is empty; give the folder of runs (e.g. runs): an empty "
+                             "one would put the run folder in the current folder.")
+        super().__init__(save_dir=save_dir, name=name, version="",
+                         flush_logs_every_n_steps=flush_logs_every_n_steps)
+        self.run_id: str | None = None
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, Tensor | float], step: int | None = None) -> None:
+        if self.run_id is not None:
+            metrics = {**metrics, RUN_ID_COLUMN: self.run_id}
+        super().log_metrics(dict(metrics), step)
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> AppendingExperimentWriter:
+        if self._experiment is not None:
+            return self._experiment
+        self._fs.makedirs(self.root_dir, exist_ok=True)
+        self._experiment = AppendingExperimentWriter(log_dir=self.log_dir)
+        return self._experiment

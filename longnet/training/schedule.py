@@ -1,16 +1,16 @@
-"""Train for a wall-clock budget: measure the step rate, plan the step count, re-plan it.
+"""The optimizer and its learning rate, the one place that sets the rate of a run.
+
+- :func:`parameter_groups`, :func:`build_optimizer`: AdamW with decoupled weight decay on
+  matrices only, and its per-step schedule, :class:`WarmupCosine` (:func:`warmup_cosine`);
+- :func:`plan_schedule`: the decay re-laid over another step count while a run trains (a
+  resume to a new length, :func:`follow_configured_length`; a time budget's plans);
+- :class:`TimeBudget`, :class:`TrainingDeadline`: train for a wall-clock budget, or until a
+  clock time;
+- :class:`Rewarmup`: the rate ramped back up after a resume with fresh optimizer moments.
 
 A fixed step count keeps no time promise across machines that differ 3x in speed; a budget
-does. :class:`TimeBudget` times ``measure_steps`` optimizer steps early in the warmup, plans
-the number of steps that fills the budget, and lays the learning-rate schedule over exactly
-that many steps (the warmup does not depend on the length, so the run is the one a fixed
-``max_steps`` of the planned count would give). A rate measured over a few dozen steps can be
-that of a slow or fast patch of the machine (a neighbour's job, a validation), so the plan is
-made again at fixed shares of itself from the rate since the last plan, the decay re-laid from
-there with the learning rate continuous. Between those points the clock is read after every
-step: a machine that slows down after a plan is planned for again as soon as its rate says the
-plan would end late, and training stops at the first step that ends past the budget. The plans
-are part of the checkpoint: a resumed run keeps them, so a run is deterministic given its plans.
+does: :class:`TimeBudget` plans the steps that fill it from the measured step rate, and lays
+the learning-rate decay over them.
 """
 
 from __future__ import annotations
@@ -18,12 +18,17 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
 
+from longnet.nn.short_conv import CausalShortConv
 from longnet.validation import UsageError, check_non_negative_int, check_positive_int, is_real
 
 REPLAN_AT = (0.25, 0.5, 0.75, 0.9)
@@ -31,6 +36,200 @@ REPLAN_AT = (0.25, 0.5, 0.75, 0.9)
 LATE_SHARE = 0.05
 """How late (a share of the budget) the rate since the last plan may say a plan ends before
 :class:`TimeBudget` plans again between its shares."""
+
+
+def parameter_groups(model: nn.Module, weight_decay: float,
+                     kv_conv_lr: float | None = None) -> list[dict]:
+    """AdamW groups: weight decay on parameters with >= 2 dims (linear weights, embeddings),
+    none on vectors (biases, norm scales) and on the K/V convolutions' per-channel taps (they
+    start as the identity; decay would pull them towards dropping the keys). With
+    ``kv_conv_lr`` the taps are a third group with that peak learning rate (the schedule
+    scales it as it scales the others). Tied parameters appear once.
+
+    Raises:
+        ValueError: ``kv_conv_lr`` is given and no trainable convolution tap exists.
+    """
+    convolution_taps = {
+        id(module.weight) for module in model.modules() if isinstance(module, CausalShortConv)
+    }
+    decay, no_decay, taps, seen = [], [], [], set()
+    for param in model.parameters():
+        if not param.requires_grad or id(param) in seen:
+            continue
+        seen.add(id(param))
+        if id(param) in convolution_taps:
+            (no_decay if kv_conv_lr is None else taps).append(param)
+        else:
+            (decay if param.dim() >= 2 else no_decay).append(param)
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    if kv_conv_lr is None:
+        return groups
+    if not taps:
+        raise ValueError(
+            "kv_conv_learning_rate is set but the model has no trainable key/value convolution: "
+            "set kv_conv_size in the model's config (and lora.train_kv_conv with LoRA), or "
+            "leave kv_conv_learning_rate unset.")
+    return [*groups, {"params": taps, "weight_decay": 0.0, "lr": kv_conv_lr}]
+
+
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """LR multiplier at optimizer step ``step`` (0-based).
+
+    Linear from ``1 / (warmup_steps + 1)`` up to 1 over ``warmup_steps`` steps, then a cosine
+    from 1 down to ``min_lr_ratio`` at ``total_steps``; constant ``min_lr_ratio`` after that.
+    """
+    return WarmupCosine(warmup_steps, min_lr_ratio, ((0, total_steps),))(step)
+
+
+@dataclass
+class WarmupCosine:
+    """:func:`warmup_cosine` whose decay can be re-laid while it runs (a time budget's plans).
+
+    ``plans`` are ``(from_step, total_steps)`` pairs with increasing ``from_step``: from
+    ``max(from_step, warmup_steps)`` on, the cosine's progress goes on from where the plan
+    before left it, linearly to 1 at ``total_steps``, so the rate is continuous where a plan
+    starts. A plan that starts in the warmup is the schedule of its ``total_steps`` from the
+    start; the first plan's ``from_step`` is not read.
+    """
+
+    warmup_steps: int
+    min_lr_ratio: float
+    plans: tuple[tuple[int, int], ...]
+
+    def relaid(self, total_steps: int, from_step: int) -> WarmupCosine:
+        """This schedule with its decay laid over ``total_steps`` from ``from_step`` on; plans
+        starting at or after ``from_step`` are replaced, and a plan of the count already in
+        force changes nothing (the same rates, bit for bit)."""
+        kept = tuple(plan for plan in self.plans if plan[0] < from_step)
+        if kept and kept[-1][1] == total_steps:
+            return replace(self, plans=kept)
+        return replace(self, plans=(*kept, (from_step, total_steps)))
+
+    def progress(self, step: int) -> float:
+        """The cosine's progress in [0, 1] at ``step`` (0 in the warmup)."""
+        start, progress_at_start, total = self.warmup_steps, 0.0, self.plans[0][1]
+        for from_step, next_total in self.plans[1:]:
+            from_step = max(from_step, self.warmup_steps)
+            if step < from_step:
+                break
+            start, progress_at_start, total = (
+                from_step, _progress(from_step, start, progress_at_start, total), next_total)
+        return _progress(step, start, progress_at_start, total)
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / (self.warmup_steps + 1)
+        cosine = 1.0 + math.cos(math.pi * self.progress(step))
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * cosine
+
+
+def _progress(step: int, start: int, progress_at_start: float, total: int) -> float:
+    """Progress at ``step`` of a plan that goes from ``progress_at_start`` at ``start`` to 1 at
+    ``total`` (at least one step later)."""
+    share = (step - start) / max(1, total - start)
+    return min(1.0, progress_at_start + (1.0 - progress_at_start) * share)
+
+
+def build_optimizer(
+    params: Iterable[dict],
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    total_steps: int,
+    warmup_steps: int,
+    min_lr_ratio: float,
+) -> tuple[torch.optim.Optimizer, LambdaLR]:
+    """AdamW over ``params`` (groups from :func:`parameter_groups`) and its per-step schedule."""
+    optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps)
+    scheduler = LambdaLR(optimizer, WarmupCosine(warmup_steps, min_lr_ratio, ((0, total_steps),)))
+    return optimizer, scheduler
+
+
+def plan_schedule(scheduler: LambdaLR, total_steps: int, from_step: int = 0) -> None:
+    """Lay the learning-rate decay of ``scheduler`` (:func:`build_optimizer`'s) over
+    ``total_steps`` optimizer steps from ``from_step`` on (:meth:`WarmupCosine.relaid`): the
+    rate at ``from_step`` is the one the schedule in force gives there and the cosine goes on
+    from it to its end at ``total_steps``; plans starting at or after ``from_step`` are
+    replaced. The warmup does not depend on the length, so a plan made during the warmup gives
+    the rates of a run configured with ``total_steps`` from its start."""
+    check_positive_int("total_steps", total_steps)
+    check_non_negative_int("from_step", from_step)
+    schedule = scheduler.lr_lambdas[0].relaid(total_steps, from_step)
+    scheduler.lr_lambdas = [schedule] * len(scheduler.optimizer.param_groups)
+    scheduler.last_epoch -= 1  # recompute the pending step's rate from the new schedule
+    scheduler.step()
+
+
+def follow_configured_length(trainer: L.Trainer, scheduler: LambdaLR, total_steps: int,
+                             learning_rate: float) -> None:
+    """When training starts: a resumed fit whose schedule length ``total_steps`` is not the one
+    its checkpoint's schedule was laid over (``--trainer.max_steps N`` to extend a finished
+    run) trains with the schedule of a run of the new length from its start: where the old one
+    had ended, the rate goes back up (a warm restart). A :class:`TimeBudget` plans the schedule
+    itself and is left to."""
+    if any(isinstance(callback, TimeBudget) for callback in trainer.callbacks):
+        return
+    schedule = scheduler.lr_lambdas[0]
+    if [tuple(plan) for plan in schedule.plans] == [(0, total_steps)]:
+        return
+    step, before = trainer.global_step, schedule(trainer.global_step)
+    plan_schedule(scheduler, total_steps)
+    rank_zero_info(
+        f"Resumed at step {step:,} with a learning-rate schedule of "
+        f"{schedule.plans[-1][1]:,} steps (the checkpoint's); it is now that of "
+        f"{total_steps:,} steps, as configured: the rate at step {step:,} goes from "
+        f"{before * learning_rate:.3g} to {scheduler.lr_lambdas[0](step) * learning_rate:.3g}.")
+
+
+class Rewarmup(L.Callback):
+    """Ramp the learning rate back up after a resume with fresh optimizer moments.
+
+    A fit that starts at step ``S > 0`` with optimizers that hold no state (for example a
+    checkpoint made from weights alone: the weights and the schedule's position, no AdamW moments)
+    would take its first steps at the scheduled rate with moments built from one gradient,
+    a large update. For the ``steps`` optimizer steps from ``S`` this callback multiplies
+    the rate its schedulers give by ``(k + 1) / (steps + 1)`` at step ``S + k``, as the
+    module's own warmup does from step 0. Any other start (step 0, a full checkpoint) is left
+    alone. ``S`` is kept in checkpoints, so a run stopped during the ramp resumes it exactly.
+
+    Args:
+        steps: optimizer steps of the ramp; 0 turns it off.
+    """
+
+    def __init__(self, steps: int = 100) -> None:
+        self.steps = check_non_negative_int("steps", steps)
+        self.start: int | None = None
+
+    def factor(self, step: int) -> float:
+        """The multiplier of the scheduled learning rate at optimizer step ``step``."""
+        if self.start is None or not self.start <= step < self.start + self.steps:
+            return 1.0
+        return (step - self.start + 1) / (self.steps + 1)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_step > 0 and not any(opt.state for opt in trainer.optimizers):
+            self.start = trainer.global_step
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                             batch: Any, batch_idx: int) -> None:
+        factor = self.factor(trainer.global_step)
+        if factor == 1.0:
+            return
+        # from the scheduler's rate, which its next step recomputes: nothing accumulates
+        for config in trainer.lr_scheduler_configs:
+            scheduler = config.scheduler
+            for group, rate in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+                group["lr"] = rate * factor
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"start": self.start}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.start = state_dict.get("start")
 
 
 class TimeBudget(L.Callback):
@@ -41,7 +240,7 @@ class TimeBudget(L.Callback):
     steps/s, later ones at 3.0); the plan is ``steps done + rate x time left``, capped by the
     trainer's ``max_steps``. Then, at each share of ``replan_at`` of the planned steps, the
     rate since the last plan gives a new plan and the learning-rate decay is re-laid from that
-    step to the new end (``CausalLMModule.plan_schedule``). A first plan inside the warmup is
+    step to the new end (:func:`plan_schedule`). A first plan inside the warmup is
     exact: the learning rates are those of a fixed ``max_steps`` of its count; a re-plan at a
     steady rate plans the same count again. Training time starts at the first training step
     and is kept across resumes: the sanity check, data preparation, the final validation and
@@ -85,6 +284,7 @@ class TimeBudget(L.Callback):
         self._train_start: float | None = None  # on the clock, less trained_s; None: not training
         self._window_start = 0.0
         self._window_from = self._plan_at = 0  # the steps timed for the next plan
+        self._scheduler: LambdaLR | None = None  # the module's, planned from on_train_start
 
     @property
     def planned_steps(self) -> int | None:
@@ -96,11 +296,13 @@ class TimeBudget(L.Callback):
         return time.monotonic()
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not hasattr(pl_module, "plan_schedule"):
+        scheduler = pl_module.lr_schedulers()
+        if not isinstance(getattr(scheduler, "lr_lambdas", [None])[0], WarmupCosine):
             raise UsageError(
-                f"TimeBudget needs a module whose learning-rate schedule it can plan "
-                f"(plan_schedule(total_steps, from_step), as CausalLMModule has); "
-                f"{type(pl_module).__name__} has none.")
+                f"TimeBudget needs a module whose learning-rate schedule it can plan (a "
+                f"WarmupCosine, as CausalLMModule configures); {type(pl_module).__name__} has "
+                "none.")
+        self._scheduler = scheduler
         step, cap = trainer.global_step, trainer.max_steps
         self._train_start = self.clock() - self.trained_s
         if self.plans and self.planned_under != cap:
@@ -109,7 +311,7 @@ class TimeBudget(L.Callback):
                 f"steps was made under {self.planned_under:,}); training to {cap:,}.")
             self.plans, self.planned_under, self.extended = [(0, cap)], cap, True
         for from_step, steps in self.plans:
-            pl_module.plan_schedule(steps, from_step)
+            plan_schedule(scheduler, steps, from_step)
         if self.plans:
             trainer.fit_loop.epoch_loop.max_steps = self.planned_steps
             if step:
@@ -176,7 +378,7 @@ class TimeBudget(L.Callback):
         self.plans.append((step, planned))
         self.planned_under = cap
         trainer.fit_loop.epoch_loop.max_steps = planned
-        pl_module.plan_schedule(planned, step)
+        plan_schedule(self._scheduler, planned, step)
         self._start_window(step, now)
         capped = f" (capped by max_steps {cap:,})" if planned < wanted else ""
         if before is None:
@@ -203,14 +405,10 @@ class TimeBudget(L.Callback):
     def state_dict(self) -> dict[str, Any]:
         trained = self.trained_s if self._train_start is None else self.clock() - self._train_start
         return {"plans": [list(plan) for plan in self.plans], "planned_under": self.planned_under,
-                "trained_s": trained, "extended": self.extended,
-                "planned_steps": self.planned_steps}
+                "trained_s": trained, "extended": self.extended}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        plans = state_dict.get("plans")
-        if plans is None and state_dict.get("planned_steps") is not None:  # one plan only
-            plans = [(0, state_dict["planned_steps"])]
-        self.plans = [(int(step), int(steps)) for step, steps in plans or ()]
+        self.plans = [(int(step), int(steps)) for step, steps in state_dict.get("plans") or ()]
         self.planned_under = state_dict.get("planned_under")
         self.trained_s = float(state_dict.get("trained_s", 0.0))
         self.extended = bool(state_dict.get("extended", False))

@@ -1,6 +1,6 @@
 """Cut a batch of whole sequences into one rank's shard along the sequence.
 
-Used by :class:`longnet.training.SequenceParallelStrategy` on every batch of every loop,
+Used by :class:`longnet.distributed.strategy.SequenceParallelStrategy` on every batch of every loop,
 before the batch reaches the model. Labels are already shifted by the data pipeline, so a
 shard's labels belong to its own positions and no token crosses a shard boundary.
 """
@@ -15,7 +15,7 @@ from torch import Tensor
 
 from longnet.attention import DilatedPattern, fits_shards, padded_length
 from longnet.constants import IGNORE_INDEX
-from longnet.distributed.shards import check_layout, chunk_count, shard_positions
+from longnet.distributed.layouts import check_layout, chunk_count, shard_positions
 from longnet.modeling.model import document_labels
 from longnet.nn import document_position_ids
 from longnet.validation import UsageError
@@ -83,7 +83,7 @@ def shard_batch(
         pad_token_id: input id of padded positions.
         layout: ``"contiguous"`` (rank ``r`` holds the ``r``-th of ``P`` equal shards) or
             ``"zigzag"`` (chunks ``r`` and ``2P - 1 - r`` of ``2P``: balanced causal work;
-            ``longnet.distributed.shards``).
+            ``longnet.distributed.layouts``).
 
     Returns:
         The batch with ``input_ids``/``labels`` of shape ``(batch, seq_padded / world_size)``

@@ -1,36 +1,30 @@
-"""SIGTERM and SIGINT: stop at the end of a step with a checkpoint, exit 143 / 130, say how to
-resume.
+"""The trainer the ``longnet`` command runs: its precision chosen by the hardware
+(:class:`AutoPrecisionTrainer`), and stopped by SIGTERM / SIGINT at a consistent point
+(:class:`StopOnSignal`).
 
-Lightning notes SIGTERM in ``trainer.received_sigterm`` and its loops then raise
-``SIGTERMException``, a ``SystemExit`` whose status is 0: a scheduler that stopped a run
-sees success, nothing is saved, and SIGINT (Ctrl-C) interrupts a step anywhere
-(``KeyboardInterrupt``), where no consistent checkpoint can be taken. Under several ranks
-the flag is rank 0's alone: a rank that received the signal stops after its step while the
-others wait for it in their next collective.
+``precision: auto`` is ``bf16-mixed`` only where the hardware multiplies bfloat16 matrices
+natively: CUDA GPUs that support bfloat16, and CPUs with AMX (``amx_bf16``) or AVX512-BF16
+(``avx512_bf16``) in ``/proc/cpuinfo``. Elsewhere autocast is slower than float32 (it converts
+every weight and activation, then multiplies in float32 anyway), so ``auto`` is ``32-true``.
 
-:class:`StopOnSignal` (the ``longnet`` command adds it to every trainer) handles both signals
-while a trainer runs:
+Signals: Lightning notes SIGTERM and its loops raise ``SIGTERMException``, a ``SystemExit`` of
+status 0 (a scheduler sees success, nothing is saved); SIGINT interrupts a step anywhere, where
+no consistent checkpoint can be taken; under several ranks the flag is rank 0's alone.
+:class:`StopOnSignal` (on every trainer of the ``longnet`` command) instead:
 
-- during the training of ``fit``, a signal only notes its number. At the end of every
-  training step and of every validation, all ranks agree on whether any of them received one
-  (one small all-reduce, only with several ranks); if so every rank stops there, after the
-  validation due at that step if there is one (so the run is consistent at that step:
-  resuming redoes nothing and skips nothing), through Lightning's own flag and
-  ``SIGTERMException``. ``LastCheckpoint`` then writes ``last.ckpt`` on every rank
-  (:meth:`StopOnSignal.on_exception`), one line says where and how to resume
-  (``--ckpt_path last``), and the exit status is ``128 + signal``: 143 for SIGTERM, 130 for
-  SIGINT;
-- outside training (the sanity check, ``validate``, ``test``, ``predict``), Lightning's
-  evaluation loops stop at their next batch; the same status, no checkpoint (nothing was
-  trained since the last one), one line saying to run the command again. Under several ranks
-  only the ranks that received the signal stop there; the others stop at their next
-  collective, naming them
-  (:class:`~longnet.distributed.watch.RankWatch`);
-- a second SIGINT stops the process at once (the default action of the signal).
+- during the training of ``fit``, notes the signal; at the end of every training step and
+  validation all ranks agree on whether any received one (one small all-reduce) and stop
+  there together, after the validation due at that step (resuming redoes and skips nothing).
+  ``LastCheckpoint`` writes ``last.ckpt``, one line says how to resume (``--ckpt_path last``)
+  and the exit status is ``128 + signal``: 143 for SIGTERM, 130 for SIGINT;
+- outside training (the sanity check, ``validate``, ``test``, ``predict``), stops the
+  evaluation loop at its next batch, with the same status and no checkpoint (nothing was
+  trained since the last one); under several ranks the others stop at their next collective,
+  naming them (:class:`~longnet.distributed.watch.RankWatch`);
+- on a second SIGINT, stops the process at once.
 
 Outside a trainer's run (building the data, the model, the export), the ``longnet`` command's
-:func:`raising_on_signals` makes either signal raise :class:`Interrupted` at once (exit
-status 143 / 130, one line).
+:func:`raising_on_signals` makes either signal raise :class:`Interrupted` at once.
 """
 
 from __future__ import annotations
@@ -42,13 +36,104 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
+from typing import Any, Literal
 
 import lightning as L
 import torch
+from lightning.fabric.connector import _PRECISION_INPUT
+from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from longnet.training.callbacks import LastCheckpoint, validation_follows
+
+AUTO = "auto"
+CPU_BF16_FLAGS = {"amx_bf16": "AMX", "avx512_bf16": "AVX512-BF16"}
+"""``/proc/cpuinfo`` flags of bfloat16 matrix units, and their names."""
+CPUINFO = Path("/proc/cpuinfo")
+
+
+def cpu_flags(cpuinfo: Path = CPUINFO) -> set[str]:
+    """The CPU's feature flags (the ``flags`` line of ``/proc/cpuinfo``); empty where that
+    file does not exist (not Linux) or has no such line."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return set(value.split())
+    return set()
+
+
+def auto_precision(device: Literal["cpu", "cuda"], flags: set[str] | None = None
+                   ) -> tuple[str, str]:
+    """The precision ``auto`` stands for on ``device``, and why: ``("bf16-mixed", reason)``
+    where the hardware multiplies bfloat16 natively, else ``("32-true", reason)``.
+
+    Args:
+        device: ``"cpu"`` or ``"cuda"`` (the current CUDA device).
+        flags: the CPU's flags; None reads them (:func:`cpu_flags`).
+    """
+    if device == "cuda":
+        name = torch.cuda.get_device_name()
+        if torch.cuda.is_bf16_supported():
+            return "bf16-mixed", f"the GPU {name} supports bfloat16"
+        return "32-true", f"the GPU {name} does not support bfloat16"
+    units = [name for flag, name in CPU_BF16_FLAGS.items()
+             if flag in (cpu_flags() if flags is None else flags)]
+    if units:
+        return "bf16-mixed", f"this CPU has bfloat16 matrix units ({', '.join(units)})"
+    return "32-true", ("this CPU has no bfloat16 matrix units (no AMX, no AVX512-BF16), where "
+                       "bf16-mixed autocast is slower than float32")
+
+
+def _device(accelerator: str | Accelerator) -> Literal["cpu", "cuda"] | None:
+    """The device kind an ``accelerator`` argument of ``Trainer`` resolves to (None: another
+    kind, e.g. ``mps``)."""
+    if isinstance(accelerator, CUDAAccelerator):
+        return "cuda"
+    if isinstance(accelerator, CPUAccelerator):
+        return "cpu"
+    if accelerator in ("cuda", "gpu") or (accelerator == "auto" and torch.cuda.is_available()):
+        return "cuda"
+    if accelerator in ("cpu", "auto"):
+        return "cpu"
+    return None
+
+
+def resolve_precision(precision: Any, accelerator: str | Accelerator) -> Any:
+    """``precision`` unchanged, or for ``"auto"`` the precision of :func:`auto_precision` on
+    the device ``accelerator`` names (logged in one line with the reason).
+
+    Raises:
+        ValueError: ``"auto"`` with an accelerator other than CPU or CUDA.
+    """
+    if precision != AUTO:
+        return precision
+    device = _device(accelerator)
+    if device is None:
+        raise ValueError(
+            f"precision 'auto' chooses for CPU and CUDA devices only, not accelerator "
+            f"{accelerator!r}; set trainer.precision (e.g. 32-true)."
+        )
+    chosen, reason = auto_precision(device)
+    rank_zero_info(f"Precision: {chosen} (auto: {reason}).")
+    return chosen
+
+
+class AutoPrecisionTrainer(L.Trainer):
+    """Lightning's ``Trainer``, whose ``precision`` may also be ``"auto"``
+    (:func:`resolve_precision`); every other argument is the ``Trainer``'s."""
+
+    def __init__(self, *args: Any, accelerator: str | Accelerator = "auto",
+                 precision: _PRECISION_INPUT | Literal["auto"] | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, accelerator=accelerator,
+                         precision=resolve_precision(precision, accelerator), **kwargs)
+
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 RESUME_HINT = "Run the same command with --ckpt_path last to continue from the last checkpoint."

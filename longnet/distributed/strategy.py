@@ -1,38 +1,17 @@
-"""``SequenceParallelStrategy``: data parallelism across sequence-parallel groups, and the
-sequence-parallel layout it shares with ``ShardedSequenceParallelStrategy``.
-
-See docs/training.md (``SequenceParallelStrategy``) for the training side and
-docs/architecture.md §4 for the attention across a group.
+"""The sequence-parallel Lightning strategies' common layout (:class:`SequenceParallelLayout`)
+and :class:`SequenceParallelStrategy`, DDP across sequence-parallel groups (docs/training.md;
+docs/architecture.md §4 for the attention across a group).
 
 ``world_size = dp * sp`` processes form a ``(dp, sp)`` device mesh: ranks
 ``d * sp .. d * sp + sp - 1`` are sequence-parallel group ``d`` (contiguous, so on one node
-they share the fastest links). Every rank of a group reads the same samples (the sampler sees
-``dp`` replicas), cuts each sequence into its shard (padding the length to one the model's
-dilated pattern can run on), and runs the model parallelized over the group
-(:attr:`SequenceParallelLayout.sequence_parallel`, which ``CausalLMModule`` applies to its
-model once, at setup). Gradients are all-reduced (averaged) over all ``dp * sp`` ranks by DDP; the
-LightningModule scales its loss by ``world_size / global scored tokens`` so the update equals
-single-device training on the same global batch (see ``CausalLMModule``).
-
-The contract between the strategy and the LightningModule, both ways:
-
-- the module is a :class:`SequenceParallelModule`: it exposes ``pattern`` and
-  ``pad_token_id``, which the strategy needs to cut a batch into shards (checked when the
-  strategy is given the module: another module raises ``TypeError``);
-- the strategy exposes ``sequence_parallel`` (a
-  :class:`~longnet.distributed.SequenceParallel` of ``sequence_parallel_group`` and
-  ``sequence_layout``; also ``sequence_parallel_rank``, ``data_parallel_rank``), which
-  ``CausalLMModule`` applies to its model with :func:`longnet.distributed.parallelize` at
-  setup: the module reads it from a :class:`SequenceParallelLayout` strategy only (this one
-  or ``ShardedSequenceParallelStrategy``); under any other Lightning strategy the model runs
-  on whole sequences.
-
-Everything about the layout (the mesh, ranks, sampler replicas, cutting batches into shards,
-refusing a world size the group size does not divide, naming a lost rank) lives once, in
-:class:`SequenceParallelLayout`; the strategies differ only in how parameters and gradients
-are held (DDP replicas here, FSDP2 shards in ``longnet.training.sharded``). The loss scaling
-that makes either equal one device lives in ``CausalLMModule`` and reads only
-``world_size`` and the group.
+they share the fastest links). Every rank of a group reads the same samples and cuts each
+sequence into its shard; the LightningModule (a :class:`SequenceParallelModule`) applies the
+strategy's ``sequence_parallel`` to its model at setup (``CausalLMModule`` reads it from a
+:class:`SequenceParallelLayout` strategy only; under any other strategy the model runs on
+whole sequences). Gradients are averaged over all ``dp * sp`` ranks, and ``CausalLMModule``
+scales its loss by ``world_size / global scored tokens``, so the update equals one device's
+on the same global batch. The strategies differ only in how parameters and gradients are held:
+DDP replicas here, FSDP2 shards in ``longnet.distributed.fsdp``.
 """
 
 from __future__ import annotations
@@ -51,9 +30,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from longnet.attention import DilatedPattern
+from longnet.distributed.batches import shard_batch
 from longnet.distributed.sequence_parallel import SequenceParallel
 from longnet.distributed.watch import RankWatch
-from longnet.training.sharding import shard_batch
 from longnet.validation import UsageError, check_positive_int
 
 MESH_DIMS = ("dp", "sp")
@@ -146,10 +125,9 @@ class SequenceParallelLayout:
 
     It owns the ``(dp, sp)`` device mesh, the ranks, the sampler's replicas, the check that
     ``sequence_parallel_size`` divides the world, and ``batch_to_device``, which cuts every
-    batch of every loop into this rank's contiguous shard (padded to fit the model's dilated
-    pattern, :func:`~longnet.training.shard_batch`). The strategy calls
-    :meth:`_init_layout` in ``__init__`` and :meth:`_start_layout` once its process group is
-    up.
+    batch of every loop into this rank's shard (padded to fit the model's dilated pattern,
+    :func:`shard_batch`). The strategy calls :meth:`_init_layout` in ``__init__`` and
+    :meth:`_start_layout` once its process group is up.
 
     A lost rank: while a multi-process run trains, every rank beats in the process group's
     store (:class:`~longnet.distributed.watch.RankWatch`). When a rank dies mid-step (``kill
@@ -207,7 +185,7 @@ class SequenceParallelLayout:
         """How every sequence is cut into this group's shards: ``"zigzag"`` with
         ``load_balance`` (rank ``r`` holds chunks ``r`` and ``2P - 1 - r`` of ``2P``, so causal
         attention costs every rank the same), else ``"contiguous"``
-        (``longnet.distributed.shards``)."""
+        (``longnet.distributed.layouts``)."""
         return "zigzag" if self.load_balance and self.sequence_parallel_size > 1 else "contiguous"
 
     @property
@@ -257,9 +235,9 @@ class SequenceParallelLayout:
 
     def _check_packed_documents(self) -> None:
         """Refuse to fit packed documents (a datamodule whose ``pack_documents`` is true) on
-        zigzag shards, before any data is read: :func:`~longnet.training.shard_batch` cuts them
-        on contiguous shards only (validation and test windows hold one document each and
-        carry no ``document_ids``: any layout runs them)."""
+        zigzag shards, before any data is read: :func:`shard_batch` cuts them on contiguous
+        shards only (validation and test windows hold one document each and carry no
+        ``document_ids``: any layout runs them)."""
         trainer = self.lightning_module.trainer
         packed = getattr(trainer.datamodule, "pack_documents", False)
         if trainer.state.fn == TrainerFn.FITTING and self.sequence_layout == "zigzag" \
@@ -352,7 +330,7 @@ class SequenceParallelStrategy(SequenceParallelLayout, DDPStrategy):
         trainer:
           devices: 4
           strategy:
-            class_path: longnet.training.SequenceParallelStrategy
+            class_path: longnet.distributed.strategy.SequenceParallelStrategy
             init_args: {sequence_parallel_size: 2}
 
     Args:

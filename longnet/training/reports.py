@@ -1,0 +1,432 @@
+"""What a run reports about itself while it runs and when it ends: progress lines, the last
+metrics (``metrics.json``), predictions, the training curves (``curves.png``) and every rank's
+peak memory (``memory.json``).
+
+Progress is counted in optimizer steps: Lightning's own bars count the batches of the current
+epoch against the *remaining* steps, which reads "Epoch 0/-2" (rich, ``max_epochs=-1``) and
+"300/99" after a resume. Both bars here show ``global_step`` of
+``trainer.estimated_stepping_batches`` (``max_steps`` when it is set), so a resumed run
+continues where it stopped: "step 300/400". :func:`progress_bar` picks one:
+:class:`StepProgressBar` (tqdm) when stdout is a terminal, :class:`LineProgressBar` (no carriage
+returns; one line every few percent) when it is a file or a pipe.
+
+Peak memory (:class:`PeakMemory`, the planner's counterpart: ``lab.memory`` and
+``lab/scripts/plan_context.py`` predict, this measures): on CUDA the caching allocator's peak
+(``torch.cuda.max_memory_allocated``); on CPU the process's peak resident set, ``VmHWM`` of
+``/proc/self/status``, reset when training starts (``/proc/self/clear_refs``, Linux >= 4.0).
+Both are read as *above the start*: the bytes the training step adds to what the process held
+when ``fit`` began training (parameters, the wrapped model, data loaders and, on CPU, the
+Python process itself). On CPU, glibc keeps freed buffers smaller than its adaptive mmap
+threshold (up to 32 MiB) in the process, so the resident peak can exceed the peak of live
+tensors. For the live peak, run with ``MALLOC_MMAP_THRESHOLD_=131072`` (freed buffers above
+128 KiB leave the resident set at once); ``memory.json`` records whether it was set.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import BasePredictionWriter, ProgressBar, TQDMProgressBar
+from lightning.pytorch.trainer.states import TrainerFn
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from longnet.distributed.strategy import SequenceParallelLayout
+from longnet.files import write_atomic
+from longnet.training.run_folder import RUN_ID_COLUMN, run_dir
+from longnet.validation import check_positive_int
+
+CURVE_KEYS = ("train/bpb", "val/bpb")
+SMOOTHING_FRACTION = 0.05
+"""Training curves get a trailing mean over this fraction of their logged points."""
+MIB = 2**20
+MMAP_THRESHOLD = "MALLOC_MMAP_THRESHOLD_"
+MALLOC_FIXED = {MMAP_THRESHOLD: "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+"""glibc settings under which freed buffers above 128 KiB leave the RSS at once, so that the
+peak RSS is the peak of live bytes (glibc's default adapts its threshold up to 32 MiB and keeps
+freed buffers below it). The benchmarks start their measuring processes under them."""
+
+
+def total_steps(trainer: L.Trainer) -> float:
+    """The optimizer steps the run will reach (``inf`` when unbounded)."""
+    return float(trainer.estimated_stepping_batches)
+
+
+def _without_version(metrics: dict[str, Any]) -> dict[str, Any]:
+    metrics.pop("v_num", None)  # RunLogger has no version sub-folder
+    return metrics
+
+
+class StepProgressBar(TQDMProgressBar):
+    """Lightning's tqdm bar with the training bar counting optimizer steps: ``global_step`` of
+    the run's total steps, also after a resume. Validation, test and predict bars are
+    Lightning's."""
+
+    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+        return _without_version(super().get_metrics(trainer, pl_module))
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._count_steps(trainer)  # a resume inside an epoch gets no on_train_epoch_start
+
+    def on_train_epoch_start(self, trainer: L.Trainer, *_: Any) -> None:
+        super().on_train_epoch_start(trainer)
+        self._count_steps(trainer)
+
+    def _count_steps(self, trainer: L.Trainer) -> None:
+        bar = self.train_progress_bar
+        total = total_steps(trainer)
+        bar.reset(None if math.isinf(total) else int(total))
+        bar.initial = bar.n = trainer.global_step  # the rate counts this run's steps only
+        bar.refresh()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                           outputs: Any, batch: Any, batch_idx: int) -> None:
+        bar, step = self.train_progress_bar, trainer.global_step
+        if bar is None or bar.disable or bar.n == step:
+            return
+        total = total_steps(trainer)
+        if math.isfinite(total) and bar.total != int(total):  # re-planned (TimeBudget)
+            bar.total = int(total)
+        if step % self.refresh_rate == 0 or step == bar.total:
+            bar.n = step
+            bar.set_postfix(self.get_metrics(trainer, pl_module))  # refreshes
+
+
+class LineProgressBar(ProgressBar):
+    """Progress as plain lines on stdout, for logs and pipes (no carriage returns): about
+    ``lines`` lines per run, ``step N/T (P%)``, the progress-bar metrics, steps per second and
+    the time left; one line per validation with its ``val/*`` metrics.
+
+    Args:
+        lines: how many progress lines a whole run prints (at most one per step).
+    """
+
+    def __init__(self, lines: int = 20) -> None:
+        super().__init__()
+        self.lines = lines
+        self._enabled = True
+        self._started = 0.0
+        self._first_step = 0
+        self._last_printed = -1
+
+    @property
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    def disable(self) -> None:
+        self._enabled = False
+
+    def enable(self) -> None:
+        self._enabled = True
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._started, self._first_step = time.monotonic(), trainer.global_step
+        self._last_printed = trainer.global_step
+        if self.is_enabled:
+            total = total_steps(trainer)
+            of = "" if math.isinf(total) else f" of {int(total)}"
+            self.print(f"Training from step {trainer.global_step}{of}.", flush=True)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                           outputs: Any, batch: Any, batch_idx: int) -> None:
+        step, total = trainer.global_step, total_steps(trainer)
+        every = max(1, int(total) // self.lines) if math.isfinite(total) else 100
+        if not self.is_enabled or step == self._last_printed:
+            return
+        if step % every == 0 or step == total:
+            self._last_printed = step
+            self.print(self._line(trainer, pl_module, step, total), flush=True)
+
+    def _line(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int,
+              total: float) -> str:
+        elapsed = time.monotonic() - self._started
+        rate = (step - self._first_step) / elapsed if elapsed > 0 else 0.0
+        parts = [f"step {step}" + ("" if math.isinf(total) else
+                                   f"/{int(total)} ({100 * step / max(total, 1):.0f}%)")]
+        metrics = _without_version(self.get_metrics(trainer, pl_module))
+        parts += [f"{key} {_short(value)}" for key, value in metrics.items()]
+        parts.append(f"{rate:.2f} steps/s")
+        if rate > 0 and math.isfinite(total):
+            parts.append(f"{_clock(elapsed)} elapsed, {_clock((total - step) / rate)} left")
+        return "  ".join(parts)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self.is_enabled or trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
+            return
+        values = {key: value for key, value in trainer.callback_metrics.items()
+                  if key.startswith("val/")}
+        shown = "  ".join(f"{key} {_short(float(value))}" for key, value in values.items())
+        self.print(f"validation at step {trainer.global_step}: {shown}", flush=True)
+
+
+def _short(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _clock(seconds: float) -> str:
+    return str(timedelta(seconds=round(seconds)))
+
+
+def progress_bar() -> ProgressBar:
+    """:class:`StepProgressBar` when stdout is a terminal, else :class:`LineProgressBar`."""
+    return StepProgressBar() if sys.stdout.isatty() else LineProgressBar()
+
+
+class MetricsSummary(L.Callback):
+    """Write the last validation and test metrics to ``<run folder>/metrics.json``.
+
+    ``{"validate": {...}, "test": {...}}``, each with ``step``, the ``run_id`` of the run that
+    wrote it (the logger's, when it has one) and every ``val/*`` or ``test/*`` value; updated
+    after every validation (outside the sanity check) and test.
+    """
+
+    def __init__(self, filename: str = "metrics.json") -> None:
+        self.filename = filename
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._write(trainer, "validate", "val/")
+
+    def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._write(trainer, "test", "test/")
+
+    def _write(self, trainer: L.Trainer, section: str, prefix: str) -> None:
+        path = run_dir(trainer) / self.filename  # on every rank: log_dir is a collective
+        if not trainer.is_global_zero:
+            return
+        values: dict[str, Any] = {"step": trainer.global_step}
+        run_id = getattr(trainer.logger, "run_id", None)
+        if run_id is not None:
+            values["run_id"] = run_id
+        for key, value in trainer.callback_metrics.items():
+            if key.startswith(prefix):
+                number = float(value)
+                values[key] = number if math.isfinite(number) else str(number)
+        data = json.loads(path.read_text()) if path.is_file() else {}
+        data[section] = values
+        write_atomic(path, json.dumps(data, indent=2) + "\n")
+
+
+class PredictionsWriter(BasePredictionWriter):
+    """Write ``predict`` outputs (per-sample ``loss_sum``, ``num_tokens``, ``bpb``) as JSON
+    lines, one file per data-parallel rank: ``<dirpath>/predictions-<rank>.jsonl``.
+
+    Args:
+        dirpath: destination folder; None is the run folder.
+    """
+
+    def __init__(self, dirpath: str | None = None) -> None:
+        super().__init__(write_interval="batch")
+        self.dirpath = dirpath
+        self._folder: Path | None = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # resolved here, on every rank (log_dir is a collective; ranks may get different
+        # numbers of predict batches)
+        self._folder = Path(self.dirpath) if self.dirpath else run_dir(trainer)
+        path = self._path(trainer)
+        if stage == "predict" and path is not None:
+            path.unlink(missing_ok=True)  # a new predict replaces the file, never extends it
+
+    def _path(self, trainer: L.Trainer) -> Path | None:
+        """This rank's file; None where another rank of its sequence-parallel group writes
+        the same values."""
+        folder = self._folder or Path(self.dirpath or trainer.default_root_dir)
+        strategy, rank = trainer.strategy, trainer.global_rank
+        if isinstance(strategy, SequenceParallelLayout):
+            if strategy.sequence_parallel_rank != 0:
+                return None
+            rank = strategy.data_parallel_rank
+        return folder / f"predictions-{rank}.jsonl"
+
+    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch,
+                           batch_idx, dataloader_idx) -> None:
+        path = self._path(trainer)
+        if path is None:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        columns = {key: value.tolist() for key, value in prediction.items()}
+        indices = list(batch_indices) if batch_indices is not None else [None] * len(
+            next(iter(columns.values())))
+        with open(path, "a") as handle:
+            for row, index in enumerate(indices):
+                record = {"index": index, **{key: column[row] for key, column in columns.items()}}
+                handle.write(json.dumps(record) + "\n")
+
+
+def read_curves(
+    metrics_csv: str | Path, keys: Sequence[str] = CURVE_KEYS, run_id: str | None = None
+) -> dict[str, list[tuple[int, float]]]:
+    """``key -> [(step, value), ...]`` (sorted by step) from a Lightning CSV log.
+
+    Rows without the key or a step are skipped; a step logged twice (a resumed run repeats
+    the steps after its last checkpoint) keeps the later row. With ``run_id``, only the rows
+    of that run are read (and rows without a ``run_id``: logs written without run ids).
+    """
+    values: dict[str, dict[int, float]] = {key: {} for key in keys}
+    with open(metrics_csv, newline="") as handle:
+        for row in csv.DictReader(handle):
+            other_run = run_id and row.get(RUN_ID_COLUMN) not in (run_id, "", None)
+            if not row.get("step") or other_run:
+                continue
+            step = int(float(row["step"]))
+            for key in keys:
+                if row.get(key):
+                    values[key][step] = float(row[key])
+    return {key: sorted(points.items()) for key, points in values.items()}
+
+
+def trailing_mean(values: Sequence[float], window: int) -> list[float]:
+    """At every position, the mean of the last ``window`` values up to it (fewer at the
+    start). ``window`` must be positive."""
+    check_positive_int("window", window)
+    means, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value - (values[i - window] if i >= window else 0.0)
+        means.append(total / min(i + 1, window))
+    return means
+
+
+def plot_training_curves(
+    curves: Mapping[str, Sequence[tuple[int, float]]], path: str | Path, *, title: str = ""
+) -> Path:
+    """Line plot of each curve (bits per byte) against the optimizer step; empty curves are
+    left out. A training curve (one batch per point, noisy) is drawn faint with its trailing
+    mean over ``SMOOTHING_FRACTION`` of its points on top. The PNG replaces ``path`` whole
+    (:func:`longnet.files.write_atomic`). Returns ``path``."""
+    fig = Figure(figsize=(7.0, 4.2), dpi=120, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for key, points in curves.items():
+        points = [(step, value) for step, value in points if math.isfinite(value)]
+        if not points:
+            continue
+        steps, values = zip(*points)
+        if key.startswith("val"):
+            ax.plot(steps, values, marker="o", linewidth=1.2, label=key)
+            continue
+        window = max(1, round(SMOOTHING_FRACTION * len(values)))
+        raw = ax.plot(steps, values, linewidth=0.8, alpha=0.35, label=key)[0]
+        if window > 1:
+            ax.plot(steps, trailing_mean(values, window), color=raw.get_color(), linewidth=1.6,
+                    label=f"{key}, mean of last {window} points")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("bits per byte")
+    ax.set_title(title or "Training curves")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    image = io.BytesIO()
+    fig.savefig(image, format="png")
+    return write_atomic(path, image.getvalue())
+
+
+class TrainingCurves(L.Callback):
+    """When ``fit`` ends, plot ``train/bpb`` and ``val/bpb`` of this run (the rows with the
+    logger's ``run_id``, when it has one) from the run folder's ``metrics.csv`` (written by
+    ``RunLogger``) to ``<run folder>/<filename>``.
+
+    Args:
+        filename: the PNG's name inside the run folder.
+    """
+
+    def __init__(self, filename: str = "curves.png") -> None:
+        self.filename = filename
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        folder = run_dir(trainer)  # on every rank: log_dir is a collective
+        if not trainer.is_global_zero or trainer.logger is None:
+            return
+        trainer.logger.save()  # flush buffered rows to metrics.csv
+        metrics = folder / "metrics.csv"
+        if not metrics.is_file():
+            return
+        curves = read_curves(metrics, run_id=getattr(trainer.logger, "run_id", None))
+        title = f"Training curves: {folder.name}"
+        plot_training_curves(curves, folder / self.filename, title=title)
+
+
+def status_bytes(field: str) -> int:
+    """A ``kB`` field of ``/proc/self/status`` (``VmRSS``: now, ``VmHWM``: peak) in bytes."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def reset_peak_rss() -> bool:
+    """Reset ``VmHWM`` to the current RSS (Linux >= 4.0); False where not permitted."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        return False
+    return True
+
+
+class PeakMemory(L.Callback):
+    """Write every rank's peak memory during ``fit`` to ``<run folder>/memory.json``.
+
+    ``{"device", "step", "peak_since", "malloc_mmap_threshold", "ranks": [{"rank",
+    "start_mib", "peak_mib", "peak_above_start_mib"}, ...]}``: ``start`` is what the rank held
+    when training began, ``peak`` the most it held until training ended (validation runs
+    included); ``peak_since`` is ``"train start"``, or ``"process start"`` where the peak
+    could not be reset. Collective at the end of training (one all-gather): every rank runs it.
+    """
+
+    def __init__(self, filename: str = "memory.json") -> None:
+        self.filename = filename
+        self._start = 0
+        self._peak_since = "train start"
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(pl_module.device)
+            self._start = torch.cuda.memory_allocated(pl_module.device)
+        else:
+            self._start = status_bytes("VmRSS")
+            if not reset_peak_rss():
+                self._peak_since = "process start"
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        device = pl_module.device
+        peak = (
+            torch.cuda.max_memory_allocated(device)
+            if device.type == "cuda"
+            else status_bytes("VmHWM")
+        )
+        mine = torch.tensor([self._start, peak], dtype=torch.float64, device=device)
+        ranks = trainer.strategy.all_gather(mine).reshape(-1, 2).tolist()
+        path = run_dir(trainer) / self.filename  # on every rank: log_dir is a collective
+        if not trainer.is_global_zero:
+            return
+        report = {
+            "device": device.type,
+            "step": trainer.global_step,
+            "peak_since": self._peak_since,
+            "malloc_mmap_threshold": os.environ.get(MMAP_THRESHOLD),
+            "ranks": [
+                {
+                    "rank": rank,
+                    "start_mib": round(start / MIB, 2),
+                    "peak_mib": round(peak / MIB, 2),
+                    "peak_above_start_mib": round((peak - start) / MIB, 2),
+                }
+                for rank, (start, peak) in enumerate(ranks)
+            ],
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2) + "\n")
