@@ -22,10 +22,10 @@ import torch.distributed as dist
 
 from longnet.attention import DilatedPattern
 from longnet.denormals import denormals_kept
-from longnet.distributed.batches import shard_batch
 from longnet.distributed.sequence_parallel import SequenceParallel, parallelize
 from longnet.modeling import LongNetLM
 from longnet.modeling.zoo import ZOO
+from longnet.training.parallel.batches import shard_batch
 
 
 @dataclass

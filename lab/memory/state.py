@@ -9,11 +9,11 @@ holding the most) unless a name says otherwise.
 Layouts (``world = dp * sp`` ranks; the sequence-parallel size only has to divide the world:
 the training state does not depend on it):
 
-- ``"ddp"``, :class:`~longnet.distributed.strategy.SequenceParallelStrategy`: every rank holds
+- ``"ddp"``, :class:`~longnet.training.SequenceParallelStrategy`: every rank holds
   all parameters ``P p``, their gradients ``P g``, DDP's gradient buckets ``P g`` (a flat copy of
   the gradients the all-reduce runs on; 0 with ``gradient_as_bucket_view=True``, which the
   strategy passes on to ``DistributedDataParallel``) and AdamW's two moments ``2 P m``.
-- ``"fsdp"``, :class:`~longnet.distributed.fsdp.ShardedSequenceParallelStrategy`: every block and
+- ``"fsdp"``, :class:`~longnet.training.ShardedSequenceParallelStrategy`: every block and
   the root (embeddings, final norm, LM head) ``fully_shard``-ed over all ``world`` ranks. FSDP2
   cuts each parameter along dim 0 in ``world`` chunks of ``ceil(rows / world)`` rows
   (``torch.chunk``) and stores every rank's shard padded to that size, so a rank holds

@@ -180,7 +180,7 @@ def run_in_own_context(args: Sequence[str] | None) -> None:
     jsonargparse leaves its last subcommand parser in a context variable, and the parser
     reaches the CLI, its trainer, strategy and process groups. Left there, a distributed run's
     process groups would outlive the exit hook that destroys them
-    (:func:`~longnet.distributed.strategy.destroy_process_group_at_exit`) and be freed only while
-    the interpreter shuts down, where gloo can abort a process whose run finished
+    (:func:`~longnet.training.parallel.strategy.destroy_process_group_at_exit`) and be freed
+    only while the interpreter shuts down, where gloo can abort a process whose run finished
     ("terminate called without an active exception"; docs/training.md, "A lost rank")."""
     contextvars.copy_context().run(run_cli, args)

@@ -202,7 +202,7 @@ class LongNetModel(nn.Module):
                 raise ValueError(
                     "LongNetModel: with document_ids under sequence parallelism, pass "
                     "position_ids: each token's position in its document over the whole "
-                    "sequence (longnet.distributed.batches.shard_batch computes them)."
+                    "sequence (longnet.training.shard_batch computes them)."
                 )
             across = sequence_parallel is not None and sequence_parallel.layout == "contiguous"
             documents = resolve_documents(  # zigzag shards: checked here, refused by the layers

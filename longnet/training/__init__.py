@@ -1,9 +1,7 @@
 """Training: the causal-LM LightningModule, its learning rate, data order, callbacks.
 
 The ``longnet`` command (``longnet.cli``) drives these from YAML configs in ``configs/``;
-see ``docs/training.md``. The sequence-parallel strategies are ``longnet.distributed``'s
-(``longnet.distributed.strategy.SequenceParallelStrategy``,
-``longnet.distributed.fsdp.ShardedSequenceParallelStrategy``).
+see ``docs/training.md``. The sequence-parallel strategies live in ``parallel/``.
 """
 
 from longnet.training.callbacks import ExportPretrained, LastCheckpoint, ValidateLastStep
@@ -23,6 +21,15 @@ from longnet.training.module import (
     lm_summary,
 )
 from longnet.training.order import EpochIndexSampler, EpochLoader, ResumableDataOrder
+from longnet.training.parallel import (
+    SequenceParallelLayout,
+    SequenceParallelModule,
+    SequenceParallelStrategy,
+    ShardedModule,
+    ShardedSequenceParallelStrategy,
+    pad_sequences,
+    shard_batch,
+)
 from longnet.training.reports import (
     LineProgressBar,
     MetricsSummary,
@@ -61,6 +68,11 @@ __all__ = [
     "RunId",
     "RunLock",
     "RunLogger",
+    "SequenceParallelLayout",
+    "SequenceParallelModule",
+    "SequenceParallelStrategy",
+    "ShardedModule",
+    "ShardedSequenceParallelStrategy",
     "StepProgressBar",
     "StopOnSignal",
     "TimeBudget",
@@ -75,9 +87,11 @@ __all__ = [
     "lm_summary",
     "load_lightning_checkpoint",
     "merge_delta",
+    "pad_sequences",
     "parameter_groups",
     "plot_training_curves",
     "read_checkpoint",
     "read_curves",
+    "shard_batch",
     "warmup_cosine",
 ]

@@ -26,9 +26,9 @@ from torch import Tensor
 from longnet.data.subword import SubwordTokenizer
 from longnet.data.synthetic import LabelMode, PasskeyDataset, check_passkey_options
 from longnet.data.tokenizer import BYTES
-from longnet.distributed.strategy import SequenceParallelLayout
 from longnet.nn.positional import RotaryEmbedding
 from longnet.training.module import PASSKEY_ROWS
+from longnet.training.parallel.strategy import SequenceParallelLayout
 from longnet.training.vocabulary import datamodule_seq_len
 from longnet.validation import (
     UsageError,

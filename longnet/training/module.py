@@ -28,9 +28,7 @@ from torchmetrics import Metric
 
 from longnet.attention import DilatedPattern
 from longnet.constants import IGNORE_INDEX, NATS_PER_BIT
-from longnet.distributed.batches import check_window_shards
 from longnet.distributed.sequence_parallel import parallelize
-from longnet.distributed.strategy import SequenceParallelLayout
 from longnet.modeling import LMOutput
 from longnet.modeling.model import document_labels
 from longnet.training.checkpoint import build_lm
@@ -44,6 +42,8 @@ from longnet.training.lora import (
     trainable_names,
 )
 from longnet.training.order import ResumableDataOrder
+from longnet.training.parallel.batches import check_window_shards
+from longnet.training.parallel.strategy import SequenceParallelLayout
 from longnet.training.schedule import (
     build_optimizer,
     follow_configured_length,
@@ -181,7 +181,7 @@ class CausalLMModule(L.LightningModule):
     (-100 ignored), as every ``longnet.data`` datamodule yields; the labels are aligned, the
     model's ``targets`` (with packed documents also ``"document_ids": (batch, seq)``, passed to
     the model; labels whose target begins the next document are not scored); under
-    :class:`~longnet.distributed.strategy.SequenceParallelStrategy` they arrive as this rank's
+    :class:`~longnet.training.SequenceParallelStrategy` they arrive as this rank's
     shard with global ``position_ids`` ``(shard,)``, and :meth:`setup` applies the strategy's
     ``sequence_parallel`` to the model (:func:`longnet.distributed.parallelize`; released in
     :meth:`teardown`).
@@ -320,8 +320,8 @@ class CausalLMModule(L.LightningModule):
 
     def sequence_parallel_group(self) -> dist.ProcessGroup | None:
         """The sequence-parallel group of the trainer's strategy: that of a
-        :class:`~longnet.distributed.strategy.SequenceParallelStrategy` or
-        :class:`~longnet.distributed.fsdp.ShardedSequenceParallelStrategy` (None when its size
+        :class:`~longnet.training.SequenceParallelStrategy` or
+        :class:`~longnet.training.ShardedSequenceParallelStrategy` (None when its size
         is 1), None under any other strategy or without a trainer."""
         strategy = self._trainer.strategy if self._trainer is not None else None
         if isinstance(strategy, SequenceParallelLayout):

@@ -18,7 +18,7 @@ datamodule with :class:`EpochLoader`\\ s that close all three:
   metrics count every sample exactly once.
 
 Replica count and rank come from the strategy's ``distributed_sampler_kwargs`` (data-parallel
-size and rank under :class:`~longnet.distributed.strategy.SequenceParallelStrategy`, so every
+size and rank under :class:`~longnet.training.SequenceParallelStrategy`, so every
 rank of a sequence-parallel group reads the same samples).
 """
 

@@ -43,8 +43,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from longnet.distributed.strategy import SequenceParallelLayout
 from longnet.files import write_atomic
+from longnet.training.parallel.strategy import SequenceParallelLayout
 from longnet.training.run_folder import RUN_ID_COLUMN, run_dir
 from longnet.validation import check_positive_int
 

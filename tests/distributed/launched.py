@@ -36,9 +36,9 @@ from typing import Any
 import lightning as L
 import torch
 
-from longnet.distributed.fsdp import ShardedSequenceParallelStrategy
-from longnet.distributed.strategy import SequenceParallelStrategy
 from longnet.training import LastCheckpoint
+from longnet.training.parallel.fsdp import ShardedSequenceParallelStrategy
+from longnet.training.parallel.strategy import SequenceParallelStrategy
 from longnet.training.trainer import StopOnSignal
 from tests.distributed.sharded_cases import StepLosses, result, trainer_kwargs
 from tests.distributed.strategy_cases import GLOBAL_BATCH, STEPS, TinyData, make_module

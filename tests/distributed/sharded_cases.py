@@ -19,8 +19,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.tensor import DTensor
 
-from longnet.distributed.fsdp import ShardedSequenceParallelStrategy
 from longnet.training import CausalLMModule, ExportPretrained
+from longnet.training.parallel.fsdp import ShardedSequenceParallelStrategy
 from tests.distributed.strategy_cases import (
     GLOBAL_BATCH,
     MODEL_OVERRIDES,

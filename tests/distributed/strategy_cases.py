@@ -28,8 +28,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset
 
-from longnet.distributed.strategy import SequenceParallelStrategy
 from longnet.training import CausalLMModule
+from longnet.training.parallel.strategy import SequenceParallelStrategy
 
 SEQ_LEN = 120
 GLOBAL_BATCH = 4

@@ -20,9 +20,9 @@ from longnet.data import LongDocumentDataModule
 from longnet.data.corpus import CorpusSettings, build_long_document_splits, corpus_cache_key
 from longnet.data.encoding import check_fractions
 from longnet.data.sources import files_source
-from longnet.distributed.batches import shard_batch
-from longnet.distributed.strategy import SequenceParallelStrategy
 from longnet.files import replace_folder, write_atomic
+from longnet.training.parallel.batches import shard_batch
+from longnet.training.parallel.strategy import SequenceParallelStrategy
 from longnet.validation import UsageError
 
 

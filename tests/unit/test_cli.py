@@ -223,7 +223,7 @@ LEARNED_64 = ("--model.init_args.overrides={hidden_size: 32, num_layers: 2, num_
 BAD_COMMANDS = [  # (subcommand, extra arguments ({bad} = the bad_inputs folder), message)
     ("fit", ["--trainer.max_steps=-5"], r"`max_steps` must be .* You passed in -5"),
     ("fit", ["--trainer.devices=0"], r"devices='0'\)` value is not a valid input"),
-    ("fit", ["--trainer.strategy=longnet.distributed.strategy.SequenceParallelStrategy",
+    ("fit", ["--trainer.strategy=longnet.training.SequenceParallelStrategy",
              "--trainer.strategy.sequence_parallel_size=2", "--trainer.devices=3"],
      r"sequence_parallel_size=2 does not divide the 3 processes"),
     ("fit", ["--data.init_args.seq_len=0"], r"seq_len must be a positive integer, got 0"),

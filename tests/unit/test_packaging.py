@@ -17,15 +17,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 LAYERS = ["constants", "validation", "files", "denormals", "compiled", "distributed",
-          "attention", "nn", "modeling", "memory", "planning", "data", "training", "eval", "hf",
-          "bench", "cli", "__main__"]
+          "attention", "nn", "modeling", "data", "training", "eval", "hf", "cli", "__main__"]
 """``longnet``'s layers from the bottom up: shared constants and validators, atomic file
 writes, the CPU's subnormal-float switch, the refusals under ``torch.compile``, the
-process-group launcher, then the library's layers
-(``memory``: the memory models, over attention and modeling; ``planning``: its deprecated
-alias), the Hugging Face adapters
-(``hf``, on top of evaluation: its lm-eval harness loads models with ``longnet.eval``), the
-benchmark harness, and ``cli``/``__main__`` (the command) on top."""
+process-group plumbing, then the library's layers, the Hugging Face adapters (``hf``, on top
+of evaluation: its lm-eval harness loads models with ``longnet.eval``), and
+``cli``/``__main__`` (the command) on top."""
 
 
 def _layer(module: str) -> int:

@@ -170,8 +170,8 @@ def test_attention_output_dropout_is_checked():
 def test_the_lm_module_parallelizes_its_model_at_setup_and_releases_it_at_teardown(group):
     from types import SimpleNamespace
 
-    from longnet.distributed.strategy import SequenceParallelLayout
     from longnet.training import CausalLMModule
+    from longnet.training.parallel.strategy import SequenceParallelLayout
 
     class Layout(SequenceParallelLayout):  # the strategy's side of the contract only
         sequence_parallel = SequenceParallel(group, "zigzag")

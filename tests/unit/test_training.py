@@ -17,8 +17,6 @@ import torch
 from torch.utils.data import DataLoader
 
 from longnet.attention import DilatedPattern, padded_length
-from longnet.distributed.batches import check_window_shards, shard_batch
-from longnet.distributed.strategy import SequenceParallelStrategy
 from longnet.modeling import LongNetLM
 from longnet.training import (
     CausalLMModule,
@@ -34,6 +32,8 @@ from longnet.training import (
     warmup_cosine,
 )
 from longnet.training import module as module_source
+from longnet.training.parallel.batches import check_window_shards, shard_batch
+from longnet.training.parallel.strategy import SequenceParallelStrategy
 from longnet.validation import UsageError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -423,7 +423,7 @@ def test_strategy_and_module_contract():
     the module finds a group only on that strategy, none under Lightning's own strategies."""
     import lightning as L
 
-    from longnet.distributed.strategy import SequenceParallelModule
+    from longnet.training.parallel.strategy import SequenceParallelModule
 
     class Plain(L.LightningModule):
         pass
@@ -464,7 +464,7 @@ def test_sharded_strategy_refuses_bad_input_when_the_trainer_is_built():
     name its network and blocks: errors before any process starts."""
     import lightning as L
 
-    from longnet.distributed.fsdp import ShardedModule, ShardedSequenceParallelStrategy
+    from longnet.training.parallel.fsdp import ShardedModule, ShardedSequenceParallelStrategy
 
     def trainer(devices: int, precision: str = "32-true", **kwargs) -> L.Trainer:
         strategy = ShardedSequenceParallelStrategy(**kwargs)

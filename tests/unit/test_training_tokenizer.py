@@ -13,12 +13,12 @@ import torch
 
 from longnet.data import LongDocumentDataModule
 from longnet.data.tokenizer import train_bpe
-from longnet.distributed.batches import shard_batch
 from longnet.eval import load_model
 from longnet.modeling import LongNetLM
 from longnet.training import CausalLMModule, ExportPretrained
 from longnet.training.checkpoint import export_pretrained
 from longnet.training.curriculum import split_windows
+from longnet.training.parallel.batches import shard_batch
 from longnet.training.vocabulary import TOKENIZER_KEY, check_tokenizer_record, tokenizer_record
 from longnet.validation import UsageError
 

@@ -11,8 +11,8 @@ from datetime import timedelta
 import lightning as L
 import torch.distributed as dist
 
-from longnet.distributed.strategy import note_sigterm_without_collectives
 from longnet.distributed.watch import RankWatch
+from longnet.training.parallel.strategy import note_sigterm_without_collectives
 
 FAST = dict(heartbeat_seconds=0.05, silence_seconds=0.5)
 HOST = socket.gethostname()

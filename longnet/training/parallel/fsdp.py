@@ -2,7 +2,7 @@
 sequence parallelism inside attention (torchtitan's FSDP x context-parallel layout; see
 docs/training.md for when to pick which strategy).
 
-The layout is :class:`~longnet.distributed.strategy.SequenceParallelLayout`, as for
+The layout is :class:`~longnet.training.SequenceParallelLayout`, as for
 ``SequenceParallelStrategy``; what differs is where the parameters, gradients and optimizer
 state live: cut into ``world`` shards, one per rank of the flattened ``dp x sp`` mesh. Every
 transformer block is one FSDP2 unit (its parameters all-gathered just before its forward and
@@ -36,13 +36,13 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from longnet.distributed.strategy import (
+from longnet.training.checkpoint import is_sharded_checkpoint, sharded_tensor_shapes
+from longnet.training.parallel.strategy import (
     MESH_DIMS,
     SequenceParallelLayout,
     SequenceParallelModule,
     check_module_protocol,
 )
-from longnet.training.checkpoint import is_sharded_checkpoint, sharded_tensor_shapes
 
 FLAT_MESH_DIM = "dp_sp"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -52,7 +52,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class ShardedModule(SequenceParallelModule, Protocol):
     """What :class:`ShardedSequenceParallelStrategy` needs of the LightningModule it runs
     (:class:`~longnet.training.CausalLMModule` is one): a
-    :class:`~longnet.distributed.strategy.SequenceParallelModule` that also names what to
+    :class:`~longnet.training.SequenceParallelModule` that also names what to
     shard.
 
     Attributes:
@@ -95,14 +95,14 @@ def mixed_precision_policy(
 
 class ShardedSequenceParallelStrategy(SequenceParallelLayout, ModelParallelStrategy):
     """FSDP2 ``fully_shard`` over the flattened ``(dp, sp)`` mesh, sequence parallelism in
-    the attention (:class:`~longnet.distributed.strategy.SequenceParallelLayout`).
+    the attention (:class:`~longnet.training.SequenceParallelLayout`).
 
     Select it from YAML (``configs/fsdp_sequence_parallel.yaml``)::
 
         trainer:
           devices: 4
           strategy:
-            class_path: longnet.distributed.fsdp.ShardedSequenceParallelStrategy
+            class_path: longnet.training.ShardedSequenceParallelStrategy
             init_args: {sequence_parallel_size: 2}
 
     Per rank, parameters, gradients and AdamW state take ``1 / world`` of one device's
@@ -115,7 +115,7 @@ class ShardedSequenceParallelStrategy(SequenceParallelLayout, ModelParallelStrat
         sequence_parallel_size: ranks per sequence-parallel group; must divide the number of
             processes (``devices * num_nodes``). 1 is plain FSDP.
         load_balance: zigzag shards (as
-            :class:`~longnet.distributed.strategy.SequenceParallelStrategy`); False keeps
+            :class:`~longnet.training.SequenceParallelStrategy`); False keeps
             contiguous shards.
         activation_checkpointing: recompute every block's activations in backward
             (``torch.distributed._composable.checkpoint`` on each block, applied before

@@ -1,6 +1,6 @@
 """Cut a batch of whole sequences into one rank's shard along the sequence.
 
-Used by :class:`longnet.distributed.strategy.SequenceParallelStrategy` on every batch of every loop,
+Used by :class:`longnet.training.SequenceParallelStrategy` on every batch of every loop,
 before the batch reaches the model. Labels are already shifted by the data pipeline, so a
 shard's labels belong to its own positions and no token crosses a shard boundary.
 """

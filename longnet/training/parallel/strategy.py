@@ -11,7 +11,7 @@ strategy's ``sequence_parallel`` to its model at setup (``CausalLMModule`` reads
 whole sequences). Gradients are averaged over all ``dp * sp`` ranks, and ``CausalLMModule``
 scales its loss by ``world_size / global scored tokens``, so the update equals one device's
 on the same global batch. The strategies differ only in how parameters and gradients are held:
-DDP replicas here, FSDP2 shards in ``longnet.distributed.fsdp``.
+DDP replicas here, FSDP2 shards in ``longnet.training.parallel.fsdp``.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from longnet.attention import DilatedPattern
-from longnet.distributed.batches import shard_batch
 from longnet.distributed.sequence_parallel import SequenceParallel
 from longnet.distributed.watch import RankWatch
+from longnet.training.parallel.batches import shard_batch
 from longnet.validation import UsageError, check_positive_int
 
 MESH_DIMS = ("dp", "sp")
@@ -330,7 +330,7 @@ class SequenceParallelStrategy(SequenceParallelLayout, DDPStrategy):
         trainer:
           devices: 4
           strategy:
-            class_path: longnet.distributed.strategy.SequenceParallelStrategy
+            class_path: longnet.training.SequenceParallelStrategy
             init_args: {sequence_parallel_size: 2}
 
     Args:
