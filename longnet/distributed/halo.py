@@ -1,12 +1,7 @@
-"""The rows before each chunk of this rank's sequence shard (a "halo"), differentiable.
-
-A causal convolution of width ``k`` over a sharded sequence needs, before every chunk a rank
-holds, the ``k - 1`` rows that precede it in the whole sequence. The chunks are those of the
-layout (``longnet.distributed.layouts``): one per rank (``contiguous``) or two (``zigzag``).
-Forward: the tail of every chunk goes to the holder of the next chunk (a copy when that is this
-rank); the first chunk of the sequence gets zeros. Backward: the gradient of every received
-halo goes back to the chunk it came from and is added to that chunk's tail gradient. Between
-two ranks at most one message flows each way per pass.
+"""The rows before each chunk of this rank's sequence shard (a "halo"), differentiable: what a
+causal convolution of width ``k`` needs (``k - 1`` rows) over a sharded sequence. Each chunk's
+tail goes to the holder of the next chunk (``longnet.distributed.layouts``); its gradient comes
+back in backward.
 """
 
 from __future__ import annotations
@@ -29,9 +24,8 @@ def previous_rows(
     x: Tensor, rows: int, group: dist.ProcessGroup, layout: str = "contiguous"
 ) -> Tensor:
     """The ``rows`` rows before each chunk of this rank's shard ``x`` ``(batch, shard_len,
-    channels)``: ``(batch, chunks * rows, channels)``, the halo of this rank's first chunk
-    then (``zigzag``) of its second; zeros before the sequence's first token. Gradients flow
-    back to the rank that sent the rows."""
+    channels)``: ``(batch, chunks * rows, channels)``, one halo per chunk in shard order;
+    zeros before the sequence's first token."""
     check_layout(layout, "previous_rows")
     chunks = chunks_per_rank(layout)
     if rows > x.shape[1] // chunks:
@@ -43,11 +37,8 @@ def previous_rows(
 
 
 class _Links:
-    """Which chunk tails this rank sends where, and which halos it receives from where.
-
-    ``sends``: ``(my slot, peer rank, peer slot)``; ``receives``: ``(my slot, peer rank,
-    peer slot)``; ``local``: ``(from my slot, to my slot)``; ``first``: slots whose halo is
-    zeros (the sequence's first chunk)."""
+    """Which chunk tails this rank sends where, and which halos it receives from where:
+    ``sends``/``receives`` ``(my slot, peer rank, peer slot)``, ``local`` ``(from, to)``."""
 
     def __init__(self, rank: int, world_size: int, layout: str) -> None:
         last = chunk_count(world_size, layout) - 1
@@ -68,8 +59,7 @@ class _Links:
 
 def _exchange(sends: list[tuple[Tensor, int]], receives: list[tuple[Tensor, int]], group,
               what: str) -> None:
-    """Post every send ``(tensor, group rank)`` and receive ``(buffer, group rank)`` at once
-    and wait for all of them."""
+    """Post every send and receive ``(tensor, group rank)`` at once; wait for all."""
     ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, peer), group)
            for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(group, peer), group)

@@ -1,9 +1,5 @@
-"""Run a function on ``world_size`` spawned processes in one process group, with a deadline.
-
-gloo on CPU; NCCL (one GPU per rank) when enough CUDA devices exist. Every worker returns a
-picklable result; a worker that raises, hangs or dies fails the caller loudly. Collectives
-time out after ``COLLECTIVE_TIMEOUT``; the caller waits at most ``timeout`` seconds for all
-ranks. Used by ``tests/distributed`` and ``lab/scripts/bench_ring.py``.
+"""Run a function on ``world_size`` spawned processes in one process group (gloo on CPU, NCCL
+with a GPU per rank), with a deadline; a worker that raises, hangs or dies fails the caller.
 """
 
 from __future__ import annotations

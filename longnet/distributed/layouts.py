@@ -2,12 +2,8 @@
 (docs/architecture.md §4, "Zigzag shards").
 
 * ``contiguous``: ``P`` equal chunks; rank ``r`` holds chunk ``r``.
-* ``zigzag``: ``2P`` equal chunks; rank ``r`` holds chunks ``r`` and ``2P - 1 - r``,
-  concatenated. Every rank gets an early and a late chunk, so the work of causal attention
-  (which grows with a query's position) is the same on every rank.
-
-The attention core, the K/V convolution's halo, default positions and the strategies' batch
-sharding all read the layout from here.
+* ``zigzag``: ``2P`` equal chunks; rank ``r`` holds chunks ``r`` and ``2P - 1 - r``, so
+  causal attention costs every rank the same.
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""Sequence parallelism as one object, applied to a model from outside.
-
-:class:`SequenceParallel` says how a sequence is split over a process group (which ranks, how
-the tokens are sharded, how K/V blocks travel) and checks that the combination runs when it is
-built. :func:`parallelize` hands it to every module of a model that reads it, so the model's
-``forward`` takes only data (ids, positions, document ids), as in torchtitan, where
-parallelism is applied to a model rather than threaded through its calls.
+"""Sequence parallelism as one object (:class:`SequenceParallel`), applied to a model from
+outside (:func:`parallelize`, as in torchtitan), so ``forward`` takes only data.
 """
 
 from __future__ import annotations
@@ -18,8 +13,7 @@ from torch import nn
 from longnet.distributed.layouts import LAYOUTS, check_layout
 
 TRANSPORTS = ("ring", "allgather")
-"""``ring``: blocks rotate one member on per hop; ``allgather``: every member receives every
-block at once (LongNet's own scheme)."""
+"""``ring``: blocks move one rank per hop; ``allgather``: all at once (LongNet's scheme)."""
 
 
 def check_process_group(name: str, group: object, allow_none: bool = True) -> None:
@@ -40,15 +34,12 @@ class SequenceParallel:
     """How a sequence is split over the ranks of ``process_group``.
 
     Args:
-        process_group: the ranks sharing each sequence (``torch.distributed.new_group``, or
-            ``torch.distributed.group.WORLD``). Each rank passes its shard of ``L = N / P``
+        process_group: the ranks sharing each sequence; each passes its shard of ``N / P``
             tokens.
-        layout: ``"contiguous"`` (rank ``r`` holds tokens ``r L .. (r + 1) L - 1``) or
-            ``"zigzag"`` (``2P`` chunks; rank ``r`` holds chunks ``r`` and ``2P - 1 - r``, which
-            balances causal work; ``longnet.distributed.layouts``).
+        layout: ``"contiguous"`` or ``"zigzag"`` (``longnet.distributed.layouts``).
         transport: how branches whose segments span ranks move K/V: ``"ring"`` or
-            ``"allgather"``, one name for all branches or a sequence of names, one per branch
-            (checked against the pattern when attention runs). ``zigzag`` runs ``ring`` only.
+            ``"allgather"``, for all branches or one per branch (checked when attention
+            runs). ``zigzag`` runs ``ring`` only.
 
     Raises:
         TypeError: ``process_group`` is not a ``ProcessGroup``.
@@ -91,15 +82,10 @@ class SequenceParallel:
 
 
 def parallelize(model: nn.Module, sequence_parallel: SequenceParallel | None) -> nn.Module:
-    """Give ``sequence_parallel`` to every module of ``model`` that has a
-    ``sequence_parallel`` attribute (the attention layers, the backbone's default positions, the
-    encoder's pooling); ``None`` makes the model run on one device again. Returns ``model``
-    (changed in place). The setting is a plain attribute: it is not saved with the weights or
-    the config, and a model keeps its process group until it is given ``None``.
-
-    Once applied, every ``forward`` of ``model`` takes this rank's shard of each sequence
-    (``layout``) and returns this rank's shard of the single-device result; every rank of the
-    group must run the same calls (forward and backward).
+    """Set ``sequence_parallel`` on every module of ``model`` that has that attribute (None:
+    one device again); returns ``model``, changed in place (not saved with it). Then every
+    ``forward`` takes and returns this rank's shard; all ranks of the group must run the same
+    calls.
 
     Raises:
         TypeError: ``model`` is not a module, or ``sequence_parallel`` is neither a

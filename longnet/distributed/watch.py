@@ -1,22 +1,10 @@
 """Which rank of a process group stopped: per-rank heartbeats in the group's rendezvous store.
 
-A process killed mid-step (``kill -9``, the out-of-memory killer, a lost node) leaves its
-peers nothing but a closed socket or a timeout: gloo says "Connection closed by peer
-[127.0.0.1]:PORT", which names a port, not a rank. :class:`RankWatch` lets the survivors say
-which rank it was. Every rank, while it trains:
-
-- records ``pid P on host H`` under its rank in the store of the default process group (the
-  ``TCPStore`` every rank already reaches: ``MASTER_ADDR:MASTER_PORT``), and learns the
-  others' records;
-- bumps a counter every :data:`HEARTBEAT_SECONDS` from a daemon thread.
-
-When a rank fails, it first marks itself failed with its error (:meth:`RankWatch.mark_failed`),
-then asks :meth:`RankWatch.explain`: the ranks whose counters do not move for
-:data:`SILENCE_SECONDS` are gone, those with a mark stopped after an error of their own, the
-others were lost (killed or crashed). If the store itself stops answering, the process that
-hosts it is gone: rank 0 (``env://`` and ``tcp://`` rendezvous), or torchrun's agent on node 0
-(``TORCHELASTIC_USE_AGENT_STORE``). The watch never blocks training: it adds one store
-round trip per heartbeat, and the survivors wait :data:`SILENCE_SECONDS` once, when they fail.
+A killed rank leaves its peers only a closed socket ("Connection closed by peer", a port, not a
+rank). Every rank records ``pid P on host H`` in the default group's store and bumps a counter
+every :data:`HEARTBEAT_SECONDS`; a failing rank marks its error, and ranks silent for
+:data:`SILENCE_SECONDS` are gone: after an error if marked, else lost. A store that stops
+answering means its host is gone (rank 0, or torchrun's agent on node 0).
 """
 
 from __future__ import annotations
@@ -31,18 +19,15 @@ import torch.distributed as dist
 
 HEARTBEAT_SECONDS = 0.5
 SILENCE_SECONDS = 3.0
-"""A rank whose heartbeat counter does not move for this long is gone (six heartbeats: a live
-rank on a loaded machine still beats)."""
+"""A rank whose heartbeat counter does not move for this long is gone (six heartbeats)."""
 STOP_SECONDS = 10.0
-"""How long :meth:`RankWatch.stop` waits for the beating thread (it returns at once unless a
-store call is in flight; a loaded machine can delay it well past one heartbeat)."""
+"""How long :meth:`RankWatch.stop` waits for the beating thread (a store call in flight)."""
 PREFIX = "longnet/watch"
 AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
 
 
 def store_host_rank() -> int | None:
-    """The rank whose process hosts the default group's store: 0, or None when torchrun's
-    agent hosts it (``TORCHELASTIC_USE_AGENT_STORE=True``)."""
+    """The rank hosting the default group's store: 0, or None when torchrun's agent does."""
     return None if os.environ.get(AGENT_STORE, "").lower() == "true" else 0
 
 
@@ -53,11 +38,9 @@ class RankWatch:
         store: a store every rank reaches (the default group's, :meth:`start`).
         rank, world_size: this rank and the number of ranks.
         store_host: the rank whose process hosts ``store`` (None: another process).
-        heartbeat_seconds, silence_seconds: beat interval; how long a rank must be silent to
-            count as gone.
+        heartbeat_seconds, silence_seconds: beat interval; silence that counts as gone.
 
-    Use :meth:`start` on every rank (each call opens a fresh key space, so the same ranks can
-    run several watches one after another, in the same order), :meth:`stop` when done.
+    Each watch opens a fresh key space: the same ranks can run several in turn, in one order.
     """
 
     def __init__(
@@ -106,9 +89,8 @@ class RankWatch:
                 return
 
     def learn_others(self) -> None:
-        """Read the ``pid on host`` records of the ranks not known yet (while the store still
-        answers: a rank is named by them when it is lost). The constructor and every heartbeat
-        call it; call it once all ranks have started their watch to know them all."""
+        """Read the ``pid on host`` records of the ranks not known yet (every heartbeat; call
+        it once all ranks have started to know them all)."""
         for rank in range(self.world_size):
             key = f"who/{rank}"
             if rank not in self.who and self.store.check([key]):
@@ -126,9 +108,8 @@ class RankWatch:
             self.store.set(f"failed/{self.rank}", reason)
 
     def stopped(self) -> list[str]:
-        """What happened to the ranks that are gone: one sentence per rank, the lost ones
-        (no error reported) first; empty when every other rank still beats. Takes
-        :data:`SILENCE_SECONDS`."""
+        """One sentence per rank that is gone, the lost ones first; empty when every other
+        rank still beats. Takes :data:`SILENCE_SECONDS`."""
         others = [rank for rank in range(self.world_size) if rank != self.rank]
         try:
             before = {rank: self.store.add(f"beat/{rank}", 0) for rank in others}
@@ -163,9 +144,8 @@ class RankWatch:
         return lost + failed
 
     def explain(self, error: BaseException) -> str | None:
-        """A message for ``error``, raised on this rank, that names the ranks that stopped
-        (and how to resume); None when every other rank still beats (``error`` is this
-        rank's own)."""
+        """A message for ``error`` naming the ranks that stopped and how to resume; None when
+        every other rank still beats."""
         stopped = self.stopped()
         if not stopped:
             return None

@@ -1,31 +1,11 @@
-"""LongNet models in the Hugging Face tools: ``transformers`` Auto classes, tokenizer, lm-eval.
+"""LongNet models in the Hugging Face tools (the ``hf`` extra; the rest of ``longnet`` never
+imports ``transformers``).
 
-Importing this package registers model type ``longnet`` with ``transformers``:
-``AutoConfig`` gives :class:`LongNetHFConfig` and ``AutoModelForCausalLM`` gives
-:class:`LongNetForCausalLM`, a thin adapter over the same ``LongNetLM`` module and weights;
-``AutoTokenizer`` on a LongNet folder without tokenizer files says how to write them
-(:class:`LongNetTokenizer`).
-The folders that ``LongNetLM.save_pretrained`` and the zoo write then load unchanged, with
-no ``trust_remote_code``::
-
-    import longnet.hf  # registers the classes
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained("models/longnet-tiny")
-    tokenizer = AutoTokenizer.from_pretrained("models/longnet-tiny")
-
-It also registers LongNet's dilated attention for ``transformers``' own models:
-``attn_implementation="longnet_dilated"`` with the model config's ``longnet_pattern``
-(:mod:`longnet.hf.attention`). ``import_pretrained`` and ``materialize``
-(:mod:`longnet.hf.pretrained`) turn a Hugging Face folder or a GGUF file into a LongNet
-folder with its tokenizer.
-
-Modules: ``configuration`` (the config), ``modeling`` (the model), ``cache`` (LongNet's
-dilated-pattern KV cache for ``generate``), ``padding`` (left padding from attention masks),
-``tokenizer`` (the byte tokenizer as a ``transformers`` tokenizer), ``attention`` (dilated
-attention for ``transformers``' models), ``pretrained`` (imports), ``harness`` (lm-eval:
-imported on its own, it needs the ``eval-harness`` extra). Needs the ``hf`` extra
-(``transformers``, ``tokenizers``); the rest of ``longnet`` never imports them.
+Importing it registers model type ``longnet`` with ``AutoConfig``, ``AutoModelForCausalLM``
+and ``AutoTokenizer`` (LongNet folders load with no ``trust_remote_code``) and the attention
+implementation ``"longnet_dilated"`` for ``transformers``' own models (``attention``).
+``pretrained`` imports Hugging Face folders and GGUF files; ``harness`` (lm-eval, the
+``eval-harness`` extra) is imported on its own.
 """
 
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer

@@ -1,44 +1,20 @@
 """LongNet dilated attention in ``transformers``' models: ``attn_implementation="longnet_dilated"``.
 
-Importing ``longnet.hf`` registers :func:`longnet_dilated_attention` in ``transformers``'
-``AttentionInterface`` and a mask function in ``AttentionMaskInterface`` under
-:data:`ATTENTION_NAME`. A model whose attention layers call the interface (Llama, Mistral,
-Qwen2, SmolLM2, ... loaded by ``transformers``) then runs the exact dilated attention of
-``longnet.attention`` in place of dense attention, in the user's own training or inference
-stack; nothing else of the model changes::
-
-    from longnet.hf import use_dilated_attention  # registers "longnet_dilated"
+Importing ``longnet.hf`` registers :data:`ATTENTION_NAME` in ``transformers``'
+``AttentionInterface`` and ``AttentionMaskInterface``; a model whose layers call the interface
+(Llama, Mistral, Qwen2, ...) then runs exact dilated attention in place of dense attention::
 
     model = AutoModelForCausalLM.from_pretrained(folder)
     use_dilated_attention(model, [(2048, 1), (4096, 2), (8192, 4)])
 
-    # or, equivalently, through the config:
-    config = AutoConfig.from_pretrained(folder)
-    config.longnet_pattern = [[2048, 1], [4096, 2], [8192, 4]]
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, config=config, attn_implementation="longnet_dilated")
-
-**The pattern** is the model config's attribute :data:`PATTERN_ATTRIBUTE`, a list of
-``[segment_length, dilation_rate]`` pairs, saved in ``config.json`` with the model (a
-``config.json`` holding it loads with it). :func:`use_dilated_attention` sets it and the
-implementation on a loaded model; a model without it is refused, saying how to set it. One
-dense branch ``[[n, 1]]`` with ``n`` at least the sequence length is ``sdpa``'s function.
-The retrieval branches (attention sinks, query-aware block selection) are the attribute
-:data:`RETRIEVAL_ATTRIBUTE`, ``{"sinks": n, "block": b, "top_k": k}`` (absent: none), at the
-keys' own positions: this function receives ``q, k`` already rotated, so the placing
-rule (``LongNetConfig.retrieval_positions``) needs ``LongNetLM`` or ``LongNetForCausalLM``.
-
-**Positions.** Queries and keys are laid out by their place in the sequence, as
-``LongNetLM`` lays them out: the keys are the cache's plus the new ones, from position 0.
-A call with as many queries as keys (training, scoring, a prefill) is one
-``dilated_attention``. A call with fewer queries (decoding against ``transformers``' KV cache,
-which keeps every key) is the definition written out for those queries,
-``softmax(q k^T * scale + log C) v`` over the keys some branch gives them (the same exact
-path ``LongNetLM.generate`` takes: ``longnet.nn.attention.decode_attention``), so each
-new token costs O(largest segment), plus the retrieval branches' keys when there are any.
-Padded batches (a mask with zeros), packed sequences or positions that are not
-``0, 1, ...`` are refused (the pattern's segments start at position 0 of each row); so are
-attention-probability dropout and sliding windows.
+The pattern is the config attribute :data:`PATTERN_ATTRIBUTE` (``[[segment_length,
+dilation_rate], ...]``, saved with the model), the retrieval branches
+:data:`RETRIEVAL_ATTRIBUTE` (``{"sinks": n, "block": b, "top_k": k}``, placed at the keys' own
+positions: ``q, k`` arrive rotated, so ``LongNetConfig.retrieval_positions`` needs
+``LongNetLM``). Keys are laid out from position 0: as many queries as keys is one
+``dilated_attention``, fewer (decoding against ``transformers``' cache) is
+``decode_attention``, O(largest segment) per token. Padding, packed sequences, other
+positions, dropout and sliding windows are refused.
 """
 
 from __future__ import annotations
@@ -70,9 +46,9 @@ def longnet_dilated_attention(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
-    """``transformers``' attention-function signature (module docstring): ``query`` ``(batch,
-    heads, q, head_dim)``, ``key``/``value`` ``(batch, kv_heads, k, head_dim)`` (all keys so
-    far, ``q <= k``); returns ``(batch, q, heads, head_dim)`` and no weights.
+    """``transformers``' attention function: ``query`` ``(batch, heads, q, head_dim)``,
+    ``key``/``value`` ``(batch, kv_heads, k, head_dim)`` (all keys so far, ``q <= k``);
+    returns ``(batch, q, heads, head_dim)`` and no weights.
 
     Raises:
         ValueError: no pattern in the config, padding, unusual positions, dropout or a
@@ -107,8 +83,7 @@ def longnet_dilated_attention(
 
 def longnet_dilated_mask(*args: Any, attention_mask: Tensor | None = None,
                          **kwargs: Any) -> Tensor | None:
-    """The mask ``transformers`` hands :func:`longnet_dilated_attention`: None when no row is
-    padded, else the 2D padding mask (which the attention refuses)."""
+    """The mask for :func:`longnet_dilated_attention`: None unless a row is padded."""
     if attention_mask is None or bool(attention_mask.all()):
         return None
     return attention_mask
@@ -131,8 +106,7 @@ def _pattern(config: Any) -> DilatedPattern:
 
 
 def _retrieval(config: Any) -> Retrieval | None:
-    """The retrieval branches of ``config.longnet_retrieval`` (``{"sinks": n, "block": b,
-    "top_k": k}``), or None when it is absent."""
+    """The retrieval branches of ``config.longnet_retrieval``, or None when absent."""
     value = getattr(config, RETRIEVAL_ATTRIBUTE, None)
     if value is None:
         return None
@@ -163,10 +137,8 @@ def use_dilated_attention(
     model: nn.Module, pattern: Any, retrieval: Retrieval | None = None
 ) -> nn.Module:
     """Make the ``transformers`` model ``model`` run :data:`ATTENTION_NAME` with ``pattern``
-    (``[(segment_length, dilation_rate), ...]`` or a ``DilatedPattern``) and, optionally,
-    the retrieval branches ``retrieval`` (attention sinks, block selection): sets
-    ``model.config.longnet_pattern`` and ``model.config.longnet_retrieval`` (saved with the
-    model) and the attention implementation; returns ``model``.
+    (``[(segment_length, dilation_rate), ...]`` or a ``DilatedPattern``) and optional
+    ``retrieval`` branches, set in ``model.config`` (saved with it); returns ``model``.
 
     Raises:
         ValueError: an invalid pattern.

@@ -1,13 +1,7 @@
-"""``LongNetCache``: LongNet's exact dilated-pattern KV cache, in the shape ``generate`` wants.
-
-``transformers``' ``generate`` keeps the model's cache between calls and asks two things of
-it: ``get_seq_length()`` (the columns seen so far, padding included) and, in beam search,
-``reorder_cache(beam_idx)``. Everything else stays LongNet's own: one
-:class:`longnet.nn.KVCache` (per layer, the keys and values that some future query can still
-attend to under the dilated pattern, about one largest segment) per group of rows with the
-same left padding (:mod:`longnet.hf.padding`; one group when nothing is padded). Each group
-holds its rows' real tokens only, at positions 0, 1, ... from its first token, so every group
-decodes exactly as an unpadded batch.
+"""``LongNetCache``: LongNet's exact dilated-pattern KV cache, in the shape ``generate`` wants
+(``get_seq_length``, ``reorder_cache``): one :class:`longnet.nn.KVCache` per group of rows
+with the same left padding (:mod:`longnet.hf.padding`), holding their real tokens only, so
+each group decodes exactly as an unpadded batch.
 """
 
 from __future__ import annotations
@@ -20,11 +14,8 @@ from longnet.nn import KVCache
 
 
 class LongNetCache:
-    """KV caches of the row groups of one batch (module docstring).
-
-    The first model call fixes the batch's rows and their left padding; later calls must
-    bring the same padding (``transformers`` extends the mask by ones) or none.
-    """
+    """KV caches of the row groups of one batch; the first call fixes the rows' left padding,
+    later calls bring the same (the mask extended by ones) or none."""
 
     def __init__(self, num_layers: int) -> None:
         self.num_layers = num_layers
@@ -37,8 +28,8 @@ class LongNetCache:
         return self.seen
 
     def bind(self, padding: Tensor, batch: int) -> list[tuple[RowGroup, KVCache]]:
-        """The row groups and their caches for a call on ``batch`` rows whose left padding is
-        ``padding`` ``(batch,)``; the first call creates them.
+        """The row groups and caches for ``batch`` rows of left padding ``padding``
+        ``(batch,)``; the first call creates them.
 
         Raises:
             ValueError: the batch size or the padding differs from the first call's.
@@ -63,12 +54,10 @@ class LongNetCache:
         self.seen += columns
 
     def reorder_cache(self, beam_idx: Tensor) -> None:
-        """Row ``i`` continues old row ``beam_idx[i]`` ``(batch,)``; each group's caches are
-        reordered with ``KVCache.select_rows`` (beam search).
+        """Row ``i`` continues old row ``beam_idx[i]`` ``(batch,)`` (beam search).
 
         Raises:
-            ValueError: a row would continue a row of another left padding (beam search
-                never does that: hypotheses stay with their prompt).
+            ValueError: a row would continue a row of another left padding.
         """
         if self.padding is None:
             return

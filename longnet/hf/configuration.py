@@ -1,18 +1,9 @@
 """``LongNetHFConfig``: the ``transformers`` config of model type ``longnet``.
 
-It reads the ``config.json`` that ``LongNetLM.save_pretrained`` and the zoo write, unchanged:
-the LongNet fields (:class:`longnet.modeling.LongNetConfig`, validated by it, defaults
-included) become attributes, everything else (``transformers``' own keys) goes to
-``PreTrainedConfig``. ``num_hidden_layers``, ``num_attention_heads`` and
-``max_position_embeddings`` are aliases of ``num_layers``, ``num_heads`` and
-``max_positions``; ``use_cache`` (default true) is ``transformers``' switch for the KV cache.
-``dtype`` defaults to float32, so ``from_pretrained(..., dtype="auto")`` (the default of
-``transformers`` 5 and of lm-eval) gives float32 like ``LongNetLM.from_pretrained``, not the
-bfloat16 the zoo stores its weights in.
-
-A config remembers the LongNet fields it was built with (not saved), so that
-:meth:`LongNetHFConfig.rebased` can move one read from a model folder to a newer version of
-that folder, keeping the fields changed since.
+It reads LongNet's ``config.json`` unchanged: the :class:`longnet.modeling.LongNetConfig`
+fields (validated) become attributes, the rest goes to ``PreTrainedConfig``. ``dtype`` defaults
+to float32, so ``dtype="auto"`` (``transformers`` 5's and lm-eval's default) does not run the
+zoo's bfloat16-stored weights in bfloat16.
 """
 
 from __future__ import annotations
@@ -35,11 +26,8 @@ LONGNET_FIELDS = tuple(f.name for f in dataclasses.fields(LongNetConfig))
 
 
 class LongNetHFConfig(PreTrainedConfig):
-    """A :class:`LongNetConfig` as a ``transformers`` config (module docstring).
-
-    ``to_longnet()`` returns the validated :class:`LongNetConfig`; ``from_longnet(config)``
-    builds this class from one.
-    """
+    """A :class:`LongNetConfig` as a ``transformers`` config (module docstring); it remembers
+    the fields it was built with (not saved) for :meth:`rebased`."""
 
     model_type = MODEL_TYPE
     attribute_map = {
@@ -76,10 +64,8 @@ class LongNetHFConfig(PreTrainedConfig):
     def from_pretrained(
         cls, pretrained_model_name_or_path: str | os.PathLike, *args: Any, **kwargs: Any
     ) -> LongNetHFConfig | tuple[LongNetHFConfig, dict[str, Any]]:
-        """``transformers``' ``from_pretrained``, with a zoo name (``"longnet-tiny"``) read from
-        its folder, and a local path that is no model folder (a training run's folder, a
-        ``.ckpt`` file) refused by ``FileNotFoundError`` saying what to pass instead
-        (:func:`local_model_dir`); any other name goes to ``transformers`` (the Hub)."""
+        """``transformers``' ``from_pretrained``, local paths and zoo names resolved by
+        :func:`local_model_dir` (``FileNotFoundError`` for a path that is no model folder)."""
         folder = local_model_dir(pretrained_model_name_or_path, kwargs.get("subfolder") or "")
         if folder is None:
             return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
@@ -93,13 +79,8 @@ class LongNetHFConfig(PreTrainedConfig):
         return data
 
     def rebased(self, data: dict[str, Any]) -> LongNetHFConfig:
-        """A copy of this config with the LongNet fields of the ``config.json`` ``data`` where
-        this config still has the values it was built with; the fields changed since
-        (``from_pretrained`` keyword arguments, assignments) keep their value.
-
-        For a config read from a model folder that was saved again before its weights were
-        read: the new version's model, with the same changes.
-        """
+        """A copy of this config with the LongNet fields of the ``config.json`` ``data``
+        (a newer version of its folder), except those changed since it was built."""
         newer = type(self)(**data)
         config = copy.deepcopy(self)
         for name in LONGNET_FIELDS:
@@ -119,15 +100,10 @@ class LongNetHFConfig(PreTrainedConfig):
 
 
 def local_model_dir(source: str | os.PathLike, subfolder: str = "") -> Path | None:
-    """The model folder on this machine that ``source`` (and its ``subfolder``) names for a
-    ``from_pretrained``: an existing path, checked by
-    :func:`longnet.modeling.resolve_model_dir` (a folder without ``config.json``, such as a
-    training run's, or a ``.ckpt`` file raise ``FileNotFoundError`` saying what to load
-    instead), or a zoo name's folder (materialized on first use for an entry whose weights
-    come from an installed distribution:
-    :func:`longnet.hf.pretrained.materialize`); None for a name that is neither
-    (a Hub id) and for a ``.json`` file (a config file, which ``transformers`` reads as one),
-    left to ``transformers``."""
+    """The local model folder ``source`` (and ``subfolder``) names: an existing path, checked
+    by :func:`longnet.modeling.resolve_model_dir` (``FileNotFoundError``), or a zoo name's
+    folder (materialized on first use); None for a Hub id or a ``.json`` file, left to
+    ``transformers``."""
     path = Path(source, subfolder)
     if path.is_file() and path.suffix == ".json":
         return None

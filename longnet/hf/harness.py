@@ -1,35 +1,11 @@
-"""lm-eval on LongNet models, offline: the model, its tokenizer and the local tasks.
+"""lm-eval on LongNet models, offline: :func:`harness_lm` (``HFLM`` over the loaded model),
+:func:`write_bpb_task` (a local bits-per-byte task) and :func:`evaluate` (those and RULER's
+``niah_*`` tasks).
 
-- :func:`harness_lm`: lm-eval's ``HFLM`` over :class:`LongNetForCausalLM` (the loaded
-  ``LongNetLM``, shared) and the byte tokenizer.
-- :func:`write_bpb_task`: a ``loglikelihood_rolling`` task with ``bits_per_byte`` over local
-  documents (a jsonl file and a YAML config in one folder, for ``TaskManager(include_path=)``).
-- :func:`evaluate`: ``lm_eval.simple_evaluate`` on such tasks and lm-eval's own (RULER's
-  ``niah_*``), with the NIAH lengths and the tokenizer folder as task metadata.
-
-**The bits-per-byte task computes what** ``longnet eval perplexity --stride 1.0
---score-from 0`` **reports as** ``scored_bits_per_byte`` (``sliding_bits_per_byte``). lm-eval's
-rolling windows of ``max_length`` ``C`` (``utils.get_rolling_token_windows`` with
-``context_len=1``): the first window is ``[EOS] + bytes[:C-1]`` and predicts ``bytes[:C]``;
-each later window predicts the next ``C`` bytes from the ``C`` tokens that end just before
-the last of them, so the last, shorter chunk still gets a full window. These are the sliding
-windows of ``longnet.eval.sliding`` with stride ``C`` (each document framed ``[EOS] bytes
-[EOS]``). Two differences remain: lm-eval scores the bytes only, while ``bits_per_byte`` of
-``longnet eval perplexity`` also scores each document's closing EOS (hence ``--score-from 0``, the
-bytes alone); and where a document's length is not a multiple of ``C``, the window of its last
-chunk ends one token later in ``longnet eval perplexity`` (it also scores that EOS), so those bytes
-see one token less context there. Both are documented with measured sizes in
-docs/evaluation.md.
-
-**Batch size and dtype.** lm-eval batches rolling windows right-padded with token 0 and
-passes no attention mask. A causal model never looks at later positions and LongNet's dilated
-segments are laid out from position 0, so the padding changes nothing: the bits per byte are
-the same at every batch size (tested; measured in docs/evaluation.md). Batched generation
-(``generate_until``, the NIAH tasks) pads on the left with a mask, which
-:class:`LongNetForCausalLM` honours exactly (``longnet.hf.padding``). What does change the
-numbers is the dtype: lm-eval's default ``dtype="auto"`` would run the zoo's bfloat16-stored
-weights in bfloat16; ``LongNetHFConfig`` makes ``"auto"`` float32, and :func:`harness_lm`
-wraps the model that ``longnet.eval.load_model`` loads (float32 unless asked otherwise).
+The bits-per-byte task's rolling windows are the sliding windows of ``longnet eval perplexity
+--stride 1.0 --score-from 0`` (``sliding_bits_per_byte``); the small remaining difference at
+each document's last chunk, and why batch size does not change the result, are in
+docs/evaluation.md ("lm-eval").
 """
 
 from __future__ import annotations
@@ -59,18 +35,14 @@ from longnet.modeling import LongNetLM, write_tokenizer_files
 
 BPB_TASK = "longnet_bpb"
 NIAH_TASKS = ("niah_single_1", "niah_multikey_2")
-"""RULER's needle-in-a-haystack tasks run here; their haystacks are generated (a repeated
-filler paragraph; distractor needles). ``niah_single_2``/``_3``, ``niah_multikey_1``,
-``niah_multivalue`` and ``niah_multiquery`` read Paul Graham's essays from the Hugging Face
-Hub and cannot run offline."""
+"""RULER's needle-in-a-haystack tasks with generated haystacks; the others read essays from
+the Hugging Face Hub and cannot run offline."""
 
 
 def tokenizer_folder(model: LongNetLM, directory: str | Path,
                      tokenizer: SubwordTokenizer | None = None) -> Path:
-    """Write the tokenizer of ``model`` into ``directory``: the byte tokenizer's files for a
-    byte-level model, else ``tokenizer``'s (``LoadedModel.tokenizer``: its folder's or its
-    checkpoint's). lm-eval's RULER tasks load their tokenizer by path, so even a Lightning
-    checkpoint's model needs one on disk.
+    """Write the tokenizer of ``model`` into ``directory`` (RULER loads it by path): the byte
+    tokenizer's files for a byte-level model, else ``tokenizer``'s.
 
     Raises:
         ValueError: a model that is not byte-level and no subword ``tokenizer``.
@@ -92,8 +64,7 @@ def harness_lm(
     model: LongNetLM, tokenizer_dir: str | Path, *, max_length: int, batch_size: int = 1
 ) -> HFLM:
     """lm-eval's ``HFLM`` over ``model`` (wrapped, not copied) and the tokenizer in
-    ``tokenizer_dir``. ``max_length``: lm-eval's context in tokens (rolling windows; prompt
-    plus generated tokens)."""
+    ``tokenizer_dir``; ``max_length``: lm-eval's context in tokens."""
     return HFLM(
         pretrained=LongNetForCausalLM.from_longnet(model.eval()),
         tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir),
@@ -106,12 +77,9 @@ def harness_lm(
 def write_bpb_task(
     directory: str | Path, documents: Sequence[EvalDocument], task: str = BPB_TASK
 ) -> Path:
-    """Write ``<task>.jsonl`` (one ``{"doc_id", "text"}`` per document) and ``<task>.yaml``
-    (``loglikelihood_rolling`` with ``bits_per_byte``, ``byte_perplexity`` and
-    ``word_perplexity``) into ``directory``; returns the YAML's path.
-
-    Documents must be UTF-8 (as ``load_eval_documents`` makes them): lm-eval reads text.
-    """
+    """Write ``<task>.jsonl`` (the UTF-8 documents) and ``<task>.yaml`` (a
+    ``loglikelihood_rolling`` task with ``bits_per_byte``, ``byte_perplexity`` and
+    ``word_perplexity``) into ``directory``; returns the YAML's path."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     data = directory / f"{task}.jsonl"
@@ -153,10 +121,9 @@ def evaluate(
     limit: int | None = None,
     seed: int = 0,
 ) -> dict[str, dict[str, Any]]:
-    """``lm_eval.simple_evaluate`` of ``tasks`` (local ones from ``include_path``);
-    ``metadata`` goes to the tasks (RULER reads ``tokenizer`` and ``max_seq_lengths``),
-    ``limit`` caps the examples per task. Returns lm-eval's ``results``: per task, metric
-    name (``"bits_per_byte,none"``, ``"1024,none"``, ...) to value."""
+    """``lm_eval.simple_evaluate`` of ``tasks`` (local ones from ``include_path``), with
+    ``metadata`` for the tasks and at most ``limit`` examples each. Returns lm-eval's
+    ``results``: per task, metric name (``"bits_per_byte,none"``, ...) to value."""
     forbid_nltk_downloads()
     manager = TaskManager(
         include_path=None if include_path is None else str(include_path), metadata=metadata
@@ -170,10 +137,8 @@ def evaluate(
 
 
 def forbid_nltk_downloads() -> None:
-    """Keep lm-eval's RULER module offline: on import it calls ``nltk.download("punkt_tab")``
-    when that data is missing (for the essay haystacks; the NIAH tasks here never use it).
-    ``nltk.download`` is replaced by a function that downloads nothing and returns False, as
-    a failed download does (lm-eval then goes on)."""
+    """Keep lm-eval's RULER module offline: ``nltk.download`` (which it calls on import)
+    downloads nothing and returns False, as a failed download does."""
     import nltk
 
     nltk.download = _no_download
@@ -187,10 +152,9 @@ def sliding_bits_per_byte(
     model: LongNetLM, documents: Sequence[EvalDocument], context_length: int,
     batch_size: int = 1, tokenizer: ByteTokenizer | SubwordTokenizer | None = None,
 ) -> float:
-    """Bits per byte of the documents' bytes (closing EOS left out) with sliding windows of
-    ``context_length`` tokens of ``tokenizer`` (None: bytes) and stride ``context_length``:
-    what ``longnet eval perplexity --stride 1.0 --score-from 0`` reports as
-    ``scored_bits_per_byte``, and what the bits-per-byte task measures (module docstring)."""
+    """Bits per byte of the documents' bytes (closing EOS left out), sliding windows of
+    ``context_length`` tokens of ``tokenizer`` (None: bytes) at stride ``context_length``:
+    ``longnet eval perplexity``'s ``scored_bits_per_byte`` (module docstring)."""
     tokenized = tokenize_documents(documents, tokenizer or ByteTokenizer())
     result = score_documents(model, tokenized, context_length, 1.0, batch_size=batch_size,
                              return_token_nll=True)
@@ -210,16 +174,13 @@ def evaluate_model(
     compare: bool = False,
     seed: int = 0,
 ) -> list[dict[str, Any]]:
-    """One model through lm-eval: the bits-per-byte task over ``documents`` (skipped when
-    None) with context ``context_length`` (default ``max_positions``), and ``niah_tasks`` at
-    each of ``niah_lengths`` (default: the context; lm-eval's ``max_length`` is the NIAH
-    length, prompt plus the 128 generated tokens), ``niah_examples`` examples per task and
-    length (RULER generates 500).
+    """One model through lm-eval: the bits-per-byte task over ``documents`` (None: skipped)
+    at context ``context_length`` (default ``max_positions``), and ``niah_tasks`` at each of
+    ``niah_lengths`` (default: the context), ``niah_examples`` per task and length.
 
-    Writes the tokenizer and the task files into ``work_dir``. Returns one row per measured value:
-    ``model``, ``task``, ``length`` (context or NIAH length), ``examples``, ``metric``,
-    ``value``, ``seconds``; with ``compare`` also the ``longnet eval perplexity`` value of the
-    same documents (task ``eval_perplexity``, :func:`sliding_bits_per_byte`).
+    Writes the tokenizer and task files into ``work_dir``. Returns one row per value:
+    ``model``, ``task``, ``length``, ``examples``, ``metric``, ``value``, ``seconds``; with
+    ``compare`` also task ``eval_perplexity`` (:func:`sliding_bits_per_byte`).
     """
     work_dir = Path(work_dir)
     model = loaded.model

