@@ -1,8 +1,7 @@
 """Data for longnet: byte tokenization, long-document corpora and generated long-range tasks.
 
-Every dataset is map-style and yields ``{"input_ids": LongTensor (seq_len,), "labels":
-LongTensor (seq_len,)}`` with labels already shifted (``-100`` where no loss is taken).
-Recipes and cache layout: ``data/README.md``.
+Every dataset is map-style; samples are ``{"input_ids": (seq_len,), "labels": (seq_len,)}``
+int64, labels already shifted (``-100`` where no loss is taken). Recipes: ``data/README.md``.
 """
 
 from longnet.constants import IGNORE_INDEX

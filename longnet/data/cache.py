@@ -1,13 +1,7 @@
 """The on-disk cache of processed corpora: where it lives, how entries are keyed and built.
 
-An entry is a folder ``<cache_dir>/<name>-<fingerprint>``; the fingerprint is a hash of
-everything the processed data depends on (the source files with their sizes and modification
-times, and the processing settings), so any change builds a new entry and an unchanged setup
-reuses the old one. Entries are built in a staging folder next to the target and renamed into
-place when complete, so a crash never leaves a half-written entry that looks finished, and
-concurrent builders (one per node) cannot corrupt each other. Stale entries are never deleted
-automatically; remove the cache folder (:func:`default_cache_dir`, e.g. ``~/.cache/longnet``)
-to reclaim space.
+An entry ``<cache_dir>/<name>-<fingerprint>`` (a hash of the files' sizes and mtimes and the
+settings) is built in a staging folder and renamed into place when complete. Nothing is evicted.
 """
 
 from __future__ import annotations
@@ -26,14 +20,11 @@ from longnet.validation import UsageError
 
 COMPLETE_MARKER = "COMPLETE"
 CACHE_VARIABLE = "LONGNET_CACHE"
-"""The environment variable naming the default cache folder (:func:`default_cache_dir`)."""
 
 
 def default_cache_dir() -> Path:
-    """The user's cache folder for longnet's processed corpora: ``$LONGNET_CACHE`` when set
-    (``~`` expanded), else ``$XDG_CACHE_HOME/longnet`` when ``XDG_CACHE_HOME`` is an absolute
-    path (the XDG spec ignores a relative one), else ``~/.cache/longnet``. Never a folder of
-    the package or of the current directory.
+    """The user's cache folder: ``$LONGNET_CACHE`` when set (``~`` expanded), else
+    ``$XDG_CACHE_HOME/longnet`` when that is absolute, else ``~/.cache/longnet``.
 
     Raises:
         UsageError: ``LONGNET_CACHE`` is set to an empty string.
@@ -55,11 +46,10 @@ def _user_cache_dir() -> Path:
 
 
 def cache_folder(cache_dir: str | os.PathLike[str] | None) -> Path:
-    """The cache folder a ``cache_dir`` option names: ``~`` expanded, None for
-    :func:`default_cache_dir`.
+    """The cache folder a ``cache_dir`` option names (``~`` expanded; None: the default).
 
     Raises:
-        ValueError: ``cache_dir`` is an empty string (which would be the current folder).
+        ValueError: ``cache_dir`` is an empty string.
     """
     if cache_dir is None:
         return default_cache_dir()
@@ -83,14 +73,13 @@ def is_complete(entry: Path) -> bool:
 
 
 def build_once(entry: Path, build: Callable[[Path], None]) -> bool:
-    """Make the cache entry ``entry`` with ``build(staging_dir)`` unless it is complete already.
+    """Make the cache entry ``entry`` with ``build(staging_dir)`` unless it is complete.
 
     Returns:
-        True when this call ran ``build``, False when the entry was already complete.
+        Whether this call ran ``build``.
 
     Raises:
-        UsageError: (before ``build``) the cache folder ``entry.parent`` is a file, lies below
-            one, or cannot be written.
+        UsageError: (before ``build``) the cache folder cannot be written.
     """
     if is_complete(entry):
         return False

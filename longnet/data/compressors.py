@@ -1,11 +1,7 @@
 """Compressor baselines: bits per byte of general-purpose compressors on the same documents.
 
-``bits per byte = 8 * compressed bytes / raw bytes`` at each tool's strongest standard
-setting: gzip level 9 (``mtime=0``), bzip2 level 9, xz preset 9 with ``PRESET_EXTREME``.
-``mode="separate"`` compresses every document on its own and sums the sizes (like the model,
-which never sees across a document boundary; each document pays the format's header);
-``mode="concatenated"`` compresses the documents joined in order as one stream (the
-compressor may exploit similarities between documents).
+``8 * compressed bytes / raw bytes`` at each tool's strongest setting; ``mode="separate"``
+compresses every document alone (as the model scores it), ``"concatenated"`` as one stream.
 """
 
 from __future__ import annotations
@@ -45,13 +41,8 @@ def compressor_baselines(
     modes: Sequence[str] = MODES,
     compressors: Sequence[str] | None = None,
 ) -> list[CompressorBaseline]:
-    """Bits per byte of each compressor (default all of :data:`COMPRESSORS`) in each mode.
-
-    Args:
-        documents: raw document bytes (``bytes`` or ``(n,)`` uint8 arrays).
-        modes: any of ``"separate"``, ``"concatenated"``.
-        compressors: names from :data:`COMPRESSORS`.
-    """
+    """Bits per byte of each compressor (default: all) in each mode on ``documents`` (``bytes``
+    or ``(n,)`` uint8 arrays)."""
     names = list(COMPRESSORS) if compressors is None else list(compressors)
     for name in names:
         if name not in COMPRESSORS:

@@ -1,25 +1,8 @@
 """Long-document corpora processed into windows with ``datasets`` and cached on disk.
 
-Pipeline (``build_long_document_splits``), every step a ``datasets`` operation:
-
-1. read the source's documents (``DocumentSource.read_documents``: ``reading.load_documents``,
-   or one per package for ``repositories.PackageSource``);
-2. batched ``map`` (``encoding.describe_documents``): UTF-8 bytes, a content hash and a split
-   per document (by the hash, or the document's own ``split`` when the source gives one:
-   packages); empty documents and documents shorter than ``min_document_bytes`` are dropped;
-3. keep the first documents (source order) up to ``max_documents`` and until their bytes
-   reach ``max_bytes`` (the last kept document may cross it); with a subword tokenizer
-   (``tokenizer.parse_tokenizer``), a BPE is then trained on the kept training documents (or
-   loaded from its cache entry) and a second batched ``map`` encodes every document into its
-   ids and the UTF-8 bytes of each token (``encoding.encode_documents``);
-4. per split, batched ``map`` into windows (``encoding.window_dataset``): training windows
-   packed across documents (with ``pack_documents``: whole framed documents and their
-   ``document_ids``), evaluation windows inside one document each, tagged with
-   ``doc_id``/``offset``; subword windows also carry ``label_bytes``;
-5. ``save_to_disk`` under a cache entry keyed by the file list (sizes, mtimes), settings and
-   tokenizer.
-
-A later call with the same files and settings loads the entry (memory-mapped) and runs no map.
+:func:`build_long_document_splits` reads and describes the documents (``encoding``), keeps the
+first up to the limits, trains or loads a BPE on the training documents when one is asked for,
+cuts each split into windows and saves them in a cache entry (``cache``), memory-mapped later.
 """
 
 from __future__ import annotations
@@ -79,10 +62,8 @@ class CorpusSettings:
         val_fraction, test_fraction: expected shares of documents in validation and test.
         max_documents: keep at most this many (non-empty) documents, in source order.
         max_bytes: stop keeping documents once their bytes reach this many.
-        min_document_bytes: drop documents shorter than this many bytes (before the split and
-            the limits), e.g. to train and validate a long-context model on long documents only.
-        pack_documents: training windows hold framed documents back to back with their
-            ``document_ids`` (``encoding.packed_document_windows``) instead of the plain stream.
+        min_document_bytes: drop documents shorter than this many bytes.
+        pack_documents: training windows of whole documents with their ``document_ids``.
     """
 
     seq_len: int
@@ -94,7 +75,7 @@ class CorpusSettings:
     pack_documents: bool = False
 
     def __post_init__(self) -> None:
-        # NumPy numbers are accepted and stored as Python ones, which the cache key's JSON holds
+        # NumPy numbers are stored as Python ones, which the cache key's JSON holds
         set_field = functools.partial(object.__setattr__, self)
         set_field("seq_len", check_positive_int("seq_len", self.seq_len))
         if not isinstance(self.pack_documents, bool):
@@ -114,20 +95,14 @@ class LongDocumentSplits:
     """The processed corpus.
 
     Attributes:
-        train: packed windows, torch format ``{"input_ids", "labels"}`` each ``(seq_len,)``
-            (and ``"document_ids"`` with ``pack_documents``).
-        validation, test: windows inside one document each, same torch format; the hidden
-            columns ``doc_id`` (the document's hash) and ``offset`` (of the window's first input
-            in ``[EOS] + document + [EOS]``) are readable through ``.with_format(None)``.
-        documents: one row per kept document in stream order: ``doc_id``, ``split``,
-            ``num_bytes`` (and ``num_tokens`` for a subword tokenizer).
+        train: packed windows, torch format ``{"input_ids", "labels"}`` each ``(seq_len,)``.
+        validation, test: windows inside one document each, same format; the hidden columns
+            ``doc_id`` and ``offset`` are read through ``.with_format(None)``.
+        documents: per kept document ``doc_id``, ``split``, ``num_bytes`` (``num_tokens``).
         path: the cache entry.
         built: True when this call processed the data, False when it loaded the cache.
-        tokenizer: the tokenizer of the windows (:class:`~longnet.data.ByteTokenizer` or a
-            :class:`~longnet.data.subword.SubwordTokenizer`).
-        gzip_bits_per_byte: gzip -9's bits per byte on the ``"validation"`` and ``"test"``
-            documents, each compressed alone (:func:`held_out_gzip`); empty for a cache entry
-            built before it was recorded.
+        tokenizer: the tokenizer of the windows.
+        gzip_bits_per_byte: gzip -9's on ``"validation"`` and ``"test"`` (:func:`held_out_gzip`).
     """
 
     train: Dataset
@@ -142,10 +117,10 @@ class LongDocumentSplits:
 
 def corpus_cache_key(source: DocumentSource, settings: CorpusSettings,
                      tokenizer: TokenizerChoice | None = None) -> str:
-    """The cache key of ``source`` processed with ``settings`` and ``tokenizer`` (bytes when
-    None: left out of the key, so byte entries keep their key)."""
+    """The cache key of ``source`` processed with ``settings`` and ``tokenizer``; bytes and
+    ``pack_documents=False`` are left out of the key, so older entries keep theirs."""
     fields = asdict(settings)
-    if not settings.pack_documents:  # off: left out, so unpacked cache entries keep their key
+    if not settings.pack_documents:
         del fields["pack_documents"]
     extra = {} if tokenizer is None or tokenizer.kind == BYTES else \
         {"tokenizer": _tokenizer_key(source, settings, tokenizer)}
@@ -155,8 +130,7 @@ def corpus_cache_key(source: DocumentSource, settings: CorpusSettings,
 
 
 def _bpe_key(source: DocumentSource, settings: CorpusSettings) -> dict:
-    """What a BPE trained on the training split depends on: the documents and the settings
-    that choose them (not the window length)."""
+    """What a BPE trained on the training split depends on (not the window length)."""
     chosen = {name: getattr(settings, name) for name in (
         "val_fraction", "test_fraction", "max_documents", "max_bytes", "min_document_bytes")}
     return {"source": source.name, **source.cache_fields(), "documents": chosen}
@@ -164,16 +138,13 @@ def _bpe_key(source: DocumentSource, settings: CorpusSettings) -> dict:
 
 def _tokenizer_key(source: DocumentSource, settings: CorpusSettings,
                    tokenizer: TokenizerChoice) -> dict:
-    """The tokenizer's part of the corpus key: a loaded tokenizer's fingerprint; for a BPE
-    still to be trained, its size and what it is trained on (the same data give the same
-    BPE)."""
+    """The tokenizer's part of the corpus key: its fingerprint, or a BPE's size and data."""
     if tokenizer.loaded is not None:
         return {"fingerprint": tokenizer.loaded.fingerprint}
     return {"bpe": tokenizer.bpe_vocab_size, "on": fingerprint(_bpe_key(source, settings))}
 
 
 def _documents_kept(num_bytes: np.ndarray, settings: CorpusSettings) -> int:
-    """How many leading documents the ``max_documents``/``max_bytes`` limits keep."""
     count = len(num_bytes)
     if settings.max_documents is not None:
         count = min(count, settings.max_documents)
@@ -185,17 +156,13 @@ def _documents_kept(num_bytes: np.ndarray, settings: CorpusSettings) -> int:
 
 
 def documents_needed(val_fraction: float, test_fraction: float, chance: float = 0.95) -> int:
-    """How many documents give every split at least one with probability ``chance``: each
-    document falls into validation with probability ``val_fraction`` (test likewise), so
-    about ``log((1 - chance) / 2) / log(1 - min fraction)``."""
+    """How many documents give every split one with probability ``chance``."""
     smallest = min(val_fraction, test_fraction)
     return max(3, math.ceil(math.log((1 - chance) / 2) / math.log1p(-smallest)))
 
 
 def _check_splits(source: DocumentSource, settings: CorpusSettings, split_column: np.ndarray,
                   available: int) -> None:
-    """Raise :class:`UsageError` when no document is kept or a split gets none, saying how
-    many documents a corpus needs."""
     kept = len(split_column)
     files = (f"{len(source.files)} files under {os.path.commonpath(source.files)}"
              if len(source.files) > 3 else ", ".join(str(path) for path in source.files))
@@ -232,7 +199,7 @@ def _build(source: DocumentSource, settings: CorpusSettings, staging: Path,
                  else pc.list_value_length(documents.data.column("tokens")).to_numpy())
     documents = documents.select(range(_documents_kept(num_bytes, settings)))
     _check_splits(source, settings, np.asarray(documents["split"][:]), available=len(num_bytes))
-    source_documents = documents  # a subword tokenizer's: their text, before it is encoded
+    source_documents = documents  # the text, before a subword tokenizer encodes it
     info: dict = {}
     framing = BYTE_FRAMING
     if subword:
@@ -271,15 +238,11 @@ def _build(source: DocumentSource, settings: CorpusSettings, staging: Path,
 
 ROUND_TRIP_DOCUMENTS = 16
 ROUND_TRIP_CHARACTERS = 4096
-"""The sample a subword tokenizer must give back (``subword.check_round_trip``): this many
-training documents spread over the split, the first characters of each (a few milliseconds of
-encoding)."""
+"""How many training documents, and characters of each, a subword tokenizer must give back."""
 
 
 def round_trip_sample(documents: Dataset) -> list[tuple[str, str]]:
-    """``(what, text)`` of up to :data:`ROUND_TRIP_DOCUMENTS` training documents of
-    ``documents`` (a ``describe_documents`` result), evenly spread, each cut to its first
-    :data:`ROUND_TRIP_CHARACTERS` characters; ``what`` names the document for messages."""
+    """``(what, text)`` of training documents, evenly spread, cut for the round trip."""
     rows = np.flatnonzero(np.asarray(documents["split"][:]) == "train")
     picked = np.unique(np.linspace(0, len(rows) - 1, min(len(rows), ROUND_TRIP_DOCUMENTS))
                        .round().astype(np.int64)) if len(rows) else rows
@@ -289,10 +252,7 @@ def round_trip_sample(documents: Dataset) -> list[tuple[str, str]]:
 
 
 def held_out_gzip(source_documents: Dataset, split_column: np.ndarray) -> dict[str, float]:
-    """gzip -9's bits per byte on the validation and on the test documents, each document
-    compressed alone (as the model scores it): ``{"validation": x, "test": y}``.
-    ``source_documents`` holds the documents' UTF-8 bytes (column ``tokens`` of a byte corpus)
-    or their text (``text``), row for row with ``split_column``."""
+    """gzip -9's bits per byte on the validation and test documents, each alone."""
     column = "text" if "text" in source_documents.column_names else "tokens"
     scores = {}
     for split in SPLITS[1:]:
@@ -306,9 +266,7 @@ def held_out_gzip(source_documents: Dataset, split_column: np.ndarray) -> dict[s
 
 def _build_logged(source: DocumentSource, settings: CorpusSettings, staging: Path,
                   choice: TokenizerChoice) -> None:
-    """``_build``, with ``datasets``' progress bars only when stderr is a terminal (in a log
-    file every bar is a run of carriage-return updates); off a terminal one line says what is
-    being built and one how long it took."""
+    """``_build``, with ``datasets``' progress bars only on a terminal (else two log lines)."""
     if sys.stderr.isatty() or not datasets.is_progress_bar_enabled():
         _build(source, settings, staging, choice)
         return
@@ -330,20 +288,16 @@ def build_long_document_splits(
 ) -> LongDocumentSplits:
     """Process ``source`` into train/validation/test windows, or load them from the cache.
 
-    The cache entry is ``<cache_dir>/<source.name>-<corpus_cache_key>`` (``cache_dir`` as
-    ``cache.cache_folder`` reads it: ``~`` expanded, an empty string refused); it is rebuilt
-    when the files (list, sizes, mtimes), the settings or the tokenizer change.
+    The cache entry ``<cache_dir>/<source.name>-<corpus_cache_key>`` is rebuilt when the files
+    (list, sizes, mtimes), the settings or the tokenizer change.
 
     Args:
         tokenizer: a :class:`~longnet.data.tokenizer.TokenizerChoice` or the option it
-            parses (``"bytes"``, ``"bpe:8192"``, a path, a model name); None is bytes. A
-            subword tokenizer's windows also hold ``label_bytes`` (``LABEL_BYTES_COLUMN``).
+            parses; None is bytes. Subword windows also hold ``label_bytes``.
 
     Raises:
-        UsageError: (a ``ValueError``; the message names the files or setting and the fix)
-            text files that are not UTF-8 or unreadable rows (``source.read_documents``), no
-            document, a split without documents (the message says how many are needed), or
-            no full training window; a BPE cache entry changed since it was built.
+        UsageError: unreadable documents, no document, a split without one, no full training
+            window, or a damaged cache entry.
     """
     choice = tokenizer if isinstance(tokenizer, TokenizerChoice) else parse_tokenizer(tokenizer)
     folder = cache_folder(cache_dir)
@@ -364,8 +318,7 @@ def build_long_document_splits(
 
 
 def _check_entry_tokenizer(entry: Path, tokenizer: SubwordTokenizer) -> None:
-    """Refuse a corpus entry whose windows were made by another tokenizer than ``tokenizer``
-    (a tokenizer changed in place under the same name)."""
+    """Refuse a corpus entry built by another tokenizer (one changed in place, same name)."""
     recorded = json.loads((entry / "info.json").read_text()).get("tokenizer", {})
     if recorded.get("fingerprint") != tokenizer.fingerprint:
         raise UsageError(
@@ -377,8 +330,7 @@ def _check_entry_tokenizer(entry: Path, tokenizer: SubwordTokenizer) -> None:
 
 
 def _training_texts(source: DocumentSource, settings: CorpusSettings) -> Iterator[str]:
-    """The texts of the training split, read again (a BPE cache entry deleted while its
-    corpus entry stayed)."""
+    """The training texts, read again (a BPE entry deleted while its corpus entry stayed)."""
     with tempfile.TemporaryDirectory(prefix="longnet-bpe-") as scratch:
         documents = describe_documents(source.read_documents(Path(scratch)),
                                        settings.val_fraction, settings.test_fraction,
@@ -389,8 +341,6 @@ def _training_texts(source: DocumentSource, settings: CorpusSettings) -> Iterato
 
 
 def _load_entry_part(entry: Path, name: str) -> Dataset:
-    """The dataset ``name`` (a split or ``"documents"``) of the finished cache entry ``entry``;
-    :class:`UsageError` naming the entry when its files are missing or damaged."""
     try:
         return load_from_disk(str(entry / name))
     except (OSError, ValueError) as err:  # a file deleted or cut short (pyarrow: ValueError)

@@ -1,6 +1,4 @@
-"""The Lightning DataModules: windows of long documents (:class:`LongDocumentDataModule`) and
-the generated tasks (:class:`PasskeyDataModule`, :class:`MQARDataModule`).
-"""
+"""The Lightning DataModules: windows of long documents and the generated tasks."""
 
 from __future__ import annotations
 
@@ -20,10 +18,7 @@ from longnet.validation import UsageError, check_non_negative_int, check_positiv
 
 
 class _Loaders(L.LightningDataModule):
-    """The loaders of the split datasets a subclass sets: batches ``{"input_ids": (batch,
-    seq_len), "labels": (batch, seq_len)}``, training ones shuffled. ``batch_size`` and
-    ``num_workers`` may be NumPy integers (given to torch as ``int``). Under a distributed
-    strategy Lightning swaps in a ``DistributedSampler`` (which keeps ``shuffle``)."""
+    """Loaders of the split datasets a subclass sets, training ones shuffled."""
 
     def __init__(self, batch_size: int, num_workers: int,
                  eval_batch_size: int | None = None) -> None:
@@ -55,72 +50,38 @@ class _Loaders(L.LightningDataModule):
 
 
 class LongDocumentDataModule(_Loaders):
-    """Windows of long documents in tokens of a chosen tokenizer, bytes by default (see
-    ``data/README.md`` for the recipe).
-
-    Samples are ``{"input_ids": (seq_len,), "labels": (seq_len,)}`` int64 with shifted labels;
-    batches stack them to ``(batch_size, seq_len)``. Training windows are packed across
-    documents and shuffled; validation/test windows lie inside one document each, the last
-    window of a document padded (labels ``-100``), in document order. With
-    ``pack_documents`` training samples also hold ``"document_ids"`` ``(seq_len,)``; with a
-    subword tokenizer every sample also holds ``"label_bytes"`` ``(seq_len,)``: the UTF-8
-    bytes of the text each label's token covers (0 where none), what bits per byte divide by.
+    """Windows of long documents in tokens of a chosen tokenizer, bytes by default
+    (``longnet.data.encoding``; recipe: ``data/README.md``). Samples may also hold
+    ``"document_ids"`` (``pack_documents``) and ``"label_bytes"`` (subword tokenizers).
 
     Args:
         seq_len: tokens per sample.
         batch_size: samples per training batch.
-        data_files: glob(s) of local files (``sources.files_source``): text, or tables
-            (json/jsonl, parquet, csv, tsv) whose ``text_column`` rows are documents;
-            None uses ``corpus``.
-        corpus: the offline corpus when ``data_files`` is None, one document per ``*.py``
-            file: ``"stdlib"`` (the default) and/or installed distributions, pinned as
-            ``"sympy==1.14.0"``, read in that order (``longnet.data.corpus_source``).
-        text_column: column holding the text in table rows (json, parquet, csv, tsv).
-        invalid_files: text ``data_files`` that are binary or not UTF-8 are refused
-            (``"error"``, naming them) or left out with a warning (``"skip"``).
+        data_files: glob(s) of local text or table files (``sources.files_source``).
+        corpus: ``"stdlib"`` (the default) and/or installed distributions (``"sympy==1.14.0"``).
+        text_column: column holding the text in table rows.
+        invalid_files: text files that are binary or not UTF-8: ``"error"`` or ``"skip"``.
         val_fraction, test_fraction: expected shares of documents held out (hash split).
-        max_documents, max_bytes: keep only the first documents (source order) to bound size.
-        min_document_bytes: drop documents shorter than this (all splits), e.g. 16384 to train
-            and validate a long-context model on long documents only.
-        passkey_fraction: share in ``[0, 1)`` of training samples that are passkey examples
-            (drawn on the fly from ``seed``, in the tokenizer's tokens: ``seq_len`` must hold
-            the shortest, ``min_passkey_length`` bytes or ``min_passkey_tokens`` tokens);
-            validation and test stay pure text.
-        passkey_label_mode: ``"all"`` (language modelling on the whole passkey text),
-            ``"answer"`` (loss on the key's digits only) or ``"recall"`` (the answer and the
-            needle's second copy of the key; ``PasskeyDataset``) for the mixed-in examples.
+        max_documents, max_bytes: keep only the first documents (source order).
+        min_document_bytes: drop documents shorter than this (all splits).
+        passkey_fraction: share in ``[0, 1)`` of training samples that are passkey examples.
+        passkey_label_mode: ``"all"``, ``"answer"`` or ``"recall"`` (``PasskeyDataset``).
         seed: seed of the mixed-in passkey examples.
-        cache_dir: where processed corpora are cached (``~`` expanded; an empty string is
-            refused); None is the user cache folder: ``$LONGNET_CACHE``, else
-            ``$XDG_CACHE_HOME/longnet`` or ``~/.cache/longnet`` (``cache.default_cache_dir``).
+        cache_dir: where processed corpora are cached; None: ``cache.default_cache_dir``.
         num_workers: DataLoader worker processes.
         eval_batch_size: samples per validation/test batch; None uses ``batch_size``.
-        pack_documents: training windows hold whole framed documents back to back with
-            ``document_ids``, so the model attends within each document only
-            (``longnet.data.encoding``; docs/training.md, "Packed documents"). Not with
-            ``passkey_fraction``.
-        packages: the repository-level code corpus instead of ``corpus``/``data_files``, one
-            document per package: ``"stdlib"``, ``"installed"``, ``"<distribution>"`` or
-            ``"<distribution>==<version>"`` (``longnet.data.repositories``), split by the hash
-            of each package's name.
-        held_out: with ``packages``, the held-out packages instead of the hash:
-            ``{"validation": [...], "test": [...]}``, every other package in train.
-        tokenizer: ``"bytes"`` (default), ``"bpe:<vocab size>"`` (trained on the training
-            split, cached), a ``tokenizer.json`` path, a tokenizer or model folder, or a zoo
-            name (``longnet.data.tokenizer``). The model takes its ``vocab_size`` and special
-            ids from it; :attr:`tokenizer` is the tokenizer itself after ``setup``.
+        pack_documents: training windows of whole documents with ``document_ids``, so the
+            model attends within each document only. Not with ``passkey_fraction``.
+        packages: one document per package instead (``longnet.data.repositories``).
+        held_out: with ``packages``, ``{"validation": [...], "test": [...]}`` instead of the hash.
+        tokenizer: ``"bytes"``, ``"bpe:<vocab size>"``, a ``tokenizer.json``, a tokenizer or
+            model folder, or a zoo name; the model takes its ``vocab_size`` from it.
 
     Raises:
-        FileNotFoundError: a ``data_files`` pattern matches nothing (raised here, before work).
-        ValueError: an argument is out of range or a ``corpus`` entry is malformed (the message
-            names it); with a BPE to train, a ``seq_len`` too short for its passkey examples
-            is found in ``setup``.
-        UsageError: (here) a ``corpus`` distribution that is not installed, not the pinned
-            version, or modified since it was installed (files that differ from its RECORD);
-            a ``tokenizer`` that is not one (``tokenizer.parse_tokenizer``).
-        UsageError: (in ``prepare_data``/``setup``) data that cannot be used: files that are
-            not UTF-8 text, no document, a corpus too small to split (see
-            ``build_long_document_splits``).
+        FileNotFoundError: a ``data_files`` pattern matches nothing.
+        ValueError: an argument out of range or a malformed ``corpus`` entry.
+        UsageError: a ``corpus`` distribution not installed as pinned, a bad ``tokenizer``, or
+            (in ``prepare_data``/``setup``) data that cannot be used.
     """
 
     def __init__(
@@ -185,7 +146,7 @@ class LongDocumentDataModule(_Loaders):
 
     @property
     def vocab_size(self) -> int:
-        """The model's vocabulary: 256 for bytes, the BPE's size asked, else the tokenizer's."""
+        """The model's vocabulary (a BPE's: the size asked)."""
         return self.tokenizer_choice.vocab_size
 
     @property
@@ -234,8 +195,7 @@ class LongDocumentDataModule(_Loaders):
 
 
 def _check_window_fits_a_document(splits: LongDocumentSplits, seq_len: int) -> None:
-    """Refuse windows longer than every document: each would pack several documents and no
-    window would hold one context of ``seq_len`` tokens."""
+    """Refuse a ``seq_len`` longer than every document (each window would pack several)."""
     unit = "num_tokens" if "num_tokens" in splits.documents.column_names else "num_bytes"
     sizes = splits.documents[unit]
     longest = max(sizes) if len(sizes) else 0
@@ -265,7 +225,7 @@ class _SyntheticDataModule(_Loaders):
 
 
 class PasskeyDataModule(_SyntheticDataModule):
-    """Passkey retrieval samples of ``seq_len`` tokens (see ``PasskeyDataset``).
+    """Passkey retrieval samples (:class:`~longnet.data.PasskeyDataset`).
 
     Args:
         seq_len: tokens per sample.
@@ -273,8 +233,7 @@ class PasskeyDataModule(_SyntheticDataModule):
         train_size, val_size, test_size: samples per split.
         depth: needle depth in ``[0, 1]``; None draws it per sample.
         num_digits: digits of the key.
-        label_mode: ``"answer"`` (loss on the key only), ``"recall"`` (the key and the needle's
-            second copy of it) or ``"all"`` (every position).
+        label_mode: ``"answer"``, ``"recall"`` or ``"all"``.
         seed: generation seed.
         num_workers: DataLoader worker processes.
     """
@@ -310,7 +269,7 @@ class PasskeyDataModule(_SyntheticDataModule):
 
 
 class MQARDataModule(_SyntheticDataModule):
-    """Multi-query associative recall samples (see ``MQARDataset``).
+    """Multi-query associative recall samples (:class:`~longnet.data.MQARDataset`).
 
     Args:
         seq_len: tokens per sample.

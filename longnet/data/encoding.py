@@ -1,44 +1,13 @@
 """Documents into samples: each document's split, its tokens, and the windows cut from them.
 
-A sample is ``{"input_ids": LongTensor (seq_len,), "labels": LongTensor (seq_len,)}`` with the
-labels already shifted: ``labels[t]`` is the token at position ``t + 1`` of the underlying
-``seq_len + 1`` tokens, or ``IGNORE_INDEX`` where no loss is taken (padding, or positions that
-are not answers in a task that labels only its answers).
+Splits: a document's BLAKE2b-64 digest, read as ``u`` in ``[0, 1)``, puts it in validation
+when ``u < val_fraction``, test when ``u < val_fraction + test_fraction``, else train: the same
+everywhere, duplicates share a split, and raising ``test_fraction`` moves no validation one.
 
-Splits: the 64-bit BLAKE2b digest of a document's UTF-8 bytes, read as a number ``u`` in
-``[0, 1)``, puts it in ``validation`` when ``u < val_fraction``, in ``test`` when ``u <
-val_fraction + test_fraction``, else in ``train``. So splits are the same on every machine, build
-and tokenizer, identical documents always share a split (no train/eval leakage through
-duplicates), and raising ``test_fraction`` never moves a validation document.
-
-Encoding, as ``datasets`` batched maps (:func:`describe_documents`): per document its content
-hash (``doc_id``), its split and its UTF-8 bytes, documents shorter than
-``min_document_bytes`` dropped. With bytes that is the encoding; a subword tokenizer must first
-see which documents are kept and which are training documents (a BPE is trained on those), so
-:func:`encode_documents` then maps them to the tokenizer's ids (``tokens``) and the UTF-8
-bytes each token covers (``token_bytes``, ``SubwordTokenizer.encode_documents``).
-
-Windows: every document is framed as ``[EOS] + tokens`` and ends with the next document's
-``EOS`` (or a final one), so the model always sees a document start after an EOS and learns to
-predict the end of a document.
-
-- Training windows are *packed*: the framed training documents are concatenated into one stream
-  and cut every ``seq_len`` tokens into windows of ``seq_len + 1`` tokens (consecutive windows
-  share one token, so every token after the first is a label exactly once). A trailing partial
-  window is dropped; training windows are never padded and may span documents.
-- With ``pack_documents``, the training stream is the framed documents ``[EOS] + tokens +
-  [EOS]`` back to back, each window comes with ``document_ids`` (the window's documents and
-  pieces of documents numbered from 0), and a label whose target begins the next document is
-  ``IGNORE_INDEX``: every document is trained as if it were alone, as evaluation frames it.
-- Evaluation windows never cross a document boundary: each framed document
-  ``[EOS] + tokens + [EOS]`` is cut the same way on its own, and its last window is padded with
-  ``PAD_ID`` inputs whose labels are ``IGNORE_INDEX``. Documents shorter than a window are thus
-  padded, not skipped, so every byte of every evaluation document is scored exactly once.
-
-Inputs are stored as uint8 and labels as int16 for bytes (compact on disk; the torch format
-of ``datasets`` hands them out as int64); a :class:`Framing` gives another tokenizer's EOS and
-padding ids and wider types. The same functions cut a stream of per-token byte counts
-(:data:`COUNT_FRAMING`) into the windows' ``label_bytes``.
+Windows: a document is framed as ``[EOS] + tokens + [EOS]``. Training windows are cut every
+``seq_len`` tokens from the stream of documents; evaluation windows stay inside one document,
+the last one padded with ``PAD_ID``, so every byte is scored once. A :class:`Framing` gives the
+ids and stored types; :data:`COUNT_FRAMING` cuts per-token byte counts the same way.
 """
 
 from __future__ import annotations
@@ -63,8 +32,7 @@ SPLITS = ("train", "validation", "test")
 TOKEN_BYTES_COLUMN = "token_bytes"
 DOCUMENT_COLUMN = "document_ids"
 LABEL_BYTES_COLUMN = "label_bytes"
-"""Per label, the UTF-8 bytes of the original text its target token covers (0 for EOS and
-ignored labels); stored for subword tokenizers (for bytes: 1 per scored byte, computed)."""
+"""Per label, the UTF-8 bytes its target token covers (stored for subword tokenizers only)."""
 
 
 def check_fractions(val_fraction: float, test_fraction: float) -> None:
@@ -117,10 +85,8 @@ def _describe_batch(batch: dict[str, list], val_fraction: float, test_fraction: 
 
 def describe_documents(documents: Dataset, val_fraction: float, test_fraction: float,
                        min_document_bytes: int, text: bool = True) -> Dataset:
-    """``documents`` (column ``text``, optionally ``split``, which then overrides the hash) as
-    rows ``doc_id``, ``split`` and, with ``text``, ``text`` and ``num_bytes`` (to encode with a
-    subword tokenizer), else ``tokens``: the UTF-8 bytes (uint8, the byte encoding); in source
-    order, documents shorter than ``min_document_bytes`` dropped."""
+    """``documents`` (``text``, optional ``split``) as ``doc_id``, ``split`` and, with ``text``,
+    ``text`` and ``num_bytes``, else uint8 ``tokens``; short documents dropped."""
     columns = ({"text": Value("string"), "num_bytes": Value("int64")} if text
                else {"tokens": SequenceFeature(Value("uint8"))})
     return documents.map(
@@ -147,8 +113,7 @@ def _encode_batch(batch: dict[str, list], tokenizer: SubwordTokenizer) -> dict[s
 
 
 def encode_documents(documents: Dataset, tokenizer: SubwordTokenizer) -> tuple[Dataset, float]:
-    """``documents`` with ``text`` replaced by ``tokens`` (int32) and ``token_bytes``
-    (int32), and the tokens per second of the encoding."""
+    """``documents`` with int32 ``tokens`` and ``token_bytes``, and the tokens per second."""
     started = time.perf_counter()
     encoded = documents.map(
         _encode_batch, batched=True, batch_size=256, remove_columns=["text"],
@@ -166,8 +131,7 @@ def encode_documents(documents: Dataset, tokenizer: SubwordTokenizer) -> tuple[D
 
 @dataclass(frozen=True)
 class Framing:
-    """How documents are framed and stored: the EOS and padding ids, the numpy types of
-    inputs and labels."""
+    """The EOS and padding ids and the numpy types of stored inputs and labels."""
 
     eos_id: int = EOS_ID
     pad_id: int = PAD_ID
@@ -181,25 +145,21 @@ COUNT_FRAMING = Framing(eos_id=0, pad_id=0, dtype=np.int32, label_dtype=np.int32
 
 
 def subword_framing(tokenizer: SubwordTokenizer) -> Framing:
-    """How a subword tokenizer's windows are stored: its EOS and padding ids, uint16 inputs
-    when every id fits, else int32; int32 labels."""
+    """A subword tokenizer's framing: uint16 inputs when every id fits, else int32."""
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.int32
     return Framing(tokenizer.eos_id, tokenizer.pad_id, dtype, np.int32)
 
 
 def frame_document(tokens: np.ndarray, dtype: np.dtype | type = np.uint8,
                    eos_id: int = EOS_ID) -> np.ndarray:
-    """``[EOS] + tokens + [EOS]``: one document as the model sees it, ``(len(tokens) + 2,)``
-    of ``dtype``. The one place the evaluation framing is written (``document_windows`` and
-    ``longnet.eval.sliding`` use it)."""
+    """``[EOS] + tokens + [EOS]``: the one place the evaluation framing is written."""
     eos = np.array([eos_id], dtype=dtype)
     return np.concatenate([eos, np.asarray(tokens, dtype=dtype), eos])
 
 
 def _cut(tokens: np.ndarray, seq_len: int, count: int,
          framing: Framing) -> tuple[np.ndarray, np.ndarray]:
-    """``count`` windows of ``seq_len + 1`` tokens at stride ``seq_len``, split into
-    ``(count, seq_len)`` inputs and shifted labels."""
+    """``(count, seq_len)`` inputs and labels of windows ``seq_len + 1`` long, ``seq_len`` apart."""
     if count == 0:
         return (np.empty((0, seq_len), dtype=framing.dtype),
                 np.empty((0, seq_len), dtype=framing.label_dtype))
@@ -209,16 +169,15 @@ def _cut(tokens: np.ndarray, seq_len: int, count: int,
 
 def packed_windows(documents: Sequence[np.ndarray], seq_len: int,
                    framing: Framing = BYTE_FRAMING) -> tuple[np.ndarray, np.ndarray]:
-    """Training windows packed from the concatenated framed documents.
+    """Training windows cut from the stream ``[EOS] doc [EOS] doc ... [EOS]``.
 
     Args:
         documents: token arrays (``framing.dtype``), one per document, in stream order.
         seq_len: tokens per sample.
-        framing: the EOS id and the stored types (bytes by default).
+        framing: the EOS id and the stored types.
 
     Returns:
-        ``(inputs, labels)``, each ``(n, seq_len)`` with ``n = (stream_len - 1) // seq_len``
-        (``n`` may be 0 when the documents are shorter than one window).
+        ``(inputs, labels)``, each ``(n, seq_len)``, ``n = (stream_len - 1) // seq_len`` (may be 0).
     """
     eos = np.array([framing.eos_id], dtype=framing.dtype)
     stream = np.concatenate(
@@ -229,14 +188,12 @@ def packed_windows(documents: Sequence[np.ndarray], seq_len: int,
 def packed_document_windows(
     documents: Sequence[np.ndarray], seq_len: int, framing: Framing = BYTE_FRAMING
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Training windows of whole framed documents packed back to back, with document ids
-    (arguments as in :func:`packed_windows`).
+    """Training windows of whole framed documents back to back (as :func:`packed_windows`).
 
     Returns:
-        ``(inputs, labels, document_ids)``, each ``(n, seq_len)`` with ``n = (stream_len - 1)
-        // seq_len`` for the stream of ``frame_document`` s. ``document_ids`` (int32) number
-        the documents (or pieces of documents cut by the window) of each window from 0 in
-        sequence order; a label whose target lies in the next document is ``IGNORE_INDEX``.
+        ``(inputs, labels, document_ids)``, each ``(n, seq_len)``; ``document_ids`` (int32)
+        number each window's documents (or pieces) from 0; a label whose target lies in the
+        next document is ``IGNORE_INDEX``.
     """
     framed = [frame_document(doc, framing.dtype, framing.eos_id) for doc in documents]
     stream = np.concatenate(framed) if framed else np.empty(0, dtype=framing.dtype)
@@ -254,13 +211,12 @@ def packed_document_windows(
 def document_windows(
     document: np.ndarray, seq_len: int, framing: Framing = BYTE_FRAMING
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Evaluation windows of one framed document of ``(n_tokens,)`` tokens, the last one padded
-    (``seq_len`` and ``framing`` as in :func:`packed_windows`).
+    """Evaluation windows of one ``(n_tokens,)`` document, framed, the last one padded
+    (arguments as in :func:`packed_windows`).
 
     Returns:
-        ``(inputs, labels, offsets)``: ``(k, seq_len)`` inputs, ``(k, seq_len)`` labels and
-        ``(k,)`` offsets of each window's first input token in the framed document
-        ``[EOS] + document + [EOS]``, with ``k = ceil((n_tokens + 1) / seq_len)``.
+        ``(inputs, labels, offsets)``: ``(k, seq_len)`` twice and ``(k,)`` offsets in the framed
+        document, ``k = ceil((n_tokens + 1) / seq_len)``.
     """
     length = len(document) + 2
     count = -(-(length - 1) // seq_len)
@@ -304,10 +260,8 @@ def _document_batch(batch: dict[str, list], seq_len: int,
 
 def window_dataset(documents: Dataset, split: str, seq_len: int, framing: Framing,
                    pack_documents: bool = False) -> Dataset:
-    """The windows of the numpy-format rows ``documents`` of ``split`` (``tokens``,
-    ``doc_id``, and ``token_bytes`` for a subword tokenizer): for ``"train"`` packed windows
-    (of whole documents with ``document_ids`` when ``pack_documents``), else each document's
-    own windows with their ``doc_id`` and ``offset``; ``label_bytes`` with ``token_bytes``."""
+    """The windows of the numpy-format rows of ``split``: packed for ``"train"``, else each
+    document's own with ``doc_id`` and ``offset``; ``label_bytes`` from ``token_bytes``."""
     train = split == "train"
     packs = train and pack_documents
     columns = {
@@ -335,13 +289,12 @@ def window_dataset(documents: Dataset, split: str, seq_len: int, framing: Framin
 def shifted_sample(
     tokens: np.ndarray, labelled: np.ndarray | None = None
 ) -> dict[str, torch.Tensor]:
-    """Cut ``seq_len + 1`` tokens into a shifted sample (module docstring).
+    """Cut ``seq_len + 1`` tokens into a shifted sample.
 
     Args:
         tokens: ``(seq_len + 1,)`` integer token ids.
-        labelled: optional ``(seq_len,)`` bool mask over label positions; ``labels[t]`` keeps
-            ``tokens[t + 1]`` where it is True and is ``IGNORE_INDEX`` elsewhere. ``None``
-            labels every position.
+        labelled: optional ``(seq_len,)`` bool mask; ``labels[t]`` is ``IGNORE_INDEX`` where it
+            is False. None labels every position.
 
     Returns:
         ``{"input_ids": (seq_len,), "labels": (seq_len,)}``, both int64.

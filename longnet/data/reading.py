@@ -1,11 +1,7 @@
 """A :class:`DocumentSource` and reading its documents into a ``datasets.Dataset``.
 
 The rows of ``.json``/``.jsonl``, ``.parquet``, ``.csv`` and ``.tsv`` files are documents (their
-``text_column``); any other file is one text document, which must be UTF-8 text: a binary file
-(a NUL byte) or one that is not valid UTF-8 is refused, naming every such file, or skipped with
-a warning and a count when the source is made with ``invalid_files="skip"``. A table file that
-cannot be parsed is refused as damaged, naming it. Files are read in the source's order, rows
-by file then row, so reading is deterministic.
+``text_column``); any other file is one document of UTF-8 text.
 """
 
 from __future__ import annotations
@@ -25,8 +21,7 @@ from longnet.validation import UsageError
 
 _SEPARATORS = {"csv": ",", "tsv": "\t"}
 _READ_ERRORS = (DatasetGenerationError, ValueError)
-"""What ``load_dataset`` raises for a table file it cannot parse: its wrapper of the error, or
-(while it infers the schema from the first file) pyarrow's or pandas' error, a ``ValueError``."""
+"""What ``load_dataset`` raises for a table file it cannot parse."""
 InvalidFiles = Literal["error", "skip"]
 SHOWN_FILES = 5
 """How many offending files an error or warning names (then a count of the rest)."""
@@ -37,14 +32,11 @@ class DocumentSource:
     """Files to read documents from.
 
     Attributes:
-        name: short label used in cache folder names: ``"stdlib"``, ``"files"``,
-            ``"<distribution>-<version>"`` or several of those joined by ``+``.
+        name: short label used in cache folder names (``"stdlib"``, ``"files"``, ...).
         files: the files, in reading order.
-        format: ``"text"`` (one document per file), ``"json"``, ``"parquet"``, ``"csv"`` or
-            ``"tsv"`` (one per row).
+        format: ``"text"`` (a document per file), ``"json"``, ``"parquet"``, ``"csv"``, ``"tsv"``.
         text_column: the column holding the text of table rows.
-        invalid_files: what reading does with a text file that is binary or not UTF-8:
-            ``"error"`` (refuse, naming the files) or ``"skip"`` (leave it out, with a warning).
+        invalid_files: a text file not UTF-8 is refused (``"error"``) or skipped (``"skip"``).
     """
 
     name: str
@@ -57,7 +49,7 @@ class DocumentSource:
         """``(path, size in bytes, mtime in ns)`` of every file: what the cache is keyed by.
 
         Raises:
-            UsageError: a file found when the source was made is gone (deleted or moved).
+            UsageError: a file is gone since the source was made.
         """
         gone = [path for path in self.files if not path.is_file()]
         if gone:
@@ -70,8 +62,7 @@ class DocumentSource:
         return [(path, stat.st_size, stat.st_mtime_ns) for path, stat in stats]
 
     def cache_fields(self) -> dict[str, object]:
-        """What the documents depend on, for the cache key: the format, the text column and
-        :meth:`file_stats` (a subclass adds its own, e.g. ``repositories.PackageSource``)."""
+        """What the documents depend on, for the cache key (a subclass adds its own)."""
         return {"format": self.format, "text_column": self.text_column,
                 "files": self.file_stats()}
 
@@ -81,8 +72,7 @@ class DocumentSource:
 
 
 def text_problem(path: Path) -> str | None:
-    """Why the file at ``path`` is not UTF-8 text (``"binary: a NUL byte at offset N"`` or
-    ``"not UTF-8: byte 0xNN at offset N"``), or None when it is."""
+    """Why the file at ``path`` is not UTF-8 text, or None when it is."""
     data = path.read_bytes()
     nul = data.find(b"\0")
     if nul >= 0:
@@ -95,8 +85,7 @@ def text_problem(path: Path) -> str | None:
 
 
 def file_listing(problems: dict[Path, str]) -> str:
-    """One indented line ``path: why`` per file of ``problems``, the first :data:`SHOWN_FILES`
-    (then a count of the rest)."""
+    """One indented line ``path: why`` per file, the first :data:`SHOWN_FILES` then a count."""
     shown = [f"  {path}: {why}" for path, why in list(problems.items())[:SHOWN_FILES]]
     if len(problems) > SHOWN_FILES:
         shown.append(f"  and {len(problems) - SHOWN_FILES} more")
@@ -104,9 +93,7 @@ def file_listing(problems: dict[Path, str]) -> str:
 
 
 def readable_text_files(source: DocumentSource) -> list[Path]:
-    """The files of a text ``source`` that are UTF-8 text; the others raise
-    :class:`UsageError` naming them, or with ``invalid_files="skip"`` are left out with a
-    warning (a source with no readable file is refused either way)."""
+    """The files of a text ``source`` that are UTF-8 text; the others per ``invalid_files``."""
     problems = {path: why for path in source.files if (why := text_problem(path)) is not None}
     if not problems:
         return list(source.files)
@@ -128,15 +115,12 @@ def _read_text_files(paths: list[str]) -> Iterator[dict[str, str]]:
 
 
 def load_documents(source: DocumentSource, cache_dir: Path) -> Dataset:
-    """Read every document of ``source`` into a dataset with one string column ``text``.
-
-    ``cache_dir`` receives the arrow files ``datasets`` writes (passed explicitly, because
-    ``HF_DATASETS_CACHE`` is only read when ``datasets`` is imported). Nothing is downloaded.
+    """Read every document of ``source`` into a dataset with one string column ``text``;
+    ``cache_dir`` gets the arrow files (``HF_DATASETS_CACHE`` is read only at import).
 
     Raises:
-        UsageError: text files that are not UTF-8 (:func:`readable_text_files`), a table file
-            that cannot be parsed (named as damaged), table files that differ in their columns,
-            or ``text_column`` missing or not holding strings.
+        UsageError: text files that are not UTF-8, a damaged table file, table files whose
+            columns differ, or ``text_column`` missing or not strings.
     """
     if source.format == "text":
         return Dataset.from_generator(
@@ -163,9 +147,7 @@ def load_documents(source: DocumentSource, cache_dir: Path) -> Dataset:
 
 
 def _table_rows(source: DocumentSource, cache_dir: Path) -> Dataset:
-    """The rows of the table files of ``source`` (json, parquet, csv or tsv); an empty file
-    has none (as an empty text file is no document), a file that cannot be parsed is refused
-    as damaged, naming it."""
+    """The rows of the table files of ``source``; an empty file has none."""
     paths = [str(path) for path in source.files if path.stat().st_size > 0]
     if not paths:
         return Dataset.from_dict({source.text_column: []},
@@ -179,9 +161,7 @@ def _table_rows(source: DocumentSource, cache_dir: Path) -> Dataset:
 
 
 def _load_rows(source: DocumentSource, paths: list[str], cache_dir: Path) -> Dataset:
-    """The rows of the table files ``paths`` of ``source``, read by ``datasets``; csv/tsv
-    columns are read as strings (no type guessing: ``42`` and ``NA`` stay text), with the
-    header of the first file."""
+    """The rows of the table files ``paths``; csv/tsv columns as strings (no type guessing)."""
     if source.format not in _SEPARATORS:
         return load_dataset(source.format, data_files=paths, split="train",
                             cache_dir=str(cache_dir))
@@ -194,14 +174,11 @@ def _load_rows(source: DocumentSource, paths: list[str], cache_dir: Path) -> Dat
 
 
 def _table_columns(path: str, file_format: str) -> list[str]:
-    """The column names of the header of the csv/tsv file at ``path``."""
     return list(pd.read_csv(path, sep=_SEPARATORS[file_format], nrows=0).columns)
 
 
 def _check_table_file(path: str, source: DocumentSource) -> None:
-    """Refuse, before ``datasets`` reads it, a parquet file whose schema cannot be read (cut
-    short, not parquet) or a csv/tsv file whose header cannot be parsed or lacks
-    ``text_column``: :class:`UsageError` naming the file."""
+    """Refuse a damaged parquet or csv/tsv file, or one lacking ``text_column``, by name."""
     try:
         if source.format == "parquet":
             pq.read_schema(path)
@@ -220,9 +197,7 @@ def _check_table_file(path: str, source: DocumentSource) -> None:
 def _unreadable_rows(
     source: DocumentSource, paths: list[str], cache_dir: Path, err: Exception
 ) -> UsageError:
-    """The error for table files ``paths`` that ``datasets`` could not read together (``err``):
-    the first file that cannot be read alone, named as damaged, or else files whose columns
-    differ."""
+    """The error for files read alone but not together: the damaged one, or differing columns."""
     if len(paths) == 1:
         return _damaged(paths[0], source.format, err)
     for path in paths:
@@ -237,7 +212,6 @@ def _unreadable_rows(
 
 
 def _damaged(path: str, file_format: str, err: BaseException) -> UsageError:
-    """:class:`UsageError`: the file at ``path`` cannot be parsed as ``file_format``."""
     return UsageError(
         f"data_files: {path} is damaged or not a valid {file_format} file ({_reason(err)}); "
         "re-create or re-copy it, or leave it out of data_files."
@@ -245,7 +219,6 @@ def _damaged(path: str, file_format: str, err: BaseException) -> UsageError:
 
 
 def _reason(err: BaseException) -> str:
-    """``"<type>: <message>"`` of the error ``err`` is about (its cause, for the wrapper that
-    ``datasets`` raises), on one line."""
+    """``"<type>: <message>"`` of ``err``'s cause (or ``err``), on one line."""
     cause = err.__cause__ or err
     return " ".join(f"{type(cause).__name__}: {cause}".split())

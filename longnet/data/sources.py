@@ -1,24 +1,11 @@
-"""Where long documents come from: the :class:`~longnet.data.reading.DocumentSource` of the
-data options.
+"""Where long documents come from: the data options' :class:`~longnet.data.reading.DocumentSource`.
 
-- ``stdlib_source()``: the ``*.py`` files of the running interpreter's standard library
-  (``sysconfig.get_paths()["stdlib"]``), one document per file. Folders named ``test``,
-  ``tests`` or ``idle_test`` (CPython's own test suites, which would be two thirds of the bytes
-  and are mostly generated-looking fixtures) and third-party ``site-packages``/``dist-packages``
-  are skipped, so the corpus is the same on every machine with the same Python version.
-- ``package_source(distribution, version)``: the ``*.py`` files of an installed distribution
-  (e.g. sympy, which torch depends on), located through its ``RECORD`` with
-  ``importlib.metadata`` (never imported), test folders skipped as for the stdlib. Every file
-  must match the sha256 of the ``RECORD``, and a pinned ``version`` must be the installed one,
-  so the same pin gives the same documents on every machine.
-- ``files_source(data_files)``: local files matched by glob patterns (``**`` enters linked
-  folders, each real folder once, so a link loop ends; a path naming an existing file is that
-  file, even with ``[``, ``*`` or ``?`` in its name): text files or tables
-  (``longnet.data.reading``).
+- :func:`stdlib_source`: the standard library's ``*.py`` files, tests skipped.
+- :func:`package_source`: the ``*.py`` files an installed distribution's ``RECORD`` lists,
+  checked against its sha256, so a pin gives the same documents everywhere.
+- :func:`files_source`: local files matched by glob patterns: text, or tables (a row each).
 
-``corpus_source(["stdlib", "sympy==1.14.0"])`` reads the first two kinds together, one source
-after the other; ``select_source`` picks the source from the data options. Files are ordered by
-path.
+:func:`select_source` picks one from the data options.
 """
 
 from __future__ import annotations
@@ -43,19 +30,15 @@ STDLIB_SKIPPED_DIRS = frozenset(
 _ROW_FORMATS = {
     ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".tsv": "tsv"
 }
-"""The table formats by file suffix: each row's ``text_column`` is a document."""
 _RECURSIVE = "**"
 STDLIB_CORPUS = "stdlib"
-"""The corpus entry naming :func:`stdlib_source` (any other entry names a distribution)."""
 _CORPUS_ENTRY = re.compile(
     r"(?P<name>[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?)(?:==(?P<version>[A-Za-z0-9][\w.+!-]*))?"
 )
 
 
 def _is_document(relative: PurePath) -> bool:
-    """Whether the file at ``relative`` (to the root of a source tree: the standard library,
-    an installed distribution) is a document: a ``*.py`` file outside the folders
-    :data:`STDLIB_SKIPPED_DIRS`."""
+    """Whether ``relative`` is a ``*.py`` file outside :data:`STDLIB_SKIPPED_DIRS`."""
     return relative.suffix == ".py" and STDLIB_SKIPPED_DIRS.isdisjoint(relative.parts[:-1])
 
 
@@ -75,13 +58,11 @@ def stdlib_source() -> DocumentSource:
 
 
 def package_source(distribution: str, version: str | None = None) -> DocumentSource:
-    """The ``*.py`` files of the installed ``distribution`` its ``RECORD`` lists (module
-    docstring), named ``"<name>-<version>"``, ordered by their path inside the distribution.
+    """The ``*.py`` files the ``RECORD`` of ``distribution`` lists, as ``"<name>-<version>"``.
 
     Raises:
-        UsageError: the distribution is not installed, is not ``version`` (when given), lists
-            no such file (e.g. an editable install), or has files that are missing or differ
-            from its ``RECORD`` (the message names them; reinstalling fixes it).
+        UsageError: the distribution is missing, not ``version``, lists no such file, or has
+            files that differ from its ``RECORD``.
     """
     dist = _installed_distribution(distribution, version)
     pin = f"{dist.name}=={dist.version}"
@@ -111,8 +92,6 @@ def package_source(distribution: str, version: str | None = None) -> DocumentSou
 def _installed_distribution(
     distribution: str, version: str | None
 ) -> importlib.metadata.Distribution:
-    """The installed ``distribution``; :class:`UsageError` when it is not installed or, with
-    ``version`` given, is another version."""
     pin = distribution if version is None else f"{distribution}=={version}"
     try:
         dist = importlib.metadata.distribution(distribution)
@@ -132,9 +111,7 @@ def _installed_distribution(
 
 
 def _record_problem(path: importlib.metadata.PackagePath) -> str | None:
-    """Why the installed file ``path`` does not match its distribution's ``RECORD``
-    (``"missing"``, ``"no hash in RECORD"`` or ``"sha256 differs from RECORD"``), or None when
-    it matches."""
+    """Why the installed file ``path`` does not match its ``RECORD``, or None."""
     try:
         data = path.read_binary()
     except FileNotFoundError:
@@ -148,11 +125,9 @@ def _record_problem(path: importlib.metadata.PackagePath) -> str | None:
 
 
 def corpus_source(corpus: str | Sequence[str]) -> DocumentSource:
-    """The source of the corpus entries ``corpus`` (one or a list), read in the order given,
-    one document per file: ``"stdlib"`` is :func:`stdlib_source`, ``"<distribution>"`` or
-    ``"<distribution>==<version>"`` is :func:`package_source`. One entry returns its source
-    unchanged; several return one source named after theirs joined by ``+`` (e.g.
-    ``"stdlib+sympy-1.14.0"``).
+    """The source of the corpus entries ``corpus`` (one or a list), in order: ``"stdlib"``
+    (:func:`stdlib_source`), ``"<distribution>"`` or ``"<distribution>==<version>"``
+    (:func:`package_source`); several sources are joined, their names by ``+``.
 
     Raises:
         ValueError: no entry, an entry that is not of those forms, or a source listed twice.
@@ -183,8 +158,7 @@ def corpus_source(corpus: str | Sequence[str]) -> DocumentSource:
 
 
 def _corpus_entry(entry: object) -> tuple[str, str | None]:
-    """``(name, version or None)`` of a corpus entry such as ``"sympy==1.14.0"``;
-    ``ValueError`` naming the entry and the accepted forms when it is not one."""
+    """``(name, version or None)`` of a corpus entry such as ``"sympy==1.14.0"``."""
     match = _CORPUS_ENTRY.fullmatch(entry) if isinstance(entry, str) else None
     if match is None:
         raise ValueError(
@@ -206,11 +180,10 @@ def select_source(
     invalid_files: InvalidFiles = "error",
 ) -> DocumentSource:
     """The source the data options select: :func:`files_source` of ``data_files``,
-    :func:`corpus_source` of ``corpus``, or with neither the default :func:`stdlib_source`.
+    :func:`corpus_source` of ``corpus``, or with neither :func:`stdlib_source`.
 
     Raises:
-        ValueError: both ``data_files`` and ``corpus`` are given; and what the chosen
-            function raises.
+        ValueError: both ``data_files`` and ``corpus`` are given.
     """
     if data_files is not None and corpus is not None:
         raise ValueError(
@@ -228,16 +201,12 @@ def files_source(
     text_column: str = "text",
     invalid_files: InvalidFiles = "error",
 ) -> DocumentSource:
-    """Local files matched by ``data_files`` (one glob or a list, ``~`` expanded; globbing as
-    the module docstring says), read in pattern order, each pattern's files by path, each file
-    once. ``invalid_files``: ``"error"`` or ``"skip"``, see :class:`DocumentSource` (checked
-    when the documents are read).
+    """Local files matched by ``data_files`` (globs, ``~`` expanded), in pattern order, each
+    pattern's files by path, each file once; ``invalid_files``: see :class:`DocumentSource`.
 
     Raises:
-        FileNotFoundError: a pattern matches no file (the error names the pattern, and for a
-            folder a glob of its files).
-        ValueError: no pattern or an empty one is given, the files mix formats (text, json,
-            parquet, csv, tsv), or ``invalid_files`` is not ``"error"``/``"skip"``.
+        FileNotFoundError: a pattern matches no file.
+        ValueError: no or an empty pattern, mixed formats, or a bad ``invalid_files``.
     """
     if invalid_files not in ("error", "skip"):
         raise ValueError(f"invalid_files must be 'error' or 'skip', got {invalid_files!r}.")
@@ -279,17 +248,14 @@ def files_source(
 
 
 def _matching_files(pattern: str) -> list[Path]:
-    """The files ``pattern`` names, resolved and sorted: the file of that very name when one
-    exists, else the files the glob :func:`_glob` matches (folders left out)."""
+    """The files ``pattern`` names, resolved and sorted: the file of that name, else the glob's."""
     if os.path.isfile(pattern):
         return [Path(pattern).resolve()]
     return sorted({Path(match).resolve() for match in _glob(pattern) if os.path.isfile(match)})
 
 
 def _glob(pattern: str) -> Iterator[str]:
-    """The paths ``pattern`` matches, as ``glob.iglob(pattern, recursive=True)`` (``*`` and
-    ``**`` skip hidden names) except that a ``**`` component walks :func:`_folders_once`: it
-    enters linked folders, but each real folder once, so a link loop (``sub -> ..``) ends."""
+    """``glob.iglob(pattern, recursive=True)``, but ``**`` enters each linked folder once."""
     parts = pattern.split(os.sep)
     if _RECURSIVE not in parts:
         yield from glob.iglob(pattern)
@@ -303,8 +269,7 @@ def _glob(pattern: str) -> Iterator[str]:
 
 
 def _folders_once(top: str) -> Iterator[str]:
-    """``top`` (when it is a folder) and the folders below it, hidden ones left out, linked
-    ones entered: each real folder (device and inode) once, under the first path found."""
+    """``top`` and the folders below it, hidden ones left out, each real folder once."""
     seen: set[tuple[int, int]] = set()
     pending = [top]
     while pending:

@@ -1,20 +1,9 @@
 """Subword tokenizers (BPE and any ``tokenizers``-library tokenizer) as the data reads them.
 
-A :class:`SubwordTokenizer` is a ``tokenizers.Tokenizer`` with an end-of-document id and a
-padding id, and the Hugging Face files that describe it (``tokenizer.json`` and
-``tokenizer_config.json``: the layout of ``save_pretrained``), so that a run folder, a
-checkpoint and an export carry exactly the tokenizer the data was built with and
-``transformers.AutoTokenizer.from_pretrained`` of that folder encodes the same ids.
-
-Encoding returns, next to the ids, the UTF-8 bytes of the original text each token covers,
-read from the tokenizer's offsets (never from decoded text): the bytes of a document sum to
-``len(text.encode())``. A character split over several byte-level tokens counts for the first
-of them; the bytes a token's trimmed offsets leave out (spaces) count for the next token that
-ends after them, the text's last bytes for its last token. Bits per byte divide by these
-counts, so a byte model and a subword model are compared on the same bytes.
-
-Loading a folder uses ``transformers.AutoTokenizer`` (offline), imported only then (the
-``hf`` extra); the other forms need only ``tokenizers``.
+A :class:`SubwordTokenizer` carries its end-of-document and padding ids and its Hugging Face
+files, so run folders, checkpoints and exports hold the tokenizer the data was built with.
+Encoding also returns the UTF-8 bytes each token covers (from the offsets), what bits per byte
+divide by, so byte and subword models are compared on the same bytes.
 """
 
 from __future__ import annotations
@@ -36,11 +25,9 @@ from longnet.validation import UsageError
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "<|im_end|>")
-"""Special tokens taken as the end of a document, in this order, when a ``tokenizer.json``
-alone is given (a folder's ``tokenizer_config.json`` names its own)."""
+"""End-of-document tokens looked for, in order, in a ``tokenizer.json`` given alone."""
 RUN_TOKENIZER_FOLDER = "tokenizer"
-"""The run folder's copy of the data's subword tokenizer (``save_pretrained`` layout), written
-by the ``longnet`` command."""
+"""The run folder's copy of the data's subword tokenizer (``save_pretrained`` layout)."""
 PAD_NAMES = ("<|pad|>", "<pad>", "[PAD]", "<|padding|>")
 
 
@@ -49,12 +36,10 @@ class SubwordTokenizer:
     """A tokenizer of the ``tokenizers`` library with its special ids and files.
 
     Attributes:
-        backend: the tokenizer (``encode_batch`` with offsets).
-        eos_id: the id framing documents (``[EOS] + tokens + [EOS]``).
-        pad_id: the id filling inputs past a document's end (labels ignored there); the EOS id
-            when the tokenizer has no padding token.
-        files: file name -> text of the ``save_pretrained`` layout (``tokenizer.json``,
-            ``tokenizer_config.json``, and whatever else a folder brought).
+        backend: the tokenizer.
+        eos_id: the id framing documents.
+        pad_id: the id filling inputs past a document's end (the EOS id when there is none).
+        files: file name -> text of the ``save_pretrained`` layout.
         name: what was asked for, for messages (``"bpe:8192"``, a path).
     """
 
@@ -71,19 +56,13 @@ class SubwordTokenizer:
 
     @functools.cached_property
     def fingerprint(self) -> str:
-        """16 hex digits of the SHA-256 of the tokenizer (its ``tokenizer.json`` as the
-        library writes it) and its special ids: the data's cache key, the checkpoint's record."""
+        """SHA-256 (16 hex digits) of ``tokenizer.json`` and the special ids."""
         payload = json.dumps({"tokenizer": json.loads(self.backend.to_str()),
                               "eos_id": self.eos_id, "pad_id": self.pad_id}, sort_keys=True)
         return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:16]
 
     def encode_documents(self, texts: Sequence[str]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Per text ``(ids, token_bytes)``: ``(n,)`` int64 ids and the ``(n,)`` int64 UTF-8
-        bytes each token covers (summing to the text's UTF-8 length; module docstring).
-
-        Lone surrogates, which UTF-8 cannot encode, are read as ``?`` (as
-        :class:`~longnet.data.ByteTokenizer` does).
-        """
+        """Per text ``(ids, token_bytes)``, both ``(n,)`` int64 (lone surrogates read as ``?``)."""
         texts = [_encodable(text or "") for text in texts]
         encodings = self.backend.encode_batch(texts, add_special_tokens=False)
         return [(np.asarray(encoding.ids, dtype=np.int64), _token_bytes(text, encoding.offsets))
@@ -98,8 +77,7 @@ class SubwordTokenizer:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=True)
 
     def save(self, folder: str | Path) -> list[Path]:
-        """Write :attr:`files` into ``folder`` (created), each whole or not at all; returns
-        the paths written."""
+        """Write :attr:`files` into ``folder`` atomically; returns the paths written."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         return [write_atomic(folder / name, text) for name, text in sorted(self.files.items())]
@@ -115,7 +93,8 @@ def _encodable(text: str) -> str:
 
 
 def _token_bytes(text: str, offsets: Sequence[tuple[int, int]]) -> np.ndarray:
-    """UTF-8 bytes covered by each token of ``text`` from its character ``offsets``."""
+    """UTF-8 bytes covered by each token of ``text`` from its character ``offsets``: a split
+    character counts for its first token, trimmed bytes (spaces) for the next one."""
     if not offsets:
         return np.zeros(0, dtype=np.int64)
     points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
@@ -138,14 +117,7 @@ ROUND_TRIP_FIX = (
 
 
 def check_round_trip(tokenizer: SubwordTokenizer, texts: Sequence[tuple[str, str]]) -> None:
-    """Refuse a tokenizer whose decoding of ``texts`` (``(what, text)`` pairs: a sample of the
-    training documents) does not give each text back: its bits per byte would count bytes of
-    text it cannot represent (``[UNK]``) or spaces it drops.
-
-    Raises:
-        UsageError: naming the tokenizer, the text, the first difference (position, line,
-            column, both sides), the unknown tokens among its ids and what to use instead.
-    """
+    """``UsageError`` unless ``tokenizer`` decodes each of ``texts`` (``(what, text)``) back."""
     for what, text in texts:
         text = _encodable(text)
         ids = tokenizer.backend.encode(text, add_special_tokens=False).ids
@@ -156,8 +128,6 @@ def check_round_trip(tokenizer: SubwordTokenizer, texts: Sequence[tuple[str, str
 
 def _round_trip_message(tokenizer: SubwordTokenizer, what: str, text: str, decoded: str,
                         ids: Sequence[int]) -> str:
-    """Why ``tokenizer`` is refused: ``text`` (``what``) decodes from its ``ids`` as
-    ``decoded``."""
     at = next((i for i, (a, b) in enumerate(zip(text, decoded)) if a != b),
               min(len(text), len(decoded)))
     line = text.count("\n", 0, at) + 1
@@ -177,8 +147,7 @@ def _round_trip_message(tokenizer: SubwordTokenizer, what: str, text: str, decod
 
 
 def _unknown_token(backend: Tokenizer) -> str | None:
-    """The token of unknown text of ``backend``'s model (WordPiece, BPE: ``unk_token``;
-    Unigram: the piece at ``unk_id``), None without one."""
+    """The unknown token of ``backend``'s model (``unk_token`` or Unigram's ``unk_id``), or None."""
     model = json.loads(backend.to_str()).get("model", {})
     if model.get("unk_token"):
         return model["unk_token"]
@@ -187,8 +156,7 @@ def _unknown_token(backend: Tokenizer) -> str | None:
 
 
 def tokenizer_config(eos_token: str, pad_token: str) -> dict[str, object]:
-    """The ``tokenizer_config.json`` of a tokenizer written here: ``PreTrainedTokenizerFast``
-    with these special tokens (what ``AutoTokenizer`` reads)."""
+    """The ``tokenizer_config.json`` of a tokenizer written here (``PreTrainedTokenizerFast``)."""
     return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos_token,
             "pad_token": pad_token, "clean_up_tokenization_spaces": False,
             "model_input_names": ["input_ids", "attention_mask"]}
@@ -196,13 +164,11 @@ def tokenizer_config(eos_token: str, pad_token: str) -> dict[str, object]:
 
 def from_backend(backend: Tokenizer, name: str, eos_token: str | None = None,
                  pad_token: str | None = None) -> SubwordTokenizer:
-    """A :class:`SubwordTokenizer` of ``backend``, its files written here; the special tokens
-    given, else the first of :data:`EOS_NAMES` / :data:`PAD_NAMES` it has (no padding token:
-    the EOS pads).
+    """A :class:`SubwordTokenizer` of ``backend``: the special tokens given, else the first of
+    :data:`EOS_NAMES` / :data:`PAD_NAMES` it has (no padding token: the EOS pads).
 
     Raises:
-        UsageError: the tokenizer has no end-of-document token (the message lists what was
-            looked for and how to add one).
+        UsageError: the tokenizer has no end-of-document token.
     """
     vocab = backend.get_vocab(with_added_tokens=True)
     eos_token = eos_token or next((token for token in EOS_NAMES if token in vocab), None)
@@ -224,8 +190,7 @@ def load_tokenizer_json(path: str | Path) -> SubwordTokenizer:
     """A ``tokenizer.json`` file of the ``tokenizers`` library.
 
     Raises:
-        UsageError: the file is not a tokenizer (the message names it and the library's
-            complaint), or it has no end-of-document token (:func:`from_backend`).
+        UsageError: the file is not a tokenizer, or has no end-of-document token.
     """
     path = Path(path)
     try:
@@ -240,12 +205,10 @@ def load_tokenizer_json(path: str | Path) -> SubwordTokenizer:
 
 
 def load_tokenizer_folder(folder: str | Path) -> SubwordTokenizer:
-    """A Hugging Face tokenizer folder (``save_pretrained``: ``tokenizer.json`` and
-    ``tokenizer_config.json``), read with ``AutoTokenizer`` offline.
+    """A Hugging Face tokenizer folder (``save_pretrained`` layout), read offline.
 
     Raises:
-        UsageError: a file is missing, ``transformers`` is not installed, the folder holds no
-            fast tokenizer, or it names no end-of-document token.
+        UsageError: a missing file or ``transformers``, no fast tokenizer or no eos_token.
     """
     folder = Path(folder)
     missing = [name for name in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)
@@ -266,8 +229,7 @@ def load_tokenizer_folder(folder: str | Path) -> SubwordTokenizer:
             f"reading the tokenizer folder {folder} needs transformers: pip install "
             "'longnet[hf]', or give its tokenizer.json file instead."
         ) from None
-    # a longnet model folder: transformers does not know its model_type and would warn while
-    # reading config.json, which it reads only for a tokenizer class tokenizer_config.json names
+    # a longnet model folder: spare transformers reading (and warning about) its config.json
     blank = {"config": PreTrainedConfig()} if _model_type(folder) == MODEL_TYPE else {}
     try:
         loaded = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, **blank)
@@ -289,18 +251,16 @@ def load_tokenizer_folder(folder: str | Path) -> SubwordTokenizer:
 _SAVED_FILES = frozenset({TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, "special_tokens_map.json",
                           "added_tokens.json", "chat_template.jinja", "vocab.json",
                           "merges.txt"})
-"""The tokenizer files of a folder that travel with the data (``save_pretrained``'s)."""
+"""The tokenizer files of a folder that travel with the data."""
 
 
 def folder_tokenizer_files(folder: str | Path) -> dict[str, str]:
-    """File name -> text of the tokenizer files ``folder`` holds (``save_pretrained``'s
-    layout; none: ``{}``)."""
+    """File name -> text of the tokenizer files ``folder`` holds."""
     return {path.name: path.read_text(encoding="utf-8") for path in sorted(Path(folder).iterdir())
             if path.is_file() and path.name in _SAVED_FILES}
 
 
 def _model_type(folder: Path) -> str | None:
-    """The ``model_type`` of the folder's ``config.json``; None without a readable one."""
     try:
         config = json.loads((folder / CONFIG_NAME).read_text())
     except (OSError, ValueError):
@@ -309,9 +269,7 @@ def _model_type(folder: Path) -> str | None:
 
 
 def tokenizer_from_files(files: Mapping[str, str], name: str) -> SubwordTokenizer:
-    """The :class:`SubwordTokenizer` whose :attr:`~SubwordTokenizer.files` are ``files`` (a
-    checkpoint's record): ``tokenizer.json`` and the special tokens its
-    ``tokenizer_config.json`` names.
+    """The :class:`SubwordTokenizer` of ``files`` (a checkpoint's record).
 
     Raises:
         UsageError: ``tokenizer.json`` is missing or not a tokenizer.

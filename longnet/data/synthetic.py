@@ -1,38 +1,17 @@
 """The generated long-range tasks: passkey retrieval and multi-query associative recall.
 
-Sample ``i`` of a split is generated from ``(seed, split, i)`` (:func:`sample_rng`), so nothing
-is stored and every run (and every worker/rank) sees the same samples. :func:`answer_accuracy`
-and :func:`answer_exact_match` check a model's answers where only the answers are labelled
-(passkey in ``"answer"`` mode, MQAR).
+Sample ``i`` of a split is generated from ``(seed, split, i)`` (:func:`sample_rng`).
 
-Passkey retrieval (Mohtashami & Jaggi 2023): find a number hidden in filler text. A sample of
-``length`` bytes (all ASCII, so bytes and characters coincide) reads::
+Passkey retrieval (Mohtashami & Jaggi 2023), a sample of ``length`` ASCII bytes::
 
     <TASK><filler...><NEEDLE with the key><...filler>\\nWhat is the pass key? The pass key is <key>
 
-The needle starts at a byte of the filler drawn uniformly from a window of ``2 *
-NEEDLE_JITTER + 1`` bytes (one filler period) around the requested depth (0 = right after the
-task line, 1 = right before the question), moved inside the filler at its ends, or from a third
-of the filler where it is shorter than three periods (``needle_window``: depths stay apart); as
-in the original task, it may cut a filler word. The jitter matters for dilated attention: a key
-beyond the dense branch's segment is seen only by queries at the same offset modulo the
-dilation rate (docs/architecture.md), so with the needle at one fixed byte every example of a
-``(length, depth)`` cell would share one alignment and the cell would measure that alignment's
-luck. The key has ``num_digits`` digits and no leading zero. The prompt is everything before
-the key, so an evaluator feeds the prompt and greedily generates ``num_digits`` bytes
-(``passkey_examples`` + ``passkey_match``). Training samples (``PasskeyDataset``) append
-``ANSWER_END`` (a full stop) to the key, so a model learns where the answer stops;
-``passkey_match`` rejects an answer followed by a digit. With a subword tokenizer the same text
-(the evaluation's prompt format) is counted in that tokenizer's tokens: ``PasskeyDataset(...,
-tokenizer=...)``, whose shortest sample is ``min_passkey_tokens(tokenizer, num_digits)`` tokens.
+The needle's byte is drawn from a window around the depth (:func:`needle_window`), so a cell's
+examples do not share one alignment to the dilation rates (docs/architecture.md).
 
-Multi-query associative recall (MQAR, Arora et al. 2023, "Zoology"): a sample of ``seq_len +
-1`` tokens is ``num_kv_pairs`` key-value pairs followed by a query region. Keys are distinct
-ids from ``[1, 1 + (vocab_size - 1) // 2)``, values are ids from the rest of the vocabulary
-(repeats allowed), ``0`` is filler. The query region is cut into two-token slots;
-``num_queries`` distinct keys are asked in random slots as ``key value`` and the other slots
-are filler. Only the positions holding a queried key are labelled: their label is the value
-that follows, which the model can only know by recalling the pair::
+Multi-query associative recall (MQAR, Arora et al. 2023, "Zoology"): ``num_kv_pairs``
+key-value pairs (keys distinct, from the lower half of the vocabulary), then two-token slots
+where ``num_queries`` keys are asked again (``0`` is filler); only queried keys are labelled::
 
     k3 v3 k1 v1 k2 v2 | 0 0 k1 v1 0 0 0 0 k3 v3 0 0 ...
                            ^ label v1        ^ label v3
@@ -72,12 +51,7 @@ SPLIT_STREAMS = {split: stream for stream, split in enumerate(SPLITS)}
 
 
 def sample_rng(seed: int, split: str, index: int) -> np.random.Generator:
-    """The random generator of sample ``index`` of a synthetic ``split`` under ``seed``.
-
-    Seeded by ``(seed, split, index)`` through ``numpy.random.SeedSequence``, so any sample can
-    be regenerated alone (map-style datasets, any sampler, any worker), the three splits of one
-    seed are independent streams, and different seeds give different samples.
-    """
+    """The generator of sample ``index`` of ``split``: any sample is regenerated alone."""
     if split not in SPLIT_STREAMS:
         raise ValueError(f"split must be one of {sorted(SPLIT_STREAMS)}, got {split!r}.")
     check_non_negative_int("seed", seed)
@@ -86,13 +60,7 @@ def sample_rng(seed: int, split: str, index: int) -> np.random.Generator:
 
 @dataclass(frozen=True)
 class PasskeyExample:
-    """One passkey prompt and its answer.
-
-    Attributes:
-        prompt: the text up to the answer (``len(prompt) + len(answer)`` is the length asked).
-        answer: the key's digits.
-        depth: where the needle starts, as a fraction of the filler in ``[0, 1]``.
-    """
+    """One passkey prompt (the text before the key), answer (its digits) and needle depth."""
 
     prompt: str
     answer: str
@@ -100,28 +68,23 @@ class PasskeyExample:
 
     @property
     def needle_distance(self) -> int:
-        """Bytes from the needle's first byte to the end of the prompt (its offset from the
-        question modulo a dilation rate decides which heads can see it)."""
+        """Bytes from the needle's first byte to the end of the prompt."""
         return len(self.prompt) - self.prompt.index(NEEDLE_PREFIX)
 
     @property
     def key_start(self) -> int:
-        """The byte of the prompt where the needle's key begins; the answer, the same digits,
-        begins at ``len(prompt)``."""
+        """The byte of the prompt where the needle's key begins."""
         return self.prompt.index(NEEDLE_PREFIX) + len(NEEDLE_PREFIX)
 
 
 def min_passkey_length(num_digits: int = 5) -> int:
-    """The shortest sample (bytes, answer included) with ``num_digits`` digits and no filler."""
+    """The shortest sample in bytes (answer included, no filler)."""
     return len(TASK) + len(NEEDLE.format(key="0" * num_digits)) + len(QUESTION) + num_digits
 
 
 def min_passkey_tokens(tokenizer: SubwordTokenizer, num_digits: int = 5) -> int:
-    """The shortest ``seq_len`` (tokens) of a ``PasskeyDataset`` sample in ``tokenizer``'s
-    tokens: the text of an example without filler (answer and end mark included) less one
-    token (samples are shifted), the most over ``PASSKEY_PROBE_KEYS`` drawn keys (a key's
-    digits may take more or fewer tokens). A rarer key that takes more still raises when its
-    sample is drawn, naming its own count."""
+    """The shortest ``seq_len`` of a ``PasskeyDataset`` in ``tokenizer``'s tokens, the most over
+    ``PASSKEY_PROBE_KEYS`` keys (a rarer key that takes more raises when drawn)."""
     check_passkey_options(num_digits=num_digits)
     shortest = min_passkey_length(num_digits)
     examples = [make_passkey_example(shortest, np.random.default_rng([num_digits, probe]), 0.0,
@@ -133,15 +96,7 @@ def min_passkey_tokens(tokenizer: SubwordTokenizer, num_digits: int = 5) -> int:
 def make_passkey_example(
     length: int, rng: np.random.Generator, depth: float | None = None, num_digits: int = 5
 ) -> PasskeyExample:
-    """A passkey example of exactly ``length`` bytes, prompt plus answer.
-
-    Args:
-        length: total bytes, at least ``min_passkey_length(num_digits)``.
-        rng: the source of the key and, when ``depth`` is None, of the depth.
-        depth: needle depth in ``[0, 1]``; None draws it uniformly.  The needle starts at a
-            byte drawn uniformly from ``needle_window`` (about ``NEEDLE_JITTER`` bytes of it).
-        num_digits: digits of the key (1-18).
-    """
+    """A passkey example of exactly ``length`` bytes, prompt plus answer."""
     _check_passkey_args(length, depth, num_digits)
     key = str(int(rng.integers(10 ** (num_digits - 1), 10**num_digits)))
     depth = float(rng.random()) if depth is None else depth
@@ -154,12 +109,8 @@ def make_passkey_example(
 
 
 def needle_window(budget: int, depth: float) -> tuple[int, int]:
-    """``(low, high)``: the filler bytes (of ``budget``) the needle may start at for ``depth``.
-
-    A window of one filler period (``2 * NEEDLE_JITTER + 1`` bytes) around ``depth * budget``,
-    moved inside the filler at its ends; in a filler shorter than six half periods, a window of
-    at most a third of it, so that depths stay apart (0, 0.5 and 1 take disjoint thirds).
-    """
+    """``(low, high)``: the filler bytes the needle may start at, one filler period around
+    ``depth * budget`` (in a short filler a third of it, so that depths stay apart)."""
     jitter = min(NEEDLE_JITTER, budget // 6)
     low = min(max(0, round(depth * budget) - jitter), budget - 2 * jitter)
     return low, low + 2 * jitter
@@ -178,8 +129,7 @@ def check_passkey_options(
     label_mode: LabelMode = "answer", depth: float | None = None, num_digits: int = 5,
     seed: int = 0, split: str = "train",
 ) -> None:
-    """Raise ``ValueError`` for a passkey setting no length makes right (everything
-    ``PasskeyDataset`` checks but ``seq_len``, which depends on the tokenizer)."""
+    """``ValueError`` for a bad passkey setting (all ``PasskeyDataset`` checks but ``seq_len``)."""
     if label_mode not in ("answer", "recall", "all"):
         raise ValueError(
             f"label_mode must be 'answer', 'recall' or 'all', got {label_mode!r}."
@@ -194,11 +144,7 @@ def check_passkey_options(
 def passkey_examples(
     count: int, length: int, depth: float | None = None, seed: int = 0, num_digits: int = 5
 ) -> list[PasskeyExample]:
-    """``count`` (prompt, answer) examples of ``length`` bytes for evaluation.
-
-    Example ``i`` is example ``i`` of ``PasskeyDataset(length, ..., seed=seed,
-    split="test")`` when the depth and digits agree.
-    """
+    """``count`` examples of ``length`` bytes: those of ``PasskeyDataset(split="test")``."""
     return [
         make_passkey_example(length, sample_rng(seed, "test", index), depth, num_digits)
         for index in range(count)
@@ -213,30 +159,14 @@ def passkey_match(generated: str, answer: str) -> bool:
 class PasskeyDataset(Dataset):
     """Map-style dataset of passkey samples, each generated from ``(seed, split, index)``.
 
-    A sample is ``{"input_ids": (seq_len,), "labels": (seq_len,)}`` (int64) of the text
-    ``prompt + key + ANSWER_END`` of an example of ``seq_len`` bytes (prompt + key), i.e.
-    ``seq_len + 1`` bytes. ``label_mode="answer"`` labels only the positions that predict the
-    key's digits and the end mark (``num_digits + 1`` positions); ``"recall"`` adds the digits
-    of the needle's second copy of the key (``"... Remember it. <key> is the pass key."``),
-    which a model can also only predict by recalling the first, a few bytes back: a
-    short-range copy in every sample next to the long-range one (``2 * num_digits + 1``
-    positions); ``"all"`` labels every position (language modelling on the whole text, the key
-    included).
-
-    With a subword ``tokenizer`` the sample is ``seq_len + 1`` **tokens**: the text is the
-    longest example (in bytes, drawn from the same ``(seed, split, index)``) whose tokens fit,
-    right-padded with the tokenizer's padding id (labels ignored there); the labelled positions
-    are those whose target token covers a byte of the answer as the evaluation reads it (the
-    prompt's final space, which it holds back, the key and the end mark; in ``"recall"`` also
-    the digits of the second copy); the sample also holds ``"label_bytes"`` ``(seq_len,)``,
-    the UTF-8 bytes of each label's token (0 where not labelled), as the corpus windows of
-    that tokenizer do. The text is the one the evaluation prompts with
-    (``longnet.eval.passkey``), so a model trained on these samples is asked in the format it
-    learned; ``seq_len`` must be at least ``min_passkey_tokens(tokenizer, num_digits)``.
+    A sample is ``prompt + key + ANSWER_END``, ``seq_len + 1`` bytes (with a subword
+    ``tokenizer``, tokens: the longest example that fits, right-padded, with ``"label_bytes"``).
+    ``label_mode``: ``"answer"`` labels the key and the end mark; ``"recall"`` also the
+    needle's second copy of the key; ``"all"`` every position.
 
     Raises:
         ValueError: a bad label mode, depth, number of digits, seed, split or size, or a
-            ``seq_len`` too short for the task (naming the minimum, in bytes or in tokens).
+            ``seq_len`` too short (naming the minimum, in bytes or tokens).
     """
 
     def __init__(
@@ -270,8 +200,7 @@ class PasskeyDataset(Dataset):
         return self.size
 
     def example(self, index: int, length: int | None = None) -> PasskeyExample:
-        """The text behind sample ``index``: ``length`` bytes, by default ``seq_len`` bytes, or
-        with a subword tokenizer the example whose tokens make the sample."""
+        """The text of sample ``index``, ``length`` bytes (default: the sample's)."""
         if length is None and isinstance(self.tokenizer, SubwordTokenizer):
             return self._fitting_example(index)[0]
         if not 0 <= index < self.size:
@@ -294,12 +223,10 @@ class PasskeyDataset(Dataset):
         return shifted_sample(tokens, labelled)
 
     def _subword_sample(self, index: int) -> dict[str, torch.Tensor]:
-        """Sample ``index`` in subword tokens (class docstring)."""
         example, ids, counts = self._fitting_example(index)
         ends = np.cumsum(counts)  # byte offset where each token ends
         starts = ends - counts
-        # the answer as the evaluation asks for it: the prompt's final space (held back, as
-        # a subword tokenizer joins it to the key or keeps it alone), the key, its end mark
+        # the answer as the evaluation reads it: the prompt's final space, the key, its end mark
         spans = [(len(example.prompt.rstrip(" ").encode()), int(ends[-1]))]
         if self.label_mode == "recall":
             copy = example.prompt.find(example.answer, example.prompt.find(example.answer) + 1)
@@ -321,8 +248,7 @@ class PasskeyDataset(Dataset):
         return sample
 
     def _fitting_example(self, index: int) -> tuple[PasskeyExample, np.ndarray, np.ndarray]:
-        """The longest example of ``index`` whose text (answer and end mark included) is at
-        most ``seq_len + 1`` tokens, with its ids and the bytes of each token."""
+        """The longest example of ``index`` that fits, its ids and each token's bytes."""
         shortest = min_passkey_length(self.num_digits)
         filler = FILLER * 16  # what a long example is made of: 10 % more bytes than it takes
         bytes_per_token = len(filler) / len(self.tokenizer.encode(filler))
@@ -346,13 +272,7 @@ class PasskeyDataset(Dataset):
 
 @dataclass(frozen=True)
 class MQARExample:
-    """One MQAR sequence.
-
-    Attributes:
-        tokens: ``(seq_len + 1,)`` int64 token ids.
-        query_positions: ``(num_queries,)`` input positions holding a queried key, ascending.
-        answers: ``(num_queries,)`` the value each of those positions must predict.
-    """
+    """One MQAR sequence: ``(seq_len + 1,)`` tokens, the queried positions and their answers."""
 
     tokens: np.ndarray
     query_positions: np.ndarray
@@ -401,12 +321,8 @@ def make_mqar_example(
 
 
 class MQARDataset(Dataset):
-    """Map-style dataset of MQAR samples, each generated from ``(seed, split, index)``.
-
-    A sample is ``{"input_ids": (seq_len,), "labels": (seq_len,)}`` (int64) with labels only on
-    the ``num_queries`` query positions (``IGNORE_INDEX`` elsewhere). ``num_queries`` defaults
-    to ``num_kv_pairs`` (every key asked once).
-    """
+    """Map-style dataset of MQAR samples from ``(seed, split, index)``, labelled only at the
+    query positions; ``num_queries`` defaults to ``num_kv_pairs``."""
 
     def __init__(
         self,
@@ -457,8 +373,8 @@ def answer_accuracy(predictions: torch.Tensor, labels: torch.Tensor) -> float:
     """Share of labelled positions whose predicted token equals the label.
 
     Args:
-        predictions: ``(batch, seq_len)`` predicted token ids (e.g. ``logits.argmax(-1)``).
-        labels: ``(batch, seq_len)`` labels with ``IGNORE_INDEX`` on unscored positions.
+        predictions: ``(batch, seq_len)`` predicted token ids.
+        labels: ``(batch, seq_len)`` labels, ``IGNORE_INDEX`` where unscored.
     """
     scored = _check(predictions, labels)
     if not scored.any():
@@ -467,9 +383,6 @@ def answer_accuracy(predictions: torch.Tensor, labels: torch.Tensor) -> float:
 
 
 def answer_exact_match(predictions: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """``(batch,)`` bools: every labelled position of the sample is predicted exactly.
-
-    Shapes as in ``answer_accuracy``.
-    """
+    """``(batch,)`` bools: every labelled position of the sample is predicted exactly."""
     scored = _check(predictions, labels)
     return ((predictions == labels) | ~scored).all(dim=-1)

@@ -1,29 +1,10 @@
 """The data's tokenizers: UTF-8 bytes (:class:`ByteTokenizer`) and the ``tokenizer`` option.
 
-A byte token is one byte of the UTF-8 encoding, nothing to download. The vocabulary is exactly
-the 256 byte values, so every model with ``vocab_size=256`` can read every sample. Two ids
-double as special tokens because valid UTF-8 never contains them (bytes 0xF5-0xFF never occur
-in UTF-8), so they can never collide with text:
+The byte vocabulary is the 256 byte values; two that valid UTF-8 never contains are special:
+``EOS_ID = 255`` frames documents, ``PAD_ID = 254`` fills inputs past a document's end.
 
-- ``EOS_ID = 255`` (0xFF) separates documents: every document starts after one, and one ends it.
-- ``PAD_ID = 254`` (0xFE) fills input positions past the end of a document; their labels are
-  always ``IGNORE_INDEX`` so no loss is ever taken on them.
-
-``decode`` renders these two ids (like any invalid byte) as U+FFFD. The same vocabulary ships
-as Hugging Face tokenizer files next to every byte-level model
-(``longnet.modeling.tokenizer_files``), so ``transformers.AutoTokenizer`` encodes as this class.
-
-``LongDocumentDataModule(tokenizer=...)`` takes (:func:`parse_tokenizer`):
-
-- ``"bytes"`` (the default): one token per UTF-8 byte, :class:`ByteTokenizer`;
-- ``"bpe:<vocab_size>"``: a byte-level BPE of that many ids trained with the ``tokenizers``
-  library on the **training split only** (:func:`train_bpe`); ids 0 and 1 are the special
-  tokens ``<|endoftext|>`` (end of document) and ``<|pad|>``. The same documents and settings
-  give the same tokenizer; it is cached under the corpus cache folder, keyed by the training
-  documents and the settings (:func:`bpe_cache_key`), and its training time is printed;
-- a ``tokenizer.json`` path (``subword.load_tokenizer_json``);
-- a Hugging Face tokenizer folder, a model folder or a zoo name: the folder's tokenizer files
-  through ``AutoTokenizer``, offline (``subword.load_tokenizer_folder``).
+The ``tokenizer`` option (:func:`parse_tokenizer`): ``"bytes"``, ``"bpe:<n>"`` (trained on the
+training split, :func:`cached_bpe`), a ``tokenizer.json``, a tokenizer or model folder, a zoo name.
 """
 
 from __future__ import annotations
@@ -56,18 +37,14 @@ PAD_ID = 0xFE
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as tokens. ``vocab_size`` is 256; ``eos_id`` and ``pad_id`` are bytes UTF-8
-    never produces (see the module docstring)."""
+    """UTF-8 bytes as tokens (module docstring)."""
 
     vocab_size: int = VOCAB_SIZE
     eos_id: int = EOS_ID
     pad_id: int = PAD_ID
 
     def encode_array(self, text: str) -> np.ndarray:
-        """``text`` as a ``(len(text.encode()),)`` uint8 array of its UTF-8 bytes.
-
-        Lone surrogates (which UTF-8 cannot encode) become ``?``.
-        """
+        """``text``'s UTF-8 bytes, ``(n_bytes,)`` uint8; lone surrogates become ``?``."""
         return np.frombuffer(text.encode("utf-8", errors="replace"), dtype=np.uint8)
 
     def encode(self, text: str) -> list[int]:
@@ -75,11 +52,7 @@ class ByteTokenizer:
         return self.encode_array(text).tolist()
 
     def decode(self, ids: Iterable[int]) -> str:
-        """Byte ids back to text; invalid UTF-8 (including EOS/PAD) decodes to U+FFFD.
-
-        ``ids`` may be a list, a numpy array or a 1-d tensor. Ids outside ``[0, 256)`` (for
-        example the label value -100) raise ``ValueError``; drop them first.
-        """
+        """Byte ids back to text (invalid UTF-8: U+FFFD); ``ValueError`` outside ``[0, 256)``."""
         values = np.fromiter((int(i) for i in ids), dtype=np.int64)
         if values.size and (values.min() < 0 or values.max() >= VOCAB_SIZE):
             bad = values[(values < 0) | (values >= VOCAB_SIZE)][0]
@@ -106,20 +79,14 @@ TOKENIZER_FORMS = (
     f"{TOKENIZER_FILE} and {TOKENIZER_CONFIG_FILE} (tokenizer.save_pretrained(folder), as a "
     "model folder holds them), 'bytes', 'bpe:<vocab size>' (e.g. 'bpe:8192') or a zoo name."
 )
-"""What the ``tokenizer`` option takes, for messages."""
 
 Tokenizers = ByteTokenizer | SubwordTokenizer
 
 
 @dataclass(frozen=True)
 class TokenizerChoice:
-    """A parsed ``tokenizer`` option.
-
-    Attributes:
-        kind: ``"bytes"``, ``"bpe"``, ``"file"`` (a ``tokenizer.json``) or ``"folder"``.
-        bpe_vocab_size: the BPE's vocabulary (``"bpe"`` only).
-        loaded: the tokenizer, for every kind but ``"bpe"`` (trained by :meth:`resolve`).
-    """
+    """A parsed ``tokenizer`` option: ``kind`` (``"bytes"``, ``"bpe"``, ``"file"``, ``"folder"``),
+    a BPE's ``bpe_vocab_size`` or the ``loaded`` tokenizer."""
 
     kind: str
     bpe_vocab_size: int | None = None
@@ -139,8 +106,7 @@ class TokenizerChoice:
         return 1 if self.loaded is None else self.loaded.pad_id
 
     def resolve(self, texts: Callable[[], Iterable[str]], key: dict, cache_dir: Path) -> Tokenizers:
-        """The tokenizer; a BPE is trained on ``texts()`` (the training split) unless the
-        cache holds the one of ``key`` (what the texts depend on)."""
+        """The tokenizer; a BPE is trained on ``texts()`` unless cached under ``key``."""
         if self.loaded is not None:
             return self.loaded
         return cached_bpe(texts, self.bpe_vocab_size, key, cache_dir)
@@ -150,10 +116,7 @@ def parse_tokenizer(value: str | None) -> TokenizerChoice:
     """The :class:`TokenizerChoice` of a ``tokenizer`` option (module docstring).
 
     Raises:
-        UsageError: a BPE size outside ``[MIN_BPE_VOCAB, MAX_VOCAB]``, a file that is not a
-            tokenizer, a folder without tokenizer files, a path that does not exist, a name
-            that is neither or a zoo entry not materialized here (:func:`zoo_tokenizer`; each
-            message names the value and what to give instead).
+        UsageError: a bad BPE size, a path that is not a tokenizer, or a bad zoo name.
     """
     if value is None or value == BYTES:
         return TokenizerChoice(BYTES, loaded=ByteTokenizer())
@@ -177,13 +140,11 @@ def parse_tokenizer(value: str | None) -> TokenizerChoice:
 
 
 def zoo_tokenizer(name: str) -> SubwordTokenizer:
-    """The tokenizer of the zoo model ``name`` (its folder's files; an entry whose weights come
-    from an installed distribution is materialized on first use), named as asked: checkpoints
-    can record the name instead of the files.
+    """The tokenizer of the zoo model ``name``, named as asked (checkpoints record the name).
 
     Raises:
-        UsageError: an unknown name, an entry not materialized here (what to install, as
-            ``longnet.hf.load_tokenizer`` says), or a folder without tokenizer files.
+        UsageError: an unknown name, an entry not materialized here, or a folder without
+            tokenizer files.
     """
     try:
         folder = resolve_model_dir(name)
@@ -209,10 +170,8 @@ def _bpe_size(value: str) -> int:
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
-    """A byte-level BPE of at most ``vocab_size`` ids trained on ``texts`` (in order): GPT-2's
-    pre-tokenization, no prefix space, the 256 byte tokens and :data:`BPE_SPECIAL_TOKENS`
-    (ids 0, 1) always present. Deterministic for the same texts and size; a small corpus may
-    give fewer ids (no more pairs to merge)."""
+    """A byte-level BPE of at most ``vocab_size`` ids trained on ``texts`` (GPT-2's
+    pre-tokenization, the 256 byte tokens, :data:`BPE_SPECIAL_TOKENS` as ids 0, 1)."""
     if not is_int(vocab_size) or vocab_size < MIN_BPE_VOCAB:
         raise ValueError(f"vocab_size must be an integer >= {MIN_BPE_VOCAB}, got {vocab_size!r}.")
     tokenizer = Tokenizer(models.BPE())
@@ -233,8 +192,7 @@ def bpe_cache_key(vocab_size: int, key: dict) -> str:
 
 def cached_bpe(texts: Callable[[], Iterable[str]], vocab_size: int, key: dict,
                cache_dir: Path) -> SubwordTokenizer:
-    """The BPE of ``vocab_size`` for ``key``: loaded from ``<cache_dir>/bpe-<key>/``, else
-    trained on ``texts()`` and stored there (the training time printed to stderr)."""
+    """The BPE of ``vocab_size`` for ``key``: from ``cache_dir``, else trained and stored."""
     entry = Path(cache_dir) / f"bpe{vocab_size}-{bpe_cache_key(vocab_size, key)}"
 
     def build(staging: Path) -> None:
