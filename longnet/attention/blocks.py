@@ -165,8 +165,7 @@ def group_batch(group: BlockGroup, batch: int) -> int:
 
 
 def _lattice_view(x: Tensor, group: BlockGroup, lattice: Lattice) -> Tensor:
-    """View ``(batch, segments, outer, inner, rows, dim)`` of ``x`` ``(batch, seq, heads, dim)``
-    holding the rows of ``lattice``'s members."""
+    """View ``(batch, segments, outer, inner, rows, dim)`` of ``x``: ``lattice``'s members' rows."""
     if group.batch is not None:
         x = x[group.batch : group.batch + 1]
     batch, seq, head, dim = x.stride()

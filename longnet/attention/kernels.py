@@ -320,8 +320,7 @@ class QueryRows(NamedTuple):
 
 
 class BackwardQueries(NamedTuple):
-    """What the backward needs of one group's query rows (kernel layout): ``d_out``, ``q``, the
-    GLOBAL merged ``out``/``lse``, and ``d_lse`` or None."""
+    """A group's query rows' backward inputs; ``out``/``lse`` are the GLOBAL merged ones."""
 
     d_out: Tensor
     q: Tensor

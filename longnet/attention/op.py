@@ -28,8 +28,7 @@ from longnet.attention.ring import ring_backward_, ring_forward_
 
 
 def _sequence_layout(block: Tensor, batch: int) -> Tensor:
-    """A whole branch's kernel-layout result ``(batch * segments, heads, rows[, dim])`` in the
-    accumulator layout ``(batch, seq, heads, dim or 1)``."""
+    """A whole branch's kernel-layout result in the layout ``(batch, seq, heads, dim or 1)``."""
     if block.dim() == 3:
         block = block[..., None]
     return rearrange(block, "(b n) h w d -> b (n w) h d", b=batch).contiguous()
@@ -38,8 +37,7 @@ def _sequence_layout(block: Tensor, batch: int) -> Tensor:
 def merge_into_(
     out: Tensor, lse: Tensor, group: Blocks, block_out: Tensor, block_lse: Tensor, fresh: bool
 ) -> None:
-    """Fold a block result (kernel layout) into the accumulators at ``group``'s rows;
-    ``fresh``: nothing was written there yet (copy)."""
+    """Fold a block result into the accumulators at ``group``'s rows (``fresh``: copy it)."""
     if fresh:
         scatter_(out, group, block_out)
         scatter_(lse, group, block_lse[..., None])

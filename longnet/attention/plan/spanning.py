@@ -149,8 +149,7 @@ def spanning_pieces(
 def segment_group(
     member: int, chunk_len: int, segment: int, seq_len: int
 ) -> tuple[int, tuple[int, ...]]:
-    """The first token of ``member``'s spanning ``segment`` and the chunks holding it (the last
-    segment may be cut at ``seq_len``)."""
+    """The first token of ``member``'s ``segment`` and its chunks (the last cut at ``seq_len``)."""
     start = member * chunk_len // segment * segment
     return start, tuple(range(start // chunk_len, min(start + segment, seq_len) // chunk_len))
 
