@@ -1,15 +1,7 @@
-"""Where each branch's dense blocks live in the sequence, and how to gather and scatter them.
-
-A branch ``(w, r)`` over a sequence of ``n`` tokens cuts it into segments; in every segment
-head ``h`` selects the rows ``h % r, h % r + r, ...``. Heads whose selections have the same
-length form one :class:`BlockGroup` (with packed documents, of one batch element; several of
-one block shape form a :class:`BlockStack`), run as one batched kernel call on tensors of the
-kernel layout ``(batch * segments, heads, rows, dim)`` (docs/architecture.md §3).
-
-Gathers and scatters are strided views, never index kernels: the members of a group (a head
-and its first row) are split into a few :class:`Lattice` s, each of which is one strided view of
-the sequence tensor, so moving a whole group costs one copy per lattice (one or two for the
-usual patterns), whatever the sequence length.
+"""Where each branch's dense blocks live in the sequence, and how to gather and scatter them:
+heads with equally many selected rows form a :class:`BlockGroup`, one kernel call in the layout
+``(batch * segments, heads, rows, dim)`` (docs/architecture.md §3), moved by a few strided
+views (:class:`Lattice`), never index kernels.
 """
 
 from __future__ import annotations
@@ -24,9 +16,9 @@ from torch import Tensor
 
 
 class Lattice(NamedTuple):
-    """Members ``first .. first + outer * inner - 1`` of a group (in its head order), laid out
-    as an ``outer x inner`` grid: member ``(i, j)`` is head ``head + i * outer_head + j *
-    inner_head`` with first row ``offset + i * outer_offset + j * inner_offset``."""
+    """Members ``first ..`` of a group as an ``outer x inner`` grid: member ``(i, j)`` is head
+    ``head + i * outer_head + j * inner_head`` with first row ``offset + i * outer_offset + j *
+    inner_offset``."""
 
     first: int
     outer: int
@@ -41,10 +33,9 @@ class Lattice(NamedTuple):
 
 @dataclass(frozen=True)
 class BlockGroup:
-    """``num_segments`` segments of ``segment_length`` tokens starting at ``start``; head
-    ``heads[i]`` selects rows ``offsets[i] + j * rate`` (``j < rows``) of every segment, in
-    every batch element, or only in batch element ``batch`` when it is set (packed documents
-    differ between batch elements)."""
+    """``num_segments`` segments of ``segment_length`` tokens from ``start``; head ``heads[i]``
+    selects rows ``offsets[i] + j * rate`` (``j < rows``) of each, in batch element ``batch``
+    only when set."""
 
     start: int
     segment_length: int
@@ -57,8 +48,7 @@ class BlockGroup:
 
     @property
     def is_contiguous(self) -> bool:
-        """True when the blocks are plain views: rate 1 (every head takes the whole segment)
-        and the heads form one consecutive range."""
+        """Rate 1 and consecutive heads: the blocks are plain views."""
         return self.rate == 1 and self.heads == tuple(range(self.heads[0], self.heads[-1] + 1))
 
     @cached_property
@@ -67,9 +57,7 @@ class BlockGroup:
         return tuple(_lattices(self.heads, self.offsets))
 
     def chunks(self, max_elements: int, row_elements: int) -> Iterator[BlockGroup]:
-        """Split into groups of at most ``max_elements`` elements: whole segments when one
-        segment fits, else single segments of a few heads (``row_elements`` = batch *
-        head_dim elements per row and head)."""
+        """Split into groups of at most ``max_elements`` (``row_elements`` per row and head)."""
         per_head = self.rows * row_elements
         heads_per_chunk = max(1, min(len(self.heads), max_elements // per_head))
         for first_head in range(0, len(self.heads), heads_per_chunk):
@@ -84,9 +72,7 @@ class BlockGroup:
 
 @dataclass(frozen=True)
 class BlockStack:
-    """Two or more block groups whose blocks have one shape (as many heads, as many rows), run
-    as one kernel call: their blocks stacked, in order, along the kernel layout's first
-    dimension (the segments of the documents of a packed batch)."""
+    """Block groups of one block shape, stacked along the first dimension as one kernel call."""
 
     groups: tuple[BlockGroup, ...]
 
@@ -96,16 +82,13 @@ Blocks = BlockGroup | BlockStack
 
 
 def _step(heads: Sequence[int], offsets: Sequence[int], a: int, b: int) -> tuple[int, int] | None:
-    """The ``(head, offset)`` step from member ``a`` to member ``b``, or None when either part
-    is negative (a view cannot step backwards)."""
+    """The ``(head, offset)`` step from member ``a`` to ``b``; None if negative."""
     step = (heads[b] - heads[a], offsets[b] - offsets[a])
     return step if min(step) >= 0 else None
 
 
 def _lattices(heads: Sequence[int], offsets: Sequence[int]) -> Iterator[Lattice]:
-    """Greedy split of the members ``(heads[i], offsets[i])``, in order, into grids: maximal
-    runs with a constant step, then maximal sequences of equally long runs with equal steps
-    whose first members are equally spaced."""
+    """Greedy split into grids: runs of one step, then equally spaced runs of equal shape."""
     runs, i = [], 0
     while i < len(heads):
         end = i + 1
@@ -136,12 +119,8 @@ def _lattices(heads: Sequence[int], offsets: Sequence[int]) -> Iterator[Lattice]
 def region_groups(
     start: int, length: int, count: int, num_heads: int, rate: int, shift: int = 0
 ) -> list[BlockGroup]:
-    """Block groups of ``count`` regions of ``length`` tokens from ``start``.
-
-    ``shift`` is the distance from the enclosing segment's start to the region's start (non-zero
-    when a sequence shard begins inside a segment): head ``h`` then selects the region rows
-    ``r`` with ``(r + shift) % rate == h % rate``.
-    """
+    """Block groups of ``count`` regions of ``length`` tokens from ``start``; ``shift``: the
+    region's distance from its segment's start (a shard beginning inside a segment)."""
     by_rows: dict[int, list[tuple[int, int]]] = {}
     for head in range(num_heads):
         offset = (head - shift) % rate
@@ -186,9 +165,7 @@ def group_batch(group: BlockGroup, batch: int) -> int:
 
 
 def _lattice_view(x: Tensor, group: BlockGroup, lattice: Lattice) -> Tensor:
-    """View ``(batch, segments, outer, inner, rows, dim)`` of ``x`` ``(batch, seq, heads, dim)``
-    holding the rows of the members of ``lattice`` (``batch`` = 1 when ``group.batch`` is
-    set)."""
+    """View ``(batch, segments, outer, inner, rows, dim)`` of ``x``: ``lattice``'s members' rows."""
     if group.batch is not None:
         x = x[group.batch : group.batch + 1]
     batch, seq, head, dim = x.stride()
@@ -212,9 +189,7 @@ def _lattice_view(x: Tensor, group: BlockGroup, lattice: Lattice) -> Tensor:
 
 def gathers_view(blocks: Blocks, batch: int, seq_len: int) -> bool:
     """Whether ``gather(x, blocks)`` of a contiguous ``x`` ``(batch, seq_len, heads, dim)`` is
-    a view (writes to it reach ``x``): one contiguous group whose batch and segments merge
-    into one dimension (one batch element, one segment, or the segments cover the whole
-    sequence). A stack is always gathered into a copy."""
+    a view: one contiguous group whose batch and segment dimensions merge."""
     if isinstance(blocks, BlockStack):
         return False
     whole = blocks.num_segments * blocks.segment_length == seq_len
@@ -223,13 +198,8 @@ def gathers_view(blocks: Blocks, batch: int, seq_len: int) -> bool:
 
 
 def gather(x: Tensor, blocks: Blocks) -> Tensor:
-    """Blocks of ``x`` ``(batch, seq, heads, dim)`` -> ``(batch * segments, heads, rows, dim)``
-    (a stack: its groups' blocks one after the other).
-
-    A view when ``gathers_view`` (for a contiguous ``x``); otherwise one strided copy per
-    lattice (and group) into sequence-major memory ``(batch * segments, rows, heads, dim)``,
-    the layout the fused kernels read fastest.
-    """
+    """Blocks of ``x`` ``(batch, seq, heads, dim)`` -> ``(batch * segments, heads, rows, dim)``:
+    a view when ``gathers_view``, else a sequence-major copy (read fastest by fused kernels)."""
     if gathers_view(blocks, x.shape[0], x.shape[1]):
         (lattice,) = blocks.lattices
         return rearrange(_lattice_view(x, blocks, lattice), "b n i j c d -> (b n) (i j) c d")
@@ -243,9 +213,7 @@ def gather(x: Tensor, blocks: Blocks) -> Tensor:
 
 
 def scatter_(x: Tensor, blocks: Blocks, gathered: Tensor, accumulate: bool = False) -> None:
-    """Write (or add, with ``accumulate``) ``gathered`` ``(batch * segments, heads, rows,
-    dim)``, the layout of ``gather(x, blocks)``, into its places in ``x`` ``(batch, seq, heads,
-    dim)``, in place: one strided copy (or add) per lattice (and group)."""
+    """Write (or add, with ``accumulate``) ``gathered`` (``gather``'s layout) into ``x``."""
     groups, sizes = _groups(blocks, x.shape[0])
     for group, part in zip(groups, gathered.split(sizes)):
         part = rearrange(part, "(b n) h c d -> b n c h d", n=group.num_segments)
@@ -255,15 +223,13 @@ def scatter_(x: Tensor, blocks: Blocks, gathered: Tensor, accumulate: bool = Fal
 
 
 def _groups(blocks: Blocks, batch: int) -> tuple[tuple[BlockGroup, ...], list[int]]:
-    """The groups of ``blocks`` (itself, or a stack's) and how many blocks each has in the
-    kernel layout of a ``batch``-element input."""
+    """The groups of ``blocks`` and how many blocks each has in the kernel layout."""
     groups = blocks.groups if isinstance(blocks, BlockStack) else (blocks,)
     return groups, [group_batch(group, batch) * group.num_segments for group in groups]
 
 
 def _member_slices(blocks: Tensor, group: BlockGroup) -> Iterator[Tensor]:
-    """Views ``(batch, segments, outer, inner, rows, dim)`` of ``blocks`` ``(batch, segments,
-    rows, heads, dim)``, one per lattice of ``group``."""
+    """Views ``(batch, segments, outer, inner, rows, dim)`` of ``blocks``, one per lattice."""
     for lattice in group.lattices:
         part = blocks[:, :, :, lattice.first : lattice.first + lattice.outer * lattice.inner]
         yield rearrange(part, "b n c (i j) d -> b n i j c d", i=lattice.outer)

@@ -1,10 +1,5 @@
-"""``dilated_attention``: exact LongNet dilated attention on one device or across ranks
-(docs/architecture.md §2-4). Its checks (across ranks also :func:`agree_on_call`: every rank
-made the same call), then the custom op ``longnet::dilated_attention`` on one device (``op``;
-``torch.compile`` traces it) or the autograd function below across a process group, both
-running ``op.attend``/``attend_backward``; the retrieval branches are merged in by
-``retrieval``.
-"""
+"""``dilated_attention``: exact LongNet dilated attention on one device (``op``'s custom op) or
+across a process group (the autograd function below); docs/architecture.md §2-4."""
 
 from __future__ import annotations
 
@@ -30,8 +25,7 @@ from longnet.validation import check_bool, check_positive_float, is_int
 
 
 class _DilatedAttention(torch.autograd.Function):
-    """The sequence-parallel call (one device runs ``op.dilated_attention_op``): the shared
-    executors of ``op`` with the group's exchanges."""
+    """The sequence-parallel call: ``op``'s executors with the group's exchanges."""
 
     @staticmethod
     def forward(ctx, q, k, v, plan: AttentionPlan, group: dist.ProcessGroup):
@@ -72,49 +66,31 @@ def dilated_attention(
 
     Args:
         q: ``(batch, seq, heads, head_dim)``.
-        k, v: ``(batch, seq, kv_heads, head_dim)``, ``kv_heads`` dividing ``heads``
-            (grouped-query attention: K/V head ``j`` serves the query heads ``j * g .. (j + 1)
-            * g - 1``, ``g = heads // kv_heads``); one dtype and device with ``q``.
+        k, v: ``(batch, seq, kv_heads, head_dim)``, ``kv_heads`` dividing ``heads`` (K/V head
+            ``j`` serves query heads ``j * g .. (j + 1) * g - 1``); ``q``'s dtype and device.
         pattern: a :class:`DilatedPattern` or ``[(segment_length, dilation_rate), ...]``.
-        retrieval: attention sinks and query-aware block selection
-            (:class:`~longnet.attention.Retrieval`), branches that reach a key at any
-            offset, in the same softmax (docs/architecture.md §2, "Retrieval branches"); the
-            query heads of one K/V head share its selection. One device only for now.
-        retrieval_qk: the query and key rows the retrieval branches score with, ``(far_q,
-            far_k)`` of ``q``'s and ``k``'s shapes (default ``q, k``): where a position rule
-            places their keys elsewhere than the dilated branches do (a rotary model's
-            ``retrieval_positions``). Only with ``retrieval``.
+        retrieval: attention sinks and block selection (:class:`~longnet.attention.Retrieval`)
+            in the same softmax (docs/architecture.md §2, "Retrieval branches"); one device.
+        retrieval_qk: ``(far_q, far_k)`` of ``q``'s and ``k``'s shapes that the retrieval
+            branches score with (default ``q, k``; a rotary model's ``retrieval_positions``).
         causal: queries see only keys at positions ``<=`` their own.
         scale: score scale, default ``head_dim ** -0.5``.
-        sequence_parallel: how the sequence is split over a process group
-            (:class:`~longnet.distributed.sequence_parallel.SequenceParallel`: group, layout,
-            transport), or None on one device. ``q, k, v`` are then this rank's shard of
-            ``L = N / P`` tokens (group-rank order; the ``contiguous`` or ``zigzag`` layout)
-            and the result is this rank's shard of the single-device result. Every segment
-            length (capped at ``N``) must divide ``L`` (zigzag: the chunk ``N / 2P``) or be a
-            multiple of it (see ``padded_length``). A group of one rank runs as one device.
-        document_ids: ``(batch, seq)`` integer ids, non-decreasing along the sequence, for
-            packed documents: each run of equal ids is a document, attended exactly as if it
-            were called alone (its segments start at its first token, no key from another
-            document; docs/architecture.md §2, "Packed documents"). Batch elements may hold
-            different documents. Costs one transfer of the ids to the host. With
-            ``sequence_parallel``: this rank's shard of the ids (contiguous layout); documents
-            may span ranks, and the ranks agree on them with one all-gather of the ids
-            (docs/architecture.md §4, "Packed documents across ranks"). Or the ids resolved
-            once for many calls (:func:`~longnet.attention.documents.resolve_documents`, as
-            ``LongNetModel`` does per forward): no transfer, no all-gather.
+        sequence_parallel: a :class:`~longnet.distributed.sequence_parallel.SequenceParallel`
+            or None; ``q, k, v`` and the result are then this rank's shard, whose length (zigzag:
+            chunk length) every segment length, capped at ``N``, must divide or be a multiple of
+            (``padded_length``). A group of one rank runs as one device.
+        document_ids: ``(batch, seq)`` non-decreasing integer ids, each run a document attended
+            as if alone (docs/architecture.md §2, §4); one host transfer. With
+            ``sequence_parallel``: this rank's shard (documents may span ranks; one all-gather).
+            Or ``PackedDocuments`` resolved once for many calls (``documents.resolve_documents``):
+            no transfer, no all-gather.
         return_lse: also return the log-sum-exp of the scores.
         check_finite: raise ``ValueError`` if ``q``, ``k`` or ``v`` holds a NaN or an infinity
-            (one reduction per tensor; on CUDA it waits for the device; under
-            ``torch.compile`` a ``RuntimeError`` from an assertion in the graph). Without it a
-            NaN gives NaN in the rows it reaches, as in dense attention: a NaN query its own
-            row, a NaN key the rows that attend to it; a NaN value may reach every row of its
-            block, as the fused kernels multiply it by zero weights too.
-        kernel: the block kernel, ``"auto"`` (the first of ``kernels.KERNELS`` that runs the
-            call: FlashAttention on CUDA sm80+ for fp16/bf16, memory-efficient on CUDA
-            otherwise, ATen's flash kernel on the CPU, math for the rest) or one of those names.
-        block_elements: the most elements of one gathered block tensor (bounds the working
-            memory); default from the device (``plan.default_block_elements``).
+            (a host sync; under ``torch.compile`` a ``RuntimeError`` from the graph). Without
+            it a NaN reaches the rows it touches (a NaN value: possibly its whole block).
+        kernel: ``"auto"`` (the first of ``kernels.KERNELS`` that runs the call: CUDA flash,
+            CUDA memory-efficient, CPU flash, math) or one of those names.
+        block_elements: the most elements of one gathered block tensor; default by device.
     Returns:
         ``out`` ``(batch, seq, heads, head_dim)`` in the input dtype, and with ``return_lse``
         ``lse`` ``(batch, heads, seq)`` in float32 (float64 for float64 inputs). Queries that no
@@ -219,14 +195,9 @@ _AGREED: WeakKeyDictionary[dist.ProcessGroup, dict[tuple[str, int], int]] = Weak
 def agree_on_call(
     signature: str, block_elements: int, process_group: dist.ProcessGroup, device: torch.device
 ) -> int:
-    """Raise on every rank if any rank of ``process_group`` called with a different
-    ``signature``; return the smallest ``block_elements`` of the group (every member of a
-    segment group must cut a branch into the same pieces).
-
-    One all-reduce and one host sync the first time a group meets a signature; the answer is
-    kept for the group's lifetime, so later calls with that signature cost nothing (a rank
-    that later calls with a signature the others do not share is then caught by the exchange
-    itself, not here)."""
+    """Raise on every rank if any rank called with a different ``signature``; return the
+    group's smallest ``block_elements`` (one all-reduce per group and signature, cached: a
+    later mismatch is caught by the exchange itself)."""
     agreed = _AGREED.setdefault(process_group, {})
     key = (signature, block_elements)
     if key not in agreed:
@@ -252,8 +223,7 @@ def _all_agree(
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> None:
-    """Refuse inputs the call cannot take (:func:`~longnet.compiled.refuse`: under
-    ``torch.compile`` the message is Dynamo's reason)."""
+    """Refuse inputs the call cannot take (:func:`~longnet.compiled.refuse`)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             refuse(TypeError, f"dilated_attention: {name} must be a torch.Tensor, got "
@@ -285,8 +255,7 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> None:
 
 def _check_retrieval_qk(q: Tensor, k: Tensor, retrieval: Retrieval | None,
                         retrieval_qk: object) -> None:
-    """``retrieval_qk`` must be two tensors of ``q``'s and ``k``'s shape, dtype and device,
-    given with active retrieval branches (``retrieval``, as :func:`check_retrieval` gives it)."""
+    """``retrieval_qk``: two tensors like ``q`` and ``k``, given with active ``retrieval``."""
     if retrieval is None:
         raise ValueError("dilated_attention: retrieval_qk is given without retrieval "
                          "branches; pass retrieval=Retrieval(...) or drop retrieval_qk.")
@@ -304,15 +273,13 @@ def _check_retrieval_qk(q: Tensor, k: Tensor, retrieval: Retrieval | None,
 
 
 def _expand_kv(q: Tensor, t: Tensor) -> Tensor:
-    """Grouped K/V heads ``(batch, seq, kv_heads, dim)`` repeated to ``q``'s heads (K/V head
-    ``j`` to query heads ``j * g .. (j + 1) * g - 1``)."""
+    """Grouped K/V heads ``(batch, seq, kv_heads, dim)`` repeated to ``q``'s heads."""
     groups = q.shape[2] // t.shape[2]
     return t if groups == 1 else t.repeat_interleave(groups, dim=2)
 
 
 def _check_finite(q: Tensor, k: Tensor, v: Tensor) -> None:
-    """``check_finite``: a ``ValueError`` naming the tensor and the count; under
-    ``torch.compile`` the check runs in the graph (``_assert_async``, a ``RuntimeError``)."""
+    """``check_finite``'s ``ValueError`` (under ``torch.compile``: ``_assert_async``)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if torch.compiler.is_compiling():
             torch._assert_async(torch.isfinite(t).all(), f"dilated_attention: {name} holds NaN "

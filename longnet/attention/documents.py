@@ -1,16 +1,6 @@
-"""Packed documents (docs/architecture.md §2 and §4, "Packed documents"):
-``dilated_attention(document_ids=...)`` marks runs of equal ids ``(batch, seq)`` as documents,
-each attended as if it were alone: its branches' segments start at its first token and no key
-of another document is seen.
-
-This module checks the ids and turns them into document lengths (:data:`Documents`), on one
-device or agreed across the ranks of a process group, per call or once for many calls
-(:class:`PackedDocuments`), and lays the documents of one device out for the plan: per
-document, the block groups are ``branch_groups(length, ...)`` moved to the document's start
-(:func:`document_branches`), stacked into few kernel calls (:func:`stacked_chunks`). The
-documents of every batch element share their block groups when every batch element holds the
-same document lengths, else each group covers one batch element (``BlockGroup.batch``;
-:func:`placed_documents`). Across ranks, ``plan.spanning.plan_document_ring`` lays them out.
+"""Packed documents (docs/architecture.md §2 and §4): runs of equal ``document_ids``, each
+attended as if alone. Checks the ids, turns them into lengths (:data:`Documents`, once for many
+calls: :class:`PackedDocuments`) and lays one device's documents out for the plan.
 """
 
 from __future__ import annotations
@@ -34,14 +24,12 @@ def check_document_ids(
     document_ids: Tensor, batch: int, seq_len: int, device: torch.device,
     caller: str = "dilated_attention", of: str = "q",
 ) -> Tensor:
-    """Check ``document_ids`` for an input ``of`` (named in messages, as is ``caller``) of
-    ``batch`` rows of ``seq_len`` tokens on ``device``; returns the ids on the host as int64
-    (one transfer).
+    """Check ``document_ids`` for the input ``of`` ``(batch, seq_len)`` on ``device``
+    (messages name ``caller`` and ``of``); returns them on the host as int64.
 
     Raises:
         TypeError: ``document_ids`` is not an integer tensor.
-        ValueError: its shape is not ``(batch, seq)``, it lies on another device, or its ids
-            decrease somewhere (the message names the first place).
+        ValueError: a wrong shape or device, or ids that decrease somewhere.
     """
     if not isinstance(document_ids, Tensor):
         raise TypeError(
@@ -89,21 +77,15 @@ def run_lengths(ids: Tensor) -> Documents:
 
 @dataclass(frozen=True, eq=False)
 class PackedDocuments:
-    """Packed documents resolved once for many attention calls (a model's layers).
-
-    ``ids``: ``(batch, seq)`` document ids on the device (this rank's shard under sequence
-    parallelism), for what the layers compute from them (positions in each document, the K/V
-    convolution's boundaries); ``lengths``: every batch element's document lengths over the
-    whole sequence (all ranks' shards), for the attention plan. Make it with
-    :func:`resolve_documents`.
-    """
+    """Packed documents resolved once for many calls (:func:`resolve_documents`): ``ids``
+    ``(batch, seq)`` on the device (this rank's shard) and every batch element's ``lengths``
+    over the whole sequence."""
 
     ids: Tensor
     lengths: Documents
 
     def lengths_for(self, shape: torch.Size, world_size: int) -> Documents:
-        """``lengths``, checked against ``q`` of ``shape`` ``(batch, seq, heads, head_dim)``,
-        this rank's shard of ``world_size`` (without a transfer to the host).
+        """``lengths``, checked against this rank's ``q`` of ``shape`` ``(batch, seq, ...)``.
 
         Raises:
             ValueError: the documents were resolved for another batch or sequence length.
@@ -128,12 +110,9 @@ def resolve_documents(
     process_group: dist.ProcessGroup | None = None, caller: str = "dilated_attention",
     of: str = "q",
 ) -> PackedDocuments:
-    """``document_ids`` ``(batch, seq_len)`` on ``device`` (checked as
-    :func:`check_document_ids` does, messages naming ``caller`` and ``of``) with their document
-    lengths: one transfer of the ids to the host; with a ``process_group`` of several ranks,
-    the ids are this rank's contiguous shard and the ranks agree on the lengths of the whole
-    sequence with one all-gather of the ids on ``device`` and one more transfer
-    (docs/architecture.md §4, "Packed documents across ranks")."""
+    """``document_ids`` ``(batch, seq_len)`` checked (:func:`check_document_ids`) with their
+    lengths; with a ``process_group`` of several ranks they are this rank's contiguous shard,
+    all-gathered for the whole sequence's lengths (docs/architecture.md §4)."""
     ids = check_document_ids(document_ids, batch, seq_len, device, caller, of)
     if process_group is not None and dist.get_world_size(process_group) > 1:
         shard = document_ids.long().contiguous()
@@ -145,16 +124,14 @@ def resolve_documents(
 
 
 def placed_documents(documents: Documents) -> list[tuple[int | None, tuple[int, ...]]]:
-    """``(batch element, document lengths)`` to lay out: one entry for all batch elements
-    (element None) when they hold the same documents, else one per batch element."""
+    """``(batch element, lengths)`` to lay out: ``[(None, lengths)]`` when all are equal."""
     if len(set(documents)) == 1:
         return [(None, documents[0])]
     return list(enumerate(documents))
 
 
 def document_segments(lengths: Sequence[int], segment_length: int) -> Iterator[tuple[int, int]]:
-    """``(start, stop)`` of every segment of every document of ``lengths`` (in sequence
-    order), segments of ``segment_length`` tokens counted from each document's first token."""
+    """``(start, stop)`` of every ``segment_length`` segment of every document, in order."""
     start = 0
     for length in lengths:
         for first in range(start, start + length, segment_length):
@@ -184,10 +161,8 @@ def document_branches(
 def stacked_chunks(
     groups: Sequence[BlockGroup], batch: int, head_dim: int, block_elements: int
 ) -> Iterator[Blocks]:
-    """The groups of one branch as kernel calls: each group split into chunks of at most
-    ``block_elements`` elements (``BlockGroup.chunks``), the chunks of one block shape (the
-    full segments of every document, tails of equal length) stacked (``BlockStack``) while the
-    stack stays within the budget; a lone chunk is run as it is."""
+    """One branch's groups as kernel calls: chunks of at most ``block_elements`` elements,
+    those of one block shape stacked (``BlockStack``) within the budget."""
     by_shape: dict[tuple[int, int], list[BlockGroup]] = {}
     for group in groups:
         row_elements = group_batch(group, batch) * head_dim

@@ -1,20 +1,11 @@
-"""Block attention kernels (one registry of ``(forward, backward)`` pairs, chosen once per
-call), the accumulators of a call and the log-sum-exp merge that folds block results into them.
+"""Block attention kernels (``KERNELS``: ``(forward, backward)`` pairs, most preferred first),
+the accumulators of a call and the log-sum-exp merge of block results.
 
-Every kernel takes the kernel layout ``(batch, heads, length, head_dim)`` and returns ``(out,
-lse)`` with ``lse`` ``(batch, heads, length)`` in the accumulation dtype (float32; float64 for
-float64 inputs). ``causal`` is only used on square diagonal blocks (query ``i`` sees keys
-``0..i``).
-
-The backward receives the *global* ``out`` and ``lse`` of the merged attention (all blocks, all
-branches) instead of the block's own: with those, the flash-attention backward of one block is
-exactly that block's share of the gradient of the whole mixture (docs/architecture.md §3). A
-gradient flowing into ``lse`` enters through ``delta = rowsum(d_out * out) - d_lse``, which only
-the math kernel accepts: ``Kernel.block_backward`` routes that case there.
-
-To add a kernel: write its forward and backward with the signatures of ``math_forward`` /
-``math_backward``, describe what it supports in a :class:`Kernel`, and put it in ``KERNELS``
-before the kernels it should win over.
+Kernels take ``(batch, heads, length, head_dim)`` and return ``(out, lse)``, ``lse`` ``(batch,
+heads, length)`` in the accumulation dtype; ``causal`` only on square diagonal blocks. The
+backward gets the *global* merged ``out``/``lse``, so one block's flash backward is exactly its
+share of the mixture's gradient (docs/architecture.md §3); a gradient into ``lse`` enters via
+``delta = rowsum(d_out * out) - d_lse``, which only the math kernel takes.
 """
 
 from __future__ import annotations
@@ -31,8 +22,7 @@ from longnet.attention.blocks import Blocks, gather, scatter_
 
 
 class BlockBackward(NamedTuple):
-    """One block's backward inputs, kernel layout: the upstream gradient ``d_out``, the block's
-    ``q, k, v``, and the GLOBAL merged ``out`` and ``lse`` of its query rows."""
+    """One block's backward inputs (kernel layout); ``out``/``lse`` are the GLOBAL merged ones."""
 
     d_out: Tensor
     q: Tensor
@@ -52,8 +42,6 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 # -- math: any device and dtype; the reference the fused kernels are tested against -----------
-
-
 def math_forward(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor]:
@@ -91,21 +79,15 @@ def math_backward(
 
 
 def _future(scores: Tensor) -> Tensor:
-    """``(queries, keys)`` True where a key lies after its query (masked, so that even a NaN
-    score there cannot reach the row)."""
+    """``(queries, keys)`` True where a key lies after its query (masked: even a NaN there)."""
     length_q, length_k = scores.shape[-2:]
     return torch.ones(length_q, length_k, dtype=torch.bool, device=scores.device).triu(1)
 
 
 # -- what the fused kernels assume without checking ---------------------------------------------
-
-
 def _fused_ready(*tensors: Tensor) -> list[Tensor]:
-    """The fused ops are called directly, without the checks ``scaled_dot_product_attention``
-    makes before it calls them: each row's ``head_dim`` elements must be consecutive, and the
-    CUDA kernels load 16 bytes at a time, so the data pointer and every stride must be 16-byte
-    aligned. A tensor that breaks either (a transposed view, a slice at an odd offset) is
-    copied first; otherwise the kernels silently read the wrong elements."""
+    """Copies of the tensors the fused ops (called without SDPA's checks) would misread: rows
+    must be contiguous, and on CUDA the pointer and strides 16-byte aligned."""
     ready = []
     for t in tensors:
         size = t.element_size()
@@ -118,20 +100,15 @@ def _fused_ready(*tensors: Tensor) -> list[Tensor]:
 
 
 def _sequence_major(t: Tensor) -> Tensor:
-    """``t`` ``(batch, heads, length, dim)`` with memory ``(batch, length, heads, dim)``
-    contiguous (a view when it already is). The memory-efficient CUDA backward reads ``out``
-    with the row stride ``heads * dim`` whatever the tensor's strides (its ``o_strideM``), so
-    ``out`` must have exactly that layout."""
+    """``t`` ``(batch, heads, length, dim)`` in memory ``(batch, length, heads, dim)``: the
+    memory-efficient CUDA backward assumes that row stride for ``out`` (its ``o_strideM``)."""
     return t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 # -- CPU: ATen's flash attention ----------------------------------------------------------------
-
-
 def cpu_flash_splits(q_len: int, k_len: int) -> tuple[int, int]:
-    """The query and key tile sizes ATen's CPU flash attention picks for a block of ``q_len``
-    queries and ``k_len`` keys (its per-thread buffers are sized by them; the memory models
-    of ``lab.memory`` read them from here)."""
+    """The query and key tile sizes ATen's CPU flash attention picks for a ``q_len x k_len``
+    block (they size its per-thread buffers; ``lab.memory`` reads them)."""
     q_split = 256 if q_len >= 768 else 64 if q_len >= 192 else 32
     return min(q_split, q_len), min(512, k_len)
 
@@ -156,8 +133,6 @@ def cpu_flash_backward(
 
 
 # -- CUDA: FlashAttention-2 (sm80+, fp16/bf16) --------------------------------------------------
-
-
 def cuda_flash_forward(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor]:
@@ -174,8 +149,7 @@ def cuda_flash_backward(
     block: BlockBackward, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     d_out, q, k, v, out = _fused_ready(*block[:5])
-    # as the forward returns them for a dense batch without dropout: no cumulative sequence
-    # lengths (None: not a varlen call) and an unused random state
+    # a dense batch without dropout: no cumulative sequence lengths, an unused random state
     seed = torch.zeros(2, dtype=torch.uint64, device=q.device)
     offset = torch.zeros((), dtype=torch.uint64, device=q.device)
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
@@ -185,8 +159,6 @@ def cuda_flash_backward(
 
 
 # -- CUDA: memory-efficient attention (fp32, and fp16/bf16 below sm80) --------------------------
-
-
 def cuda_efficient_forward(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor]:
@@ -214,22 +186,15 @@ def cuda_efficient_backward(
 
 
 # -- the registry ------------------------------------------------------------------------------
-
-
 def _sm80_or_newer(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 @dataclass(frozen=True)
 class Kernel:
-    """A ``(forward, backward)`` pair and what it runs on.
-
-    ``device``: the device type (``None``: any); ``dtypes``: the input dtypes (``None``: any
-    floating dtype); ``max_head_dim``: the largest head it takes; ``row_bytes``: a head's size in
-    bytes must be a multiple of this (the CUDA kernels load 16 bytes at a time: see
-    :func:`_fused_ready`); ``needs``: a further hardware condition; ``fused``: it never holds a
-    block's score matrix (the math kernel does, so blocks for it must stay small).
-    """
+    """A ``(forward, backward)`` pair and what it runs on (``device``/``dtypes`` None: any;
+    ``row_bytes``: a head's size in bytes must be a multiple of it; ``needs``: a hardware
+    condition; ``fused``: it never holds a block's score matrix, as the math kernel does)."""
 
     name: str
     forward: Forward
@@ -260,9 +225,7 @@ class Kernel:
     def block_backward(
         self, block: BlockBackward, d_lse: Tensor | None, causal: bool, scale: float
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """One block's share of the mixture gradient; a gradient into ``lse`` (``d_lse``,
-        ``(batch, heads, length)``) runs the math kernel with ``delta`` (see the module
-        docstring)."""
+        """One block's share of the mixture gradient (with ``d_lse``: math kernel, ``delta``)."""
         if d_lse is None:
             return self.backward(block, causal, scale)
         lse = block.lse
@@ -291,8 +254,7 @@ def kernel_names() -> tuple[str, ...]:
 def select_kernel(
     device: torch.device, dtype: torch.dtype, head_dim: int, name: str = "auto"
 ) -> Kernel:
-    """The kernel for a call: the first of ``KERNELS`` that supports it, or the one named
-    (``ValueError`` naming why when it cannot run the call)."""
+    """The first of ``KERNELS`` that supports the call, or the one named (``ValueError`` if not)."""
     if name == "auto":
         return next(k for k in KERNELS if k.unsupported(device, dtype, head_dim) is None)
     kernel = next((k for k in KERNELS if k.name == name), None)
@@ -310,24 +272,19 @@ def select_kernel(
 
 
 # -- the accumulators (sequence layout, accumulation dtype) and the log-sum-exp merge ------------
-
-
 MERGE_TEMPORARIES = 3
-"""lse-sized temporaries alive at once in :func:`lse_merge_` (the difference of the two lse,
-its NaN-free copy, the sigmoid weight); ``lerp_`` and ``logaddexp`` then write in place."""
+"""lse-sized temporaries alive at once in :func:`lse_merge_` (for the memory models)."""
 
 
 def lse_merge_(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
-    """Fold attention over key set B into attention over key set A, in place in ``out_a, lse_a``.
+    """Fold attention over key set B into that over key set A, in place in ``out_a, lse_a``.
 
     Args:
         out_a, out_b: ``(..., length, dim)`` normalised outputs of each part.
         lse_a, lse_b: ``(..., length)`` log-sum-exp of each part's scores (``-inf``: no keys;
             ``out_a`` must then be 0 there, as fresh accumulators are).
-    The union's output is ``out_a + w (out_b - out_a)`` with ``w = exp(lse_b - lse_union)
-    = sigmoid(lse_b - lse_a)`` (the two weights sum to 1): one pass over the outputs. A side
-    with no keys (``lse_b = -inf``) gets ``w = 0``, also when the other side has none either
-    (``-inf - -inf``): ``out = 0``, ``lse = -inf``, no NaN. A NaN on either side stays NaN.
+    ``out = out_a + w (out_b - out_a)``, ``w = sigmoid(lse_b - lse_a)``; ``w = 0`` where B has
+    no keys (no NaN when neither side has any); a NaN on either side stays NaN.
     """
     weight = torch.sigmoid((lse_b - lse_a).masked_fill(torch.isneginf(lse_b), float("-inf")))
     out_a.lerp_(out_b.to(out_a.dtype), weight[..., None].to(out_a.dtype))
@@ -343,10 +300,9 @@ def accumulators(q: Tensor) -> tuple[Tensor, Tensor]:
 
 
 class QueryRows(NamedTuple):
-    """The accumulator rows of one block group's (or stack's) queries, gathered into the
-    kernel layout: ``out`` ``(batch * segments, heads, rows, dim)`` and ``lse`` ``(batch *
-    segments, heads, rows)``. Views of the accumulators when ``gathers_view``, else copies:
-    merge into them in place, then ``write_back_``."""
+    """The accumulator rows of one group's queries in the kernel layout (``out`` ``(batch *
+    segments, heads, rows, dim)``, ``lse`` without ``dim``); views when ``gathers_view``, else
+    copies: merge into them in place, then ``write_back_``."""
 
     group: Blocks
     out: Tensor
@@ -357,17 +313,14 @@ class QueryRows(NamedTuple):
         return cls(group, gather(out, group), gather(lse, group)[..., 0])
 
     def write_back_(self, out: Tensor, lse: Tensor) -> None:
-        """Store the merged rows into the accumulators, unless they are views of them (the
-        gather returned memory of ``out`` itself)."""
+        """Store the merged rows into the accumulators, unless they are views of them."""
         if self.out.untyped_storage().data_ptr() != out.untyped_storage().data_ptr():
             scatter_(out, self.group, self.out)
             scatter_(lse, self.group, self.lse[..., None])
 
 
 class BackwardQueries(NamedTuple):
-    """What the backward needs of one block group's (or stack's) queries (kernel layout): the
-    upstream gradient, the queries, and the GLOBAL merged ``out``/``lse`` (and ``d_lse``, the
-    gradient into lse, or None) of their rows."""
+    """A group's query rows' backward inputs; ``out``/``lse`` are the GLOBAL merged ones."""
 
     d_out: Tensor
     q: Tensor

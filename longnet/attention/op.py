@@ -1,19 +1,8 @@
-"""A call's plan executed, forward and backward, and ``longnet::dilated_attention``, the custom
-op that runs it on one device (the autograd function of ``dilated`` runs it across a process
-group): the one copy of the attention math (docs/architecture.md §3-4).
-
-:func:`attend` runs the local branches (:func:`attend_local`), then the pieces of branches
-spanning ranks (``ring``). Locally, the first branch covers each row and head at most once, so
-its chunks are copied into the accumulators and every later chunk is merged by log-sum-exp;
-with ``plan.adopted`` the first branch runs as one kernel call whose outputs become the
-accumulators themselves.
-
-The ops are ``longnet::dilated_attention(q, k, v, ...) -> (out, lse)`` and its gradient
-``longnet::dilated_attention_backward(d_out, d_lse, q, k, v, out, lse, ...) -> (dq, dk, dv)``
-(``register_autograd``), with fake (meta) implementations, so that ``torch.compile`` traces
-through them without a graph break (docs/architecture.md §3, "One op"). Both take the call as
-plain values (segment lengths and rates, ``causal``, ``scale``, the kernel name, the block
-budget, packed documents as flat lengths) and rebuild the cached plan from them.
+"""A call's plan executed, forward and backward (docs/architecture.md §3-4), and the custom ops
+``longnet::dilated_attention`` and ``longnet::dilated_attention_backward`` that run it on one
+device (with fake implementations for ``torch.compile``), rebuilding the cached plan from plain
+arguments. The first branch's chunks are copied into the accumulators (it covers each row and
+head at most once), later ones merged by log-sum-exp.
 """
 
 from __future__ import annotations
@@ -39,9 +28,7 @@ from longnet.attention.ring import ring_backward_, ring_forward_
 
 
 def _sequence_layout(block: Tensor, batch: int) -> Tensor:
-    """Kernel-layout result ``(batch * segments, heads, rows[, dim])`` of a whole branch -> the
-    accumulator layout ``(batch, seq, heads, dim)`` (or ``(batch, seq, heads, 1)`` for lse).
-    A view when the kernel wrote sequence-major memory (ATen's fused ops do)."""
+    """A whole branch's kernel-layout result in the layout ``(batch, seq, heads, dim or 1)``."""
     if block.dim() == 3:
         block = block[..., None]
     return rearrange(block, "(b n) h w d -> b (n w) h d", b=batch).contiguous()
@@ -50,8 +37,7 @@ def _sequence_layout(block: Tensor, batch: int) -> Tensor:
 def merge_into_(
     out: Tensor, lse: Tensor, group: Blocks, block_out: Tensor, block_lse: Tensor, fresh: bool
 ) -> None:
-    """Fold a block result ``(batch', heads, rows, dim)`` / ``(batch', heads, rows)`` into the
-    accumulators at the rows of ``group``; ``fresh``: nothing was written there yet (copy)."""
+    """Fold a block result into the accumulators at ``group``'s rows (``fresh``: copy it)."""
     if fresh:
         scatter_(out, group, block_out)
         scatter_(lse, group, block_lse[..., None])
@@ -90,9 +76,8 @@ def attend_local_backward(
     d_lse: Tensor | None,
     plan: AttentionPlan,
 ) -> list[Tensor]:
-    """Gradient accumulators ``[dq, dk, dv]`` ``(batch, seq, heads, dim)`` (accumulation
-    dtype) of every local block, given the global ``out``/``lse`` (sequence layout) and the
-    upstream gradients ``d_out`` and ``d_lse`` (``(batch, seq, heads, 1)`` or None)."""
+    """Gradient accumulators ``[dq, dk, dv]`` ``(batch, seq, heads, dim)`` of every local
+    block, given the global ``out``/``lse`` and ``d_lse`` ``(batch, seq, heads, 1)`` or None."""
     kernel, causal, scale = plan.kernel, plan.causal, plan.scale
     chunks = list(plan.chunks)
     if plan.adopted is not None and d_lse is None:
@@ -122,14 +107,12 @@ def attend_local_backward(
 def attend(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan,
            group: dist.ProcessGroup | None) -> tuple[Tensor, Tensor]:
     """``out`` ``(batch, seq, heads, dim)`` in ``q``'s dtype and ``lse`` ``(batch, seq, heads,
-    1)`` in the accumulation dtype of ``q, k, v`` ``(batch, seq, heads, dim)`` (this rank's
-    shard with ``group``; None: one device, the plan has no pieces)."""
+    1)`` (accumulation dtype) of this rank's ``q, k, v`` (``group`` None: one device)."""
     out, lse = attend_local(q, k, v, plan)
     for pieces in plan.pieces:
         ring_forward_(pieces, out, lse, q, k, v, plan, group)
-    # a NaN query gives a NaN row, as in dense attention (ATen's CPU flash kernel returns
-    # such a row as empty: out 0, lse 0); a row sum is NaN when the row holds one, and
-    # costs an lse-sized temporary where isnan() would hold a bool per element of q
+    # a NaN query gives a NaN row, as in dense attention (ATen's CPU flash kernel gives 0);
+    # a row sum costs an lse-sized temporary where isnan() would cost one bool per element
     nan_queries = q.sum(-1, keepdim=True).isnan()
     out.masked_fill_(nan_queries, float("nan"))
     lse.masked_fill_(nan_queries, float("nan"))
@@ -139,9 +122,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan,
 def attend_backward(d_out: Tensor, d_lse: Tensor | None, saved: tuple[Tensor, ...],
                     plan: AttentionPlan, group: dist.ProcessGroup | None
                     ) -> tuple[Tensor, Tensor, Tensor]:
-    """``dq, dk, dv`` ``(batch, seq, heads, dim)`` in ``q``'s dtype; ``saved = (q, k, v, out,
-    lse)`` as :func:`attend` took and returned them; ``d_out`` like ``out``, ``d_lse`` like
-    ``lse`` (any floating dtype) or None when no gradient flows into ``lse``."""
+    """``dq, dk, dv`` in ``q``'s dtype; ``saved = (q, k, v, out, lse)`` of :func:`attend`;
+    ``d_lse`` like ``lse`` or None."""
     q, _, _, out, lse = saved
     if d_lse is not None:
         d_lse = d_lse.to(lse.dtype)
@@ -153,8 +135,7 @@ def attend_backward(d_out: Tensor, d_lse: Tensor | None, saved: tuple[Tensor, ..
 
 
 def flat_documents(documents: Documents | None) -> tuple[list[int], list[int]]:
-    """Document lengths as the ops take them: every batch element's lengths in one list, and
-    how many documents each batch element holds (two empty lists: no packed documents)."""
+    """Document lengths as the ops take them: all in one list, and the count per batch element."""
     if documents is None:
         return [], []
     return [n for row in documents for n in row], [len(row) for row in documents]
@@ -185,10 +166,8 @@ def dilated_attention_op(
     causal: bool, scale: float, kernel: str, block_elements: int | None,
     document_lengths: list[int], documents_per_row: list[int],
 ) -> tuple[Tensor, Tensor]:
-    """``out`` ``(batch, seq, heads, dim)`` in the input dtype and ``lse`` ``(batch, heads,
-    seq)`` in the accumulation dtype (float64 for float64 inputs, else float32) of ``q, k, v``
-    ``(batch, seq, heads, dim)``; the arguments of ``dilated_attention`` on one device, with
-    packed documents as :func:`flat_documents` gives them."""
+    """``out`` ``(batch, seq, heads, dim)`` and ``lse`` ``(batch, heads, seq)`` (accumulation
+    dtype); ``dilated_attention``'s one-device arguments, documents by :func:`flat_documents`."""
     plan = _plan(q, segment_lengths, dilation_rates, causal, scale, kernel, block_elements,
                  document_lengths, documents_per_row)
     out, lse = attend(q, k, v, plan, None)
@@ -209,9 +188,8 @@ def dilated_attention_backward_op(
     scale: float, kernel: str, block_elements: int | None, document_lengths: list[int],
     documents_per_row: list[int],
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``dq, dk, dv`` ``(batch, seq, heads, dim)`` of ``longnet::dilated_attention`` given its
-    inputs, its outputs ``out``/``lse`` and their upstream gradients (``d_lse`` ``(batch,
-    heads, seq)`` or None: none flows into ``lse``)."""
+    """``dq, dk, dv`` of ``longnet::dilated_attention`` given its inputs, outputs and their
+    gradients (``d_lse`` ``(batch, heads, seq)`` or None)."""
     plan = _plan(q, segment_lengths, dilation_rates, causal, scale, kernel, block_elements,
                  document_lengths, documents_per_row)
     lse = rearrange(lse, "b h n -> b n h 1").contiguous()

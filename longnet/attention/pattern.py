@@ -1,10 +1,7 @@
-"""The dilated pattern: which keys each query sees (docs/architecture.md §2).
-
-A pattern is a list of branches ``(w, r)``: segment length and dilation rate. Branch ``i`` cuts
-the sequence into consecutive segments of length ``w`` starting at position 0; head ``h`` uses
-offset ``h % r``; position ``p`` of the segment starting at ``s`` is selected for head ``h`` iff
-``(p - s) % r == h % r``. A selected query attends to the selected keys of its own segment.
-The attention output is one softmax over the multiset union of the keys all branches give.
+"""The dilated pattern: which keys each query sees (docs/architecture.md §2). Branches ``(w, r)``
+cut the sequence into segments of ``w`` tokens; in each, head ``h`` selects positions ``s + h %
+r + j * r``, a selected query attending to its segment's selected keys. The output is one
+softmax over the multiset union of all branches' keys.
 """
 
 from __future__ import annotations
@@ -19,13 +16,8 @@ from longnet.validation import check_positive_int, is_int
 
 @dataclass(frozen=True)
 class DilatedPattern:
-    """Segment lengths and dilation rates of LongNet dilated attention.
-
-    Example: ``DilatedPattern(segment_lengths=(2048, 4096), dilation_rates=(1, 2))``, or the
-    same branches as ``(segment_length, dilation_rate)`` pairs, as ``dilated_attention`` takes
-    them: ``DilatedPattern([(2048, 1), (4096, 2)])``.
-    Segment lengths must be strictly increasing and each rate must be at most its segment length.
-    """
+    """Segment lengths (strictly increasing) and dilation rates (each at most its segment):
+    ``DilatedPattern((2048, 4096), (1, 2))`` or ``DilatedPattern([(2048, 1), (4096, 2)])``."""
 
     segment_lengths: tuple[int, ...]
     dilation_rates: tuple[int, ...] = None  # type: ignore[assignment]  # None: pairs given
@@ -122,8 +114,7 @@ class DilatedPattern:
 
 
 def _split_pairs(pairs: Iterable[tuple[int, int]]) -> tuple[tuple, tuple]:
-    """The segment lengths and the dilation rates of ``(segment_length, dilation_rate)``
-    ``pairs`` (``TypeError``/``ValueError`` naming what was given instead)."""
+    """``pairs`` split into segment lengths and rates (``TypeError``/``ValueError`` else)."""
     try:
         if isinstance(pairs, (str, bytes)):  # iterable, but never pairs
             raise TypeError

@@ -1,10 +1,5 @@
-"""The retrieval branches' attention (attention sinks, query-aware block selection; which keys
-they give: ``selection``; docs/architecture.md §2).
-
-The sinks are attended in query tiles (a tile reads its documents' sinks once); the selection
-block by block (a chosen block attends to the queries that chose it, merged into their rows by
-log-sum-exp): no copy of K/V is made per query. With the dilated branches they form one
-softmax (:func:`dilated_with_retrieval`).
+"""The retrieval branches' attention (keys from ``selection``; docs/architecture.md §2): sinks
+per query tile, each selected block with the queries that chose it (no K/V copy per query).
 """
 
 from __future__ import annotations
@@ -25,8 +20,7 @@ QUERY_TILE = 1024
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, selection: Selection, retrieval: Retrieval,
              causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-    """``(out, lse)`` of one batch element over the retrieval branches' keys, in the compute
-    dtype: ``(queries, heads, dim)`` and ``(queries, heads)`` (module docstring)."""
+    """``(out, lse)`` ``(queries, heads, dim)``, ``(queries, heads)`` of one batch element."""
     compute = torch.promote_types(q.dtype, torch.float32)
     group, row = q.shape[1] // k.shape[1], selection.row
     out = q.new_zeros(q.shape, dtype=compute)
@@ -63,9 +57,8 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, selection: Selection, retrieval: R
 def _backward(d_out: Tensor, delta: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor,
               selection: Selection, retrieval: Retrieval, causal: bool,
               scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """The retrieval branches' share of ``dq, dk, dv`` (compute dtype) of one batch element,
-    given the softmax's ``lse`` ``(queries, heads)`` (of all branches together: the
-    flash-attention identity) and ``delta = rowsum(d_out * out) - d_lse``."""
+    """The retrieval branches' share of ``dq, dk, dv`` of one batch element, given the lse of
+    all branches together and ``delta = rowsum(d_out * out) - d_lse``."""
     compute, group, row = lse.dtype, q.shape[1] // k.shape[1], selection.row
     dq = torch.zeros_like(q, dtype=compute)
     dk = torch.zeros_like(k, dtype=compute)
@@ -101,8 +94,7 @@ def _backward(d_out: Tensor, delta: Tensor, q: Tensor, k: Tensor, v: Tensor, lse
 
 
 def _delta(d_out: Tensor | None, d_lse: Tensor | None, out: Tensor) -> tuple[Tensor, Tensor]:
-    """``d_out`` (zeros for None) and ``rowsum(d_out * out) - d_lse`` in ``out``'s dtype;
-    ``out`` ``(..., heads, dim)``, ``d_lse`` ``(..., heads)`` or None."""
+    """``d_out`` (zeros for None) and ``rowsum(d_out * out) - d_lse`` in ``out``'s dtype."""
     d_out = torch.zeros_like(out) if d_out is None else d_out.to(out.dtype)
     delta = (d_out * out).sum(-1)
     return d_out, delta if d_lse is None else delta - d_lse.to(out.dtype)
@@ -128,13 +120,8 @@ class _RetrievalAttention(torch.autograd.Function):
 
 
 class _DilatedWithRetrieval(torch.autograd.Function):
-    """The dilated branches (the one-device op) and the retrieval branches as one softmax.
-
-    The retrieval branches score with their own rows ``far_q, far_k`` (``q, k`` themselves
-    unless a position rule rotates them differently). Forward: both parts' ``(out, lse)``,
-    merged by log-sum-exp. Backward: each part's backward run with the merged ``out`` and
-    ``lse`` (the flash-attention identity: its exact share of the gradient), so the dilated
-    part keeps its fused kernels' backward.
+    """The dilated branches (the one-device op) and the retrieval branches (scoring with
+    ``far_q, far_k``) as one softmax; each part's backward runs with the merged ``out``/``lse``.
     """
 
     @staticmethod
@@ -181,11 +168,8 @@ def dilated_with_retrieval(
     retrieval: Retrieval, *, causal: bool, scale: float,
     documents: Sequence[Sequence[int]] | None, far_qk: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """``dilated_attention``'s one-device call with the retrieval branches: ``(out, lse)`` of
-    the one softmax over both parts' keys. ``op_args``: the arguments of
-    ``longnet::dilated_attention`` after ``q, k, v``; ``k, v`` may have grouped heads;
-    ``far_qk``: the rows the retrieval branches score with (default ``q, k``), of their
-    shapes."""
+    """``dilated_attention``'s one-device call with retrieval branches: ``(out, lse)``;
+    ``op_args``: the op's arguments after ``q, k, v``; ``far_qk``: default ``q, k``."""
     far_q, far_k = (q, k) if far_qk is None else far_qk
     selections = [
         Selection.make(far_q[b].detach(), far_k[b].detach(),
@@ -198,8 +182,7 @@ def dilated_with_retrieval(
 
 
 def _scores(q: Tensor, k: Tensor, allowed: Tensor, group: int, scale: float) -> Tensor:
-    """``(queries, heads, keys)`` scores in the compute dtype, ``-inf`` where not ``allowed``
-    (broadcast to that shape); ``q`` ``(queries, heads, dim)``, ``k`` ``(keys, kv_heads, dim)``."""
+    """``(queries, heads, keys)`` scores, ``-inf`` where not ``allowed``; ``k`` grouped."""
     compute = torch.promote_types(q.dtype, torch.float32)
     qg = rearrange(q.to(compute), "n (g h) d -> n g h d", h=group)
     scores = torch.einsum("nghd,sgd->nghs", qg, k.to(compute)) * scale
@@ -207,16 +190,14 @@ def _scores(q: Tensor, k: Tensor, allowed: Tensor, group: int, scale: float) -> 
 
 
 def _values(weights: Tensor, v: Tensor, group: int) -> Tensor:
-    """``weights`` ``(queries, heads, keys)`` times ``v`` ``(keys, kv_heads, dim)``: ``(queries,
-    heads, dim)``."""
+    """``weights`` ``(queries, heads, keys)`` times grouped ``v``: ``(queries, heads, dim)``."""
     weights = rearrange(weights, "n (g h) s -> n g h s", h=group)
     return rearrange(torch.einsum("nghs,sgd->nghd", weights, v.to(weights.dtype)),
                      "n g h d -> n (g h) d")
 
 
 def _keys_grad(weights: Tensor, rows: Tensor, group: int) -> Tensor:
-    """``weights`` ``(queries, heads, keys)`` transposed times ``rows`` ``(queries, heads, dim)``,
-    summed over each K/V head's query heads: ``(keys, kv_heads, dim)``."""
+    """``weights^T rows`` summed over each K/V head's query heads: ``(keys, kv_heads, dim)``."""
     weights = rearrange(weights, "n (g h) s -> n g h s", h=group)
     rows = rearrange(rows.to(weights.dtype), "n (g h) d -> n g h d", h=group)
     return torch.einsum("nghs,nghd->sgd", weights, rows)
@@ -242,13 +223,10 @@ def retrieval_attention(
     scale: float,
     documents: Sequence[Sequence[int]] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """The retrieval branches alone: ``(out, lse)`` over the keys the sinks and the selection
-    give each query (module docstring), to be merged with the dilated branches by
-    :func:`merge_attention`.
+    """The retrieval branches alone, to be merged with the dilated ones by :func:`merge_attention`.
 
     Args:
-        q: ``(batch, queries, heads, head_dim)``, the last ``queries`` positions of the keys
-            (all of them in training; the new tokens when decoding against a cache).
+        q: ``(batch, queries, heads, head_dim)``, the last ``queries`` key positions.
         k, v: ``(batch, keys, kv_heads, head_dim)``, ``kv_heads`` dividing ``heads``; the query
             heads of one K/V head share its selection.
         pattern: the dilated pattern beside them (it fixes each query's local segment).
@@ -256,8 +234,7 @@ def retrieval_attention(
             one document per element.
     Returns:
         ``out`` ``(batch, queries, heads, head_dim)`` in ``q``'s dtype and ``lse`` ``(batch,
-        heads, queries)`` in float32 (float64 for float64 inputs); ``-inf`` and 0 where a query
-        has no such key.
+        heads, queries)`` (accumulation dtype); 0 and ``-inf`` where a query has no such key.
     """
     batch, queries = q.shape[:2]
     keys = k.shape[1]
@@ -275,10 +252,8 @@ def retrieval_attention(
 
 def merge_attention(parts: Sequence[tuple[Tensor, Tensor]], dtype: torch.dtype
                     ) -> tuple[Tensor, Tensor]:
-    """One softmax from several key sets' ``(out, lse)`` (``out`` ``(batch, seq, heads,
-    head_dim)``, ``lse`` ``(batch, heads, seq)``): ``out = sum_i exp(lse_i - lse) out_i``,
-    ``lse = log sum_i exp(lse_i)``, differentiable; rows with no key anywhere give 0 and
-    ``-inf``. Returns ``out`` in ``dtype`` and ``lse`` in the parts' dtype."""
+    """One softmax from several key sets' ``(out, lse)`` (``(batch, seq, heads, head_dim)``,
+    ``(batch, heads, seq)``), differentiable; rows with no key give 0 and ``-inf``."""
     lses = torch.stack([lse for _, lse in parts])
     empty = torch.isneginf(lses).all(0)
     lses = lses.masked_fill(empty, 0.0)

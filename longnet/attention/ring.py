@@ -1,18 +1,9 @@
 """The branches whose segments span ranks: queries stay, selected K/V rows travel
-(docs/architecture.md §4).
-
-The plan (``plan.spanning``) cuts each such branch into pieces of a few heads
-(:class:`~longnet.attention.plan.SpanningPiece`), run on each segment group (the members
-holding one segment); this module runs them. Per piece, each member packs its selected K and V
-rows into one message (:func:`pack`) and gathers its query-side rows once; then every block the
-member computes with arrives (:func:`arriving_blocks`) and is attended: the forward merges each
-block result into the accumulators by log-sum-exp, the backward runs each block's kernel
-backward with the global merged ``out``/``lse``.
-
-:class:`Schedule`, who computes with whose block, is the one schedule of the forward, the
-backward and the memory models. Both transports (:func:`shift` hop by hop for ``ring``,
-:class:`Peers` for ``allgather``) use batched point-to-point calls (``batch_isend_irecv``, peers
-mapped to global ranks so that subgroups work) and name the rank and the step when a peer fails.
+(docs/architecture.md §4). Per :class:`~longnet.attention.plan.SpanningPiece`, each member
+packs its K/V rows into one message (:func:`pack`) and attends every block it receives
+(:func:`arriving_blocks`, on the one :class:`Schedule` of forward, backward and memory models).
+Both transports (:func:`shift`: ``ring``; :class:`Peers`: ``allgather``) name the rank and step
+when a peer fails.
 """
 
 from __future__ import annotations
@@ -30,16 +21,14 @@ from longnet.attention.kernels import BackwardQueries, QueryRows, accumulation_d
 from longnet.attention.plan import AttentionPlan, SpanningPiece
 
 Arrival = tuple[int, int, Tensor, Tensor | None]
-"""``(member, source, block, dK/dV)``: member ``pieces[member]`` computes with member
-``source``'s K/V ``block`` of its segment group, adding the block's gradient into ``dK/dV``
-(backward) or None (forward)."""
+"""``(member, source, block, dK/dV)``: ``pieces[member]`` computes with member ``source``'s
+K/V ``block``, adding its gradient into ``dK/dV`` (None in the forward)."""
 
 
 def ring_forward_(pieces: Sequence[SpanningPiece], out: Tensor, lse: Tensor, q: Tensor,
                   k: Tensor, v: Tensor, plan: AttentionPlan, group: dist.ProcessGroup) -> None:
-    """Merge the attention of ``pieces`` (this rank's members of one piece, exchanged together)
-    into the accumulators ``out`` ``(batch, shard, heads, dim)`` and ``lse`` ``(batch, shard,
-    heads, 1)``, in place; ``q, k, v`` ``(batch, shard, heads, dim)``."""
+    """Merge the attention of ``pieces`` (this rank's members of one piece) into ``out``
+    ``(batch, shard, heads, dim)`` and ``lse`` ``(batch, shard, heads, 1)``, in place."""
     queries = [
         [(QueryRows.gather(piece.rows(out), piece.rows(lse), g), gather(piece.rows(q), g))
          for g in piece.query_groups]
@@ -63,9 +52,8 @@ def ring_forward_(pieces: Sequence[SpanningPiece], out: Tensor, lse: Tensor, q: 
 def ring_backward_(pieces: Sequence[SpanningPiece], grads: Sequence[Tensor], d_out: Tensor,
                    d_lse: Tensor | None, saved: Sequence[Tensor], plan: AttentionPlan,
                    group: dist.ProcessGroup) -> None:
-    """Add the gradients of ``pieces`` into ``grads = (dq, dk, dv)`` ``(batch, shard, heads,
-    dim)``, in place; ``saved = (q, k, v, out, lse)``: the forward's inputs and its global
-    merged results; ``d_lse`` ``(batch, shard, heads, 1)`` or None."""
+    """Add the gradients of ``pieces`` into ``grads = (dq, dk, dv)``, in place; ``saved = (q,
+    k, v, out, lse)`` with the global merged results; ``d_lse`` or None."""
     entries = []
     for piece in pieces:
         q, _, _, out, lse = (piece.rows(t) for t in saved)
@@ -101,11 +89,8 @@ def arriving_blocks(
     group: dist.ProcessGroup, pieces: Sequence[SpanningPiece], kvs: list[Tensor], causal: bool,
     label: str, homes: list[Tensor | None] | None = None,
 ) -> Iterator[Arrival]:
-    """Every block each member of ``pieces`` computes with (its :class:`Schedule`), as the
-    piece's transport delivers it; ``kvs[i]``: member ``i``'s packed message (the list is
-    consumed). With ``homes`` (the backward), each block comes with a zeroed dK/dV
-    accumulator, and once the loop ends ``homes[i]`` holds the sum for member ``i``'s own
-    block."""
+    """Every block each member computes with, as delivered (``kvs`` is consumed); with
+    ``homes`` (backward), with a zeroed dK/dV, summed for member ``i``'s block in ``homes[i]``."""
     if pieces[0].transport == "ring":
         yield from _ring(group, pieces, kvs, causal, label, homes)
     else:  # the zigzag layout refuses this transport: one member per set
@@ -114,10 +99,8 @@ def arriving_blocks(
 
 def _ring(group: dist.ProcessGroup, pieces: Sequence[SpanningPiece], kvs: list[Tensor],
           causal: bool, label: str, homes: list[Tensor | None] | None) -> Iterator[Arrival]:
-    """The ``ring`` transport, hop by hop: all members' messages of a hop in one batched
-    exchange (two members on one rank, zigzag, never wait for each other), the next hop posted
-    before the current block is computed. In the backward a dK/dV accumulator travels with each
-    block, every member adds into it, and it is home after the last hop."""
+    """The ``ring`` transport: each hop's messages in one batched exchange, posted before the
+    current block is computed; in the backward dK/dV accumulators travel with the blocks."""
     hops = [list(Schedule(len(p.members), p.index, causal).hops()) for p in pieces]
     d_kvs = [None if homes is None else torch.zeros_like(kv, dtype=accumulation_dtype(kv.dtype))
              for kv in kvs]
@@ -141,8 +124,7 @@ def _ring(group: dist.ProcessGroup, pieces: Sequence[SpanningPiece], kvs: list[T
 
 def _allgather(group: dist.ProcessGroup, pieces: Sequence[SpanningPiece], kvs: list[Tensor],
                causal: bool, label: str, homes: list[Tensor | None] | None) -> Iterator[Arrival]:
-    """The ``allgather`` transport: every block of the segment group at once; in the backward
-    each dK/dV partial goes straight to its block's owner (``Peers.reduce_to_owners``)."""
+    """The ``allgather`` transport: every block at once; dK/dV partials go to their owners."""
     (piece,) = pieces
     schedule = Schedule(len(piece.members), piece.index, causal)
     peers = Peers(group, piece.members, piece.index, label)
@@ -159,8 +141,7 @@ def _allgather(group: dist.ProcessGroup, pieces: Sequence[SpanningPiece], kvs: l
 
 
 def pack(piece: SpanningPiece, k: Tensor, v: Tensor) -> Tensor:
-    """The member's selected K and V rows (``k``, ``v``: its rows of the shard) of the piece's
-    heads as one message ``(2, batch, len(heads), rows_max, dim)``."""
+    """The member's selected K and V rows as one message ``(2, batch, heads, rows_max, dim)``."""
     batch = piece.message_batch or k.shape[0]
     packed = k.new_zeros(2, batch, len(piece.heads), piece.rows_max, k.shape[-1])
     for g in piece.member_groups[piece.index]:
@@ -181,9 +162,7 @@ def unpack_add_(piece: SpanningPiece, d_k: Tensor, d_v: Tensor, packed: Tensor) 
 def key_blocks(
     piece: SpanningPiece, kv: Tensor, source: int
 ) -> Iterator[tuple[int, slice | Tensor, Tensor, Tensor]]:
-    """``(query group number, head index, k block, v block)`` for every query group of the
-    member that meets member ``source``'s block ``kv``; the head index places the group's
-    heads in ``kv``'s head dimension."""
+    """``(query group number, head index, k block, v block)`` of the query groups meeting ``kv``."""
     for number, query_group in enumerate(piece.query_groups):
         rows = piece.key_rows(query_group, source)
         if rows:
@@ -192,8 +171,6 @@ def key_blocks(
 
 
 # -- the transports --------------------------------------------------------------------------------
-
-
 class Hop(NamedTuple):
     """One hop of the ``ring`` transport, seen from one member of a segment group."""
 
@@ -205,12 +182,8 @@ class Hop(NamedTuple):
 
 @dataclass(frozen=True)
 class Schedule:
-    """Who computes with whose K/V block in a segment group of ``size`` members, seen from
-    member ``index``.
-
-    Causal: a later member's keys are all in the future of an earlier member's queries, so
-    member ``i`` computes with the blocks of members ``0..i`` only.
-    """
+    """Who computes with whose K/V block in a segment group, seen from member ``index``;
+    causal: member ``i`` only with members ``0..i`` (later keys are all in its future)."""
 
     size: int
     index: int
@@ -227,28 +200,21 @@ class Schedule:
 
     @property
     def readers(self) -> list[int]:
-        """The other members that compute with this rank's block (``allgather``: each sends
-        this rank a dK/dV partial in the backward)."""
+        """The other members that compute with this rank's block."""
         members = range(self.size)
         return [m for m in members if m != self.index and self.attends(m, self.index)]
 
     def hops(self) -> Iterator[Hop]:
-        """``ring``: every block moves one member on per hop (member ``m`` sends to ``m + 1``,
-        receives from ``m - 1``), so at hop ``h`` this rank holds member ``index - h``'s block.
-        Every member joins every hop, attended or not (a member that skipped one would leave
-        its peers waiting)."""
+        """``ring``: at hop ``h`` this rank holds member ``index - h``'s block. Every member
+        joins every hop, attended or not (skipping one would leave its peers waiting)."""
         for number in range(self.size):
             source = (self.index - number) % self.size
             yield Hop(number, source, self.attends(self.index, source), number + 1 == self.size)
 
 
 class Peers:
-    """Batched all-gather and reduce among the members of one segment group (the
-    ``allgather`` transport; :func:`shift` runs the ``ring`` transport's hops).
-
-    ``members``: the group ranks of the segment group in sequence order; ``index``: this rank's
-    place among them; ``where``: how errors name this rank's step.
-    """
+    """Batched all-gather and reduce among the ``members`` (group ranks, in sequence order) of
+    one segment group; ``index``: this rank's place; ``where``: how errors name the step."""
 
     def __init__(
         self, process_group: dist.ProcessGroup, members: Sequence[int], index: int, where: str
@@ -261,9 +227,8 @@ class Peers:
 
     @staticmethod
     def post(ops: list[dist.P2POp], where: str) -> Callable[[], None]:
-        """Start ``ops`` as one batch; returns a function that waits for all of them (and keeps
-        their tensors alive until then), raising an error that names ``where`` (the rank and
-        the step)."""
+        """Start ``ops`` as one batch; returns a function that waits for them (keeping their
+        tensors alive), raising an error that names ``where``."""
         works = dist.batch_isend_irecv(ops) if ops else []
 
         def wait() -> None:
@@ -291,9 +256,7 @@ class Peers:
         return gathered
 
     def reduce_to_owners(self, partials: list[Tensor | None], schedule: Schedule) -> Tensor:
-        """Send ``partials[m]`` (None: none, this rank did not compute with ``m``'s block) to
-        member ``m``; return the sum of the partials for this rank's block, received from
-        ``schedule.readers``."""
+        """Send ``partials[m]`` (if any) to member ``m``; return the total for our block."""
         total = partials[self.index].clone()
         readers = schedule.readers
         received, ops = [], []
@@ -313,12 +276,9 @@ class Peers:
 
 def shift(process_group: dist.ProcessGroup, moves: Sequence[tuple[SpanningPiece, Tensor]],
           hop: int, kind: int, label: str) -> Callable[[], list[Tensor]]:
-    """One hop of the ``ring`` transport: for every ``(member, tensor)`` of ``moves``, send the
-    tensor to the next member of its segment group and receive the previous member's; returns
-    a function that waits and gives the received tensors, in order. A message between two
-    members on this rank is handed over without a send. Messages are posted in one order on
-    both sides of every pair of ranks (by sender and receiver member) and tagged by receiver
-    and ``kind`` (0: K/V, 1: dK/dV), so that two on one link cannot be confused."""
+    """One ``ring`` hop: send each of ``moves`` to the next member and receive the previous
+    one's; returns a function that waits and gives them. Posted in one order on both sides and
+    tagged by receiver and ``kind`` (0: K/V, 1: dK/dV): two on one link cannot be confused."""
     me = dist.get_rank(process_group)
     global_ranks = dist.get_process_group_ranks(process_group)
     handed: dict[tuple[tuple[int, ...], int], Tensor] = {}

@@ -1,26 +1,13 @@
 """Which keys the retrieval branches give (sinks, query-aware blocks; architecture.md §2).
 
-A dilated branch ``(w, r)`` shows a query only the keys at its own offset modulo ``r``. The
-two branch kinds here reach a key at any offset, and join the dilated branches in the one
-softmax over the multiset union of keys:
-
-- **sinks** ``n``: the first ``n`` tokens of each document (StreamingLLM's attention sinks);
-- **selection** ``(block, top_k)``: the rest of each local segment (below) is cut into blocks
-  of ``block`` tokens from the segment's start, its last block shorter when ``block`` does not
-  divide it; each query scores every block outside its local segment by an upper bound of its
-  attention scores (Quest's per-channel min/max bound, summed over the query heads of one K/V
-  head) and attends exactly to every token of its ``top_k`` best blocks (InfLLM, Quest, NSA's
-  selection).
-
-Both give only keys outside the query's *local segment* (the segment of the pattern's largest
-rate-1 branch that holds it; the query alone for a pattern without one) and, with ``causal``,
-before it: the dense local branch already gives the rest. No block crosses a segment's edge,
-so every key outside a query's segment lies in a block it can choose (or is a sink). The
-selection is a function of the inputs, not differentiated; gradients flow through the attention
-given the selection.
-
-This module says which keys they give each query (``Retrieval``, the block selection, the
-sinks of a query tile); ``retrieval`` attends to them.
+Both reach keys at any offset and join the dilated branches' softmax:
+- **sinks** ``n``: the first ``n`` tokens of each document (StreamingLLM);
+- **selection** ``(block, top_k)``: each local segment is cut into blocks of ``block`` tokens;
+  each query scores the blocks by an upper bound of its scores (Quest's per-channel min/max,
+  summed over a K/V head's query heads) and attends to its ``top_k`` best (InfLLM, Quest, NSA).
+Both give only keys outside the query's *local segment* (of the pattern's largest rate-1
+branch; the query alone without one) and, with ``causal``, before it. The selection is not
+differentiated; ``retrieval`` attends to the keys chosen here.
 """
 
 from __future__ import annotations
@@ -41,10 +28,9 @@ class Retrieval:
     """The retrieval branches of an attention call.
 
     Args:
-        sinks: the first ``sinks`` tokens of each document are keys of every query outside
+        sinks: the first ``sinks`` tokens of each document, keys of every query outside
             their local segment (0: none).
-        block: tokens per selectable block, cut from the start of each local segment (after
-            the document's sinks), the segment's last one shorter.
+        block: tokens per selectable block, cut from each local segment's start.
         top_k: blocks each query (per K/V head) selects (0: no selection).
     """
 
@@ -64,8 +50,7 @@ class Retrieval:
 
 
 def check_retrieval(where: str, retrieval: object) -> Retrieval | None:
-    """``retrieval`` when it is a :class:`Retrieval` with some branch, None for None or one
-    without any; ``TypeError`` naming ``where`` otherwise."""
+    """``retrieval`` if it is an active :class:`Retrieval`, else None; ``TypeError`` else."""
     if retrieval is not None and not isinstance(retrieval, Retrieval):
         raise TypeError(
             f"{where}: retrieval must be a longnet.attention.Retrieval or None, got "
@@ -76,19 +61,14 @@ def check_retrieval(where: str, retrieval: object) -> Retrieval | None:
 
 
 def local_segment_length(pattern: DilatedPattern) -> int | None:
-    """The length of a query's local segment: the pattern's largest rate-1 segment, or None
-    when no branch has rate 1 (the local segment is then the query alone)."""
+    """The pattern's largest rate-1 segment, or None (the local segment is the query alone)."""
     return max((w for w, r in pattern.branches if r == 1), default=None)
 
 
 @dataclass(frozen=True)
 class RowGeometry:
-    """Where the queries and keys of one batch element sit.
-
-    Key ``t`` (``0 .. keys - 1``) and query ``i`` (at key position ``offset + i``) carry their
-    document's start and end; each query its local segment ``[lo, hi)``; each block (sorted by
-    position) its keys ``[block_start, block_end)``.
-    """
+    """Where one batch element's keys and queries (query ``i`` at key ``offset + i``) sit:
+    documents per key, local segments per query, each block's keys, in position order."""
 
     doc_start: Tensor  # (keys,)
     doc_end: Tensor  # (keys,)
@@ -103,8 +83,7 @@ def row_geometry(
     lengths: Sequence[int], queries: int, pattern: DilatedPattern, retrieval: Retrieval,
     device: torch.device,
 ) -> RowGeometry:
-    """The :class:`RowGeometry` of one batch element whose documents have ``lengths`` (in order,
-    covering every key); the queries are its last ``queries`` positions."""
+    """The :class:`RowGeometry` of documents of ``lengths``; the queries are the last ones."""
     keys = sum(lengths)
     doc_start = torch.repeat_interleave(
         torch.tensor([sum(lengths[:i]) for i in range(len(lengths))], device=device),
@@ -131,11 +110,8 @@ def row_geometry(
 
 def document_blocks(first: int, length: int, window: int | None,
                     retrieval: Retrieval) -> list[tuple[int, int]]:
-    """The blocks ``[(start, end), ...]`` of the document at keys ``first .. first + length -
-    1``: each local segment of ``window`` tokens cut from its start (after the document's
-    sinks) into ``retrieval.block`` tokens, its last block shorter. Without a window the
-    document is one segment whose last, incomplete block is left out (the keys it will hold
-    are not all there yet when decoding)."""
+    """The blocks ``[(start, end), ...]`` of one document after its sinks; without a window
+    an incomplete last block is left out (its keys are not all there yet when decoding)."""
     end = first + length
     segments = range(first, end, window) if window else [first]
     blocks = []
@@ -148,8 +124,7 @@ def document_blocks(first: int, length: int, window: int | None,
 
 
 def block_offsets(positions: Tensor, window: int | None, retrieval: Retrieval) -> Tensor:
-    """Each key's offset in its block (:func:`document_blocks`' cut), a sink's its position;
-    ``positions``: document positions, any shape."""
+    """Each document position's offset in its block (a sink's: its position); any shape."""
     start = positions - positions % window if window else torch.zeros_like(positions)
     grid = start.clamp(min=retrieval.sinks)  # where the key's segment is cut from
     return torch.where(positions < retrieval.sinks, positions,
@@ -157,21 +132,14 @@ def block_offsets(positions: Tensor, window: int | None, retrieval: Retrieval) -
 
 
 SELECT_CHUNK = 4096
-"""Queries scored at once by :func:`select_blocks` (bounds the ``(queries, kv_heads, blocks)``
-score tensor)."""
+"""Queries scored at once by :func:`select_blocks` (bounds its score tensor)."""
 
 
 @torch.no_grad()
 def select_blocks(q: Tensor, k: Tensor, row: RowGeometry, retrieval: Retrieval,
                   causal: bool) -> Tensor:
-    """Each query's ``top_k`` blocks for each K/V head, as indices into ``row.block_start``.
-
-    The score of block ``j`` for query ``p`` and K/V head ``g`` is ``sum over the query heads
-    h of g, sum over channels c of max(q[p, h, c] * min_j[g, c], q[p, h, c] * max_j[g, c])``,
-    an upper bound of ``q . k`` over the block's keys (``min_j``/``max_j``: the channel's
-    extremes over the block). Candidates: the blocks of the query's document outside its local
-    segment (with ``causal``: before it). The highest ``top_k`` win, the earlier block on a
-    tie.
+    """Each query's ``top_k`` blocks per K/V head, by the upper bound ``sum_h sum_c max(q[h, c]
+    * min_j[c], q[h, c] * max_j[c])`` of ``q . k`` in block ``j`` (ties: the earlier block).
 
     Args:
         q: ``(queries, heads, head_dim)``; k: ``(keys, kv_heads, head_dim)`` of one batch element.
@@ -203,8 +171,7 @@ def select_blocks(q: Tensor, k: Tensor, row: RowGeometry, retrieval: Retrieval,
                  + torch.einsum("ngd,jgd->ngj", qg.clamp(max=0).sum(2), low[:blocks]))
         candidate = _candidates(row, slice(0, blocks), part, causal)[:, None]
         bound = bound.masked_fill(~candidate, float("-inf"))
-        # The top_k highest, ties to the earlier block: every block above the k-th highest
-        # bound, then the earliest of those equal to it.
+        # above the k-th highest bound, then the earliest of those equal to it
         kth = torch.topk(bound, top, dim=-1).values[..., -1:]
         tied = (bound == kth) & candidate
         wanted = top - (bound > kth).sum(-1, keepdim=True)
@@ -216,8 +183,7 @@ def select_blocks(q: Tensor, k: Tensor, row: RowGeometry, retrieval: Retrieval,
 
 
 def _candidates(row: RowGeometry, blocks: slice, part: slice, causal: bool) -> Tensor:
-    """``(queries, blocks)`` bool: which of ``blocks`` lie in each query's document outside its
-    local segment (before it when ``causal``)."""
+    """``(queries, blocks)`` bool: ``blocks`` in the query's document outside its segment."""
     starts, ends = row.block_start[blocks], row.block_end[blocks]
     same = row.doc_start[starts][None, :] == row.doc_start[row.offset + part.start:
                                                            row.offset + part.stop][:, None]
@@ -228,9 +194,8 @@ def _candidates(row: RowGeometry, blocks: slice, part: slice, causal: bool) -> T
 
 
 def sink_keys(row: RowGeometry, sinks: int, tile: slice, causal: bool) -> tuple[Tensor, Tensor]:
-    """The sinks one query tile reads: ``positions`` ``(keys,)``, the first ``sinks`` tokens of
-    each document of the tile's queries, and ``allowed`` ``(tile, keys)`` bool, which query
-    may see which (same document, outside its local segment, before it when causal)."""
+    """The sinks of a query tile's documents, ``positions`` ``(keys,)``, and ``allowed``
+    ``(tile, keys)`` bool: same document, outside the local segment (before it if causal)."""
     device = row.lo.device
     keys = slice(row.offset + tile.start, row.offset + tile.stop)
     query_doc = row.doc_start[keys]
@@ -245,8 +210,7 @@ def sink_keys(row: RowGeometry, sinks: int, tile: slice, causal: bool) -> tuple[
 
 
 def _block_queries(chosen: Tensor, blocks: int) -> list[list[tuple[int, Tensor]]]:
-    """For each K/V head, the blocks some query chose, with those queries: ``[(block,
-    queries (count,) int64), ...]`` in block order (a query chooses a block at most once)."""
+    """Per K/V head, ``[(block, queries (count,) int64), ...]`` of the chosen blocks."""
     queries, _, top_k = chosen.shape
     owners = torch.arange(queries, device=chosen.device).repeat_interleave(top_k)
     lists = []
@@ -262,8 +226,7 @@ def _block_queries(chosen: Tensor, blocks: int) -> list[list[tuple[int, Tensor]]
 
 @dataclass
 class Selection:
-    """One batch element's retrieval geometry and choice: its :class:`RowGeometry`, the chosen
-    blocks ``(queries, kv_heads, top_k)`` and, per K/V head, each chosen block's queries."""
+    """One batch element's :class:`RowGeometry`, chosen blocks and each block's queries."""
 
     row: RowGeometry
     chosen: Tensor
@@ -272,8 +235,7 @@ class Selection:
     @classmethod
     def make(cls, q: Tensor, k: Tensor, lengths: Sequence[int], pattern: DilatedPattern,
              retrieval: Retrieval, causal: bool) -> Selection:
-        """The selection of one batch element: ``q`` ``(queries, heads, dim)``, ``k`` ``(keys,
-        kv_heads, dim)``, its documents' ``lengths``."""
+        """``q`` ``(queries, heads, dim)``, ``k`` ``(keys, kv_heads, dim)`` of one element."""
         row = row_geometry(lengths, q.shape[0], pattern, retrieval, q.device)
         chosen = select_blocks(q, k, row, retrieval, causal)
         return cls(row, chosen, _block_queries(chosen, len(row.block_start)))

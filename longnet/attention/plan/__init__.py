@@ -1,17 +1,6 @@
-"""The plan of a call: every decision made before a tensor is touched, made once per signature.
-
-:func:`plan_attention` turns the arguments of ``dilated_attention`` into an
-:class:`AttentionPlan`: the kernel (``kernels.select_kernel``), the block budget
-(:func:`default_block_elements`), the local branches' block groups cut into chunks that fit the
-budget, the branch adopted as the accumulators, and the pieces of branches whose segments span
-ranks (``spanning``); with packed documents, the documents' block groups, stacked into few
-kernel calls (``documents``), or cut at shard boundaries across ranks (``spanning``). The
-forward and the backward read the same plan (docs/architecture.md §3); ``op.py`` and
-``ring.py`` execute it.
-
-Every function here depends only on hashable arguments (no tensor, no process group), so plans
-are cached: a model calls attention with one signature per layer and step, and gets the same
-plan object each time.
+"""The plan of a call: every decision made before a tensor is touched, made once per signature
+(:func:`plan_attention`, cached: it takes only hashable arguments). The forward and the backward
+read the same plan (docs/architecture.md §3); ``op.py`` and ``ring.py`` execute it.
 """
 
 from __future__ import annotations
@@ -33,28 +22,21 @@ from longnet.attention.plan.spanning import (
 )
 
 CPU_BLOCK_ELEMENTS = 2**18
-"""Block budget on the CPU, in elements of one gathered tensor. It bounds the working memory
-(a few such tensors are alive at once) and is large enough that a chunk holds several heads:
-the CPU flash backward parallelises over batch x heads only, so chunks of one head leave a
-core idle."""
+"""Block budget on the CPU, in elements of one gathered tensor: bounds working memory, yet
+holds several heads (the CPU flash backward parallelises over batch x heads only)."""
 
 CUDA_WORKING_TENSORS = 16
-"""How many block-sized float32 tensors the budget on CUDA leaves room for in the free device
-memory (the backward's gathered inputs, gradients and the kernel's float32 accumulators)."""
+"""Block-sized float32 tensors the CUDA budget leaves room for in the free device memory."""
 
 PLAN_CACHE_SIZE = 256
-"""Plans kept (least recently used dropped): one per signature (shapes, pattern, options,
-rank, documents) a process calls with."""
+"""Plans kept (least recently used dropped), one per call signature."""
 
 
 @functools.cache
 def default_block_elements(device: torch.device) -> int:
-    """The block budget for ``device``, fixed for the process at its first use:
-    ``CPU_BLOCK_ELEMENTS`` on the CPU; on CUDA the device memory free at that moment (counting
-    memory the caching allocator holds unused) over ``CUDA_WORKING_TENSORS`` float32 tensors,
-    so that a branch usually runs as one call. Fixed, because the budget decides the chunking
-    and so the order of the merge: reading it per call would make results depend on the
-    allocator's state. Pass ``dilated_attention(block_elements=...)`` to choose it."""
+    """The block budget for ``device``: ``CPU_BLOCK_ELEMENTS``, or on CUDA the free memory
+    (with the allocator's unused cache) over ``CUDA_WORKING_TENSORS`` float32 tensors. Fixed
+    at first use: the budget decides the chunking, hence the merge order and the results."""
     if device.type != "cuda":
         return CPU_BLOCK_ELEMENTS
     free, _ = torch.cuda.mem_get_info(device)
@@ -64,15 +46,9 @@ def default_block_elements(device: torch.device) -> int:
 
 @dataclass(frozen=True)
 class AttentionPlan:
-    """How one call runs, on this rank.
-
-    ``adopted``: the first local branch when its kernel outputs become the accumulators (see
-    ``adopted_branch``); ``chunks``: ``(branch index, chunk)`` of the remaining local work in
-    the order it runs, each chunk (a group or, with packed documents, a stack of groups) one
-    kernel call of at most ``block_elements`` elements; ``pieces``: the pieces of branches
-    spanning ranks, run after the local work, in sets exchanged together (``ring.py``: one
-    member each, or this rank's two chunks with ``zigzag``).
-    """
+    """How one call runs, on this rank: ``adopted``, the first branch when its kernel outputs
+    become the accumulators; ``chunks``, ``(branch index, chunk)`` of the other local work in
+    order, one kernel call each; ``pieces``, the spanning pieces, in sets exchanged together."""
 
     kernel: Kernel
     causal: bool
@@ -100,11 +76,9 @@ def plan_attention(
     block_elements: int | None = None,
     documents: Documents | None = None,
 ) -> AttentionPlan:
-    """The plan of a call on ``q`` of ``shape`` ``(batch, seq, heads, head_dim)``: this rank's
-    shard when ``world_size > 1`` (group rank ``rank``, sharded by ``layout``, one of
-    ``longnet.distributed.layouts.LAYOUTS``; ``transports``: one per branch); ``documents``:
-    the document lengths of each batch element's whole sequence (contiguous layout only), or
-    None for one document per batch element. Cached: equal arguments give the same object."""
+    """The (cached) plan of a call on ``q`` of ``shape`` ``(batch, seq, heads, head_dim)``,
+    this rank's shard when ``world_size > 1``; ``transports``: one per branch; ``documents``:
+    each batch element's document lengths over the whole sequence, or None."""
     batch, seq_len, heads, head_dim = shape
     chosen = select_kernel(device, dtype, head_dim, kernel)
     budget = default_block_elements(device) if block_elements is None else block_elements
@@ -140,10 +114,8 @@ def adopted_branch(
     dtype: torch.dtype,
     kernel: Kernel,
 ) -> BlockGroup | None:
-    """The first branch when its kernel outputs become the accumulators: it is one group of
-    plain views with rate 1 that covers every row of every head, the inputs are in the
-    accumulation dtype, and the kernel is fused (the math kernel would hold a whole branch's
-    scores at once)."""
+    """The first branch when its kernel outputs can be the accumulators: one contiguous group
+    covering every row and head, inputs in the accumulation dtype, a fused kernel."""
     if not (kernel.fused and dtype == accumulation_dtype(dtype)) or not branches:
         return None
     if len(branches[0]) != 1:
@@ -157,9 +129,8 @@ def branch_chunks(
     branches: Sequence[Sequence[BlockGroup]], row_elements: int, block_elements: int,
     skip_first: bool,
 ) -> list[tuple[int, BlockGroup]]:
-    """``(branch index, chunk)`` in the order they run: every group of every branch (but the
-    first with ``skip_first``) split into chunks of at most ``block_elements`` elements
-    (``row_elements`` = batch * head_dim)."""
+    """``(branch index, chunk)`` in run order: every group (not the first branch's with
+    ``skip_first``) cut into chunks of at most ``block_elements`` elements."""
     return [
         (index, chunk)
         for index in range(int(skip_first), len(branches))

@@ -1,17 +1,8 @@
-"""Geometry of the branches whose segments span ranks (docs/architecture.md §4).
-
-A process group of ``P`` ranks holds shards of ``L = N / P`` tokens (``contiguous``), or of two
-chunks of ``C = N / 2P`` tokens each (``zigzag``, ``longnet.distributed.layouts``). A branch
-whose segment length ``w`` divides the chunk is local. A branch with ``w`` a multiple of it has
-segments spanning ``g = w / C`` consecutive chunks (its segment group, whose members are the
-chunks); only the dilated rows of K and V travel among their hosts, as
-:class:`SpanningPiece` s of a few heads each (``ring.py`` runs them).
-
-Dilation offsets may drift from member to member (when ``r`` does not divide the chunk): every
-rank knows every member's selected rows from the global geometry, so this is handled exactly.
-
-The same rule (:func:`branch_fits`) gives the sequence lengths ``P`` ranks can run a pattern on
-as they are (:func:`fits_shards`) and the smallest padded one (:func:`padded_length`).
+"""Geometry of the branches whose segments span ranks (docs/architecture.md §4). Each rank
+holds one chunk (``contiguous``) or two (``zigzag``). A branch whose segment divides the chunk
+is local; one whose segment is a multiple of it spans a segment group of chunks (its members),
+whose dilated K/V rows travel as :class:`SpanningPiece` s (``ring.py``). Every rank derives
+every member's rows (dilation offsets may drift between members) from the global geometry.
 """
 
 from __future__ import annotations
@@ -31,17 +22,12 @@ from longnet.distributed.layouts import chunk_count, chunk_host, chunks_per_rank
 
 @dataclass(frozen=True)
 class SpanningPiece:
-    """A piece of one branch whose segments span several ranks: its heads ``heads`` (a few, so
-    that one message stays within the block budget), seen from one member; either transport.
-
-    ``members``: the members (chunks) of this segment group in sequence order, ``index`` this
-    member's place among them, ``member_groups[m]`` the rows member ``m`` selects for
-    ``heads`` (shard coordinates; a few head groups when dilation offsets drift).
-    ``query_groups``: this member's groups split so that each one's heads lie in one group of
-    every member; its query-side rows are gathered once and meet every arriving block.
-    ``hosts[m]``: the group rank holding member ``m``, and ``chunk`` the ``(start, stop)`` rows
-    of this rank's shard that this member is (None: the whole shard).
-    Tensors use the sequence layout ``(batch, shard, heads, dim)`` (``lse``: ``dim`` = 1).
+    """A few ``heads`` of a branch spanning ranks (one message within the block budget), seen
+    from member ``index`` of ``members`` (the segment group's chunks, in sequence order):
+    ``member_groups[m]``, the rows member ``m`` selects for ``heads`` (shard coordinates);
+    ``query_groups``: this member's groups split so each one's heads lie in one group of every
+    member; ``hosts[m]``: the group rank holding member ``m``; ``chunk``: the ``(start, stop)``
+    rows of the shard this member is (None: all). Tensors are ``(batch, shard, heads, dim)``.
     """
 
     members: tuple[int, ...]
@@ -65,8 +51,7 @@ class SpanningPiece:
 
     @property
     def message_batch(self) -> int | None:
-        """The message's batch dimension: 1 when the piece covers one batch element (packed
-        documents), None for the whole batch."""
+        """The message's batch dimension: 1 for one batch element, else None (all)."""
         element = next(group.batch for groups in self.member_groups for group in groups)
         return None if element is None else 1
 
@@ -94,13 +79,9 @@ def plan_sequence_parallel(
     block_elements: int,
     layout: str = "contiguous",
 ) -> tuple[list[list[BlockGroup]], list[tuple[SpanningPiece, ...]]]:
-    """Split ``pattern`` into local branches (their block groups over this rank's shard) and
-    the pieces of branches spanning ranks, for group rank ``rank``; ``row_elements`` = batch *
-    head_dim and ``block_elements`` size the pieces (see ``heads_per_piece``).
-
-    Pieces come in sets run together (``ring.py``): this rank's members of one piece, one per
-    chunk it holds (``shards.rank_chunks``: one with ``contiguous``, two with ``zigzag``, which
-    may share a segment group)."""
+    """Rank ``rank``'s local branches (block groups over its shard) and the spanning pieces,
+    in sets run together: this rank's members of one piece, one per chunk it holds;
+    ``row_elements`` = batch * head_dim and ``block_elements`` size the pieces."""
     per_rank = chunks_per_rank(layout)
     if shard_len % per_rank:
         raise ValueError(
@@ -156,8 +137,7 @@ def spanning_pieces(
     hosts: tuple[int, ...],
     chunk: tuple[int, int] | None = None,
 ) -> list[SpanningPiece]:
-    """The pieces of one segment group seen from member ``index`` (``ring_pieces``), labelled
-    ``label`` and their heads."""
+    """The pieces of one segment group seen from member ``index`` (``ring_pieces``)."""
     return [
         SpanningPiece(members, index, groups, transport,
                       f"{label} heads {heads[0]}-{heads[-1]}", heads,
@@ -169,17 +149,14 @@ def spanning_pieces(
 def segment_group(
     member: int, chunk_len: int, segment: int, seq_len: int
 ) -> tuple[int, tuple[int, ...]]:
-    """``(start, members)`` for a branch whose ``segment`` (a multiple of ``chunk_len``) spans
-    chunks: the first token of ``member``'s segment and the chunks holding it, in sequence
-    order (the last segment may be cut at ``seq_len``)."""
+    """The first token of ``member``'s ``segment`` and its chunks (the last cut at ``seq_len``)."""
     start = member * chunk_len // segment * segment
     return start, tuple(range(start // chunk_len, min(start + segment, seq_len) // chunk_len))
 
 
 def heads_per_piece(rows: int, row_elements: int, num_heads: int, block_elements: int) -> int:
-    """Heads per piece of a spanning branch whose members select at most ``rows`` rows per
-    head: one message (K and V rows of a piece's heads, ``row_elements`` = batch * head_dim per
-    row) holds at most ``block_elements`` elements, and at least one head."""
+    """Heads per piece such that one message (K and V, ``rows`` rows of ``row_elements``
+    per head) holds at most ``block_elements`` elements; at least one."""
     return min(num_heads, max(1, block_elements // (2 * rows * row_elements)))
 
 
@@ -187,9 +164,7 @@ def ring_pieces(
     member_groups: Sequence[Sequence[BlockGroup]], num_heads: int, row_elements: int,
     block_elements: int,
 ) -> list[tuple[tuple[int, ...], tuple[tuple[BlockGroup, ...], ...]]]:
-    """Split a branch spanning ranks (either transport) by heads (``heads_per_piece``):
-    ``(heads, member groups)`` per piece. Every member of a segment group computes the same
-    pieces (same global geometry)."""
+    """A spanning branch split by heads: ``(heads, member groups)`` per piece, alike on all."""
     rows = max(group.rows for groups in member_groups for group in groups)
     per_piece = heads_per_piece(rows, row_elements, num_heads, block_elements)
     pieces = []
@@ -207,8 +182,7 @@ def ring_pieces(
 def query_groups(
     own: Sequence[BlockGroup], member_groups: Sequence[Sequence[BlockGroup]]
 ) -> tuple[BlockGroup, ...]:
-    """``own`` split so that the heads of each part lie in one group of every member (with
-    drifting offsets a head's row count differs from member to member)."""
+    """``own`` split so that the heads of each part lie in one group of every member."""
     parts = []
     for group in own:
         by_keys: dict[tuple[int, ...], list[int]] = {}
@@ -232,14 +206,10 @@ def plan_document_ring(
     head_dim: int,
     block_elements: int,
 ) -> tuple[list[list[BlockGroup]], list[tuple[SpanningPiece, ...]]]:
-    """This rank's local block groups per branch (shard coordinates) and the spanning pieces
-    it is a member of, for packed ``documents`` on contiguous shards of ``shard_len`` tokens
-    (members are group ranks). A document's segment inside one shard is a block group of the
-    rank holding it; one crossing shard boundaries is a spanning piece whose members are the
-    ranks it touches, each holding the part inside its shard, its rows keeping the dilation
-    offsets of the whole segment. Every rank derives the same global list and runs the pieces
-    it is a member of in that order, each as a one-member set, so two ranks sharing several
-    pieces meet in each at the same time."""
+    """This rank's local block groups per branch and its spanning pieces for packed
+    ``documents`` on contiguous shards: a document segment crossing shards is a piece whose
+    members are the ranks it touches. Every rank runs its pieces in the one global order
+    (one-member sets), so ranks sharing several pieces meet in each at the same time."""
     placed = placed_documents(documents)
     row_elements = (len(documents) if placed[0][0] is None else 1) * head_dim
     local: list[list[BlockGroup]] = [[] for _ in pattern.branches]
@@ -270,9 +240,8 @@ def plan_document_ring(
 
 def _part(start: int, stop: int, shard: tuple[int, int], num_heads: int, rate: int,
           element: int | None) -> list[BlockGroup]:
-    """The block groups of the part of segment ``[start, stop)`` inside ``shard`` (global
-    ``[first, end)``), in shard coordinates, for batch element ``element`` (None: all); heads
-    keep the segment's dilation offsets (``shift``)."""
+    """The block groups (shard coordinates) of segment ``[start, stop)``'s part in ``shard``,
+    keeping the segment's dilation offsets, for batch element ``element`` (None: all)."""
     first, end = max(start, shard[0]), min(stop, shard[1])
     return [replace(group, batch=element)
             for group in region_groups(first - shard[0], end - first, 1, num_heads, rate,
@@ -280,8 +249,7 @@ def _part(start: int, stop: int, shard: tuple[int, int], num_heads: int, rate: i
 
 
 def branch_fits(segment_length: int, shard_len: int) -> bool:
-    """Whether a branch of ``segment_length`` runs on shards of ``shard_len`` tokens: one divides
-    the other."""
+    """Whether a branch runs on shards of ``shard_len`` tokens: one length divides the other."""
     return shard_len % segment_length == 0 or segment_length % shard_len == 0
 
 
@@ -300,11 +268,8 @@ def fits_shards(
 def padded_length(
     seq_len: int, pattern: DilatedPattern | Sequence[tuple[int, int]], world_size: int
 ) -> int:
-    """The smallest length ``>= seq_len`` that ``world_size`` ranks can run ``pattern`` on
-    (:func:`fits_shards`). Padding at the end is exact for causal attention (no real query sees
-    a later token); for bidirectional attention pad tokens are keys. The search skips the shard
-    lengths that cannot fit (:func:`_next_shard_len`): a few steps per branch whatever the
-    length."""
+    """The smallest length ``>= seq_len`` that ``world_size`` ranks can run ``pattern`` on;
+    end padding is exact for causal attention (bidirectional: pad tokens are keys)."""
     pattern = DilatedPattern.coerce(pattern)
     if seq_len < 1 or world_size < 1:
         raise ValueError(
@@ -317,11 +282,8 @@ def padded_length(
 
 
 def _next_shard_len(shard_len: int, segment_lengths: Sequence[int], world_size: int) -> int:
-    """``shard_len`` if every branch fits shards of that length (:func:`fits_shards`), else the
-    next shard length that is not ruled out: segments (capped at the sequence length) up to
-    ``shard_len`` must divide it, so it must be a multiple of their least common multiple; a
-    longer segment ``w`` inside the sequence must be a multiple of it, so it must divide ``w``
-    (the smallest divisor of ``w`` above ``shard_len``, at most ``w`` itself)."""
+    """``shard_len`` if every branch fits it, else the next shard length not ruled out: a
+    multiple of the lcm of the shorter segments, and a divisor of each longer one."""
     segments = [min(w, shard_len * world_size) for w in segment_lengths]
     step = math.lcm(*(w for w in segments if w <= shard_len))
     if shard_len % step:
