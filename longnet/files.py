@@ -1,23 +1,8 @@
-"""Files and folders replaced whole: a reader sees the old version or the new one, never a torn file
-or a mix of the two, and a writer killed at any instant leaves a valid version.
+"""Files and folders replaced whole (a reader sees the old version or the new one, a killed
+writer leaves a valid one), and the checks that refuse a bad target before any work.
 
-:func:`write_atomic` replaces one file, :func:`replace_folder` a folder of files that belong
-together (a model: its config and its weights); :func:`open_files` reads a folder's files from one
-version of it. Before any work, :func:`check_output_folder` refuses an output that cannot be
-written, and :func:`check_target` (every writer of a model folder, checkpoint or state) a target
-that must not be replaced; an empty path is refused everywhere (:func:`check_path_given`).
-
-The swap: on Linux one ``renameat2(RENAME_EXCHANGE)`` call exchanges the two folders, so the path
-always holds a complete version. Where the system or the file system cannot (macOS, NFS, ...), two
-renames: the old folder moves to ``.<name>.old-<random>``, then the new one in; for that instant the
-path is absent (:func:`open_files` waits for it; a reader that looks for the folder itself then
-finds none), and a kill in between leaves the old version under the ``.old-`` name. A kill before
-the swap leaves a ``.<name>.tmp-<random>`` folder or file next to the target, ignored by readers,
-which can be deleted.
-
-New files and folders get the permission bits of anything created with ``open`` / ``mkdir``
-(``0o666`` / ``0o777`` less the umask: ``0644`` / ``0755`` under umask ``022``); a replaced folder
-keeps the old one's bits. Reading needs ``dir_fd`` (POSIX systems).
+The swap is one ``renameat2(RENAME_EXCHANGE)`` on Linux, else two renames (the path is absent
+in between: :func:`open_files` waits). A kill leaves ``.<name>.tmp-*``/``.old-*`` siblings.
 """
 
 from __future__ import annotations
@@ -46,8 +31,7 @@ _RETRY_SECONDS = 0.002
 WRITE_FIXES = {errno.EFBIG: "raise the file size limit (ulimit -f)",
                errno.ENOSPC: "free space on the disk", errno.EDQUOT: "free space in your quota",
                errno.EROFS: "give a path on a writable file system"}
-"""What the user can do about each write the machine refused: no room (the file size limit, a
-full disk, a quota) or a read-only file system."""
+"""What the user can do about each write the machine refused."""
 REFUSED_WRITE_ERRNOS = frozenset(WRITE_FIXES)
 """Errors of a write the machine refused (:data:`WRITE_FIXES`)."""
 _RENAME_EXCHANGE = 2  # linux/fs.h
@@ -57,15 +41,9 @@ _AT_FDCWD = -100
 def write_atomic(path: str | Path, data: str | bytes) -> Path:
     """Write ``data`` (``str`` as UTF-8) to ``path`` whole or not at all; returns ``path``.
 
-    The data goes to ``.<name>.tmp-<random>`` next to ``path``, is flushed to disk and renamed
-    over it: a concurrent reader sees the old content or the new one; a kill leaves the old
-    file. The parent folders are created. The file gets the bits of a new file (module
-    docstring).
-
     Raises:
         UsageError: ``path`` is empty.
-        OSError: no room for the file or a read-only file system
-            (:data:`REFUSED_WRITE_ERRNOS`, naming ``path``); the old file is kept.
+        OSError: a refused write (:data:`REFUSED_WRITE_ERRNOS`); the old file is kept.
     """
     path = check_path_given(path, "file")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -88,19 +66,15 @@ def write_atomic(path: str | Path, data: str | bytes) -> Path:
 def replace_folder(directory: str | Path, owned: Collection[str] = (),
                    what: str = "folder") -> Iterator[Path]:
     """Replace the folder ``directory`` by what the ``with`` block writes into the yielded
-    (empty, temporary) folder, in one step when the block ends (module docstring).
+    temporary folder, in one step when the block ends.
 
-    Entries of the old folder that the block did not write are carried over (hard links, or
-    copies where links are refused), except the names in ``owned``: the files this writer
-    makes, which a new version must not inherit from an old one. A symbolic link at
-    ``directory`` is followed: the folder it points to is replaced. Concurrent writers are
-    safe: the last to finish wins. ``what`` names ``directory`` in the messages.
+    Old entries the block did not write are carried over (hard links or copies), except the
+    names in ``owned``. A symbolic link is followed. Concurrent writers are safe: the last to
+    finish wins. ``what`` names ``directory`` in the messages.
 
     Raises:
-        UsageError: ``directory`` is empty, a file, the current folder or a folder holding it,
-            or its parent cannot be written (before the block runs).
-        OSError: no room for the new version or a read-only file system
-            (:data:`REFUSED_WRITE_ERRNOS`, naming ``directory``); the old folder is kept.
+        UsageError: as :func:`check_replaceable_folder`, before the block runs.
+        OSError: a refused write (:data:`REFUSED_WRITE_ERRNOS`); the old folder is kept.
     """
     check_replaceable_folder(directory, what)
     target = Path(os.path.realpath(directory))
@@ -130,17 +104,12 @@ def replace_folder(directory: str | Path, owned: Collection[str] = (),
 @contextmanager
 def open_files(directory: str | Path, names: Sequence[str]) -> Iterator[dict[str, BinaryIO]]:
     """The files ``names`` of ``directory``, open for binary reading, all from one version of
-    the folder (see :func:`replace_folder`); names absent from that version are left out.
-
-    The folder is opened once and every file relative to it, so a folder swapped in the
-    meantime changes nothing. A file missing because a writer deleted the version being
-    opened (the path now holds another) makes it open the current version again.
+    the folder; names absent from it are left out.
 
     Raises:
         FileNotFoundError: there is no folder at ``directory``.
         NotADirectoryError: ``directory`` is a file.
-        UsageError: ``directory`` is empty, or the folder was replaced :data:`OPEN_ATTEMPTS`
-            times in a row while being opened.
+        UsageError: an empty path, or :data:`OPEN_ATTEMPTS` replacements while opening.
     """
     directory = check_path_given(directory, "folder")
     for attempt in range(OPEN_ATTEMPTS):
@@ -168,13 +137,7 @@ def open_files(directory: str | Path, names: Sequence[str]) -> Iterator[dict[str
 
 
 def check_output_folder(path: str | Path, files: Sequence[str] = (), what: str = "--out") -> Path:
-    """Refuse, before any work, an output folder whose ``files`` cannot be written; returns
-    ``path``.
-
-    ``path`` may be absent (it is created later) if its nearest existing parent is a writable
-    folder; an existing ``path`` must be a writable folder, and each of ``files`` (names
-    inside it) absent or a writable file; it must not be empty. ``what`` names the setting in
-    the messages.
+    """Refuse, before any work, an output folder whose ``files`` cannot be written.
 
     Raises:
         UsageError: naming the path, what is wrong and the fix.
@@ -196,13 +159,10 @@ def check_output_folder(path: str | Path, files: Sequence[str] = (), what: str =
 
 
 def check_replaceable_folder(path: str | Path, what: str = "folder") -> Path:
-    """Refuse, before any work, a folder :func:`replace_folder` cannot or must not replace: an
-    empty path, a file, the current folder or a folder holding it (the folder being worked in
-    would be swapped for a new one), or one (existing or not) whose parent cannot be written;
-    returns ``path``. ``what`` names the setting in the messages.
+    """Refuse, before any work, a folder :func:`replace_folder` cannot or must not replace.
 
     Raises:
-        UsageError: naming the path, what is wrong and the fix.
+        UsageError: a file, the current folder or one holding it, or an unwritable parent.
     """
     path = check_path_given(path, what)
     if os.path.lexists(path) and not path.is_dir():
@@ -222,8 +182,7 @@ def check_replaceable_folder(path: str | Path, what: str = "folder") -> Path:
 
 
 MODEL_NAMES = frozenset({"config.json", "lora.json", "index.json", "handoff.json", ".metadata"})
-"""Names that make a folder a model, LoRA delta, packed state, handoff or folder of shards
-(``.metadata``: ``torch.distributed.checkpoint``'s index)."""
+"""Names that make a folder a model, LoRA delta, state, handoff or folder of shards."""
 MODEL_SUFFIXES = (".safetensors", ".ckpt", ".gguf", ".bin", ".pt", ".pth")
 """Suffixes of weights and checkpoint files."""
 OVERWRITE_FIX = "pass --overwrite (overwrite=True from Python) to replace it"
@@ -231,9 +190,7 @@ OVERWRITE_FIX = "pass --overwrite (overwrite=True from Python) to replace it"
 
 
 def held_model(path: str | Path) -> str | None:
-    """What at ``path`` a writer must not replace unasked: ``"a file of N bytes"`` for a file,
-    ``"a model or checkpoint (names)"`` for a folder holding :func:`model_entries`; None for
-    nothing, or a folder of other files (which the writers keep: :func:`replace_folder`)."""
+    """What at ``path`` a writer must not replace unasked (a file or a model), or None."""
     path = Path(path)
     if path.is_file():
         return f"a file of {path.stat().st_size:,} bytes"
@@ -245,9 +202,7 @@ def held_model(path: str | Path) -> str | None:
 
 
 def model_entries(folder: str | Path) -> set[str]:
-    """The names in ``folder`` that make it a model, checkpoint or state (:data:`MODEL_NAMES`,
-    :data:`MODEL_SUFFIXES`; none for no folder): what a writer replacing it owns, so that the
-    new version inherits none of them (:func:`replace_folder`'s ``owned``)."""
+    """The names in ``folder`` that make it a model, checkpoint or state (a writer's own)."""
     folder = Path(folder)
     if not folder.is_dir():
         return set()
@@ -260,16 +215,11 @@ def check_target(path: str | Path, *, sources: Mapping[str, str | Path | None] |
     """Refuse, before any work, a target a writer of a model folder, checkpoint or state must
     not write; returns ``path``.
 
-    - ``path`` is, holds or is inside one of ``sources`` (``{description: path}``: what the
-      write reads, e.g. ``{"the source": SRC, "the LoRA base": BASE}``; None values and
-      absent paths are skipped), compared by ``os.path.realpath``: always refused,
-      ``overwrite`` or not;
-    - ``path`` holds a model or checkpoint (:func:`held_model`): refused unless ``overwrite``;
-    - ``kind="folder"``: as :func:`check_replaceable_folder`; ``kind="file"``: ``path`` must
-      not be a folder and its parent must be writable.
-
     Raises:
-        UsageError: any of the above, naming the path (as ``what``), what it holds and the fix.
+        UsageError: ``path`` overlaps one of ``sources`` (``{description: path}`` the write
+            reads), holds a model (:func:`held_model`) and not ``overwrite``, or fails
+            :func:`check_replaceable_folder` (``kind="folder"``; for a file: a folder, an
+            unwritable parent).
     """
     path = check_path_given(path, what)
     for description, source in (sources or {}).items():
@@ -294,10 +244,7 @@ def check_target(path: str | Path, *, sources: Mapping[str, str | Path | None] |
 
 
 def check_path_given(path: str | os.PathLike[str], what: str) -> Path:
-    """``path`` as a :class:`~pathlib.Path`, refusing an empty one (:class:`UsageError`):
-    ``Path("")`` is the current folder, so an empty setting would read or write there without
-    a word. (Only a string can be empty: check a setting before turning it into a ``Path``.)
-    ``what`` names the setting in the message."""
+    """``path`` as a ``Path``, refusing ``""`` (:class:`UsageError`): it is the current folder."""
     if os.fspath(path) == "":
         raise UsageError(f"{what} is empty; give a path (an empty path would be the current "
                          f"folder, {os.getcwd()}).")
@@ -305,23 +252,19 @@ def check_path_given(path: str | os.PathLike[str], what: str) -> Path:
 
 
 def refused_write(err: BaseException) -> bool:
-    """Whether ``err`` is a write the machine refused (:data:`REFUSED_WRITE_ERRNOS`): the
-    user's to fix, not a bug."""
+    """Whether ``err`` is a write the machine refused: the user's to fix, not a bug."""
     return isinstance(err, OSError) and err.errno in REFUSED_WRITE_ERRNOS
 
 
 def refused_write_line(err: OSError, rerun: str = "") -> str:
-    """``error: a write to <file> failed: <reason> (errno N). <The fix>, then run the command
-    again<rerun>.``: how the ``longnet`` command and the scripts report a
-    :func:`refused_write`."""
+    """The one-line report of a :func:`refused_write`, with its fix."""
     where = f" to {err.filename}" if err.filename else ""
     return (f"error: a write{where} failed: {err.strerror} (errno {err.errno}). "
             f"{WRITE_FIXES[err.errno].capitalize()}, then run the command again{rerun}.")
 
 
 def link_or_copy(source: str | Path, destination: str | Path) -> None:
-    """Make ``destination`` a hard link to the file ``source``, or a copy where the file system
-    refuses links (another device, no link support)."""
+    """Hard-link ``source`` to ``destination``, or copy it where links are refused."""
     try:
         os.link(source, destination)
     except OSError:
@@ -352,8 +295,7 @@ def _check_apart(path: Path, source: Path, description: str, what: str) -> None:
 
 
 def _check_writable(folder: Path, subject: Path, what: str) -> None:
-    """The nearest existing one of ``folder`` and its parents must be a writable folder (for
-    the messages: ``subject`` is the path given as ``what``)."""
+    """The nearest existing one of ``folder`` and its parents must be a writable folder."""
     existing = folder
     while not os.path.lexists(existing) and existing != existing.parent:
         existing = existing.parent
@@ -370,10 +312,7 @@ def _check_writable(folder: Path, subject: Path, what: str) -> None:
 
 
 def _raise_refused_write(err: BaseException, path: Path) -> None:
-    """Raise ``OSError(errno, strerror, path)`` from ``err`` when ``err`` is a write the machine
-    refused (:data:`REFUSED_WRITE_ERRNOS`): an ``OSError`` (naming no file, or the temporary
-    one), or an error whose message says ``(os error N)`` (``safetensors``' way); else
-    return."""
+    """Raise ``OSError(errno, strerror, path)`` from a refused write ``err``; else return."""
     if isinstance(err, OSError):
         code = err.errno
     else:
@@ -394,8 +333,7 @@ def _fsync(path: str | Path, flags: int) -> None:
 def _open_version(
     directory: Path, names: Sequence[str], keep: Callable[[BinaryIO], BinaryIO]
 ) -> dict[str, BinaryIO] | None:
-    """``names`` opened relative to one open handle of ``directory`` (each handed to
-    ``keep``); None when one is missing because the folder was replaced meanwhile."""
+    """``names`` opened relative to one handle of ``directory``; None if it was replaced."""
     folder = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         handles = {}

@@ -1,7 +1,4 @@
-"""LongNet models: config, causal LM, encoder, pretrained I/O (with the byte-level tokenizer
-files), the zoo (names such as ``"longnet-tiny"``: :mod:`longnet.modeling.hub`), Hugging Face
-import.
-"""
+"""LongNet models: config, causal LM, encoder, pretrained I/O, the zoo, Hugging Face import."""
 
 from longnet.modeling.config import LongNetConfig
 from longnet.modeling.encoder import EncoderOutput, LongNetEncoder

@@ -41,13 +41,8 @@ COMPUTATION_FIELDS = (
     "dilation_rates", "position_encoding", "rope_theta", "xpos_scale_base", "num_labels",
     "pooling",
 )
-"""Fields a saved ``config.json`` must spell out (``null`` where allowed): each changes what
-the model computes from its weights, so a missing one would silently be its default, another
-model (no ``segment_lengths``/``dilation_rates`` is dense attention). The others (dropout,
-initializer_range, gradient_checkpointing, token ids, extra) do not change the function, and
-``kv_conv_size`` and the retrieval branches (``attention_sinks``, ``select_block``,
-``select_top_k``, ``retrieval_positions``) came later: a config written before them had none,
-their default."""
+"""Fields a saved ``config.json`` must spell out: a default would silently be another model
+(``kv_conv_size`` and the retrieval fields are optional: older configs lack them)."""
 
 
 @dataclass
@@ -57,58 +52,38 @@ class LongNetConfig:
     Architecture:
         vocab_size: token ids are ``0 .. vocab_size - 1``.
         hidden_size, num_layers, num_heads: width, depth, query heads.
-        num_kv_heads: K/V heads (grouped-query attention), dividing ``num_heads``;
-            ``None`` = ``num_heads``.
-        head_dim: per-head width; ``None`` = ``hidden_size // num_heads``.
-        ffn_kind: ``"mlp"`` (``down(act(up(x)))``) or ``"glu"`` (``down(act(gate(x)) * up(x))``,
-            SwiGLU with ``activation="silu"``).
-        ffn_hidden_size: FFN inner width; ``None`` = ``4 * hidden_size`` for ``"mlp"`` and
-            ``8/3 * hidden_size`` rounded up to a multiple of 64 for ``"glu"``.
+        num_kv_heads: K/V heads (grouped-query attention), dividing ``num_heads``; None: same.
+        head_dim: per-head width; None: ``hidden_size // num_heads``.
+        ffn_kind: ``"mlp"`` or ``"glu"`` (SwiGLU with ``activation="silu"``).
+        ffn_hidden_size: FFN inner width; None: ``4 * hidden_size`` (mlp), ``8/3 * hidden_size``
+            rounded up to a multiple of 64 (glu).
         activation: ``"gelu"`` (erf), ``"gelu_tanh"`` (GPT-2's gelu_new), ``"relu"``, ``"silu"``.
         norm: ``"layernorm"`` or ``"rmsnorm"``; ``norm_eps`` its epsilon.
-        sub_ln: MAGNETO sub-LN: extra norms before the attention output projection and before
-            the FFN's second linear layer (on top of pre-LN).
+        sub_ln: MAGNETO sub-LN (norms before the attention output and FFN down projections).
         attention_bias, mlp_bias: biases on the attention projections / FFN linears.
         tie_word_embeddings: the LM head shares the token embedding matrix.
     Positions and attention pattern:
-        max_positions: context length the model is built for: size of learned position
-            embeddings, and the segment length of the default dense pattern.
+        max_positions: context length (learned position table, default dense segment).
         segment_lengths, dilation_rates: the dilated pattern (docs/architecture.md §2); both
-            ``None`` = dense attention, one branch ``(max_positions, 1)``.
-        kv_conv_size: width of the causal depthwise convolution over each layer's key and
-            value projections (0: none, else at least 2). With a width of at least the largest
-            dilation rate, a far token is a key at every offset (docs/architecture.md §2,
-            "Alignment").
-        attention_sinks: the first ``attention_sinks`` tokens of each document are keys of
-            every query outside its dense local segment (0: none; docs/architecture.md §2,
-            "Retrieval branches").
-        select_block, select_top_k: query-aware block selection: each query (per K/V head)
-            attends to every token of the ``select_top_k`` blocks of ``select_block`` tokens
-            whose keys bound its scores highest (0: no selection).
-        retrieval_positions: where the retrieval branches see their keys: ``"own"``
-            (default), at their positions; ``"before_segment"`` (``position_encoding="rope"``),
-            each sink and chosen block just before the query's local segment, its tokens in
-            order, keeping far keys inside the distances a base model was trained on.
-        position_encoding: ``"xpos"`` (the LongNet paper's), ``"rope"``, ``"learned"``
-            (absolute, GPT-2) or ``"none"``.
+            None: dense attention ``(max_positions, 1)``.
+        kv_conv_size: width of a causal convolution over keys and values (0: none, else >= 2).
+        attention_sinks: first tokens of each document every query also sees (0: none).
+        select_block, select_top_k: each query attends to the ``select_top_k`` blocks of
+            ``select_block`` tokens whose keys bound its scores highest (0: no selection).
+        retrieval_positions: where retrieval keys sit: ``"own"`` (their positions) or
+            ``"before_segment"`` (RoPE only: just before the query's local segment).
+        position_encoding: ``"xpos"`` (the paper's), ``"rope"``, ``"learned"`` or ``"none"``.
         rope_theta: base of the rotary frequencies (RoPE and xPos).
-        rope_extension: RoPE context extension, ``transformers``' ``rope_scaling`` keys:
-            ``{"rope_type": "linear", "factor": s}`` (position interpolation) or
-            ``{"rope_type": "yarn", "factor": s, "original_max_position_embeddings": L, ...}``
-            (:mod:`longnet.nn.rope_extension`); None (default): plain RoPE. Only with
-            ``position_encoding="rope"``.
+        rope_extension: RoPE extension (:mod:`longnet.nn.rope_extension`); None: plain.
         xpos_scale_base: xPos decay length (gamma in the paper, 512).
     Training:
-        dropout: residual dropout: on the embeddings, on each attention layer's output
-            (``MultiheadDilatedAttention(output_dropout=...)``) and on each feed-forward
-            network's output; never on attention probabilities (the exact core has none).
+        dropout: residual dropout (embeddings, attention and FFN outputs).
         initializer_range: std of the normal initialisation.
         gradient_checkpointing: recompute each block's activations in backward.
     Encoder head:
         num_labels, pooling (``"mean"``, ``"first"``, ``"last"``).
     Tokens:
-        bos_token_id, eos_token_id, pad_token_id: optional special ids (generation stops at
-            ``eos_token_id``).
+        bos_token_id, eos_token_id, pad_token_id: optional special ids.
     """
 
     vocab_size: int = 256
@@ -162,7 +137,6 @@ class LongNetConfig:
             elif is_real(value):
                 setattr(self, f.name, float(value))
 
-    # ------------------------------------------------------------------ derived values
     @property
     def pattern(self) -> DilatedPattern:
         """The dilated pattern; dense ``(max_positions, 1)`` when none is set."""
@@ -192,10 +166,8 @@ class LongNetConfig:
             return 64 * math.ceil(8 * self.hidden_size / 3 / 64)
         return 4 * self.hidden_size
 
-    # ------------------------------------------------------------------ validation
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the first bad field and how to fix it (``TypeError``
-        for a flag that is not a ``bool``)."""
+        """Raise ``ValueError`` naming the first bad field (``TypeError`` for a non-bool flag)."""
         for name in ("vocab_size", "num_layers", "max_positions"):
             check_positive_int(name, getattr(self, name))
         check_heads(self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
@@ -251,13 +223,8 @@ class LongNetConfig:
         if not isinstance(self.extra, dict):
             raise ValueError(f"extra must be a dict of JSON values, got {self.extra!r}.")
 
-    # ------------------------------------------------------------------ editing
     def replace(self, **overrides: Any) -> LongNetConfig:
-        """A validated copy with fields replaced.
-
-        ``pattern=`` is accepted as a :class:`DilatedPattern`, a list of
-        ``(segment_length, dilation_rate)`` pairs, or ``"dense"``/``None`` (dense attention).
-        """
+        """A validated copy with fields replaced (``pattern=``: any ``DilatedPattern.coerce``)."""
         overrides = dict(overrides)
         if "pattern" in overrides:
             pattern = overrides.pop("pattern")
@@ -270,7 +237,6 @@ class LongNetConfig:
         _check_names(overrides)
         return dataclasses.replace(self, **overrides)
 
-    # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (with ``"model_type": "longnet"``)."""
         data: dict[str, Any] = {"model_type": MODEL_TYPE}
@@ -298,9 +264,7 @@ class LongNetConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n"
 
     def save(self, path: str | Path) -> None:
-        """Write JSON to ``path`` (a file, or a folder that gets ``config.json``), atomically
-        (:func:`longnet.files.write_atomic`: a reader or a kill never finds half a file; the
-        parent folders are created)."""
+        """Write JSON to ``path`` (a file, or a folder that gets ``config.json``), atomically."""
         path = Path(path)
         if path.is_dir():
             path = path / CONFIG_NAME
@@ -331,16 +295,13 @@ class LongNetConfig:
 
 # ---------------------------------------------------------------------- helpers
 def check_saved_fields(data: dict[str, Any], source: str | Path) -> None:
-    """Raise :class:`UsageError` (a ``ValueError``) naming every :data:`COMPUTATION_FIELDS`
-    entry a config read from ``source`` (a ``config.json``) omits (after the check for unknown
-    names, whose message suggests the intended field for a misspelt one)."""
+    """Refuse unknown field names (``ValueError``), then omitted computation fields."""
     _check_names(name for name in data if name not in ("model_type", "architecture"))
     check_computation_fields(data, source)
 
 
 def check_computation_fields(data: dict[str, Any], source: str | Path) -> None:
-    """Raise :class:`UsageError` naming every :data:`COMPUTATION_FIELDS` entry that the
-    ``config.json`` ``source`` (read as ``data``) omits."""
+    """Raise :class:`UsageError` naming every :data:`COMPUTATION_FIELDS` entry ``data`` omits."""
     missing = [name for name in COMPUTATION_FIELDS if name not in data]
     if missing:
         raise UsageError(

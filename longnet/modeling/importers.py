@@ -1,19 +1,7 @@
 """Import local Hugging Face GPT-2 and Llama-family checkpoints as LongNet models.
 
-The importer reads the checkpoint folder itself (``config.json`` plus ``model.safetensors``,
-sharded ``model.safetensors.index.json``, or ``pytorch_model.bin`` loaded with
-``torch.load(weights_only=True)``); ``transformers`` is never imported.  It returns a
-:class:`LongNetConfig` describing the same network and a state dict in LongNet names.
-With the default dense pattern (one branch ``(max_positions, 1)``) the LongNet model computes
-the same function as the original; a ``pattern=`` override makes it a dilated model from then
-on.
-
-Layout differences handled here:
-
-* GPT-2 ``Conv1D`` weights are stored ``(in, out)`` (transposed) and q/k/v are fused in
-  ``c_attn``; learned absolute positions, LayerNorm, ``gelu_new`` (tanh GELU), tied head.
-* Llama / Mistral: RMSNorm, SwiGLU, split-half RoPE with ``rope_theta`` (LongNet's RoPE uses
-  the same layout, so no row permutation is needed), grouped K/V heads, usually untied head.
+Read without ``transformers`` (no unpickling of objects). With the default dense pattern the
+model computes the original's function. Llama's split-half RoPE is LongNet's layout.
 """
 
 from __future__ import annotations
@@ -208,9 +196,7 @@ def _gpt2(hf: dict[str, Any], tensors: dict[str, Tensor], source: str):
 
 # ---------------------------------------------------------------------- Llama family
 def _rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:
-    """``rope_theta`` and the RoPE extension (``longnet.nn.rope_extension``) of a Llama-family
-    config: ``rope_parameters`` (``transformers`` 5) or ``rope_theta`` + ``rope_scaling``
-    (older files), filled in as ``transformers`` fills them."""
+    """``rope_theta`` and RoPE extension of a Llama config, filled in as ``transformers`` does."""
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
     rope_type = params.pop("rope_type", None) or params.pop("type", None)
@@ -314,10 +300,7 @@ def is_hf_config(data: dict[str, Any]) -> bool:
 def import_hf_checkpoint(
     folder: str | Path, data: dict[str, Any] | None = None, **overrides: Any
 ) -> tuple[LongNetConfig, dict[str, Tensor]]:
-    """The LongNet config and state dict of a local Hugging Face checkpoint folder.
-
-    ``overrides`` replace config fields afterwards (``pattern=`` chooses the dilated pattern).
-    """
+    """The LongNet config and state dict of a local Hugging Face checkpoint folder."""
     folder = Path(folder)
     if data is None:
         data = json.loads((folder / "config.json").read_text())
@@ -332,10 +315,7 @@ def convert_hf_checkpoint(
     source: str,
     **overrides: Any,
 ) -> tuple[LongNetConfig, dict[str, Tensor]]:
-    """The LongNet config and state dict of a Hugging Face model given as its config ``data``
-    (a parsed ``config.json``) and its state dict in Hugging Face names (or a function that
-    reads it, called once the model type is known to be importable); ``source`` names it in
-    messages."""
+    """The LongNet config and state dict of a Hugging Face config and ``tensors`` (or a reader)."""
     model_type = data.get("model_type")
     if model_type not in IMPORTERS:
         raise ValueError(

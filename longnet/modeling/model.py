@@ -1,5 +1,4 @@
-"""LongNet models: the shared backbone and base class, the causal LM and their input checks
-(the bidirectional encoder is :mod:`longnet.modeling.encoder`)."""
+"""LongNet models: the shared backbone and base class, the causal LM and their input checks."""
 
 from __future__ import annotations
 
@@ -87,14 +86,8 @@ def check_input_ids(input_ids: Tensor, vocab_size: int) -> None:
 def check_label_ids(
     labels: Tensor, num_classes: int, name: str, ignore: bool, argument: str = "labels"
 ) -> None:
-    """``labels`` (any shape; the argument ``argument``, for the messages) must hold integer
-    ids in ``0..num_classes - 1`` (``name``: what ``num_classes`` is, for the message), and
-    ``IGNORE_INDEX`` (-100) where ``ignore``.
-
-    Raises:
-        TypeError: ``labels`` is not an integer tensor.
-        ValueError: an id is out of range (the message gives the first and the range).
-    """
+    """Raise ``TypeError`` unless ``labels`` (any shape) is an integer tensor, ``ValueError``
+    unless its ids are in ``0..num_classes - 1`` (or ``IGNORE_INDEX`` where ``ignore``)."""
     if not isinstance(labels, Tensor):
         raise TypeError(f"{argument} must be a torch.Tensor, got {type(labels).__name__}.")
     if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
@@ -112,10 +105,7 @@ def check_label_ids(
 
 
 def document_labels(labels: Tensor, document_ids: Tensor | None) -> Tensor:
-    """``labels`` ``(batch, seq)`` (aligned: ``labels[:, t]`` is the target of position ``t``)
-    with ``IGNORE_INDEX`` where the target is the first token of the next packed document
-    (``document_ids[:, t + 1] != document_ids[:, t]``): no document is scored as predicted
-    from the one before it. Unchanged when ``document_ids`` is None."""
+    """``labels`` ``(batch, seq)`` with ``IGNORE_INDEX`` where a target begins a new document."""
     if document_ids is None:
         return labels
     boundary = torch.zeros(labels.shape, dtype=torch.bool, device=labels.device)
@@ -125,14 +115,9 @@ def document_labels(labels: Tensor, document_ids: Tensor | None) -> Tensor:
 
 @dataclass
 class LMOutput:
-    """Output of :class:`LongNetLM`.
-
-    logits: ``(batch, seq, vocab_size)``.
-    loss: mean cross-entropy over the tokens whose label is not -100 (0 when there are none);
-        ``None`` without labels.
-    loss_sum, num_tokens: the summed cross-entropy (float32 or float64) and the number of
-        counted tokens (int64 scalar), for exact aggregation across ranks / batches.
-    """
+    """Output of :class:`LongNetLM`: ``logits`` ``(batch, seq, vocab_size)``; ``loss``, the
+    mean cross-entropy over labels that are not -100 (None without labels), from ``loss_sum``
+    and ``num_tokens`` (int64), which aggregate exactly across ranks and batches."""
 
     logits: Tensor
     loss: Tensor | None = None
@@ -143,20 +128,8 @@ class LMOutput:
 class LongNetModel(nn.Module):
     """Token (+ learned position) embeddings, ``num_layers`` blocks, final norm.
 
-    ``document_ids`` ``(batch, seq)``: non-decreasing ids of packed documents; each document
-    is computed as if it were alone (positions restart at 0, no attention or K/V convolution
-    across a boundary). Not with ``cache``; under sequence parallelism: this rank's shard of
-    the ids (contiguous layout) and ``position_ids`` given (each token's place in its
-    document).
-
     Attributes:
-        sequence_parallel: how each sequence is split over a process group
-            (:class:`~longnet.distributed.SequenceParallel`; None, the default, on one device),
-            set with the attention layers' by :func:`longnet.distributed.parallelize`; the
-            default ``position_ids`` are then this rank's shard's.
-
-    Shapes: ``input_ids`` ``(batch, seq)`` -> hidden states ``(batch, seq, hidden_size)``
-    (``seq`` this rank's shard under sequence parallelism).
+        sequence_parallel: set by :func:`longnet.distributed.parallelize`; None on one device.
     """
 
     sequence_parallel: SequenceParallel | None
@@ -183,21 +156,20 @@ class LongNetModel(nn.Module):
         cache: KVCache | None = None,
         document_ids: Tensor | None = None,
     ) -> Tensor:
-        """Hidden states ``(batch, seq, hidden_size)`` of ``input_ids`` ``(batch, seq)``.
+        """Hidden states ``(batch, seq, hidden_size)`` of ``input_ids`` ``(batch, seq)``
+        (``seq``: this rank's shard under sequence parallelism).
 
         ``position_ids``: global positions ``(seq,)`` or ``(batch, seq)``; default ``0..seq-1``
-        (after the cache's positions with ``cache``; this rank's shard's under
-        :attr:`sequence_parallel`; each token's place in its document with ``document_ids``).
+        after the cache's positions (each token's place in its document with ``document_ids``).
         ``cache``: from :meth:`LongNetLM.new_cache`, for inference.
-        ``document_ids``: ``(batch, seq)`` ids of packed documents, resolved once for all
-        layers (:func:`~longnet.attention.documents.resolve_documents`: one transfer to the
-        host, under sequence parallelism one all-gather).
+        ``document_ids``: ``(batch, seq)`` non-decreasing ids of packed documents, each computed
+        as if alone; not with ``cache``.
         """
         sequence_parallel = self.sequence_parallel
         check_input_ids(input_ids, self.config.vocab_size)
         check_cache(cache, KVCache)
         documents: PackedDocuments | None = None
-        if document_ids is not None:  # resolved once for every layer (one host transfer)
+        if document_ids is not None:  # resolved once for all layers (one host transfer)
             if position_ids is None and sequence_parallel is not None:
                 raise ValueError(
                     "LongNetModel: with document_ids under sequence parallelism, pass "
@@ -241,15 +213,13 @@ class LongNetPreTrained(nn.Module):
     model: LongNetModel
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Register the class by name for :func:`longnet.modeling.count_parameters` and model
-        cards (``longnet.modeling.pretrained.ARCHITECTURES``)."""
+        """Register the class by name in ``pretrained.ARCHITECTURES``."""
         super().__init_subclass__(**kwargs)
         pretrained.ARCHITECTURES.setdefault(cls.__name__, cls)
 
     def _init_weights(self) -> None:
-        """Normal(0, initializer_range) weights, zero biases, unit norms; depth-scaled residual
-        projections: MAGNETO's ``sqrt(log(2 * num_layers))`` gain on v/out/FFN weights with
-        sub-LN, GPT-2's ``1 / sqrt(2 * num_layers)`` on the output projections otherwise."""
+        """Normal(0, initializer_range) weights, then MAGNETO's ``sqrt(log(2L))`` gain (sub-LN)
+        or GPT-2's ``1 / sqrt(2L)`` on the residual projections."""
         std = self.config.initializer_range
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -289,16 +259,9 @@ class LongNetPreTrained(nn.Module):
             seen[id(p)] = p.numel()
         return sum(seen.values())
 
-    # ------------------------------------------------------------------ pretrained I/O
     def save_pretrained(self, directory: str | Path, *, name: str | None = None,
                         overwrite: bool = False) -> Path:
-        """Write ``config.json``, ``model.safetensors`` and a ``README.md`` card (and, for a
-        byte-level model, the tokenizer files) into ``directory``, atomically: a concurrent
-        :meth:`from_pretrained` sees the old model or the new one, and a failed or killed save
-        leaves the old folder (:func:`longnet.modeling.pretrained.save_pretrained`). A
-        ``directory`` that holds a model or checkpoint is refused unless ``overwrite``, and so
-        are an empty one, the current folder and a folder holding it
-        (:class:`~longnet.validation.UsageError`, before anything is written)."""
+        """Write the model folder ``directory`` atomically (a held model needs ``overwrite``)."""
         return pretrained.save_pretrained(self, directory, name=name, overwrite=overwrite)
 
     @classmethod
@@ -308,19 +271,14 @@ class LongNetPreTrained(nn.Module):
     ) -> LongNetPreTrained:
         """Load a saved LongNet model or import a Hugging Face GPT-2 / Llama checkpoint.
 
-        ``name_or_dir``: a folder (LongNet ``config.json`` + ``model.safetensors``, or a local
-        Hugging Face checkpoint) or the name of a zoo model (a folder of ``models/``, see
-        :func:`longnet.modeling.list_models`).  ``overrides`` replace config fields, e.g.
-        ``pattern=[(2048, 1), (4096, 2)]`` (the dilated pattern used from then on),
-        ``gradient_checkpointing=True`` or ``dropout=0.1``.  ``dtype``: parameter dtype of
-        the returned model (default float32), a ``torch.dtype`` or its name (``"bfloat16"``);
-        weights are cast from the file's dtype.
-        Returns the model in eval mode.
+        ``name_or_dir``: a LongNet or Hugging Face folder, or a zoo model's name
+        (:func:`longnet.modeling.list_models`). ``overrides`` replace config fields, e.g.
+        ``pattern=[(2048, 1), (4096, 2)]``. ``dtype``: parameter dtype (default float32), a
+        ``torch.dtype`` or its name. Returns the model in eval mode.
 
         Raises:
             FileNotFoundError: no such folder or zoo name, or a folder without weights.
-            ValueError: an unreadable ``config.json`` or ``model.safetensors`` (named), or a
-                ``dtype`` that is not a floating dtype.
+            ValueError: an unreadable config or weights file, or a non-floating ``dtype``.
             WeightsMismatchError: missing, unexpected or mis-shaped tensors (all named).
             NonFiniteWeightsError: tensors holding NaN or infinite values (all named).
         """
@@ -330,10 +288,8 @@ class LongNetPreTrained(nn.Module):
 class LongNetLM(LongNetPreTrained):
     """Causal language model: ``LongNetModel`` + LM head (optionally tied to the embeddings).
 
-    Targets are ALIGNED with positions, as in nanoGPT: ``targets[:, t]`` is the target of
-    position ``t`` (the caller shifts, e.g. ``targets = tokens[:, 1:]`` for ``input_ids =
-    tokens[:, :-1]``); ``-100`` is ignored. ``longnet.hf.LongNetForCausalLM`` takes
-    ``transformers``-style ``labels`` (the tokens themselves, shifted inside).
+    Targets are aligned with positions, as in nanoGPT: the caller shifts (``input_ids =
+    tokens[:, :-1]``, ``targets = tokens[:, 1:]``); ``-100`` is ignored.
     """
 
     def __init__(self, config: LongNetConfig) -> None:
@@ -345,8 +301,7 @@ class LongNetLM(LongNetPreTrained):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._init_weights()
-        # targets are compared with input_ids once (a wait for the device on a GPU, not one
-        # per training step): a caller who passes the inputs as targets does so every call
+        # targets == input_ids is checked once: a device sync per step would cost too much
         self._targets_checked = False
 
     def new_cache(self) -> KVCache:
@@ -363,19 +318,10 @@ class LongNetLM(LongNetPreTrained):
     ) -> LMOutput:
         """Logits ``(batch, seq, vocab)`` and, with ``targets`` ``(batch, seq)``, the loss.
 
-        ``targets``: aligned, ``targets[:, t]`` the token position ``t`` must predict
-        (``-100``: no loss).
-        ``position_ids``: global positions ``(seq,)`` or ``(batch, seq)``; default ``0..seq-1``
-        (after the cache's positions with ``cache``; this rank's shard's under sequence
-        parallelism).
-        ``cache``: from :meth:`new_cache`, for inference.
-        ``document_ids``: ``(batch, seq)`` ids of packed documents (``LongNetModel``); positions
-        then default to each token's place in its document, and the loss leaves out the
-        targets that begin the next document (``document_labels``).
-
-        Under sequence parallelism (:func:`longnet.distributed.parallelize`) ``input_ids``
-        and ``targets`` are this rank's shard and ``loss`` is the mean over this rank's
-        tokens (sum ``loss_sum`` and ``num_tokens`` over the group for the global mean).
+        ``targets``: ``targets[:, t]`` the token position ``t`` must predict (-100: no loss).
+        ``position_ids``, ``cache``, ``document_ids``: as :meth:`LongNetModel.forward`; the
+        loss leaves out targets that begin the next document (:func:`document_labels`).
+        Under sequence parallelism ``loss`` is this rank's mean (see :class:`LMOutput`).
         """
         hidden = self.model(input_ids, position_ids=position_ids, cache=cache,
                             document_ids=document_ids)
@@ -425,13 +371,9 @@ class LongNetLM(LongNetPreTrained):
     ) -> Tensor:
         """Continue ``input_ids`` ``(batch, seq)`` by up to ``max_new_tokens`` tokens.
 
-        ``temperature == 0`` is greedy; otherwise sample from ``softmax(logits / temperature)``
-        restricted to the ``top_k`` most likely tokens (all when ``None``).  Stops early when
-        every row has produced ``eos_token_id`` (default ``config.eos_token_id``); finished
-        rows are padded with it.  The KV cache follows the dilated pattern (see
-        :class:`longnet.nn.LayerKVCache`); ``use_cache=False`` recomputes the whole sequence
-        at every step.  Rows must not be padded (all prompts the same length).  Runs in eval
-        mode (dropout off) and restores the previous mode.  Returns ``(batch, seq + new)``.
+        ``temperature == 0`` is greedy, else sampling from the ``top_k`` most likely tokens.
+        Stops when every row has produced ``eos_token_id`` (default ``config.eos_token_id``),
+        padding finished rows with it. Prompts must not be padded. Returns ``(batch, seq + new)``.
         """
         return generation.generate(
             self,

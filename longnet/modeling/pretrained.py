@@ -1,10 +1,5 @@
-"""``save_pretrained`` / ``from_pretrained`` and model cards.
-
-Imports go one way: :mod:`longnet.modeling.model` imports this module (its classes'
-``save_pretrained`` / ``from_pretrained`` call the functions here), never the reverse. Model
-classes are found by name in :data:`ARCHITECTURES`, which every ``LongNetPreTrained``
-subclass joins when it is defined.
-"""
+"""``save_pretrained`` / ``from_pretrained`` and model cards; model classes are found by name
+in :data:`ARCHITECTURES` (``longnet.modeling.model`` imports this module, not the reverse)."""
 
 from __future__ import annotations
 
@@ -52,14 +47,11 @@ MODEL_SOURCE = "model name or folder"
 """What :func:`from_pretrained` calls its ``name_or_dir`` in messages."""
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {}
-"""Model classes by name (``"LongNetLM"``, ``"LongNetEncoder"``): every subclass of
-``longnet.modeling.model.LongNetPreTrained`` adds itself when it is defined (the first class
-of a name is kept)."""
+"""Model classes by name; every ``LongNetPreTrained`` subclass adds itself (first one kept)."""
 
 
 def count_parameters(config: LongNetConfig, architecture: str = "LongNetLM") -> int:
-    """Exact parameter count of a model built from ``config`` (built on the meta device, so
-    no memory is used)."""
+    """Exact parameter count of a model built from ``config`` (on the meta device)."""
     cls = ARCHITECTURES.get(architecture)
     if cls is None:
         raise ValueError(
@@ -80,9 +72,7 @@ def model_card(
     details: str = "",
     num_parameters: int | None = None,
 ) -> str:
-    """A Markdown card: size (``num_parameters``, else computed), shape, pattern, context, and
-    whether weights exist, followed by ``details`` (e.g. a hand-written training and results
-    section)."""
+    """A Markdown card: size, shape, pattern, context, weights, then ``details``."""
     params = count_parameters(config, architecture) if num_parameters is None else num_parameters
     pattern = config.pattern
     branches = ", ".join(f"({w}, {r})" for w, r in pattern.branches)
@@ -152,16 +142,8 @@ def model_card(
 
 def save_pretrained(model: nn.Module, directory: str | Path, name: str | None = None, *,
                     overwrite: bool = False) -> Path:
-    """Write the ``config.json`` (with the architecture), ``model.safetensors``, ``README.md``
-    and, for a byte-level model, the tokenizer files (:mod:`longnet.modeling.tokenizer_files`)
-    of ``model`` (a ``LongNetPreTrained``) into ``directory`` in one step, as
-    :meth:`LongNetPreTrained.save_pretrained` says; returns ``directory``.
-
-    Other files of an existing folder are kept; the old version's :data:`SAVED_FILES` are not,
-    except the tokenizer files when ``model`` is not byte-level and the folder held a model of
-    the same vocabulary size (an imported model's own tokenizer, ``longnet.hf.import_pretrained``,
-    kept when the model is saved again after fine-tuning).
-    """
+    """Write config, weights, card and byte-level tokenizer into ``directory`` in one step;
+    other files are kept (an old tokenizer too when the vocabulary size matches)."""
     check_target(directory, overwrite=overwrite, what="save_pretrained directory")
     architecture = type(model).__name__
     data = {"architecture": architecture, **model.config.to_dict()}
@@ -181,7 +163,7 @@ def save_pretrained(model: nn.Module, directory: str | Path, name: str | None = 
 
 
 def _vocabulary_size(directory: str | Path) -> int | None:
-    """The ``vocab_size`` of the model folder ``directory``'s ``config.json`` (None if none)."""
+    """The ``vocab_size`` in ``directory``'s ``config.json`` (None if none)."""
     try:
         data = json.loads((Path(directory) / CONFIG_NAME).read_text())
     except (OSError, ValueError):
@@ -190,8 +172,7 @@ def _vocabulary_size(directory: str | Path) -> int | None:
 
 
 def read_config_json(files: dict[str, BinaryIO], folder: Path) -> dict[str, Any]:
-    """The parsed ``config.json`` (LongNet or Hugging Face) among the open ``files`` of a
-    model folder."""
+    """The parsed ``config.json`` (LongNet or Hugging Face) among the open ``files``."""
     config_path = folder / CONFIG_NAME
     if CONFIG_NAME not in files:
         raise FileNotFoundError(f"{folder} has no {CONFIG_NAME}.")
@@ -205,9 +186,7 @@ def read_config_json(files: dict[str, BinaryIO], folder: Path) -> dict[str, Any]
 
 
 def pretrained_config(name_or_dir: str | Path, **overrides: Any) -> LongNetConfig:
-    """The config :func:`from_pretrained` builds its model from, without building it: that of
-    a zoo model, a ``save_pretrained`` folder or (read with its weights, which decide whether
-    the head is tied) a local Hugging Face checkpoint."""
+    """The config :func:`from_pretrained` would build its model from."""
     check_path_given(name_or_dir, MODEL_SOURCE)
     folder = resolve_model_dir(name_or_dir)
     with open_files(folder, (CONFIG_NAME,)) as files:
@@ -222,11 +201,7 @@ def from_pretrained(
     cls: type, name_or_dir: str | Path, *, dtype: torch.dtype | str | None = None,
     **overrides: Any,
 ):
-    """See :meth:`longnet.modeling.LongNetLM.from_pretrained`.  Returns the model in eval mode.
-
-    The config and the weights of a LongNet folder come from one version of it
-    (:func:`longnet.files.open_files`), even while :func:`save_pretrained` replaces it.
-    """
+    """See :meth:`longnet.modeling.LongNetLM.from_pretrained`."""
     dtype = parameter_dtype(dtype)
     check_path_given(name_or_dir, MODEL_SOURCE)
     folder = resolve_model_dir(name_or_dir)
@@ -253,8 +228,7 @@ def from_pretrained(
     if dtype is not None:
         model = model.to(dtype)
     if config.kv_conv_size and not any(name.endswith(".kv_conv.weight") for name in tensors):
-        # An override adds the K/V convolution to a model trained without one: it starts as
-        # the identity, so the loaded model computes what the saved one did.
+        # K/V convolution added by an override: its identity init keeps the saved function
         tensors = {
             **{n: t for n, t in model.state_dict().items() if n.endswith(".kv_conv.weight")},
             **tensors,
@@ -267,9 +241,7 @@ def _read_weights(data: bytes, folder: Path) -> dict[str, torch.Tensor]:
     """The tensors of ``folder``'s weights file, whose bytes are ``data``.
 
     Raises:
-        ValueError: a damaged file (``parse_safetensors``); for an entry of the user cache (a
-            zoo entry materialized from another distribution) the message says to delete the
-            entry, which the next use imports again.
+        ValueError: a damaged file; for a user-cache entry the message says to import it again.
     """
     cached = Path(os.path.realpath(folder)) == Path(os.path.realpath(
         materialized_dir(folder.name)))
@@ -281,8 +253,7 @@ def _read_weights(data: bytes, folder: Path) -> dict[str, torch.Tensor]:
 
 
 def parameter_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    """``from_pretrained``'s ``dtype``: a floating ``torch.dtype``, its name (``"bfloat16"``
-    or ``"torch.bfloat16"``, as ``transformers`` takes it) or None (float32).
+    """``from_pretrained``'s ``dtype``: a floating ``torch.dtype``, its name, or None.
 
     Raises:
         ValueError: anything else, naming it.
@@ -300,8 +271,7 @@ def parameter_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 def _longnet_config(
     cls: type, data: dict[str, Any], folder: Path, overrides: dict[str, Any]
 ) -> LongNetConfig:
-    """The config of a LongNet folder's ``config.json`` ``data``, refusing one saved by
-    another architecture than ``cls``."""
+    """The config in ``data``, refusing one saved by another architecture than ``cls``."""
     architecture = data.get("architecture", cls.__name__)
     if data.get("model_type", MODEL_TYPE) == MODEL_TYPE and architecture != cls.__name__:
         raise ValueError(
@@ -321,9 +291,7 @@ def write_model_folder(
     has_weights: bool = False,
     details: str = "",
 ) -> Path:
-    """Write a zoo entry's ``config.json``, its ``README.md`` card and, for a byte-level
-    model, the tokenizer files (``has_weights``: the card says ``model.safetensors`` is in the
-    folder; the weights themselves are not written)."""
+    """Write a zoo entry's ``config.json``, card and byte-level tokenizer files (no weights)."""
     directory = Path(directory)
     data = {"architecture": architecture, **config.to_dict()}
     write_atomic(directory / CONFIG_NAME, json.dumps(data, indent=2) + "\n")

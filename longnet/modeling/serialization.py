@@ -22,13 +22,11 @@ class WeightsMismatchError(ValueError):
 
 
 class NonFiniteWeightsError(ValueError):
-    """A checkpoint holds NaN or infinite values (the training that wrote it diverged, or the
-    file is damaged)."""
+    """A checkpoint holds NaN or infinite values."""
 
 
 def unique_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """``model.state_dict()`` without aliases: a tensor shared by several names (tied
-    embeddings) is kept once, under the first name."""
+    """``model.state_dict()`` with each shared tensor (tied embeddings) once, first name."""
     state: dict[str, Tensor] = {}
     seen: set[tuple[int, int, tuple[int, ...]]] = set()
     for name, tensor in model.state_dict().items():
@@ -41,11 +39,8 @@ def unique_state_dict(model: nn.Module) -> dict[str, Tensor]:
 
 
 def save_weights(model: nn.Module, path: str | Path) -> None:
-    """Write the model's tensors (tied ones once) to a safetensors file.
-
-    A new file gets the permission bits of any new file (``0o666`` less the umask; the
-    ``safetensors`` writer alone makes it ``0o600``); a replaced file keeps its bits.
-    """
+    """Write the model's tensors (tied ones once) to a safetensors file, with a new file's
+    usual permission bits (``safetensors`` alone gives ``0o600``)."""
     path = Path(path)
     state = {k: v.detach().contiguous() for k, v in unique_state_dict(model).items()}
     path.touch()
@@ -71,8 +66,7 @@ REWRITE_FIX = "Re-save or re-copy it."
 
 def parse_safetensors(data: bytes, path: str | Path, fix: str = REWRITE_FIX
                       ) -> dict[str, Tensor]:
-    """All tensors of the safetensors file ``path`` whose bytes are ``data``, on CPU; a damaged
-    file raises a clear ``ValueError`` naming ``path`` and ``fix``."""
+    """All tensors of ``path``'s bytes ``data`` on CPU; a damaged file raises ``ValueError``."""
     try:
         return load(data)
     except _SAFETENSORS_ERRORS as err:
@@ -80,16 +74,14 @@ def parse_safetensors(data: bytes, path: str | Path, fix: str = REWRITE_FIX
 
 
 def unreadable_weights(path: str | Path, error: Exception, fix: str = REWRITE_FIX) -> ValueError:
-    """The error for a weights file ``path`` that ``safetensors`` could not read, ending with
-    ``fix`` (what to do about it)."""
+    """The error for an unreadable weights file ``path``, ending with ``fix``."""
     return ValueError(
         f"{path} is not a readable safetensors file ({error}); it is corrupt or truncated. {fix}"
     )
 
 
 def check_finite(tensors: Mapping[str, Tensor], source: str) -> None:
-    """Raise :class:`NonFiniteWeightsError` naming ``source`` and every tensor of ``tensors``
-    that holds a NaN or an infinity (tensors on the meta device are skipped)."""
+    """Raise :class:`NonFiniteWeightsError` naming every tensor holding a NaN or infinity."""
     bad = []
     for name, tensor in tensors.items():
         if tensor.is_floating_point() and tensor.device.type != "meta":
@@ -107,13 +99,9 @@ def check_finite(tensors: Mapping[str, Tensor], source: str) -> None:
 def load_state_checked(
     model: nn.Module, tensors: Mapping[str, Tensor], source: str = "checkpoint"
 ) -> None:
-    """Copy ``tensors`` into ``model``, requiring exactly its (unaliased) tensors and shapes
-    and finite values.
-
-    Raises :class:`WeightsMismatchError` naming every missing, unexpected and mis-shaped
-    tensor, and :class:`NonFiniteWeightsError` naming every tensor holding a NaN or an
-    infinity.  Values are cast to the model's dtypes.
-    """
+    """Copy ``tensors`` into ``model`` (cast to its dtypes), requiring exactly its tensors,
+    shapes and finite values, else :class:`WeightsMismatchError` or
+    :class:`NonFiniteWeightsError` naming every bad tensor."""
     expected = unique_state_dict(model)
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))

@@ -1,34 +1,9 @@
 """The byte-level vocabulary as Hugging Face tokenizer files, written next to every model.
 
-A model with ``vocab_size == 256`` reads bytes: token id = byte value, the vocabulary of
-``longnet.data.ByteTokenizer``. :func:`write_tokenizer_files` writes that vocabulary as
-``tokenizer.json`` (the ``tokenizers`` library's format) and ``tokenizer_config.json`` (what
-``transformers.AutoTokenizer`` reads), so ``AutoTokenizer.from_pretrained(folder)`` encodes
-exactly as ``ByteTokenizer``. The files are plain JSON written here, so the core needs
-neither ``tokenizers`` nor ``transformers``; ``tests/unit/test_hf.py`` checks that the
-``tokenizers`` library builds the same ``tokenizer.json``.
-
-The tokenizer:
-
-- **Model**: BPE over 256 one-byte tokens and no merges, after the byte-level
-  pre-tokenizer (GPT-2's map of each byte to a printable character, no regex split, no
-  prefix space). Every text is encoded as its UTF-8 bytes, one token per byte, whatever it
-  contains (spaces, newlines, any script, emoji). Token ``b`` is the character GPT-2's table
-  gives byte ``b`` (``"Ġ"`` for the space), so ``convert_ids_to_tokens`` and
-  ``convert_tokens_to_ids`` map all 256 ids both ways.
-- **Special tokens**: ``eos_token`` and ``pad_token`` (and ``bos_token`` when the config sets
-  one) are the tokens of the config's ids (for the zoo: 255 and 254, bytes that UTF-8 never
-  produces). ``split_special_tokens`` is on, so text is never matched against special
-  tokens: the text "ÿ" is its two UTF-8 bytes, never the EOS id. ``tokenizer.json`` itself
-  lists no added tokens, so the plain ``tokenizers`` library also encodes pure bytes.
-- **Decoding** joins the bytes and decodes them as UTF-8 with U+FFFD for invalid sequences
-  (the same replacements as Python's ``errors="replace"``, which ``ByteTokenizer.decode``
-  uses); EOS/PAD decode to U+FFFD unless ``skip_special_tokens=True`` drops them.
-- **Not text**: a ``str`` holding lone surrogates (not encodable as UTF-8) is refused by the
-  ``tokenizers`` library, where ``ByteTokenizer`` writes ``"?"``. Arbitrary bytes, valid UTF-8
-  or not, need no tokenizer: their ids are the byte values, ``list(data)``.
-- ``padding_side`` is ``"left"`` (what batched generation needs), and
-  ``clean_up_tokenization_spaces`` is off (decoding never edits spaces).
+Plain JSON, so that ``AutoTokenizer.from_pretrained(folder)`` encodes exactly as
+``longnet.data.ByteTokenizer`` (id = byte value) without the core needing ``transformers``:
+BPE over GPT-2's 256 byte characters with no merges; the config's special ids, never produced
+from text (``split_special_tokens``); invalid UTF-8 decoded to U+FFFD; left padding.
 """
 
 from __future__ import annotations
@@ -49,11 +24,7 @@ SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
 
 
 def byte_characters() -> list[str]:
-    """GPT-2's byte-level alphabet: ``byte_characters()[b]`` is the token of byte ``b``.
-
-    Printable Latin-1 bytes stand for themselves; the other 68 bytes (controls, space, DEL,
-    NBSP, soft hyphen) map in order to ``chr(256)``, ``chr(257)``, ...
-    """
+    """GPT-2's byte-level alphabet: ``byte_characters()[b]`` is the token of byte ``b``."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
                  *range(ord("®"), ord("ÿ") + 1)]
     characters: list[str] = []
@@ -68,7 +39,7 @@ def byte_characters() -> list[str]:
 
 
 def is_byte_level(config: LongNetConfig) -> bool:
-    """Whether the model reads bytes (``vocab_size == 256``), so the byte tokenizer fits it."""
+    """Whether the model reads bytes (``vocab_size == 256``)."""
     return config.vocab_size == BYTE_VOCAB_SIZE
 
 
@@ -127,9 +98,7 @@ def tokenizer_config(config: LongNetConfig) -> dict[str, Any]:
 
 
 def write_tokenizer_files(directory: str | Path, config: LongNetConfig) -> list[Path]:
-    """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``directory`` when
-    ``config`` is byte-level, each whole or not at all (:func:`longnet.files.write_atomic`);
-    returns the files written (none for other vocabularies)."""
+    """Write the tokenizer files into ``directory`` if ``config`` is byte-level; returns them."""
     if not is_byte_level(config):
         return []
     directory = Path(directory)

@@ -1,18 +1,7 @@
 """Definitions of the zoo models; ``python -m longnet.modeling.zoo`` (re)writes ``models/``.
 
-Each entry becomes ``models/<name>/config.json`` plus a ``README.md`` card whose table
-(parameter count, shape, pattern) is computed from the config, and the byte tokenizer's
-``tokenizer.json`` / ``tokenizer_config.json`` (``longnet.modeling.tokenizer_files``).  A
-trained entry also ships ``model.safetensors``, put there by ``python -m longnet.modeling.zoo
---publish EXPORT NAME`` from a training run's ``save_pretrained`` export; its card ends with a
-hand-written section (from ``RESULTS_HEADING`` on: the training command and the measured
-results) that rewriting keeps.  The LongNet models read the byte-level vocabulary of
-``longnet.data`` (256 ids; 255 = end of document, 254 = padding).
-
-``smollm2-135m`` is a pretrained model imported from elsewhere: its folder holds the config
-and card, and its config names the installed distribution its weights come from
-(``extra["weights_from"]``); ``longnet.hf.materialize`` (or ``longnet import``)
-imports it, with its own tokenizer, into the user cache once.
+Each entry gets ``config.json``, a computed card (its section from ``RESULTS_HEADING`` on
+kept) and tokenizer files; trained ones ship weights (``--publish EXPORT NAME``).
 """
 
 from __future__ import annotations
@@ -33,8 +22,7 @@ RESULTS_HEADING = "## Training and measured results"
 
 @dataclass(frozen=True)
 class ZooEntry:
-    """A zoo model: its config, the card's one-paragraph description, and whether trained
-    weights ship in its folder."""
+    """A zoo model: config, card description, and whether trained weights ship with it."""
 
     config: LongNetConfig
     description: str
@@ -211,8 +199,7 @@ def card_results(folder: str | Path) -> str:
 
 
 def write_zoo(root: str | Path | None = None) -> list[Path]:
-    """Write every zoo entry's ``config.json`` and card under ``root`` (default
-    :func:`models_dir`); the results sections of the cards are taken from ``models_dir()``."""
+    """Write every zoo entry's folder under ``root``, keeping the cards' results sections."""
     root = Path(root) if root is not None else models_dir()
     return [
         write_model_folder(
@@ -224,8 +211,7 @@ def write_zoo(root: str | Path | None = None) -> list[Path]:
 
 
 def publish_weights(export: str | Path, name: str, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Copy a ``save_pretrained`` export's weights into the zoo folder of ``name`` as
-    ``dtype`` (bfloat16 halves the file; loading casts back to the model's dtype).
+    """Copy a ``save_pretrained`` export's weights into the zoo folder of ``name`` as ``dtype``.
 
     Raises:
         KeyError: ``name`` is not a trained zoo entry.

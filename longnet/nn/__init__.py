@@ -1,9 +1,7 @@
 """Building blocks of LongNet models: attention, positional encodings, FFNs, norms, blocks.
 
-All modules take activations as ``(batch, seq, embed_dim)`` and global ``position_ids``
-(``(seq,)`` or ``(batch, seq)``). Sequence parallelism is applied to them from outside
-(``longnet.distributed.parallelize``): the attention reads its ``sequence_parallel``
-attribute.
+Activations are ``(batch, seq, embed_dim)``, ``position_ids`` global ``(seq,)`` or
+``(batch, seq)``.
 """
 
 from longnet.nn.attention import MultiheadDilatedAttention

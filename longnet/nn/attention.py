@@ -1,5 +1,4 @@
-"""Multi-head dilated attention: projections, positional encoding, the dilated core, and the
-checks its settings share with ``LongNetConfig``."""
+"""Multi-head dilated attention and the checks its settings share with ``LongNetConfig``."""
 
 from __future__ import annotations
 
@@ -35,52 +34,33 @@ from longnet.validation import (
 
 
 class MultiheadDilatedAttention(nn.Module):
-    """Multi-head LongNet dilated self-attention with optional grouped K/V heads.
-
-    ``x -> q, k, v projections -> [causal short convolution of k, v] -> positional encoding
-    (global positions) -> dilated attention -> [sub-LN] -> output projection -> output
-    dropout``.
+    """Multi-head LongNet dilated self-attention with optional grouped K/V heads: q, k, v
+    projections -> [short convolution of k, v] -> positions -> dilated attention -> [sub-LN]
+    -> output projection -> dropout.
 
     Args:
         embed_dim: model width.
         num_heads: query heads.
         pattern: a :class:`DilatedPattern` or ``[(segment_length, dilation_rate), ...]``.
         causal: queries see only keys at positions ``<=`` their own.
-        output_dropout: dropout on the layer's output, after the output projection (the
-            exact attention core has no dropout on attention probabilities).
+        output_dropout: dropout after the output projection (none on attention probabilities).
         bias: biases on the four projections.
-        num_kv_heads: K/V heads (grouped-query attention); must divide ``num_heads``;
-            default ``num_heads``.  K/V head ``j`` serves query heads
-            ``j * g .. (j + 1) * g - 1`` with ``g = num_heads // num_kv_heads``.
+        num_kv_heads: K/V heads (default ``num_heads``), each serving ``num_heads //
+            num_kv_heads`` consecutive query heads.
         head_dim: per-head width, default ``embed_dim // num_heads``.
         positional: a module ``(q, k, position_ids) -> (q, k)`` (:class:`RotaryEmbedding`,
-            :class:`XPos`) or ``None``.
-        sub_ln: MAGNETO sub-LN: a norm over the attention output before the output projection.
-        norm, norm_eps: kind and epsilon of that norm.
+            :class:`XPos`) or None.
+        sub_ln: MAGNETO sub-LN before the output projection; ``norm``, ``norm_eps`` its kind.
         scale: score scale, default ``head_dim ** -0.5``.
-        kv_conv_size: width of a causal depthwise convolution over the key and value
-            projections (:class:`CausalShortConv`, identity at initialisation), so that a far
-            token is a key at every offset modulo the dilation rates (docs/architecture.md §2,
-            "Alignment"); 0 (default) for none, else at least 2.
-        retrieval: attention sinks and query-aware block selection
-            (:class:`~longnet.attention.Retrieval`) beside the dilated branches, or None; one
-            device only (a sequence-parallel call refuses them). With a KV cache, every key is
-            kept (the selection may pick any past block).
-        retrieval_positions: where a :class:`RotaryEmbedding` layer's retrieval branches see
-            their keys: ``"own"`` (default), at their positions; ``"before_segment"``, each
-            sink and chosen block just before the query's local segment, its tokens in their
-            own order (a key at offset ``o`` of its block is seen ``p - segment start +
-            max(block, sinks) - o`` positions back; a sink at position ``t``, the same with
-            ``t``), so that far keys stay inside the distances the model was trained on.
+        kv_conv_size: width of a :class:`CausalShortConv` over keys and values (0: none).
+        retrieval: sinks and block selection (:class:`~longnet.attention.Retrieval`) or None.
+        retrieval_positions: ``"own"`` or ``"before_segment"``, as in ``LongNetConfig``.
 
     Attributes:
-        sequence_parallel: how the sequence is split over a process group
-            (:class:`~longnet.distributed.SequenceParallel`), or None (default) on one device;
-            set by :func:`longnet.distributed.parallelize`. A plain attribute, not saved with
-            the weights.
+        sequence_parallel: how the sequence is split over a process group, or None on one
+            device; set by :func:`longnet.distributed.parallelize`, not saved.
 
-    Shapes: ``x`` ``(batch, seq, embed_dim)`` -> ``(batch, seq, embed_dim)``; with
-    ``sequence_parallel``, ``seq`` is this rank's shard.
+    Shapes: ``x`` ``(batch, seq, embed_dim)`` -> same (``seq``: this rank's shard).
     """
 
     sequence_parallel: SequenceParallel | None
@@ -159,18 +139,10 @@ class MultiheadDilatedAttention(nn.Module):
         cache: LayerKVCache | None = None,
         document_ids: Tensor | PackedDocuments | None = None,
     ) -> Tensor:
-        """Self-attention over ``x`` ``(batch, seq, embed_dim)``; returns ``(batch, seq,
-        embed_dim)``.
+        """Self-attention over ``x`` ``(batch, seq, embed_dim)``; returns the same shape.
 
-        ``position_ids``: global positions ``(seq,)`` or ``(batch, seq)``; default: the
-        positions following the cache, or this rank's shard under :attr:`sequence_parallel`
-        (with ``document_ids``: the positions in each document).
-        ``cache``: a :class:`LayerKVCache` for incremental causal decoding (inference): the
-        new tokens attend to the cached keys and are appended to them.
-        ``document_ids``: ``(batch, seq)`` non-decreasing ids of packed documents: each
-        document is attended (and its keys and values convolved) as if it were alone
-        (``dilated_attention``); not with ``cache``. Or the ids resolved once for all layers
-        (:func:`longnet.attention.documents.resolve_documents`, as ``LongNetModel`` does).
+        ``position_ids``, ``document_ids`` (or resolved :class:`PackedDocuments`), ``cache``:
+        as :meth:`longnet.modeling.LongNetModel.forward`.
         """
         sequence_parallel = self.sequence_parallel
         self._check_input(x)
@@ -202,8 +174,8 @@ class MultiheadDilatedAttention(nn.Module):
         k, v = self.k_proj(x), self.v_proj(x)
         conv_tail = None
         if self.kv_conv is not None:
-            in_document = None  # each row's place in its document: the ids', or across
-            if document_ids is not None:  # ranks the positions given (whole documents)
+            in_document = None  # place in document: from the ids, or across ranks the positions
+            if document_ids is not None:
                 in_document = (document_position_ids(document_ids) if group is None
                                else position_ids.expand(batch, seq))
             k, v, conv_tail = self._convolve_kv(k, v, sequence_parallel, cache, in_document)
@@ -233,8 +205,7 @@ class MultiheadDilatedAttention(nn.Module):
         return self.output_dropout(self.out_proj(out))
 
     def _check_input(self, x: Tensor) -> None:
-        """``x`` must be a ``(batch, seq, embed_dim)`` tensor of the projections' dtype (any
-        floating dtype under autocast, which casts it)."""
+        """``x``: ``(batch, seq, embed_dim)`` of the weights' dtype (any float under autocast)."""
         shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
         if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.embed_dim:
             refuse(ValueError,
@@ -258,13 +229,8 @@ class MultiheadDilatedAttention(nn.Module):
         cache: LayerKVCache | None,
         positions: Tensor | None,
     ) -> tuple[Tensor, Tensor, Tensor | None]:
-        """The short convolution of the projections ``k, v`` ``(batch, seq, kv_heads *
-        head_dim)``; the rows before them come from the ranks holding the previous chunks of
-        the sequence (``sequence_parallel``: each chunk of a zigzag shard is convolved after
-        its own halo) or the cache's tail (``cache``); with ``positions`` ``(batch, seq)``,
-        each row's place in its packed document, no row mixes with another document's.
-        Returns the convolved ``k, v`` and, with a cache, its next tail (stored by
-        ``LayerKVCache.append`` once the call has passed its checks)."""
+        """Convolve ``k, v`` ``(batch, seq, kv_heads * head_dim)`` after the previous rows
+        (ranks' halos or the cache's tail); returns them and the cache's next tail."""
         assert self.kv_conv is not None
         kv = torch.cat((k, v), dim=-1)
         width = self.kv_conv.kernel_size - 1
@@ -339,10 +305,9 @@ class MultiheadDilatedAttention(nn.Module):
         return out
 
     def _far_rows(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """``q`` and ``k`` (``(batch, seq, heads, head_dim)``, ``(batch, seq, kv_heads,
-        head_dim)``) rotated for the ``"before_segment"`` rule: a query at document position
-        ``p`` by ``p - segment start + S``, a key by its offset in its block (a sink by its
-        position), ``S = max(block, sinks)``; ``positions``: ``(seq,)`` or ``(batch, seq)``."""
+        """``q`` ``(b, n, h, d)`` and ``k`` ``(b, n, kv_h, d)`` rotated for ``"before_segment"``:
+        a query at ``p`` by ``p - segment start + max(block, sinks)``, a key by its offset in
+        its block (a sink by its position)."""
         assert isinstance(self.positional, RotaryEmbedding) and self.retrieval is not None
         window = local_segment_length(self.pattern)
         into_segment = positions % window if window else torch.zeros_like(positions)
@@ -356,9 +321,8 @@ RETRIEVAL_POSITIONS = ("own", "before_segment")
 
 
 def check_retrieval_positions(rule: object, has_retrieval: bool, rotary: bool) -> str:
-    """``retrieval_positions``: one of :data:`RETRIEVAL_POSITIONS`; ``"before_segment"`` for a
-    layer with retrieval branches and plain rotary positions (RoPE, with or without an
-    extension) only; ``ValueError`` otherwise."""
+    """``rule`` from :data:`RETRIEVAL_POSITIONS`; ``"before_segment"`` needs retrieval branches
+    and RoPE (``ValueError`` otherwise)."""
     check_choice("retrieval_positions", rule, RETRIEVAL_POSITIONS)
     if rule == "own":
         return rule
@@ -378,13 +342,10 @@ def check_retrieval_positions(rule: object, has_retrieval: bool, rotary: bool) -
 
 def check_heads(width: int, num_heads: int, num_kv_heads: int | None, head_dim: int | None,
                 width_name: str = "embed_dim") -> tuple[int, int, int, int]:
-    """The width, query heads, K/V heads and per-head width of an attention layer, the
-    defaults resolved (``num_kv_heads``: ``num_heads``; ``head_dim``: ``width // num_heads``);
-    ``width_name`` names the width in the messages (``hidden_size`` for ``LongNetConfig``).
+    """The width, query heads, K/V heads and per-head width, defaults resolved.
 
     Raises:
-        ValueError: a size that is not a positive integer, ``num_kv_heads`` not dividing
-            ``num_heads``, or no ``head_dim`` and a width ``num_heads`` does not divide.
+        ValueError: a size that is not a positive integer, or heads that do not divide.
     """
     width = check_positive_int(width_name, width)
     num_heads = check_positive_int("num_heads", num_heads)

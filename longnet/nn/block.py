@@ -13,21 +13,9 @@ from longnet.validation import check_bool
 
 
 class TransformerBlock(nn.Module):
-    """``x + attn(attn_norm(x))`` then ``h + ffn(ffn_norm(h))``.
+    """Pre-LN block: ``h = x + attn(attn_norm(x))``, then ``h + ffn(ffn_norm(h))``.
 
-    Pre-LN; sub-LN (MAGNETO) adds norms *inside* ``attn`` and ``ffn`` (built into those
-    modules with ``sub_ln=True``).  Each sub-layer applies its own output dropout.
-
-    With ``gradient_checkpointing`` the block's activations are recomputed in backward
-    (``torch.utils.checkpoint``, non-reentrant) whenever gradients are enabled and no KV cache
-    is used.  Under sequence parallelism (the attention's ``sequence_parallel``, set by
-    :func:`longnet.distributed.parallelize`) the recomputation communicates again: every rank
-    of the group must run the same backward.
-
-    ``document_ids`` ``(batch, seq)`` (packed documents; or a ``PackedDocuments``, resolved once
-    by ``LongNetModel``) go to the attention.
-
-    Shapes: ``x`` ``(batch, seq, embed_dim)`` -> ``(batch, seq, embed_dim)``.
+    ``gradient_checkpointing`` recomputes it in backward (not with a KV cache).
     """
 
     def __init__(
@@ -53,9 +41,7 @@ class TransformerBlock(nn.Module):
         cache: LayerKVCache | None = None,
         document_ids: Tensor | PackedDocuments | None = None,
     ) -> Tensor:
-        """``x`` ``(batch, seq, embed_dim)`` -> ``(batch, seq, embed_dim)``; ``position_ids``,
-        ``cache`` and ``document_ids`` as :meth:`MultiheadDilatedAttention.forward` takes
-        them."""
+        """Arguments and shapes as :meth:`MultiheadDilatedAttention.forward`."""
         if self.gradient_checkpointing and cache is None and torch.is_grad_enabled():
             return checkpoint(self._forward, x, position_ids, None, document_ids,
                               use_reentrant=False)

@@ -27,11 +27,7 @@ def get_activation(name: str) -> Callable[[Tensor], Tensor]:
 
 
 class MLP(nn.Module):
-    """``down_proj(dropout?(sub_norm?(act(up_proj(x)))))`` then dropout.
-
-    With ``sub_ln`` (MAGNETO) a norm sits before the second linear layer.
-    Shapes: ``(..., embed_dim)`` -> ``(..., embed_dim)``.
-    """
+    """``dropout(down_proj(sub_norm?(act(up_proj(x)))))`` over ``(..., embed_dim)``."""
 
     def __init__(
         self,
@@ -72,12 +68,7 @@ class MLP(nn.Module):
 
 
 class GatedMLP(MLP):
-    """Gated linear unit: ``down_proj(act(gate_proj(x)) * up_proj(x))``; SwiGLU with ``silu``.
-
-    The keyword arguments are :class:`MLP`'s (``dropout``, ``sub_ln``, ``norm``, ``norm_eps``),
-    with the defaults of Llama's FFN: ``activation="silu"``, ``bias=False``.
-    Shapes: ``(..., embed_dim)`` -> ``(..., embed_dim)``.
-    """
+    """Gated linear unit ``down_proj(act(gate_proj(x)) * up_proj(x))``; Llama's defaults."""
 
     def __init__(self, embed_dim: int, hidden_dim: int, *, activation: str = "silu",
                  bias: bool = False, **kwargs: Any) -> None:

@@ -1,5 +1,4 @@
-"""Incremental causal decoding: the KV cache of each attention layer and the attention of new
-tokens against it (the dilated branches written out, merged with the retrieval branches)."""
+"""Incremental causal decoding: the KV cache and the attention of new tokens against it."""
 
 from __future__ import annotations
 
@@ -12,18 +11,8 @@ from longnet.validation import check_non_negative_int
 
 
 class LayerKVCache:
-    """Keys and values one attention layer has produced, for incremental causal decoding.
-
-    Holds ``key``/``value`` ``(batch, length, kv_heads, head_dim)`` (after the positional
-    encoding, before grouped heads are expanded) for the global positions
-    ``start .. end - 1``.  Keys that no future query can attend to (before the start of the
-    segment, in every branch, of the next position) are dropped, so the cache holds at most
-    about one largest segment.  With a K/V convolution, ``conv_tail`` ``(batch,
-    kernel_size - 1, 2 * kv_heads * head_dim)`` holds the unmixed key/value projections of the
-    last positions, the rows the next token's convolution reads. With retrieval branches that
-    place their keys elsewhere (``retrieval_positions="before_segment"``), ``far_key`` holds
-    the keys as those branches score them, beside ``key``.
-    """
+    """Keys and values ``(batch, length, kv_heads, head_dim)`` of one layer's positions
+    ``start .. end - 1``, with the convolution's tail and retrieval's own keys."""
 
     def __init__(self) -> None:
         self.key: Tensor | None = None
@@ -38,9 +27,7 @@ class LayerKVCache:
 
     def append(self, key: Tensor, value: Tensor, conv_tail: Tensor | None = None,
                far_key: Tensor | None = None) -> None:
-        """Add the keys/values of positions ``end .. end + key.shape[1] - 1`` (and, with a K/V
-        convolution, the unmixed rows that end there: the new ``conv_tail``; with a retrieval
-        position rule, the keys as the retrieval branches score them: ``far_key``)."""
+        """Add the keys/values of positions ``end .. end + key.shape[1] - 1``."""
         self.conv_tail = conv_tail
         if self.key is None:
             self.key, self.value, self.far_key = key, value, far_key
@@ -63,8 +50,7 @@ class LayerKVCache:
         self.start = keep_from
 
     def select_rows(self, index: Tensor) -> None:
-        """Keep the batch rows ``index`` ``(new_batch,)`` in that order (rows may repeat):
-        beam search's reordering of its hypotheses."""
+        """Keep the batch rows ``index`` ``(new_batch,)`` in order (beam search reordering)."""
         if self.key is not None and self.value is not None:
             self.key = self.key.index_select(0, index)
             self.value = self.value.index_select(0, index)
@@ -121,16 +107,11 @@ def multiplicity_attention(
     scale: float,
     return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """Dilated attention of queries at known global positions, written out explicitly.
+    """Dilated attention written out: ``softmax(q k^T * scale + log C) v``, ``C`` the key
+    multiplicities (docs/architecture.md §2); a query with no key outputs 0. ``O(q * k)``.
 
-    ``softmax(q k^T * scale + log C) v`` with ``C = pattern.key_multiplicity(...)`` (the
-    definition in docs/architecture.md §2); a query with no key outputs 0.  Costs
-    ``O(q * k)``: meant for the few new queries of a decoding step against a window of cached
-    keys.
-
-    Shapes: ``q`` ``(batch, q, heads, head_dim)``, ``k, v`` ``(batch, k, heads, head_dim)``,
-    positions ``(q,)`` and ``(k,)``; returns ``(batch, q, heads, head_dim)`` and, with
-    ``return_lse``, ``lse`` ``(batch, heads, q)`` in float32 (float64 for float64 inputs).
+    Shapes: ``q`` ``(batch, q, heads, head_dim)``, ``k, v`` ``(batch, k, heads, head_dim)``
+    -> ``(batch, q, heads, head_dim)`` (and ``lse`` ``(batch, heads, q)``).
     """
     compute = torch.promote_types(q.dtype, torch.float32)
     counts = pattern.key_multiplicity(query_positions, key_positions, q.shape[2], causal)
@@ -153,15 +134,11 @@ def decode_attention(
     retrieval: Retrieval | None = None,
     retrieval_qk: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
-    """Causal attention of the last ``q.shape[1]`` positions against cached keys: the
-    dilated branches written out (:func:`multiplicity_attention`, over the keys inside some
-    segment of the first query) merged with the retrieval branches, which read every key.
+    """Causal attention of the last ``q.shape[1]`` positions against cached keys: the dilated
+    branches (:func:`multiplicity_attention`) merged with the retrieval branches.
 
-    Shapes: ``q`` ``(batch, q, heads, head_dim)``; ``k, v`` ``(batch, keys, kv_heads,
-    head_dim)`` at positions ``key_start .. key_start + keys - 1``, the queries' last; with
-    ``retrieval``, ``key_start`` must be 0 (the whole document); ``retrieval_qk``: the rows
-    the retrieval branches score with (of ``q``'s and ``k``'s shapes; default ``q, k``).
-    Returns ``(batch, q, heads, head_dim)``.
+    Shapes: ``q`` ``(batch, q, heads, head_dim)``, ``k, v`` ``(batch, keys, kv_heads,
+    head_dim)`` from position ``key_start`` -> ``(batch, q, heads, head_dim)``.
     """
     end = key_start + k.shape[1]
     first = end - q.shape[1]
@@ -187,8 +164,7 @@ def decode_attention(
 
 
 def check_cache(cache: object, kind: type) -> None:
-    """Raise ``TypeError`` unless ``cache`` is a ``kind`` or None (a process group there is
-    the former third positional argument, ``group``)."""
+    """Raise ``TypeError`` unless ``cache`` is a ``kind`` or None."""
     if cache is None or isinstance(cache, kind):
         return
     hint = ""

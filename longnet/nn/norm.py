@@ -11,13 +11,7 @@ NORM_KINDS = ("layernorm", "rmsnorm")
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm: ``weight * x / sqrt(mean(x**2) + eps)`` over the last dimension.
-
-    Computed in at least float32 (bfloat16/float16 inputs are upcast, float64 stays float64),
-    then cast back to the input dtype before the weight is applied (the Llama convention).
-
-    Shapes: ``x`` ``(..., dim)`` -> ``(..., dim)``.
-    """
+    """RMS norm over ``(..., dim)``, computed in at least float32 (cast back before weight)."""
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -35,15 +29,13 @@ class RMSNorm(nn.Module):
 
 
 def check_norm(kind: str, eps: float) -> None:
-    """Raise ``ValueError`` unless ``kind`` is one of :data:`NORM_KINDS` and ``eps`` a finite
-    positive number (the checks of ``LongNetConfig``'s ``norm`` and ``norm_eps``)."""
+    """Raise ``ValueError`` unless ``kind`` is in :data:`NORM_KINDS` and ``eps`` positive."""
     check_choice("norm", kind, NORM_KINDS)
     check_positive_float("norm_eps", eps)
 
 
 def build_norm(kind: str, dim: int, eps: float) -> nn.Module:
-    """A norm layer over the last dimension: ``"layernorm"`` or ``"rmsnorm"`` (see
-    :func:`check_norm`) of width ``dim`` and epsilon ``eps``."""
+    """A ``"layernorm"`` or ``"rmsnorm"`` layer over a last dimension of width ``dim``."""
     check_norm(kind, eps)
     dim = check_positive_int("dim", dim)
     return nn.LayerNorm(dim, eps=eps) if kind == "layernorm" else RMSNorm(dim, eps=eps)

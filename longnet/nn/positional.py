@@ -1,11 +1,7 @@
-"""Positional encodings applied with GLOBAL positions: RoPE, xPos and learned absolute.
+"""Positional encodings of global positions: RoPE, xPos and learned absolute.
 
-Every encoding here is a function of the global position of each token (``position_ids``),
-never of its index in the local tensor, so a shard of a sequence (sequence parallelism, or
-new tokens appended to a KV cache) is encoded exactly as the same tokens of the whole
-sequence.
-
-``position_ids`` is ``(seq,)`` (shared by the batch) or ``(batch, seq)``, integer dtype.
+Each is a function of ``position_ids`` (integer, ``(seq,)`` or ``(batch, seq)``), never of the
+local index, so a sequence shard or tokens appended to a KV cache are encoded as in the whole.
 """
 
 from __future__ import annotations
@@ -41,8 +37,7 @@ def check_position_ids(position_ids: Tensor, batch: int, seq: int) -> Tensor:
 
 
 def check_rotary_head_dim(head_dim: int) -> int:
-    """``head_dim`` of rotary positions (RoPE, xPos): a positive even integer, else
-    ``ValueError``."""
+    """``head_dim`` of rotary positions: a positive even integer, else ``ValueError``."""
     head_dim = check_positive_int("head_dim", head_dim)
     if head_dim % 2:
         raise ValueError(f"head_dim ({head_dim}) must be even for rotary positions (RoPE, xPos); "
@@ -51,8 +46,7 @@ def check_rotary_head_dim(head_dim: int) -> int:
 
 
 def check_xpos_pattern(pattern: DilatedPattern, block_size: int) -> None:
-    """Refuse, with a ``ValueError``, a pattern whose segment lengths do not all divide the xPos
-    ``block_size``: it would compare positions of different centres (:class:`XPos`)."""
+    """``ValueError`` for segment lengths not dividing the xPos ``block_size`` (:class:`XPos`)."""
     bad = [w for w in pattern.segment_lengths if block_size % w]
     if bad:
         raise ValueError(
@@ -63,17 +57,12 @@ def check_xpos_pattern(pattern: DilatedPattern, block_size: int) -> None:
 
 
 def _angle_dtype(device: torch.device) -> torch.dtype:
-    # Angles position * frequency are computed in float64: float32 angles are off by up to
-    # position * 2**-24 radians, which is 0.06 rad at position 1e6.  MPS has no float64.
+    # float64 angles: in float32 they are off by 0.06 rad at position 1e6. MPS has no float64.
     return torch.float32 if device.type == "mps" else torch.float64
 
 
 def rotary_inverse_frequencies(head_dim: int, theta: float, device: torch.device) -> Tensor:
-    """``1 / theta ** (2i / head_dim)`` for ``i < head_dim / 2``, rounded to float32.
-
-    The float32 rounding is the GPT-NeoX / Llama convention, kept so imported checkpoints
-    use exactly the frequencies they were trained with.
-    """
+    """``1 / theta ** (2i / head_dim)``, ``i < head_dim / 2``, in float32 as Llama's."""
     exponent = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
     return 1.0 / (float(theta) ** exponent)
 
@@ -92,17 +81,11 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding (Su et al. 2021), split-half layout (as Llama / GPT-NeoX).
+    """Rotary position embedding (Su et al. 2021), split-half layout as Llama / GPT-NeoX:
+    dimensions ``i`` and ``i + head_dim / 2`` rotate by ``position * inv_freq[i]``.
 
-    Dimension ``i`` and ``i + head_dim / 2`` of each head form a pair rotated by angle
-    ``position * inv_freq[i]``.  (The interleaved layout of other codebases is the same map
-    up to a fixed permutation of the q/k projection rows.)
-
-    ``extension``: RoPE context extension, linear position interpolation or YaRN
-    (:mod:`longnet.nn.rope_extension`; None: plain RoPE).
-
-    Shapes: ``q`` ``(batch, seq, heads, head_dim)``, ``k`` ``(batch, seq, kv_heads, head_dim)``,
-    ``position_ids`` ``(seq,)`` or ``(batch, seq)``; returns rotated ``q, k`` of the same shapes.
+    ``extension``: :mod:`longnet.nn.rope_extension`. Shapes: ``q`` ``(batch, seq, heads,
+    head_dim)``, ``k`` ``(batch, seq, kv_heads, head_dim)`` -> the same.
     """
 
     def __init__(
@@ -115,10 +98,7 @@ class RotaryEmbedding(nn.Module):
         self._frequencies: dict[tuple, tuple[Tensor, float]] = {}
 
     def frequencies(self, device: torch.device) -> tuple[Tensor, float]:
-        """The inverse frequencies ``(head_dim / 2,)`` (float32) and the factor cos and sin
-        are multiplied by (YaRN's attention factor; 1 otherwise). Kept per device and
-        setting: every layer and step would otherwise build them again (a few dozen small
-        kernels under YaRN), and a length curriculum may change ``theta`` between stages."""
+        """Inverse frequencies ``(head_dim / 2,)`` and YaRN's factor, cached per setting."""
         extension = tuple(sorted(self.extension.items())) if self.extension else None
         key = (device, self.theta, extension)
         if key not in self._frequencies:
@@ -149,21 +129,9 @@ class RotaryEmbedding(nn.Module):
 class XPos(RotaryEmbedding):
     """xPos (Sun et al. 2022, "A Length-Extrapolatable Transformer"), the LongNet paper's encoding.
 
-    RoPE plus an exponential decay: pair ``i`` of a query at position ``n`` is scaled by
-    ``zeta_i ** ((n - c) / scale_base)`` and of a key at ``m`` by
-    ``zeta_i ** -((m - c) / scale_base)`` with ``zeta_i = (2i / head_dim + 0.4) / 1.4``, so
-    the score of ``(n, m)`` is multiplied by
-    ``zeta_i ** ((n - m) / scale_base)``, a decay with distance.
-
-    The centre ``c`` only keeps the scales in floating-point range and cancels in every score
-    whose query and key share it.  The reference implementation centres on the current
-    sequence, which would make a shard's encoding depend on the shard; here
-    ``c = (p // block_size) * block_size + block_size // 2`` depends only on the global position
-    ``p``.  With ``block_size`` the largest segment length of a pattern whose segment lengths all
-    divide it, every pair of positions the dilated attention compares shares its centre, so
-    the result is exact (see :meth:`check_pattern`).  Scales reach
-    ``zeta_0 ** -(block_size / 2 / scale_base)``: about 3e17 for block 32768 and base 512,
-    fine in float32/bfloat16, not in float16 (refused with an error).
+    RoPE with a score decay ``zeta_i ** ((n - m) / scale_base)``. Scales are centred per
+    ``block_size`` block (global positions), which cancels when the segment lengths divide it
+    (:meth:`check_pattern`); they reach ~3e17 at block 32768, so float16 is refused.
     """
 
     def __init__(
@@ -217,12 +185,8 @@ class XPos(RotaryEmbedding):
 
 
 class LearnedPositionalEmbedding(nn.Embedding):
-    """Learned absolute position embeddings (GPT-2), looked up by global position.
-
-    Shapes: ``position_ids`` ``(seq,)`` or ``(batch, seq)`` -> ``(..., seq, dim)``.
-    Positions at or beyond ``max_positions`` raise a ``ValueError`` (a ``RuntimeError`` with
-    the same advice under ``torch.compile``, where the check runs as an op in the graph).
-    """
+    """Learned absolute position embeddings (GPT-2): ``position_ids`` -> ``(..., seq, dim)``;
+    positions beyond the table raise ``ValueError`` (``RuntimeError`` when compiled)."""
 
     def __init__(self, max_positions: int, dim: int) -> None:
         super().__init__(check_positive_int("max_positions", max_positions),
@@ -249,9 +213,7 @@ class LearnedPositionalEmbedding(nn.Embedding):
 
 
 def document_position_ids(document_ids: Tensor) -> Tensor:
-    """The position of every token in its document (packed documents, ``document_ids``
-    ``(batch, seq)`` non-decreasing along the sequence): 0 at each run of equal ids' first
-    token. Returns ``(batch, seq)`` int64 on the ids' device."""
+    """Each token's position in its packed document, ``(batch, seq)`` int64."""
     index = torch.arange(document_ids.shape[1], device=document_ids.device).expand(
         document_ids.shape
     )
@@ -268,13 +230,8 @@ def default_position_ids(
     group: torch.distributed.ProcessGroup | None = None,
     layout: str = "contiguous",
 ) -> Tensor:
-    """Global positions ``(seq_len,)`` of a local input when none are given.
-
-    Without a group: ``offset .. offset + seq_len - 1``.  With a sequence-parallel group the
-    input is taken to be this rank's shard of a sequence sharded over the group by ``layout``
-    (``longnet.distributed.layouts``: the contiguous shard starts at ``offset + rank *
-    seq_len``); pass ``position_ids`` explicitly for anything else.
-    """
+    """Global positions ``(seq_len,)`` of a local input: ``offset .. offset + seq_len - 1``, or
+    with a sequence-parallel ``group`` those of this rank's shard by ``layout``."""
     check_process_group("group", group)
     if group is None or torch.distributed.get_world_size(group) == 1:
         return torch.arange(offset, offset + seq_len, device=device)

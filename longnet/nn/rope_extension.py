@@ -1,20 +1,8 @@
 """RoPE context extension: linear position interpolation and YaRN, as ``transformers`` has them.
 
-A RoPE model trained at ``L`` positions is extended to ``factor * L`` by changing its rotary
-frequencies (and, for YaRN, the attention temperature):
-
-* ``{"rope_type": "linear", "factor": s}``: position interpolation (Chen et al. 2023): every
-  inverse frequency divided by ``s``.
-* ``{"rope_type": "yarn", "factor": s, "original_max_position_embeddings": L, ...}``: YaRN
-  (Peng et al. 2023): frequencies that turn fewer than ``beta_slow`` times over ``L`` positions
-  are interpolated, those that turn more than ``beta_fast`` times are kept, a linear ramp
-  between; cos and sin are multiplied by ``attention_factor`` (default ``0.1 ln s + 1``, or the
-  DeepSeek form from ``mscale`` / ``mscale_all_dim``).
-
-The keys and defaults are ``transformers``' (``rope_scaling`` / ``rope_parameters`` of a
-Hugging Face ``config.json``), and the frequencies are computed with the same float32
-operations in the same order as ``transformers.modeling_rope_utils``, so an imported
-checkpoint gets bit-identical frequencies (``tests/unit/test_rope_extension.py``).
+Linear: position interpolation (Chen et al. 2023); yarn: YaRN (Peng et al. 2023). Keys and
+defaults are ``transformers``' ``rope_scaling``, and the float32 operations follow
+``transformers.modeling_rope_utils`` in order, for bit-identical frequencies.
 """
 
 from __future__ import annotations
@@ -47,8 +35,7 @@ def check_rope_extension(extension: Any) -> dict[str, Any] | None:
     """``extension`` validated and completed with the defaults (None: plain RoPE).
 
     Raises:
-        ValueError: not a dict, an unknown ``rope_type`` or key, a missing or bad value (the
-            message names it and the accepted forms).
+        ValueError: not a dict, an unknown ``rope_type`` or key, a missing or bad value.
     """
     if extension is None:
         return None
@@ -94,9 +81,7 @@ def check_rope_extension(extension: Any) -> dict[str, Any] | None:
 def extended_frequencies(
     inverse_frequencies: Tensor, head_dim: int, theta: float, extension: dict[str, Any] | None
 ) -> tuple[Tensor, float]:
-    """The inverse frequencies ``(head_dim / 2,)`` and the cos/sin factor of RoPE under
-    ``extension`` (checked by :func:`check_rope_extension`), given the plain ones
-    (``1 / theta ** (2i / head_dim)`` in float32)."""
+    """The inverse frequencies ``(head_dim / 2,)`` and cos/sin factor under ``extension``."""
     if extension is None:
         return inverse_frequencies, 1.0
     factor = extension["factor"]

@@ -1,13 +1,7 @@
 """A causal depthwise convolution along the sequence, for keys and values.
 
-Dilated attention shows a query at position ``p`` the far keys at positions ``= p (mod r)``
-only (docs/architecture.md §2, "Alignment"), so a token copied from far away is found only
-when it sits at the right offset.  Mixing each key/value row with the ``kernel_size - 1``
-rows before it puts every token into ``kernel_size`` consecutive rows, one of them at each
-offset when ``kernel_size >= r``, so a far token can be found whatever its offset (whether
-a model learns to use that is a matter of training: docs/training.md).
-The weights start as the identity (``weight[:, 0] = 1``), so adding the layer to a trained
-model leaves its function unchanged until training moves them.
+With ``kernel_size >= r`` a far token reaches every offset modulo the dilation rate ``r``
+(docs/architecture.md §2, "Alignment"); it starts as the identity.
 """
 
 from __future__ import annotations
@@ -23,8 +17,7 @@ from longnet.validation import check_positive_int, describe, is_int
 
 
 def check_kv_conv_size(value: Any) -> int:
-    """``kv_conv_size`` (the width of a K/V convolution; 0: none) as an ``int`` if it is 0 or
-    an integer of at least 2 (a width of 1 would only scale the rows), else ``ValueError``."""
+    """``kv_conv_size`` as an ``int`` if it is 0 (none) or at least 2, else ``ValueError``."""
     if not is_int(value) or value == 1 or value < 0:
         raise ValueError(
             f"kv_conv_size must be 0 (no convolution) or an integer of at least 2, got "
@@ -36,14 +29,8 @@ def check_kv_conv_size(value: Any) -> int:
 class CausalShortConv(nn.Module):
     """``y[t] = sum_j weight[:, j] * x[t - j]`` for ``j = 0 .. kernel_size - 1``, per channel.
 
-    Rows before the first are ``history`` (the last ``kernel_size - 1`` rows of the sequence
-    before this chunk: the previous rank's shard, or a decoding cache's tail) or zeros.
-    With packed documents, ``positions`` (each row's position in its document,
-    ``nn.document_position_ids``) limits the sum to ``j <= positions[t]``: no row is mixed
-    with a row of another document.
-
-    Shapes: ``x`` ``(batch, seq, channels)``, ``history`` ``(batch, kernel_size - 1,
-    channels)``, ``positions`` ``(batch, seq)``; returns ``(batch, seq, channels)``.
+    Earlier rows: ``history`` ``(batch, kernel_size - 1, channels)`` or zeros; ``positions``
+    ``(batch, seq)`` keeps ``j <= positions[t]``. Shapes: ``(batch, seq, channels)`` -> same.
     """
 
     def __init__(self, channels: int, kernel_size: int) -> None:
@@ -83,9 +70,7 @@ class CausalShortConv(nn.Module):
         return rearrange(F.conv1d(padded, kernel, groups=channels), "b c n -> b n c")
 
     def _within_documents(self, rows: Tensor, positions: Tensor) -> Tensor:
-        """The sum over taps ``j <= positions[t]`` of ``rows`` ``(batch, width + seq,
-        channels)`` (history, then ``x``), one masked tap at a time (a masked row may hold
-        anything, even a NaN: it is replaced, not multiplied by 0)."""
+        """The sum over taps ``j <= positions[t]``, masked by replacing (rows may hold NaN)."""
         width, seq = self.kernel_size - 1, positions.shape[1]
         weight = self.weight.to(rows.dtype)
         out = rows[:, width:] * weight[:, 0]
