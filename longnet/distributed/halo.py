@@ -1,6 +1,6 @@
-"""The rows before each chunk of this rank's sequence shard (a "halo"), differentiable: what a
-causal convolution of width ``k`` needs (``k - 1`` rows) over a sharded sequence. Each chunk's
-tail goes to the holder of the next chunk (``longnet.distributed.layouts``); its gradient comes
+"""The rows before each stripe of this rank's sequence shard (a "halo"), differentiable: what a
+causal convolution of width ``k`` needs (``k - 1`` rows) over a sharded sequence. Each stripe's
+tail goes to the holder of the next stripe (``longnet.distributed.layouts``); its gradient comes
 back in backward.
 """
 
@@ -12,49 +12,49 @@ from torch import Tensor
 
 from longnet.distributed.layouts import (
     check_layout,
-    chunk_count,
-    chunk_host,
-    chunk_slot,
-    chunks_per_rank,
-    rank_chunks,
+    rank_stripes,
+    stripe_count,
+    stripe_host,
+    stripe_slot,
+    stripes_per_rank,
 )
 
 
 def previous_rows(
     x: Tensor, rows: int, group: dist.ProcessGroup, layout: str = "contiguous"
 ) -> Tensor:
-    """The ``rows`` rows before each chunk of this rank's shard ``x`` ``(batch, shard_len,
-    channels)``: ``(batch, chunks * rows, channels)``, one halo per chunk in shard order;
+    """The ``rows`` rows before each stripe of this rank's shard ``x`` ``(batch, shard_len,
+    channels)``: ``(batch, stripes * rows, channels)``, one halo per stripe in shard order;
     zeros before the sequence's first token."""
     check_layout(layout, "previous_rows")
-    chunks = chunks_per_rank(layout)
-    if rows > x.shape[1] // chunks:
+    stripes = stripes_per_rank(layout)
+    if rows > x.shape[1] // stripes:
         raise ValueError(
-            f"previous_rows: {rows} rows are needed before each chunk but the {layout} layout "
-            f"gives chunks of only {x.shape[1] // chunks}; use a longer sequence or fewer ranks."
+            f"previous_rows: {rows} rows are needed before each stripe but the {layout} layout "
+            f"gives stripes of only {x.shape[1] // stripes}; use a longer sequence or fewer ranks."
         )
     return _PreviousRows.apply(x, rows, group, layout)
 
 
 class _Links:
-    """Which chunk tails this rank sends where, and which halos it receives from where:
+    """Which stripe tails this rank sends where, and which halos it receives from where:
     ``sends``/``receives`` ``(my slot, peer rank, peer slot)``, ``local`` ``(from, to)``."""
 
     def __init__(self, rank: int, world_size: int, layout: str) -> None:
-        last = chunk_count(world_size, layout) - 1
+        last = stripe_count(world_size, layout) - 1
         self.sends, self.receives, self.local = [], [], []
-        for slot, chunk in enumerate(rank_chunks(rank, world_size, layout)):
-            if chunk < last:
-                peer = chunk_host(chunk + 1, world_size, layout)
-                peer_slot = chunk_slot(chunk + 1, world_size, layout)
+        for slot, stripe in enumerate(rank_stripes(rank, world_size, layout)):
+            if stripe < last:
+                peer = stripe_host(stripe + 1, world_size, layout)
+                peer_slot = stripe_slot(stripe + 1, world_size, layout)
                 if peer == rank:
                     self.local.append((slot, peer_slot))
                 else:
                     self.sends.append((slot, peer, peer_slot))
-            if chunk > 0:
-                peer = chunk_host(chunk - 1, world_size, layout)
+            if stripe > 0:
+                peer = stripe_host(stripe - 1, world_size, layout)
                 if peer != rank:
-                    self.receives.append((slot, peer, chunk_slot(chunk - 1, world_size, layout)))
+                    self.receives.append((slot, peer, stripe_slot(stripe - 1, world_size, layout)))
 
 
 def _exchange(sends: list[tuple[Tensor, int]], receives: list[tuple[Tensor, int]], group,
@@ -79,20 +79,21 @@ class _PreviousRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, rows: int, group: dist.ProcessGroup, layout: str) -> Tensor:
         links = _Links(dist.get_rank(group), dist.get_world_size(group), layout)
-        chunks = chunks_per_rank(layout)
-        chunk_len = x.shape[1] // chunks
-        ctx.rows, ctx.group, ctx.shape, ctx.links, ctx.chunks = rows, group, x.shape, links, chunks
-        halo = x.new_zeros(x.shape[0], chunks, rows, x.shape[2])
+        stripes = stripes_per_rank(layout)
+        stripe_len = x.shape[1] // stripes
+        ctx.rows, ctx.group, ctx.shape, ctx.links = rows, group, x.shape, links
+        ctx.stripes = stripes
+        halo = x.new_zeros(x.shape[0], stripes, rows, x.shape[2])
         if rows == 0:
             return halo.flatten(1, 2)
 
         def tail(slot: int) -> Tensor:
-            return x[:, (slot + 1) * chunk_len - rows : (slot + 1) * chunk_len]
+            return x[:, (slot + 1) * stripe_len - rows : (slot + 1) * stripe_len]
 
         buffers = [(slot, torch.empty_like(halo[:, slot])) for slot, _, _ in links.receives]
         _exchange([(tail(slot).contiguous(), peer) for slot, peer, _ in links.sends],
                   [(buffer, peer) for (_, buffer), (_, peer, _) in zip(buffers, links.receives)],
-                  group, "chunk tails (forward)")
+                  group, "stripe tails (forward)")
         for slot, buffer in buffers:
             halo[:, slot] = buffer
         for source, target in links.local:
@@ -105,17 +106,17 @@ class _PreviousRows(torch.autograd.Function):
         grad_x = grad.new_zeros(ctx.shape)
         if rows == 0:
             return grad_x, None, None, None
-        chunks = ctx.chunks
-        chunk_len = ctx.shape[1] // chunks
-        halo = grad.unflatten(1, (chunks, rows))
+        stripes = ctx.stripes
+        stripe_len = ctx.shape[1] // stripes
+        halo = grad.unflatten(1, (stripes, rows))
         tails = [(slot, grad.new_empty(grad.shape[0], rows, grad.shape[2]))
                  for slot, _, _ in links.sends]
         _exchange([(halo[:, slot].contiguous(), peer) for slot, peer, _ in links.receives],
                   [(buffer, peer) for (_, buffer), (_, peer, _) in zip(tails, links.sends)],
-                  ctx.group, "chunk tail gradients (backward)")
+                  ctx.group, "stripe tail gradients (backward)")
         for slot, buffer in tails:
-            grad_x[:, (slot + 1) * chunk_len - rows : (slot + 1) * chunk_len] += buffer
+            grad_x[:, (slot + 1) * stripe_len - rows : (slot + 1) * stripe_len] += buffer
         for source, target in links.local:
-            grad_x[:, (source + 1) * chunk_len - rows : (source + 1) * chunk_len] += \
+            grad_x[:, (source + 1) * stripe_len - rows : (source + 1) * stripe_len] += \
                 halo[:, target]
         return grad_x, None, None, None

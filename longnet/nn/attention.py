@@ -11,7 +11,7 @@ from longnet.attention.documents import PackedDocuments
 from longnet.attention.selection import block_offsets, check_retrieval, local_segment_length
 from longnet.compiled import refuse
 from longnet.distributed.halo import previous_rows
-from longnet.distributed.layouts import chunks_per_rank
+from longnet.distributed.layouts import stripes_per_rank
 from longnet.distributed.sequence_parallel import SequenceParallel
 from longnet.nn.kv_cache import LayerKVCache, check_cache, decode_attention
 from longnet.nn.norm import build_norm, check_norm
@@ -237,7 +237,7 @@ class MultiheadDilatedAttention(nn.Module):
         if sequence_parallel is not None:
             layout = sequence_parallel.layout
             halos = previous_rows(kv, width, sequence_parallel.process_group, layout).chunk(
-                chunks_per_rank(layout), 1
+                stripes_per_rank(layout), 1
             )
             chunks = kv.chunk(len(halos), dim=1)
             places = [None] * len(halos) if positions is None else positions.chunk(len(halos), -1)

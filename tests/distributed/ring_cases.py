@@ -322,7 +322,7 @@ def check_ring_errors(rank: int, world_size: int, device: torch.device) -> list[
     expect("transport must be one of", pattern=[(12, 1)], transport="broadcast")
     expect("layout must be one of", pattern=[(12, 1)], layout="striped")
     if world_size > 1:
-        expect("cuts each shard into two equal chunks", pattern=[(3, 1)], shard_len=9,
+        expect("cuts each shard into two equal stripes", pattern=[(3, 1)], shard_len=9,
                layout="zigzag")
         expect("runs the ring transport only", pattern=[(6, 1), (24, 2)], layout="zigzag",
                transport="allgather")

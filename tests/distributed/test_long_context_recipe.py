@@ -116,6 +116,6 @@ def test_ring_stage_refuses_a_window_the_pattern_cannot_shard(setup):
     done = run(fit_command(root / "refused", pretrained, data_files,
                            "--data.init_args.seq_len=2000"))
     assert done.returncode == 2, done.stderr[-3000:]
-    assert "seq_len 2000 cannot be cut into 4 zigzag chunks" in done.stderr  # 2 ranks
+    assert "seq_len 2000 cannot be cut into 4 zigzag stripes" in done.stderr  # 2 ranks
     assert "Use seq_len 1024 or 2048" in done.stderr
     assert "Epoch 0" not in done.stderr + done.stdout  # refused before any step

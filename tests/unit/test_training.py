@@ -151,9 +151,9 @@ def test_shard_keeps_given_positions_and_refuses_bad_lengths():
     batch = _batch(8) | {"position_ids": torch.arange(100, 108)}
     shard = shard_batch(batch, 1, 2)
     assert torch.equal(shard["position_ids"], torch.arange(104, 108))
-    with pytest.raises(ValueError, match="does not cut into the 3 equal chunks"):
+    with pytest.raises(ValueError, match="does not cut into the 3 equal stripes"):
         shard_batch(_batch(8), 0, 3)
-    with pytest.raises(ValueError, match="6 equal chunks of the zigzag layout over 3 ranks"):
+    with pytest.raises(ValueError, match="6 equal stripes of the zigzag layout over 3 ranks"):
         shard_batch(_batch(9), 0, 3, layout="zigzag")
     with pytest.raises(ValueError, match="layout must be one of"):
         shard_batch(_batch(8), 0, 2, layout="striped")

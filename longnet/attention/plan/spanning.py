@@ -1,6 +1,6 @@
 """Geometry of the branches whose segments span ranks (docs/architecture.md §4). Each rank
-holds one chunk (``contiguous``) or two (``zigzag``). A branch whose segment divides the chunk
-is local; one whose segment is a multiple of it spans a segment group of chunks (its members),
+holds one stripe (``contiguous``) or two (``zigzag``). A branch whose segment divides the stripe
+is local; one whose segment is a multiple of it spans a segment group of stripes (its members),
 whose dilated K/V rows travel as :class:`SpanningPiece` s (``ring.py``). Every rank derives
 every member's rows (dilation offsets may drift between members) from the global geometry.
 """
@@ -17,16 +17,16 @@ from torch import Tensor
 from longnet.attention.blocks import BlockGroup, branch_groups, region_groups, restrict
 from longnet.attention.documents import Documents, document_segments, placed_documents
 from longnet.attention.pattern import DilatedPattern
-from longnet.distributed.layouts import chunk_count, chunk_host, chunks_per_rank, rank_chunks
+from longnet.distributed.layouts import rank_stripes, stripe_count, stripe_host, stripes_per_rank
 
 
 @dataclass(frozen=True)
 class SpanningPiece:
     """A few ``heads`` of a branch spanning ranks (one message within the block budget), seen
-    from member ``index`` of ``members`` (the segment group's chunks, in sequence order):
+    from member ``index`` of ``members`` (the segment group's stripes, in sequence order):
     ``member_groups[m]``, the rows member ``m`` selects for ``heads`` (shard coordinates);
     ``query_groups``: this member's groups split so each one's heads lie in one group of every
-    member; ``hosts[m]``: the group rank holding member ``m``; ``chunk``: the ``(start, stop)``
+    member; ``hosts[m]``: the group rank holding member ``m``; ``stripe``: the ``(start, stop)``
     rows of the shard this member is (None: all). Tensors are ``(batch, shard, heads, dim)``.
     """
 
@@ -38,11 +38,11 @@ class SpanningPiece:
     heads: tuple[int, ...]
     query_groups: tuple[BlockGroup, ...]
     hosts: tuple[int, ...]
-    chunk: tuple[int, int] | None = None
+    stripe: tuple[int, int] | None = None
 
     def rows(self, x: Tensor) -> Tensor:
         """This member's rows of a shard tensor ``(batch, shard, ...)`` (a view)."""
-        return x if self.chunk is None else x[:, self.chunk[0] : self.chunk[1]]
+        return x if self.stripe is None else x[:, self.stripe[0] : self.stripe[1]]
 
     @property
     def rows_max(self) -> int:
@@ -80,41 +80,41 @@ def plan_sequence_parallel(
     layout: str = "contiguous",
 ) -> tuple[list[list[BlockGroup]], list[tuple[SpanningPiece, ...]]]:
     """Rank ``rank``'s local branches (block groups over its shard) and the spanning pieces,
-    in sets run together: this rank's members of one piece, one per chunk it holds;
+    in sets run together: this rank's members of one piece, one per stripe it holds;
     ``row_elements`` = batch * head_dim and ``block_elements`` size the pieces."""
-    per_rank = chunks_per_rank(layout)
+    per_rank = stripes_per_rank(layout)
     if shard_len % per_rank:
         raise ValueError(
-            f"dilated_attention: the zigzag layout cuts each shard into two equal chunks, but "
+            f"dilated_attention: the zigzag layout cuts each shard into two equal stripes, but "
             f"the shard has {shard_len} tokens (odd). Pad the sequence to "
             f"longnet.attention.padded_length(N, pattern, {2 * world_size}) tokens."
         )
-    chunk_len = shard_len // per_rank
-    chunks = chunk_count(world_size, layout)
-    seq_len = chunk_len * chunks
+    stripe_len = shard_len // per_rank
+    stripes = stripe_count(world_size, layout)
+    seq_len = stripe_len * stripes
     local: list[list[BlockGroup]] = []
     sets: list[tuple[SpanningPiece, ...]] = []
     for (w, r), transport in zip(pattern.branches, transports):
         segment = min(w, seq_len)
-        if not branch_fits(segment, chunk_len):
-            unit = "zigzag chunk length" if per_rank == 2 else "shard length"
+        if not branch_fits(segment, stripe_len):
+            unit = "zigzag stripe length" if per_rank == 2 else "shard length"
             raise ValueError(
                 f"dilated_attention: branch (w={w}, r={r}) cannot be split over {world_size} "
                 f"ranks: its segment length {segment} neither divides nor is a multiple of the "
-                f"{unit} {chunk_len}. Pad the sequence to longnet.attention.padded_length("
-                f"{seq_len}, pattern, {chunks}) = {padded_length(seq_len, pattern, chunks)} "
+                f"{unit} {stripe_len}. Pad the sequence to longnet.attention.padded_length("
+                f"{seq_len}, pattern, {stripes}) = {padded_length(seq_len, pattern, stripes)} "
                 "tokens, or change the pattern."
             )
-        if segment <= chunk_len:  # a chunk holds whole segments: so does a zigzag shard
+        if segment <= stripe_len:  # a stripe holds whole segments: so does a zigzag shard
             local.append(branch_groups(shard_len, num_heads, segment, r))
             continue
         per_member = []
-        for slot, member in enumerate(rank_chunks(rank, world_size, layout)):
-            start, members = segment_group(member, chunk_len, segment, seq_len)
-            hosts = tuple(chunk_host(m, world_size, layout) for m in members)
-            rows = None if per_rank == 1 else (slot * chunk_len, (slot + 1) * chunk_len)
+        for slot, member in enumerate(rank_stripes(rank, world_size, layout)):
+            start, members = segment_group(member, stripe_len, segment, seq_len)
+            hosts = tuple(stripe_host(m, world_size, layout) for m in members)
+            rows = None if per_rank == 1 else (slot * stripe_len, (slot + 1) * stripe_len)
             member_groups = tuple(
-                tuple(region_groups(0, chunk_len, 1, num_heads, r, shift=m * chunk_len - start))
+                tuple(region_groups(0, stripe_len, 1, num_heads, r, shift=m * stripe_len - start))
                 for m in members
             )
             per_member.append(spanning_pieces(
@@ -135,23 +135,23 @@ def spanning_pieces(
     row_elements: int,
     block_elements: int,
     hosts: tuple[int, ...],
-    chunk: tuple[int, int] | None = None,
+    stripe: tuple[int, int] | None = None,
 ) -> list[SpanningPiece]:
     """The pieces of one segment group seen from member ``index`` (``ring_pieces``)."""
     return [
         SpanningPiece(members, index, groups, transport,
                       f"{label} heads {heads[0]}-{heads[-1]}", heads,
-                      query_groups(groups[index], groups), hosts, chunk)
+                      query_groups(groups[index], groups), hosts, stripe)
         for heads, groups in ring_pieces(member_groups, num_heads, row_elements, block_elements)
     ]
 
 
 def segment_group(
-    member: int, chunk_len: int, segment: int, seq_len: int
+    member: int, stripe_len: int, segment: int, seq_len: int
 ) -> tuple[int, tuple[int, ...]]:
-    """The first token of ``member``'s ``segment`` and its chunks (the last cut at ``seq_len``)."""
-    start = member * chunk_len // segment * segment
-    return start, tuple(range(start // chunk_len, min(start + segment, seq_len) // chunk_len))
+    """The first token of ``member``'s ``segment`` and its stripes (the last cut at ``seq_len``)."""
+    start = member * stripe_len // segment * segment
+    return start, tuple(range(start // stripe_len, min(start + segment, seq_len) // stripe_len))
 
 
 def heads_per_piece(rows: int, row_elements: int, num_heads: int, block_elements: int) -> int:

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from longnet.attention import DilatedPattern, fits_shards, padded_length
 from longnet.constants import IGNORE_INDEX
-from longnet.distributed.layouts import check_layout, chunk_count, shard_positions
+from longnet.distributed.layouts import check_layout, shard_positions, stripe_count
 from longnet.modeling.model import document_labels
 from longnet.nn import document_position_ids
 from longnet.validation import UsageError
@@ -69,8 +69,8 @@ def shard_batch(
             cross a document and default positions are decided on the whole sequence first.
         rank, world_size: this rank's place in the sequence-parallel group and its size.
         pattern: the model's dilated pattern: the sequence is right-padded to
-            ``padded_length(seq, pattern, chunks)``; without one, ``seq`` must be a multiple
-            of ``chunks`` (``world_size``, twice that with ``zigzag``).
+            ``padded_length(seq, pattern, stripes)``; without one, ``seq`` must be a multiple
+            of ``stripes`` (``world_size``, twice that with ``zigzag``).
         pad_token_id: input id of padded positions.
         layout: ``"contiguous"`` or ``"zigzag"`` (``longnet.distributed.layouts``).
 
@@ -89,14 +89,14 @@ def shard_batch(
     check_layout(layout, "shard_batch")
     input_ids: Tensor = batch["input_ids"]
     seq_len = input_ids.shape[-1]
-    chunks = chunk_count(world_size, layout)
+    stripes = stripe_count(world_size, layout)
     if pattern is not None:
-        length = padded_length(seq_len, pattern, chunks)
-    elif seq_len % chunks:
+        length = padded_length(seq_len, pattern, stripes)
+    elif seq_len % stripes:
         raise ValueError(
-            f"sequence length {seq_len} does not cut into the {chunks} equal chunks of the "
+            f"sequence length {seq_len} does not cut into the {stripes} equal stripes of the "
             f"{layout} layout over {world_size} ranks; pick a seq_len that is a multiple of "
-            f"{chunks} or let the LightningModule expose its dilated `pattern` so sequences "
+            f"{stripes} or let the LightningModule expose its dilated `pattern` so sequences "
             "are padded."
         )
     else:
@@ -131,27 +131,27 @@ def check_window_shards(
     :class:`~longnet.validation.UsageError` naming the nearest lengths that need none."""
     if world_size == 1:
         return
-    chunks = chunk_count(world_size, layout)
-    unit = "sequence shards" if layout == "contiguous" else f"{layout} chunks"
+    stripes = stripe_count(world_size, layout)
+    unit = "sequence shards" if layout == "contiguous" else f"{layout} stripes"
     if pattern is None:
-        if seq_len % chunks:
+        if seq_len % stripes:
             raise UsageError(
-                f"seq_len {seq_len} cannot be cut into {chunks} equal {unit}; use a multiple "
-                f"of {chunks}, e.g. {seq_len - seq_len % chunks}."
+                f"seq_len {seq_len} cannot be cut into {stripes} equal {unit}; use a multiple "
+                f"of {stripes}, e.g. {seq_len - seq_len % stripes}."
             )
         return
-    if fits_shards(seq_len, pattern, chunks):
+    if fits_shards(seq_len, pattern, stripes):
         return
-    padded = padded_length(seq_len, pattern, chunks)
+    padded = padded_length(seq_len, pattern, stripes)
     shorter = next(
-        (length for length in range(seq_len - seq_len % chunks, 0, -chunks)
-         if fits_shards(length, pattern, chunks)),
+        (length for length in range(seq_len - seq_len % stripes, 0, -stripes)
+         if fits_shards(length, pattern, stripes)),
         None,
     )
     options = " or ".join(str(length) for length in (shorter, padded) if length is not None)
     raise UsageError(
-        f"seq_len {seq_len} cannot be cut into {chunks} {unit} that the pattern "
+        f"seq_len {seq_len} cannot be cut into {stripes} {unit} that the pattern "
         f"{list(pattern.branches)} runs on: each branch's segment (capped at the window) must "
-        f"divide the chunk or be a multiple of it, so every window would be padded to {padded} "
+        f"divide the stripe or be a multiple of it, so every window would be padded to {padded} "
         f"tokens ({padded - seq_len} computed for nothing). Use seq_len {options}."
     )
