@@ -131,7 +131,7 @@ def block_offsets(positions: Tensor, window: int | None, retrieval: Retrieval) -
                        (positions - grid) % retrieval.block)
 
 
-SELECT_CHUNK = 4096
+SCORED_AT_ONCE = 4096
 """Queries scored at once by :func:`select_blocks` (bounds its score tensor)."""
 
 
@@ -158,9 +158,9 @@ def select_blocks(q: Tensor, k: Tensor, row: RowGeometry, retrieval: Retrieval,
                          ends[:, None] - 1)
     members = k[rows].to(compute)
     low, high = members.amin(1), members.amax(1)  # (blocks, kv_heads, dim)
-    for first in range(0, queries, SELECT_CHUNK):
-        part = slice(first, min(first + SELECT_CHUNK, queries))
-        # causal: only the blocks ending before the chunk's last local segment can be chosen
+    for first in range(0, queries, SCORED_AT_ONCE):
+        part = slice(first, min(first + SCORED_AT_ONCE, queries))
+        # causal: only the blocks ending before the part's last local segment can be chosen
         blocks = (len(starts) if not causal else
                   int(torch.searchsorted(ends, row.lo[part].max(), right=True)))
         top = min(retrieval.top_k, blocks)

@@ -119,7 +119,7 @@ def test_small_query_chunks_and_tiles_give_the_same_result(causal, monkeypatch):
     """The selection scored in chunks of 7 queries and the sinks attended in tiles of 5 (a
     chunk's own block range, tiles across documents) give the reference's result."""
     seq, heads, kv_heads, branches, sinks, block, top_k, documents = CASES["packed"]
-    monkeypatch.setattr(selection_module, "SELECT_CHUNK", 7)
+    monkeypatch.setattr(selection_module, "SCORED_AT_ONCE", 7)
     monkeypatch.setattr(retrieval_module, "QUERY_TILE", 5)
     q, k, v = _inputs(seq, heads, kv_heads)
     out, lse = dilated_attention(q, k, v, branches, causal=causal, return_lse=True,
