@@ -3,14 +3,8 @@
 ``longnet export``.
 
 :func:`main` is the console entry point (also ``python -m longnet``) and returns the exit
-status; :class:`LongNetCLI` is the LightningCLI it runs (``LongNetCLI(args=[...])`` runs the
-command in-process and keeps ``.trainer``, ``.model``, ``.datamodule``). What the command adds
-to Lightning's CLI: docs/training.md, "The command".
-
-Modules: ``command`` (:class:`LongNetCLI`, :class:`~longnet.cli.command.RunConfigSaver`),
-``entry`` (:func:`main`, the table of subcommands), ``run_checks`` (the checks of a run folder
-and its checkpoints), ``errors`` (expected failures as a few lines on stderr), ``eval`` and
-``pretrained`` (the argparse subcommands), ``arguments`` (their argparse types).
+status; :class:`LongNetCLI` is the LightningCLI it runs (``LongNetCLI(args=[...])`` runs it
+in-process and keeps ``.trainer``, ``.model``, ``.datamodule``).
 """
 
 from longnet.cli.command import LongNetCLI

@@ -1,7 +1,5 @@
-"""argparse pieces of ``longnet eval|import|export`` (and of the lab's scripts):
-:class:`CommandParser`, whose bad argument is one line, and argparse types that name the
-value and what was expected (counts, numbers in a range, paths, lengths such as ``16K``,
-devices, JSON objects)."""
+"""argparse pieces of ``longnet eval|import|export`` (and the lab's scripts):
+:class:`CommandParser` and argparse types whose errors name the value and what was expected."""
 
 from __future__ import annotations
 
@@ -21,9 +19,8 @@ T = TypeVar("T")
 
 
 class CommandParser(argparse.ArgumentParser):
-    """argparse, but a bad argument ends with one line naming it and the reason, and exit
-    status 2, not the usage summary that buries it (``--help`` shows that); its subcommands'
-    parsers are of this class too."""
+    """argparse whose bad argument ends in one line naming it and the reason (exit status 2),
+    not the usage summary; its subcommands' parsers are of this class too."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"error: {message.rstrip('.')}; see {self.prog} --help.\n")
@@ -74,9 +71,7 @@ def path_argument(text: str) -> Path:
 def float_argument(
     minimum: float, maximum: float = math.inf, *, exclusive: bool = False
 ) -> Callable[[str], float]:
-    """A finite number in ``[minimum, maximum]`` (``(minimum, maximum)`` when ``exclusive``):
-    ``float_argument(0, exclusive=True)`` for seconds, ``float_argument(0, 1)`` for a
-    fraction. NaN and infinities are refused."""
+    """A finite number in ``[minimum, maximum]`` (``(minimum, maximum)`` when ``exclusive``)."""
     if math.isinf(maximum):
         bounds = f"{'>' if exclusive else '>='} {minimum:g}"
     else:

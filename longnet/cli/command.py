@@ -1,12 +1,8 @@
 """The ``longnet`` command's :class:`LongNetCLI` and :class:`RunConfigSaver`.
 
-:class:`LongNetCLI` is a :class:`~lightning.pytorch.cli.LightningCLI` over
-:class:`longnet.training.CausalLMModule` (or a subclass) and any ``LightningDataModule``
-(``class_path``/``init_args`` in YAML); it adds ``--test_after_fit``, the checks of the run
-folder and the ``--ckpt_path`` before any work (:mod:`longnet.cli.run_checks`), the run lock and
-run id, the signal handling, the step progress and the list of what a run left.
-:class:`RunConfigSaver` writes the resolved config into the run folder. The user-facing list
-of these behaviours is docs/training.md, "The command".
+:class:`LongNetCLI` is Lightning's CLI over :class:`longnet.training.CausalLMModule` (or a
+subclass) and any ``LightningDataModule``; what it adds is listed in docs/training.md, "The
+command". :class:`RunConfigSaver` writes the resolved config into the run folder.
 """
 
 from __future__ import annotations
@@ -68,10 +64,8 @@ from longnet.validation import VERBOSE_FLAG, UsageError, check_positive_int, is_
 
 
 def check_trainer_values(config: dict[str, Any]) -> None:
-    """Refuse trainer values Lightning takes without a word but cannot use: an
-    ``accumulate_grad_batches`` below 1 or a ``val_check_interval`` of 0 (both divide by zero
-    at the first step), a negative ``val_check_interval`` (validates at the wrong steps) and a
-    negative ``gradient_clip_val`` (taken as "no clipping")."""
+    """Refuse trainer values Lightning accepts silently but cannot use:
+    ``accumulate_grad_batches < 1``, ``val_check_interval <= 0``, ``gradient_clip_val < 0``."""
     check_positive_int("trainer.accumulate_grad_batches",
                        config.get("accumulate_grad_batches", 1))
     interval = config.get("val_check_interval")
@@ -90,9 +84,8 @@ def check_trainer_values(config: dict[str, Any]) -> None:
 
 
 class RunConfigSaver(SaveConfigCallback):
-    """Save the resolved config as ``config.yaml`` (fit) or ``config-<stage>.yaml``, written
-    whole or not at all (:func:`longnet.files.write_atomic`), and for ``fit`` the data's
-    subword tokenizer as ``tokenizer/`` (``tokenizer.json``, ``tokenizer_config.json``)."""
+    """Save the resolved config atomically as ``config.yaml`` (fit) or ``config-<stage>.yaml``,
+    and for ``fit`` the data's subword tokenizer as ``tokenizer/``."""
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self.already_saved:
@@ -109,8 +102,7 @@ class RunConfigSaver(SaveConfigCallback):
 
 
 class LongNetCLI(LightningCLI):
-    """The ``longnet`` command: Lightning's CLI over :class:`~longnet.training.CausalLMModule`
-    and any ``LightningDataModule``, with the additions the module docstring names.
+    """The ``longnet`` command (module docstring).
 
     Args:
         args: the command line after ``longnet`` (``["fit", "--config", "X.yaml"]``); None
@@ -145,9 +137,8 @@ class LongNetCLI(LightningCLI):
         )
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
-        """Lightning's, with a clear error for a config file that is not text, not valid YAML
-        or not a mapping (empty, a list); then a ``--ckpt_path`` file is checked (a clear
-        error for random bytes, a truncated or a foreign file)."""
+        """Lightning's, with a clear error for a config file that is not text, not YAML or not
+        a mapping; then a ``--ckpt_path`` file is checked readable."""
         given = sys.argv[1:] if args is None else list(args)
         self.root_dir_given = any(arg.partition("=")[0] == "--trainer.default_root_dir"
                                   for arg in given)
@@ -168,13 +159,11 @@ class LongNetCLI(LightningCLI):
             read_checkpoint(ckpt_path)
 
     def _parse_ckpt_path(self) -> None:
-        """Keep the configured model: do nothing, where Lightning's CLI replaces the model's
-        arguments (command line included) by the hyper-parameters stored in a ``--ckpt_path``
-        file. A checkpoint whose tensors have other shapes is refused by ``_run_folder``."""
+        """Keep the configured model, where Lightning would replace its arguments by a
+        ``--ckpt_path`` file's hyper-parameters (other shapes are refused by ``_run_folder``)."""
 
     def instantiate_classes(self) -> None:
-        """Lightning's, then the model fitted to the data's tokenizer
-        (:meth:`CausalLMModule.fit_tokenizer`), before any checkpoint is compared with it."""
+        """Lightning's (errors as :class:`ConfigError`), then ``model.fit_tokenizer``."""
         try:
             super().instantiate_classes()
         except (ValueError, TypeError, KeyError, FileNotFoundError) as err:
@@ -186,12 +175,9 @@ class LongNetCLI(LightningCLI):
             self.model.fit_tokenizer(self.datamodule)
 
     def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:
-        """Lightning's, plus :class:`RunId` first among the callbacks,
-        :class:`~longnet.training.callbacks.ValidateLastStep`, :class:`StopOnSignal` and,
-        unless the config disables the bar or brings its own,
-        :func:`~longnet.training.reports.progress_bar` and, for ``predict`` without a
-        prediction writer, :class:`~longnet.training.PredictionsWriter`; trainer values it
-        cannot use are refused first (:func:`check_trainer_values`)."""
+        """Lightning's, with :class:`RunId` (first), ``ValidateLastStep``, ``StopOnSignal``, the
+        step progress bar unless configured otherwise, and a ``PredictionsWriter`` for a
+        ``predict`` without one; :func:`check_trainer_values` first."""
         config = self._get(self.config_init, "trainer", default={})
         check_trainer_values(config)
         given = config.get("callbacks")
@@ -220,10 +206,8 @@ class LongNetCLI(LightningCLI):
 
     @contextmanager
     def _run_folder(self, subcommand: str) -> Iterator[None]:
-        """Check that the outputs can be written, resolve ``ckpt_path`` (or check that the
-        model has trained weights to evaluate), take the run folder's lock (rank 0), refuse a
-        new ``fit`` in a folder with another run's outputs; release the lock when the
-        subcommand ends."""
+        """Run the checks of :mod:`longnet.cli.run_checks`, resolve ``ckpt_path`` and hold the
+        run folder's lock (rank 0) while the subcommand runs."""
         trainer, arguments = self.trainer, self.config_init[subcommand]
         folder = run_folder(trainer)
         check_default_root_dir(trainer, arguments["trainer"].get("default_root_dir"),
@@ -251,12 +235,8 @@ class LongNetCLI(LightningCLI):
                 lock.release()
 
     def _checked_ckpt_path(self, ckpt_path: str, subcommand: str) -> tuple[str | None, bool]:
-        """``ckpt_path`` checked, and whether it continues this folder's run: ``last`` is this
-        run folder's ``last.ckpt`` (none yet: a new run for ``fit``, an error otherwise),
-        ``best`` needs a ``fit`` in this command, a path must be a readable Lightning
-        checkpoint of the configured model's shape. A ``fit`` from a checkpoint of this
-        folder keeps its run id and says which file and step it resumes; from another
-        folder's, it is a new run (a new id) that starts from it."""
+        """``ckpt_path`` resolved and checked, and whether it continues this folder's run (a
+        ``fit`` from this folder's checkpoint keeps its run id; from another's, a new run)."""
         trainer = self.trainer
         if ckpt_path in ("", "best", "hpc") or "://" in ckpt_path:
             return check_keyword(trainer, ckpt_path, subcommand), False
@@ -307,8 +287,7 @@ class LongNetCLI(LightningCLI):
 
     def predict(self, model: L.LightningModule, datamodule: L.LightningDataModule | None = None,
                 **kwargs) -> object:
-        """``trainer.predict``; a datamodule without a predict split predicts its test split.
-        Names the files of the :class:`~longnet.training.PredictionsWriter`\\ s."""
+        """``trainer.predict`` (of the test split when there is no predict split)."""
         if datamodule is not None and not is_overridden(
             "predict_dataloader", datamodule, L.LightningDataModule
         ):

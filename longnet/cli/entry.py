@@ -1,10 +1,5 @@
-"""The ``longnet`` command's entry point and its table of subcommands (:data:`COMMANDS`).
-
-:func:`main` runs ``fit|validate|test|predict`` with :class:`LongNetCLI` in its own context
-(:func:`run_in_own_context`), with subnormal floats flushed and signals turned into a clean
-stop, and ``eval perplexity|passkey|harness``, ``import`` and ``export`` with argparse
-(:func:`command_parser`); it turns what they raise into an exit status and a few lines on
-stderr."""
+"""The ``longnet`` command's entry point (:func:`main`) and its table of argparse subcommands
+(:data:`COMMANDS`); ``fit|validate|test|predict`` run :class:`LongNetCLI`."""
 
 from __future__ import annotations
 
@@ -57,8 +52,7 @@ COMMANDS = {
 
 
 def command_parser() -> argparse.ArgumentParser:
-    """The parser of ``longnet``'s argparse subcommands (:data:`COMMANDS`); its help lists
-    Lightning's too. A parsed command line's ``run`` runs its subcommand."""
+    """The parser of :data:`COMMANDS` (its help lists Lightning's too); ``args.run`` runs one."""
     parser = CommandParser(prog="longnet", description="LongNet dilated-attention LMs: train, "
                            f"evaluate, import, export. {VERBOSE_FLAG} (anywhere): show the "
                            "traceback of an error.")
@@ -84,9 +78,8 @@ def command_parser() -> argparse.ArgumentParser:
 
 
 def run_command(argv: list[str], verbose: bool) -> int:
-    """Run an argparse subcommand: a bad argument ends in one line, exit status 2; so do a bad
-    value or input (``ValueError``, ``FileNotFoundError``) and a write the machine refused, in
-    two lines (the second names ``--verbose``, which prints the traceback too)."""
+    """Run an argparse subcommand; a bad argument, ``ValueError``, ``FileNotFoundError`` or a
+    refused write end in a short message and exit status 2."""
     try:
         args = command_parser().parse_args(argv)
     except SystemExit as stop:  # --help, or a bad argument (its line printed)
@@ -117,25 +110,21 @@ class _NoTips(logging.Filter):
 
 
 def quiet_lightning() -> None:
-    """No advertisement tips, and none of the warnings every run would print that a user
-    cannot act on: the deprecation warning of Lightning's pytree helper with this torch, and
-    the non-empty checkpoint folder of a resumed run."""
+    """Silence Lightning's tips and the warnings a user cannot act on (its pytree deprecation,
+    a resumed run's non-empty checkpoint folder)."""
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _NoTips) for f in logger.filters):
             logger.addFilter(_NoTips())
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
-    # a resumed fit writes into its own checkpoint folder; a new one never gets there
-    # (longnet.training.run_folder refuses a folder with another run's checkpoints)
+    # only a resumed fit gets there: run_folder refuses another run's checkpoints
     warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
 
 
 def main(args: Sequence[str] | None = None) -> int:
-    """Console entry point; returns the exit status: 0; 2 for an expected error
-    (:data:`EXPECTED_ERRORS`, parser errors, a full disk or a file size limit; for
-    :data:`COMMANDS`, :func:`run_command`'s), reported in a few lines without a traceback
-    unless ``--verbose`` is given); ``128 + signal`` for a run stopped by SIGTERM (143) or
-    SIGINT (130)."""
+    """Console entry point; returns the exit status: 0; 2 for an expected error (parser
+    errors, :data:`EXPECTED_ERRORS`, a refused write), reported without a traceback unless
+    ``--verbose``; ``128 + signal`` for a run stopped by SIGTERM or SIGINT."""
     argv = sys.argv[1:] if args is None else list(args)
     verbose = VERBOSE_FLAG in argv
     argv = [arg for arg in argv if arg != VERBOSE_FLAG]
@@ -175,12 +164,7 @@ def main(args: Sequence[str] | None = None) -> int:
 
 
 def run_in_own_context(args: Sequence[str] | None) -> None:
-    """Run the CLI in a copy of the context, dropped on return.
-
-    jsonargparse leaves its last subcommand parser in a context variable, and the parser
-    reaches the CLI, its trainer, strategy and process groups. Left there, a distributed run's
-    process groups would outlive the exit hook that destroys them
-    (:func:`~longnet.training.parallel.strategy.destroy_process_group_at_exit`) and be freed
-    only while the interpreter shuts down, where gloo can abort a process whose run finished
-    ("terminate called without an active exception"; docs/training.md, "A lost rank")."""
+    """Run the CLI in a copy of the context, dropped on return: jsonargparse's context variable
+    would otherwise keep the process groups alive past their exit hook, and gloo can abort at
+    interpreter shutdown (docs/training.md, "A lost rank")."""
     contextvars.copy_context().run(run_cli, args)

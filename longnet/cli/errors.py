@@ -1,9 +1,5 @@
-"""Expected failures of the ``longnet`` command as the few lines it prints: the message of an
-exception (:func:`error_message`), of a jsonargparse parse error (:func:`parse_error_message`:
-the innermost failing key and the reason), of a config file that is not text
-(:func:`undecodable_config`) and of one that is not valid YAML or not a mapping
-(:func:`bad_config_file`);
-:data:`EXPECTED_ERRORS`, the exceptions reported that way."""
+"""Expected failures of the ``longnet`` command (:data:`EXPECTED_ERRORS`, jsonargparse errors,
+bad config files) as the few lines it prints."""
 
 from __future__ import annotations
 
@@ -26,11 +22,9 @@ class ConfigError(Exception):
 
 
 EXPECTED_ERRORS = (ConfigError, UsageError, MisconfigurationException)
-"""What ``main`` reports in a few lines with exit status 2, as it does a write the machine
-refused (``longnet.files.refused_write``); anything else is a bug and keeps its traceback."""
+"""Reported in a few lines with exit status 2; anything else keeps its traceback."""
 UNION_ERROR = "Does not validate against any of the Union subtypes"
-"""How jsonargparse starts the error of a value none of a union's types takes (a class whose
-constructor refused its arguments, among them)."""
+"""How jsonargparse starts the error of a value none of a union's types takes."""
 
 
 def undecodable_config(args: Sequence[str], err: UnicodeDecodeError) -> str:
@@ -49,10 +43,8 @@ def undecodable_config(args: Sequence[str], err: UnicodeDecodeError) -> str:
 
 
 def bad_config_file(args: Sequence[str]) -> str | None:
-    """The message for a ``--config`` (a file or an inline YAML string) that is not valid YAML,
-    is empty or holds something else than a mapping of sections (a list, plain text); None if
-    every one is a mapping (jsonargparse's "Unexpected config" and "Problems parsing config"
-    name neither the file nor the fix)."""
+    """The message for a ``--config`` (file or inline YAML) that is not valid YAML, is empty or
+    is not a mapping; None if every one is a mapping."""
     values = [arg.partition("=")[2] if arg.startswith("--config=") else args[i + 1]
               for i, arg in enumerate(args)
               if arg.startswith("--config=") or (arg == "--config" and i + 1 < len(args))]
@@ -78,9 +70,8 @@ def bad_config_file(args: Sequence[str]) -> str | None:
 
 
 def parse_error_message(message: str) -> str:
-    """jsonargparse's error shortened to what matters: ``--key: reason`` (the innermost
-    failing key, the reason for the value given, without the alternatives that do not
-    apply)."""
+    """jsonargparse's error shortened to ``--key: reason`` (the innermost failing key, without
+    the alternatives that do not apply)."""
     lines = [(len(line) - len(line.lstrip()), line.strip()) for line in message.splitlines()
              if line.strip()]
     if not lines:
@@ -90,8 +81,7 @@ def parse_error_message(message: str) -> str:
 
 
 def _items(lines: list[tuple[int, str]]) -> list[list[tuple[int, str]]]:
-    """Split a ``- first line`` list (with indented continuations) into items, the dash
-    removed."""
+    """Split a ``- item`` list (with indented continuations) into items, dashes removed."""
     items: list[list[tuple[int, str]]] = []
     indent = lines[0][0] if lines else 0
     for level, text in lines:
@@ -130,8 +120,7 @@ def _explain(lines: list[tuple[int, str]]) -> tuple[list[str], str]:
 
 
 def _best(items: list[list[tuple[int, str]]], given: str | None) -> tuple[list[str], str]:
-    """The reason among a union's alternatives: a class's own error first, else what the
-    value should have been."""
+    """The reason among a union's alternatives: a class's own error first, else the types."""
     items = [item for item in items if item[0][1] != "Expected a <class 'NoneType'>"]
     for prefix in ("Problem with given class_path", "Does not validate against any"):
         for item in items:
@@ -176,8 +165,7 @@ def _with_suggestion(reason: str, class_path: str) -> str:
 
 
 def error_message(err: BaseException) -> str:
-    """The lines ``main`` prints for an expected error, or for a write the machine refused
-    (``longnet.files.refused_write``: no room, a read-only file system)."""
+    """The lines ``main`` prints for an expected error or a refused write."""
     if refused_write(err):
         what = refused_write_line(err, " (a fit with --ckpt_path last continues from its last "
                                        "complete checkpoint)")

@@ -1,8 +1,6 @@
-"""``longnet eval perplexity|passkey|harness``: the options of the evaluations of
-:mod:`longnet.eval` (and :mod:`longnet.hf.harness`), their tables, plots and ``run.json`` in
-``--out``. Each writes its CSV files again, with every row so far, as each model x length (for
-``harness``: each model) finishes, so an interrupted run keeps them; progress bars go to stderr
-(``--no-progress`` hides them). What each measures: docs/evaluation.md.
+"""``longnet eval perplexity|passkey|harness``: options, tables, plots and ``run.json`` in
+``--out`` for :mod:`longnet.eval` (and :mod:`longnet.hf.harness`). The CSV files are rewritten
+as each model x length finishes, so an interrupted run keeps its rows (docs/evaluation.md).
 """
 
 from __future__ import annotations
@@ -97,8 +95,7 @@ def models_from_args(args: argparse.Namespace) -> list[LoadedModel]:
 def add_length_arguments(
     parser: argparse.ArgumentParser, option: str, cap: str, what: str
 ) -> None:
-    """``--<option>``: lengths like ``1K 4K 16K`` (``what`` they are, for the help), and
-    ``--<cap>``: the cap of the default lengths (:func:`lengths_from_args`)."""
+    """``--<option>``: lengths like ``1K 4K 16K`` (``what``: for the help), and ``--<cap>``."""
     parser.add_argument(
         f"--{option}", nargs="+", type=length_argument, metavar="LEN",
         help=f"{what}, e.g. 1K 4K 16K (default: powers of two from 1K to 16x the longest "
@@ -109,8 +106,7 @@ def add_length_arguments(
 def lengths_from_args(
     args: argparse.Namespace, option: str, cap: str, models: list[LoadedModel]
 ) -> list[int]:
-    """The lengths of ``--<option>``, else those of
-    :func:`longnet.eval.default_context_lengths` up to ``--<cap>``.
+    """``--<option>``, else :func:`longnet.eval.default_context_lengths` up to ``--<cap>``.
 
     Raises:
         UsageError: ``--<cap>`` leaves no default length.
@@ -125,9 +121,7 @@ def lengths_from_args(
 
 
 def add_document_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--data-files``, ``--corpus``, ``--text-column``, ``--split``, ``--val-fraction``,
-    ``--test-fraction``, ``--max-documents``, ``--min-document-bytes``: which held-out
-    documents to score (:func:`documents_from_args`)."""
+    """The options choosing the held-out documents (:func:`documents_from_args`)."""
     add, fraction = parser.add_argument, float_argument(0, 1, exclusive=True)
     add("--data-files", nargs="+", help="text/json/parquet globs (default: stdlib)")
     add("--corpus", nargs="+", metavar="ENTRY",
@@ -180,10 +174,10 @@ def perplexity_arguments(parser: argparse.ArgumentParser) -> None:
 def perplexity(args: argparse.Namespace) -> int:
     """Bits per byte (and perplexity) versus context length on held-out long documents.
 
-    Every token (and each closing EOS) is scored once, with sliding windows inside their
-    document, in each model's own tokenizer; bits per byte divide by the same UTF-8 bytes for
-    every model. Writes perplexity.csv, compressors.csv (gzip/bzip2/xz of the same documents),
-    perplexity.png and run.json; --by-position adds positions.csv/png.
+    Every token is scored once, with sliding windows inside its document, in each model's
+    tokenizer; bits per byte divide by the same UTF-8 bytes for every model. Writes
+    perplexity.csv, compressors.csv (gzip/bzip2/xz), perplexity.png and run.json;
+    --by-position adds positions.csv/png.
     """
     by_position_files = ["positions.csv", "positions.png"] if args.by_position else []
     check_output_folder(args.out, ["perplexity.csv", "compressors.csv", "perplexity.png",
@@ -277,9 +271,8 @@ def passkey_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_depths_apart(lengths: list[int], depths: list[float], num_digits: int) -> None:
-    """Refuse a length whose filler is too short to place the needles of two of ``depths``
-    apart (``longnet.data.synthetic.needle_window``): their cells would be one cell reported as
-    two depths."""
+    """Refuse a length whose filler puts the needles of two ``depths`` on the same bytes
+    (``longnet.data.synthetic.needle_window``)."""
     for length in lengths:
         budget, seen = length - min_passkey_length(num_digits), {}
         for depth in depths:
@@ -295,11 +288,10 @@ def check_depths_apart(lengths: list[int], depths: list[float], num_digits: int)
 def passkey(args: argparse.Namespace) -> int:
     """Passkey retrieval accuracy over a grid of context lengths x needle depths.
 
-    Each cell's --num-examples prompts of exactly that many bytes hide a --num-digits key at
-    that depth; the model reads them in its own tokenizer and greedily generates the answer.
-    Writes passkey.csv (per model, length and depth), passkey_generations.csv (every example),
-    passkey.png (a heatmap per model), run.json and, for a dilated model,
-    passkey_visibility.csv (accuracy by whether its heads see the copy the answer makes).
+    Each cell's --num-examples prompts of that many bytes hide a --num-digits key at that
+    depth; the model greedily generates the answer. Writes passkey.csv, passkey_generations.csv
+    (every example), passkey.png, run.json and, for a dilated model, passkey_visibility.csv
+    (accuracy by whether its heads see the copy).
     """
     check_output_folder(args.out, ["passkey.csv", "passkey_generations.csv", "passkey.png",
                                    "run.json", "passkey_visibility.csv"])
@@ -368,11 +360,9 @@ def harness_arguments(parser: argparse.ArgumentParser) -> None:
 def harness(args: argparse.Namespace) -> int:
     """LongNet models through EleutherAI's lm-eval, offline: bits per byte and RULER's NIAH.
 
-    lm-eval's simple_evaluate with an HFLM over each model: bpb (a loglikelihood_rolling task
-    over the documents longnet eval perplexity scores, windows of --context-length; --compare
-    adds that command's value of the same windows) and RULER's NIAH tasks at --niah-lengths.
-    Writes harness.csv and run.json. Needs pip install -e ".[eval-harness]"; nothing is
-    downloaded (HF_HUB_OFFLINE and HF_DATASETS_OFFLINE are set).
+    bpb: a loglikelihood_rolling task over the documents longnet eval perplexity scores
+    (--compare adds that command's value); RULER's NIAH tasks at --niah-lengths. Writes
+    harness.csv and run.json. Needs pip install -e ".[eval-harness]"; nothing is downloaded.
     """
     check_output_folder(args.out, ["harness.csv", "run.json"])
     offline()
@@ -410,8 +400,8 @@ def harness(args: argparse.Namespace) -> int:
 
 
 def offline() -> None:
-    """Set ``HF_HUB_OFFLINE`` and ``HF_DATASETS_OFFLINE`` where unset, and the flags that
-    huggingface_hub and datasets (imported already) read from them at import."""
+    """Set ``HF_HUB_OFFLINE`` and ``HF_DATASETS_OFFLINE`` where unset, also in the already
+    imported huggingface_hub and datasets."""
     import datasets.config
     import huggingface_hub.constants
 

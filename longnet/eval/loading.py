@@ -1,10 +1,5 @@
 """Load a causal LM to evaluate from a zoo name, a ``save_pretrained`` folder or a Lightning
-checkpoint (``.ckpt``).
-
-Lightning checkpoints are read by :func:`longnet.training.checkpoint.load_lightning_checkpoint`,
-the loader training uses too (``torch.load(weights_only=True)``, never arbitrary pickle; the
-config is rebuilt from the stored hyper-parameters by the training's model builder).
-"""
+checkpoint (``.ckpt``, read by :func:`longnet.training.checkpoint.load_lightning_checkpoint`)."""
 
 from __future__ import annotations
 
@@ -30,12 +25,11 @@ class LoadedModel:
     """A model ready for evaluation.
 
     Attributes:
-        label: short name used in tables, CSV files and plot legends.
+        label: name in tables, CSV files and plot legends.
         model: the LM in eval mode on the requested device and dtype.
         source: what was loaded (zoo folder, model folder or checkpoint path).
         kind: ``"zoo"``, ``"folder"`` or ``"checkpoint"``.
-        tokenizer: the model's tokenizer (:func:`model_tokenizer`): bytes for a byte-level
-            model, else the folder's tokenizer files or the checkpoint's record.
+        tokenizer: the model's tokenizer (:func:`model_tokenizer`).
     """
 
     label: str
@@ -46,7 +40,7 @@ class LoadedModel:
 
     @property
     def training_length(self) -> int:
-        """The context length the model is built for (``config.max_positions``)."""
+        """``config.max_positions``."""
         return self.model.config.max_positions
 
 
@@ -61,20 +55,16 @@ def load_model(
     """Load ``spec``: a ``.ckpt`` file, a model folder, or a zoo name.
 
     Args:
-        spec: path of a Lightning checkpoint (``*.ckpt``), a folder written by
-            ``save_pretrained`` (or a local Hugging Face checkpoint), or a zoo model name
-            (``longnet.modeling.list_models()``).
+        spec: a ``*.ckpt`` path, a ``save_pretrained`` (or Hugging Face) folder, or a zoo name.
         device: where to put the model.
         dtype: parameter dtype (default float32).
         label: name in reports; default the zoo name, the folder name or the checkpoint stem.
-        overrides: config fields replaced at load (``LongNetLM.from_pretrained``'s overrides:
-            ``pattern``, ``attention_sinks``, ``select_top_k``, ``rope_extension``, ...); a
-            folder or zoo name only.
+        overrides: ``LongNetLM.from_pretrained`` config overrides (folder or zoo name only).
 
     Raises:
-        FileNotFoundError: an unknown name (the message lists the known ones), a missing file,
-            or a zoo entry without weights.
+        FileNotFoundError: an unknown name, a missing file, or a zoo entry without weights.
         ValueError: a checkpoint without a recognisable model config or LM weights.
+        UsageError: ``overrides`` for a checkpoint.
     """
     path = Path(spec)
     if path.suffix in CHECKPOINT_SUFFIXES or path.is_file():
@@ -98,13 +88,11 @@ def load_model(
 
 def model_tokenizer(model: LongNetLM, source: str,
                     kind: str) -> ByteTokenizer | SubwordTokenizer:
-    """The tokenizer of a model loaded from ``source``: bytes when its ``vocab_size`` is 256,
-    else the tokenizer files of its folder (``AutoTokenizer``) or the tokenizer a checkpoint
-    recorded.
+    """The tokenizer of a model loaded from ``source``: bytes for ``vocab_size`` 256, else its
+    folder's tokenizer files or the tokenizer its checkpoint recorded.
 
     Raises:
-        UsageError: a folder without tokenizer files, or a checkpoint without a tokenizer
-            record (the message says what to do).
+        UsageError: a folder without tokenizer files, or a checkpoint without a record.
     """
     if model.config.vocab_size == VOCAB_SIZE:
         return ByteTokenizer()
@@ -128,9 +116,8 @@ def load_models(
     labels: Sequence[str] | None = None,
     overrides: Sequence[dict[str, Any]] | None = None,
 ) -> list[LoadedModel]:
-    """:func:`load_model` for each spec (with its ``overrides``: one dict per spec, or one for
-    all); labels default to unique names (``name``, ``name-2``, ...) so that models with the
-    same folder name stay distinguishable."""
+    """:func:`load_model` for each spec (``overrides``: one dict per spec, or one for all);
+    default labels are made unique (``name``, ``name-2``, ...)."""
     if not specs:
         raise ValueError("no model given; pass at least one zoo name, folder or .ckpt file.")
     if labels is not None and len(labels) != len(specs):
@@ -157,7 +144,6 @@ def load_models(
 
 
 def _folder_label(path: Path) -> str:
-    """The folder's name; ``<parent>/model`` for the generic ``model`` folder that training
-    exports write (``<run>/model``)."""
+    """The folder's name; ``<run>/model`` for a training export's ``model`` folder."""
     path = path.resolve()
     return f"{path.parent.name}/{path.name}" if path.name == "model" else path.name

@@ -1,23 +1,12 @@
 """Passkey retrieval over a grid of context lengths x needle depths.
 
-A cell ``(length, depth)`` holds ``num_examples`` prompts from
-``longnet.data.passkey_examples(num_examples, length, depth, seed)``: ``length`` bytes in all
-(prompt + key), the needle within half a filler period of ``depth`` at a byte drawn per example,
-so that a cell's examples place it at every alignment modulo a dilation rate. The prompt is
-encoded with the model's tokenizer (bytes by default; a subword tokenizer gives fewer tokens,
-counted in ``PasskeyOutcome.prompt_tokens``, and reads the prompt without its final space,
-which it would join to the key: :func:`prompt_text`), the model greedily generates
-``num_digits + 1`` tokens after it (one more for a subword tokenizer), and the decoded text is
-compared as text: an example is correct when ``longnet.data.passkey_match`` accepts it (it
-starts with the key and the character after it is not a digit, so a longer number is wrong).
-Accuracy is the share of correct examples.
-
-Each outcome records the copy its answer makes, in the model's tokens: the distance from
-the needle key's first digit to the query that predicts the answer's first digit
-(:func:`copy_distance`), and whether the model's dilated pattern gives that query that key
-(:func:`visibility`): a dilated branch of rate ``r`` gives a query only the keys of its segment
-at its own offset modulo ``r``, and only to the heads at that offset, so a far needle may lie
-where no head of the query sees it. :func:`accuracy_by_visibility` splits accuracy by it.
+A cell ``(length, depth)`` holds ``num_examples`` prompts of ``length`` bytes
+(``longnet.data.passkey_examples``), the needle near ``depth`` at a byte drawn per example so
+that a cell covers every alignment modulo a dilation rate. The model reads the prompt in its own
+tokenizer and greedily generates the answer; an example is correct when
+``longnet.data.passkey_match`` accepts the decoded text. Each outcome also records the distance
+the answer copies the key over (:func:`copy_distance`) and whether the dilated pattern lets a
+head see that copy (:func:`visibility`).
 """
 
 from __future__ import annotations
@@ -46,11 +35,8 @@ VISIBILITIES = (DENSE, SPARSE, UNSEEN)
 
 @dataclass(frozen=True)
 class PasskeyOutcome:
-    """One example: the key, the decoded generated text, the needle's actual depth and its
-    distance in bytes from the end of the prompt, whether ``passkey_match(generated,
-    answer)`` holds, the prompt's length in tokens, the distance in tokens over which the
-    answer copies the key (:func:`copy_distance`) and whether the model's heads see that
-    copy (:func:`visibility`)."""
+    """One example: key, decoded answer, actual depth, needle distance from the prompt's end
+    (bytes), correctness, prompt length (tokens), :func:`copy_distance` and :func:`visibility`."""
 
     answer: str
     generated: str
@@ -90,16 +76,16 @@ class PasskeyCell:
 
     @property
     def mean_depth(self) -> float:
-        """Mean actual depth (each needle lies within half a filler period of the request)."""
+        """Mean actual needle depth."""
         return sum(o.depth for o in self.outcomes) / self.num_examples
 
 
 def check_passkey_grid(
     lengths: Sequence[int], depths: Sequence[float], num_digits: int = 5
 ) -> tuple[list[int], list[float]]:
-    """Validated ``(lengths, depths)``: lengths are ints of at least
-    ``min_passkey_length(num_digits)`` bytes, depths floats in ``[0, 1]``, both non-empty;
-    ``num_digits`` an int in ``[1, 18]``."""
+    """Validated ``(lengths, depths)``: distinct lengths of at least
+    ``min_passkey_length(num_digits)`` bytes, distinct depths in ``[0, 1]``; ``ValueError``
+    otherwise."""
     if not is_int(num_digits) or not 1 <= num_digits <= 18:
         raise ValueError(f"num_digits must be an integer in [1, 18], got {num_digits!r}.")
     if not lengths or not depths:
@@ -131,14 +117,11 @@ def answer_examples(
     tokenizer: ByteTokenizer | SubwordTokenizer | None = None,
     on_answered: Callable[[int], object] | None = None,
 ) -> list[str]:
-    """Greedy answers: ``len(answer) + 1`` generated tokens per example (one more for a
-    subword tokenizer), decoded to text.
+    """Greedy answers: ``len(answer) + 1`` tokens per example (one more for a subword
+    tokenizer), decoded to text.
 
-    Prompts are encoded with ``tokenizer`` (None: bytes; a subword tokenizer reads them
-    without their trailing spaces, :func:`prompt_text`, and the spaces the model generates
-    first are dropped from its answer); those of equal token length (all of one grid cell for
-    bytes) run ``batch_size`` at a time, in example order within a length. ``on_answered``
-    is called with the number of examples of each batch once it is answered (a progress
+    Prompts (in ``tokenizer``'s tokens, None: bytes; see :func:`prompt_text`) of equal token
+    length run ``batch_size`` at a time. ``on_answered(n)`` follows each batch (a progress
     bar's ``update``).
     """
     check_positive_int("batch_size", batch_size)
@@ -166,10 +149,8 @@ def answer_examples(
 
 
 def prompt_text(prompt: str, tokenizer: ByteTokenizer | SubwordTokenizer) -> tuple[str, str]:
-    """``(text to encode, held back)``: the prompt itself for bytes; for a subword tokenizer
-    the prompt without its trailing spaces, held back because such a tokenizer joins a space
-    to the word after it (GPT-2's pre-tokenization: "is 71432" is "is" + " 71432"), so the
-    prompt ends on a token boundary of the text the model was trained on."""
+    """``(text to encode, held back)``: for a subword tokenizer the trailing spaces are held
+    back, since it joins a space to the next word ("is 71432" is "is" + " 71432")."""
     if isinstance(tokenizer, ByteTokenizer):
         return prompt, ""
     text = prompt.rstrip(" ")
@@ -188,14 +169,12 @@ def evaluate_passkey(
     progress: bool | str = False,
     tokenizer: ByteTokenizer | SubwordTokenizer | None = None,
 ) -> list[PasskeyCell]:
-    """Accuracy for every ``(length, depth)`` cell, lengths (in bytes) outer, depths inner;
-    prompts in ``tokenizer``'s tokens (None: bytes; ``LoadedModel.tokenizer``).
+    """Accuracy for every ``(length, depth)`` cell, lengths (bytes) outer, depths inner;
+    prompts in ``tokenizer``'s tokens (None: bytes).
 
-    The examples of a cell depend only on ``(seed, length, depth, num_digits)``, so a grid
-    evaluated one length at a time gives the same cells. Each outcome's :func:`visibility`
-    is that of the model's pattern and query heads. ``progress`` shows a tqdm bar per length
-    (on stderr; a string is its description, followed by ``@ <length>``) counting the
-    examples answered.
+    A cell's examples depend only on ``(seed, length, depth, num_digits)``, so a grid run one
+    length at a time gives the same cells. ``progress``: a tqdm bar per length (a string is
+    its description).
 
     Raises:
         ValueError: a byte tokenizer for a model whose vocabulary is not 256 (give its own).
@@ -238,11 +217,8 @@ def _outcome(model: LongNetLM, example: PasskeyExample, generated: str,
 def copy_positions(
     example: PasskeyExample, tokenizer: ByteTokenizer | SubwordTokenizer | None = None
 ) -> tuple[int, int]:
-    """``(key, query)``: in ``tokenizer``'s tokens (None: bytes) of the text ``prompt +
-    answer``, the position of the token holding the needle key's first digit and of the query
-    that predicts the answer's first digit (the token before the one holding it). A head
-    copies the key into the answer over ``query - key`` (:func:`copy_distance`); a passkey
-    training sample starts with its prompt, so these are also its positions in the window."""
+    """``(key, query)`` token positions in ``prompt + answer`` (None tokenizer: bytes): the
+    token holding the key's first digit and the query predicting the answer's first digit."""
     if tokenizer is None or isinstance(tokenizer, ByteTokenizer):
         return example.key_start, len(example.prompt) - 1
     ((_, token_bytes),) = tokenizer.encode_documents([example.prompt + example.answer])
@@ -257,22 +233,16 @@ def copy_positions(
 def copy_distance(
     example: PasskeyExample, tokenizer: ByteTokenizer | SubwordTokenizer | None = None
 ) -> int:
-    """The distance a head attends over to copy the key into the answer, in ``tokenizer``'s
-    tokens (None: bytes) of the text ``prompt + answer``: from the token holding the needle
-    key's first digit to the query that predicts the answer's first digit
-    (:func:`copy_positions`); the same at every digit. In a branch of rate ``r`` that query
-    sees that key only when the distance is a multiple of ``r`` (:func:`visibility` says
-    whether a head does). For bytes it is ``len(prompt) - 1 - key_start``."""
+    """``query - key`` of :func:`copy_positions`: the distance, in tokens, a head attends over
+    to copy the key into the answer."""
     key, query = copy_positions(example, tokenizer)
     return query - key
 
 
 def visibility(pattern: DilatedPattern, num_heads: int, query: int, key: int) -> str:
-    """How the query at position ``query`` is given the key at ``key`` by a causal model of
-    ``pattern`` with ``num_heads`` query heads (``DilatedPattern.key_multiplicity``):
-    ``"dense"`` by a rate-1 branch, ``"sparse"`` by heads of sparse branches only (the two in
-    one segment of a branch, at the offset of a head), ``"unseen"`` by no head (the key can
-    only reach the query through another row that carries it)."""
+    """How the query at ``query`` sees the key at ``key`` under ``pattern`` with ``num_heads``
+    heads (``DilatedPattern.key_multiplicity``): ``"dense"`` through a rate-1 branch,
+    ``"sparse"`` through sparse branches only, ``"unseen"`` through no head."""
     check_positive_int("num_heads", num_heads)
     check_non_negative_int("key", key)
     if not key <= query:
@@ -288,9 +258,7 @@ def visibility(pattern: DilatedPattern, num_heads: int, query: int, key: int) ->
 
 def passkey_rows(label: str, cells: Sequence[PasskeyCell], num_digits: int
                  ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The rows of ``passkey.csv`` (one per cell; ``context_tokens``: the mean prompt tokens
-    plus the key's digits) and of ``passkey_generations.csv`` (one per example) of the model
-    ``label``'s ``cells``."""
+    """Rows of ``passkey.csv`` (per cell) and ``passkey_generations.csv`` (per example)."""
     rows, example_rows = [], []
     for cell in cells:
         rows.append({
@@ -315,10 +283,6 @@ def passkey_rows(label: str, cells: Sequence[PasskeyCell], num_digits: int
 def accuracy_by_visibility(cells: Sequence[PasskeyCell]) -> list[dict[str, int | float | str]]:
     """Accuracy per context length and :func:`visibility` of the examples' copies.
 
-    A dilated model can only find a needle where its pattern lets some head see the copy, or
-    through a row that carries the key; a grid's accuracy then mixes copies it can and cannot
-    see, and this table separates them.
-
     Returns:
         rows ``{"context_length", "visibility", "examples", "correct", "accuracy"}``, lengths
         in the cells' order, visibilities in ``VISIBILITIES``' order; a pair with no example
@@ -331,15 +295,9 @@ def accuracy_by_visibility(cells: Sequence[PasskeyCell]) -> list[dict[str, int |
 def accuracy_by_alignment(
     cells: Sequence[PasskeyCell], rate: int, beyond: int = 0
 ) -> list[dict[str, int | float]]:
-    """Deprecated (a ``FutureWarning``): :func:`accuracy_by_visibility` says which copies the
-    model's heads see, for any pattern. Accuracy per context length and needle alignment,
-    ``copy_distance % rate``.
-
-    In a branch of dilation rate ``r`` a query sees only the keys at its own offset modulo ``r``
-    (docs/architecture.md), so a dilated model can retrieve a far needle at some alignments and
-    miss it at all others; a grid's accuracy then looks merely low. Alignment 0 is a copy that
-    a branch of rate ``rate`` sees. Only copies over more than ``beyond`` tokens count
-    (pass the longest segment of the model's rate-1 branches, which see every alignment).
+    """Deprecated (``FutureWarning``; use :func:`accuracy_by_visibility`): accuracy per
+    context length and needle alignment ``copy_distance % rate``, over copies longer than
+    ``beyond`` tokens.
 
     Returns:
         rows ``{"context_length", "alignment", "examples", "correct", "accuracy"}``, lengths in
@@ -360,9 +318,8 @@ def _accuracy_by(
     cells: Sequence[PasskeyCell], column: str, group: Callable[[PasskeyOutcome], Any],
     order: Callable[[Any], int],
 ) -> list[dict[str, Any]]:
-    """Rows ``{"context_length", column, "examples", "correct", "accuracy"}`` of the outcomes
-    by length and ``group(outcome)`` (None: left out), lengths in the cells' order, groups by
-    ``order``; a pair with no outcome has no row."""
+    """Rows ``{"context_length", column, "examples", "correct", "accuracy"}`` grouped by
+    length and ``group(outcome)`` (None: left out), groups sorted by ``order``."""
     counts: dict[tuple[int, Any], list[int]] = {}
     for cell in cells:
         for outcome in cell.outcomes:

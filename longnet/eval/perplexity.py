@@ -30,8 +30,7 @@ def default_context_lengths(models: Sequence[LoadedModel]) -> list[int]:
 
 @dataclass(frozen=True)
 class ContextScore:
-    """One model scored at one context length: the totals, the per-target NLLs of every
-    document (``result.token_nll``) and the wall time of the scoring."""
+    """One model scored at one context length, with the per-target NLLs and the wall time."""
 
     model: LoadedModel
     result: SlidingWindowResult
@@ -48,14 +47,10 @@ def score_models(
     progress: bool = False,
     on_score: Callable[[ContextScore], None] | None = None,
 ) -> list[ContextScore]:
-    """Score every document with every model at every context length (models outer), keeping
-    the per-target NLLs. ``documents`` are bytes (``load_eval_documents``); each model reads
-    them in its own tokenizer's tokens (``LoadedModel.tokenizer``), so every model is scored
-    on the same bytes. Every length is checked against every model before any work.
-
-    ``progress`` shows a tqdm bar per model and context length (``"<label> @ <length>"``, on
-    stderr); ``on_score`` is called with each score as soon as it is computed (to write the
-    results so far, so an interrupted run keeps them)."""
+    """Score byte ``documents`` with every model (outer, each in its own tokenizer) at every
+    context length, keeping the per-target NLLs; every length is checked against every model
+    first. ``progress``: a tqdm bar per model and length; ``on_score`` gets each score as soon
+    as it is computed."""
     if not context_lengths:
         raise ValueError("give at least one context length.")
     for item in models:
@@ -87,15 +82,10 @@ def bits_per_byte_rows(
 ) -> list[dict[str, Any]]:
     """One row per score.
 
-    Row keys: ``model``, ``training_length`` (``max_positions``), ``context_length`` (tokens),
-    ``context_bytes`` (the same in bytes: ``context_length * bytes_per_token``), ``stride``,
-    ``documents``, ``bytes``, ``tokens`` (scored targets: the documents' tokens + one EOS per
-    document), ``bytes_per_token``, ``windows``, ``longest_window``, ``nll_nats`` (summed),
-    ``bits_per_byte`` (``nll_nats / ln 2 / bytes``), ``bits_per_token``, ``perplexity`` (per
-    token), ``seconds`` (wall time of the scoring);
-    with ``score_from`` also ``scored_from``, ``scored_bytes`` and ``scored_bits_per_byte``:
-    the bytes at document positions ``>= score_from`` only, the same bytes for every context
-    length (see :mod:`longnet.eval.positions`).
+    Columns: those of :class:`~longnet.eval.sliding.SlidingWindowResult` plus ``model``,
+    ``training_length`` and ``seconds`` (docs/evaluation.md); with ``score_from`` also
+    ``scored_from``, ``scored_bytes`` and ``scored_bits_per_byte`` (bytes at document
+    positions ``>= score_from`` only).
     """
     rows = []
     for score in scores:
@@ -129,9 +119,8 @@ def bits_per_byte_rows(
 def position_rows(
     scores: Sequence[ContextScore], buckets: Sequence[tuple[int, int]]
 ) -> list[dict[str, Any]]:
-    """One row per (score, position bucket): ``model``, ``context_length``, ``start``,
-    ``end``, ``bytes`` and ``bits_per_byte`` of the bytes at document positions
-    ``[start, end)``."""
+    """One row per (score, position bucket ``[start, end)``): ``model``, ``context_length``,
+    ``start``, ``end``, ``bytes``, ``bits_per_byte``."""
     return [
         {"model": score.model.label, "context_length": score.result.context_length,
          "start": bucket.start, "end": bucket.end, "bytes": bucket.num_bytes,

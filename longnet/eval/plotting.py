@@ -1,5 +1,4 @@
-"""Figures of the evaluations (matplotlib's object API with the Agg canvas: no global backend
-is touched and no display is needed)."""
+"""Figures of the evaluations (matplotlib on an Agg canvas: no global backend, no display)."""
 
 from __future__ import annotations
 
@@ -23,16 +22,15 @@ def plot_bits_per_byte(
     baseline_note: str = "",
     training_lengths: Mapping[str, int] | None = None,
 ) -> Path:
-    """Line plot: one line per model of bits per byte against context length (log2 axis),
-    plus one horizontal reference line per compressor.
+    """Bits per byte against context length (log2 axis), a line per model and a horizontal
+    line per compressor.
 
     Args:
         curves: model label -> ``[(context_length, bits_per_byte), ...]``.
         baselines: compressor name -> bits per byte.
         path: the PNG to write.
-        baseline_note: appended to the compressor legend entries (e.g. the mode).
-        training_lengths: model label -> training context length, drawn as a thin vertical
-            line in the model's colour.
+        baseline_note: appended to the compressor legend entries.
+        training_lengths: model label -> training length, a dotted vertical line.
     """
     fig = Figure(figsize=(7.5, 4.8), dpi=120, layout="constrained")
     FigureCanvasAgg(fig)
@@ -65,11 +63,10 @@ def plot_bits_by_position(
     *,
     title: str = "Bits per byte by position in the document",
 ) -> Path:
-    """One line per curve of bits per byte against the position bucket of the scored bytes.
+    """Bits per byte against position bucket, a line per curve.
 
     Args:
-        curves: label (e.g. ``"model @ 16K"``) -> ``[(start, end, bits_per_byte), ...]``, the
-            same buckets for every curve; empty buckets (NaN) are skipped.
+        curves: label -> ``[(start, end, bits_per_byte), ...]``; NaN buckets are skipped.
         path: the PNG to write.
     """
     if not curves:
@@ -94,7 +91,7 @@ def plot_passkey_heatmaps(
     *,
     title: str = "Passkey retrieval accuracy",
 ) -> Path:
-    """One depth-by-length heatmap per model (side by side), cells annotated with accuracy.
+    """A depth-by-length accuracy heatmap per model, side by side.
 
     Args:
         grids: model label -> ``(lengths, depths, accuracy)`` with ``accuracy`` of shape
@@ -143,7 +140,7 @@ def _short(length: int) -> str:
 
 
 def _save_bits_plot(fig: Figure, ax, xlabel: str, title: str, path: str | Path) -> Path:
-    """Label a bits-per-byte line plot (y axis, grid, legend) and write it."""
+    """Label a bits-per-byte line plot and write it."""
     ax.set_xlabel(xlabel)
     ax.set_ylabel("bits per byte")
     ax.set_title(title)

@@ -1,22 +1,9 @@
-"""Where in a document the model's bits go: bits per byte by position, and over a fixed set of
-scored bytes.
+"""Bits per byte by position in the document, and over the bytes from a position on
+(docs/evaluation.md).
 
-Both read the per-target negative log-likelihoods of a sliding-window scoring
-(``score_documents(..., return_token_nll=True)``): per document an array of ``num_tokens + 1``
-NLLs in nats, entry ``p`` being the NLL of the document's token ``p`` (the last entry is the
-closing EOS, which covers no byte and is left out here). For bytes, token ``p`` is byte ``p``;
-for a subword tokenizer (``token_bytes``: the UTF-8 bytes each target covers) a token sits at
-the byte position where it starts and counts its bytes, so positions are in bytes for every
-tokenizer.
-
-- **By position**: the mean bits of the bytes whose index in their document lies in a bucket
-  ``[start, end)``; buckets double in length (``[0, 512)``, ``[512, 1K)``, ``[1K, 2K)``, ...).
-  Scored with the full window, a falling curve past 2K means the model uses what it read
-  thousands of bytes earlier: the standard long-context plot.
-- **Same scored bytes**: the mean bits of the bytes at index ``>= start`` in every document.
-  With ``start`` at least the longest context compared, the same bytes are scored under every
-  context length and each sees (nearly) the full window, so differences between context
-  lengths are the value of the extra context alone (not a change of which bytes are scored).
+Both read ``score_documents(..., return_token_nll=True)``'s per-target NLLs (nats; the closing
+EOS, which covers no byte, is left out). A token sits at the byte where it starts and counts its
+bytes, so positions are in bytes for every tokenizer.
 """
 
 from __future__ import annotations
@@ -44,8 +31,7 @@ class PositionBucket:
 
 
 def position_buckets(limit: int, first: int = FIRST_BUCKET) -> list[tuple[int, int]]:
-    """``[(0, first), (first, 2 first), (2 first, 4 first), ...]`` up to ``limit`` (the last
-    bucket ends at ``limit``).
+    """``[(0, first), (first, 2 first), ...]``, the last bucket ending at ``limit``.
 
     Raises:
         ValueError: ``first`` or ``limit`` is not a positive integer.
@@ -63,8 +49,8 @@ def position_buckets(limit: int, first: int = FIRST_BUCKET) -> list[tuple[int, i
 def _document_targets(
     token_nll: Sequence[np.ndarray], token_bytes: Sequence[np.ndarray] | None
 ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """Per document ``(nll, starts, counts)`` of its tokens (the closing EOS dropped): NLLs,
-    the byte position each token starts at and the bytes it covers; checked complete."""
+    """Per document ``(nll, starts, counts)`` of its tokens, the closing EOS dropped: NLLs,
+    starting byte positions and bytes covered."""
     if not token_nll:
         raise ValueError("token_nll is empty: score at least one document.")
     if token_bytes is not None and len(token_bytes) != len(token_nll):
@@ -90,13 +76,9 @@ def bits_by_position(
     token_nll: Sequence[np.ndarray], buckets: Sequence[tuple[int, int]],
     token_bytes: Sequence[np.ndarray] | None = None,
 ) -> list[PositionBucket]:
-    """Mean bits per byte of the bytes in each position bucket, over all documents: the NLL
-    of the tokens starting in the bucket over the bytes they cover (``token_bytes``: per
-    document the ``(num_tokens + 1,)`` bytes of each target, as ``score_documents`` returns
-    them; None: bytes, one each).
-
-    A bucket no document reaches has ``num_bytes == 0`` and ``bits_per_byte`` NaN.
-    """
+    """Mean bits per byte of the tokens starting in each bucket, over all documents
+    (``token_bytes``: as ``score_documents`` returns them; None: bytes). A bucket no document
+    reaches has ``num_bytes == 0`` and ``bits_per_byte`` NaN."""
     documents = _document_targets(token_nll, token_bytes)
     out = []
     for start, end in buckets:
@@ -112,8 +94,7 @@ def bits_by_position(
 
 def bits_from_position(token_nll: Sequence[np.ndarray], start: int,
                        token_bytes: Sequence[np.ndarray] | None = None) -> PositionBucket:
-    """Mean bits per byte of every byte at document position ``>= start`` (tokens as in
-    :func:`bits_by_position`).
+    """Mean bits per byte of every byte at document position ``>= start``.
 
     Raises:
         ValueError: no document is longer than ``start`` bytes.

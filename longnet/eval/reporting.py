@@ -1,5 +1,4 @@
-"""Tables and files: CSV rows, a plain-text table, the run's settings as JSON, and parsing of
-context-length arguments such as ``1K``."""
+"""CSV files, plain-text tables, ``run.json``, and lengths such as ``16K``."""
 
 from __future__ import annotations
 
@@ -45,9 +44,8 @@ def powers_of_two(low: int, high: int) -> list[int]:
 
 
 def write_csv(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
-    """Write dict rows (same keys, in the first row's order) with a header line, whole or not
-    at all (``longnet.files.write_atomic``: an earlier file stays until the new one is
-    complete)."""
+    """Write dict rows (the first row's keys) with a header, whole or not at all
+    (``longnet.files.write_atomic``)."""
     path = Path(path)
     if not rows:
         raise ValueError(f"no rows to write to {path}.")
@@ -72,8 +70,7 @@ def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | Non
 
 
 def write_run_info(path: str | Path, settings: Mapping[str, Any]) -> Path:
-    """``settings`` plus the command line and the git commit, as JSON (written whole or not at
-    all, as :func:`write_csv`)."""
+    """``settings`` plus the command line and the git commit, as JSON (written atomically)."""
     info = {"command": " ".join(sys.argv), "git_commit": _git_commit(), **settings}
     return write_atomic(path, json.dumps(info, indent=2, default=str) + "\n")
 

@@ -1,23 +1,15 @@
 """Sliding-window scoring of whole documents: every token scored exactly once, no window
 crossing a document boundary.
 
-A document of ``n`` tokens (bytes, or a subword tokenizer's) is framed as in training,
-``[EOS] tokens [EOS]`` (``n + 2`` tokens, :func:`longnet.data.encoding.frame_document`, with the
-model's ``eos_token_id``). Input position ``p`` (``0 <= p <= n``) predicts token ``p + 1``, so
-a document has ``n + 1`` targets: its tokens and the closing EOS. Bits per byte divide the
-summed NLL of all targets by the document's UTF-8 bytes (each token's, from the tokenizer's
-offsets; the EOS covers none), so models of any tokenizer are compared on the same bytes.
+A document of ``n`` tokens is framed as in training, ``[EOS] tokens [EOS]``
+(:func:`longnet.data.encoding.frame_document`); input position ``p`` predicts token ``p + 1``,
+so it has ``n + 1`` targets. Bits per byte divide the summed NLL by the document's UTF-8 bytes
+(the EOS covers none), so models of any tokenizer compare on the same bytes.
 
-For a window (context length) ``C`` and stride ``S <= C``, windows end at input positions
-``C, C + S, C + 2S, ...`` (the last one clipped to ``n + 1``) and each spans the ``C``
-positions before its end (fewer when the document is shorter than ``C``). A window scores
-only the targets after the previous window's end, so every target is scored exactly once and,
-outside the first window, sees at least ``C - S`` preceding tokens of its own document
-(at most ``C - 1``). Targets in the first window of a document see only the tokens before
-them in that document (``p`` tokens of context at input position ``p``). ``S = C`` scores
-each window completely (non-overlapping chunks, cheapest); ``S = 1`` gives every target the
-full ``min(p, C - 1)`` context (one forward per token). Each window is fed as a sequence of
-its own starting at position 0, as in training.
+Windows of length ``C`` end at ``C, C + S, C + 2S, ...`` (the last clipped to ``n + 1``); each
+scores only the targets after the previous window's end, so outside the first window a target
+sees at least ``C - S`` tokens of its document. ``S = C``: non-overlapping chunks (cheapest);
+``S = 1``: full context for every target. Each window starts at position 0, as in training.
 """
 
 from __future__ import annotations
@@ -40,8 +32,7 @@ from longnet.modeling import LongNetLM
 from longnet.validation import check_positive_int
 
 SCORED_ROWS = 4096
-"""Scored positions whose logits exist at once (:func:`score_documents`): 4,096 x 49,152 ids
-in float32 are 0.8 GB."""
+"""Scored positions whose logits exist at once (4,096 x 49,152 ids in float32: 0.8 GB)."""
 
 
 @dataclass(frozen=True)
@@ -70,17 +61,14 @@ class SlidingWindowResult:
     Attributes:
         context_length, stride: the window and its step, in tokens.
         num_documents, num_bytes: documents and their UTF-8 bytes (EOS excluded).
-        num_tokens: scored targets, the documents' tokens + ``num_documents`` (each closing
-            EOS); equal to ``num_bytes + num_documents`` for bytes.
+        num_tokens: scored targets: the documents' tokens + one closing EOS each.
         nll_sum: summed negative log-likelihood of the scored targets, in nats.
         num_windows: forward passes (rows) run.
-        longest_window: the longest window actually used (``< context_length`` when every
-            document is shorter than the context).
+        longest_window: the longest window used (``< context_length`` for short documents).
         token_nll: with ``return_token_nll``, per document the ``(num_tokens + 1,)`` float64
             NLL of each target in nats; otherwise None.
         token_bytes: with ``return_token_nll`` and subword documents, per document the
-            ``(num_tokens + 1,)`` UTF-8 bytes each target covers (0 for the EOS); None for
-            bytes (one per target but the EOS).
+            ``(num_tokens + 1,)`` UTF-8 bytes of each target (0 for the EOS); None for bytes.
     """
 
     context_length: int
@@ -101,7 +89,7 @@ class SlidingWindowResult:
 
     @property
     def bits_per_byte(self) -> float:
-        """Code length of the documents (bytes and closing EOS) in bits per document byte."""
+        """Bits of all targets (EOS included) per document byte."""
         return self.nll_sum / NATS_PER_BIT / self.num_bytes
 
     @property
@@ -134,8 +122,8 @@ def check_context_length(context_length: int, model: LongNetLM | None = None) ->
 
 
 def resolve_stride(context_length: int, stride: int | float | None) -> int:
-    """The stride in tokens: ``None`` = ``context_length``; an int in ``[1, context_length]``;
-    a float in ``(0, 1]`` = that fraction of the context (at least 1 token)."""
+    """The stride in tokens: None = ``context_length``; an int in ``[1, context_length]``; a
+    float in ``(0, 1]`` = that fraction of the context (at least 1 token)."""
     if stride is None:
         return context_length
     if isinstance(stride, bool):
@@ -157,12 +145,8 @@ def resolve_stride(context_length: int, stride: int | float | None) -> int:
 def plan_windows(
     num_targets: int, context_length: int, stride: int, document: int = 0
 ) -> list[Window]:
-    """The windows of one document with ``num_targets`` input positions (``num_bytes + 1``).
-
-    Windows end at ``C, C + S, ...`` (the last clipped to ``num_targets``) and start ``C``
-    positions before their end (at 0 for the first); their ``[score_from, end)`` ranges
-    partition ``[0, num_targets)`` in order.
-    """
+    """The windows of one document with ``num_targets`` input positions (module docstring);
+    their ``[score_from, end)`` ranges partition ``[0, num_targets)`` in order."""
     check_positive_int("num_targets", num_targets)
     check_context_length(context_length)
     if not 1 <= stride <= context_length:
@@ -190,10 +174,8 @@ def score_documents(
 ) -> SlidingWindowResult:
     """Score every target of every document once with sliding windows (module docstring).
 
-    Windows are sorted by length and run ``batch_size`` at a time, right-padded with the
-    model's ``pad_token_id`` (else ``PAD_ID``) to the longest in the batch; with causal
-    attention padding after a position never changes it, so the result does not depend on
-    the batching.
+    Windows run longest first, ``batch_size`` at a time, right-padded (causal attention: the
+    padding changes no score, so batching does not change the result).
 
     Args:
         model: a causal LM (eval mode is set here); inputs go to its device.
@@ -202,10 +184,10 @@ def score_documents(
         stride: see :func:`resolve_stride` (default: ``C``).
         batch_size: windows per forward pass.
         return_token_nll: also return the per-target NLL arrays.
-        progress: show a tqdm bar (a string is used as its description).
+        progress: show a tqdm bar (a string is its description).
 
     Returns:
-        The totals; NLL sums are accumulated in float64.
+        The totals, accumulated in float64.
     """
     check_context_length(context_length, model)
     step = resolve_stride(context_length, stride)
@@ -276,8 +258,8 @@ def _score_batch(
     model: LongNetLM, framed: Sequence[np.ndarray], batch: Sequence[Window], device: torch.device
 ) -> list[np.ndarray]:
     """Per window, the float64 NLL ``(num_scored,)`` of its scored targets. The LM head runs on
-    the scored positions only, :data:`SCORED_ROWS` at a time: a window's logits never exist
-    whole (32K positions of a 49,152-id vocabulary are 6.4 GB in float32)."""
+    scored positions only, :data:`SCORED_ROWS` at a time, so a window's logits never exist
+    whole."""
     length = max(w.length for w in batch)
     pad = PAD_ID if model.config.pad_token_id is None else model.config.pad_token_id
     inputs = np.full((len(batch), length), pad, dtype=np.int64)
