@@ -9,7 +9,6 @@ from longnet.eval.loading import LoadedModel, load_model, load_models, model_tok
 from longnet.eval.passkey import (
     PasskeyCell,
     PasskeyOutcome,
-    accuracy_by_alignment,
     accuracy_by_visibility,
     answer_examples,
     check_passkey_grid,
@@ -53,7 +52,6 @@ __all__ = [
     "PositionBucket",
     "SlidingWindowResult",
     "Window",
-    "accuracy_by_alignment",
     "accuracy_by_visibility",
     "answer_examples",
     "bits_by_position",

@@ -11,7 +11,6 @@ head see that copy (:func:`visibility`).
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -290,28 +289,6 @@ def accuracy_by_visibility(cells: Sequence[PasskeyCell]) -> list[dict[str, int |
     """
     return _accuracy_by(cells, "visibility", lambda outcome: outcome.visibility,
                         VISIBILITIES.index)
-
-
-def accuracy_by_alignment(
-    cells: Sequence[PasskeyCell], rate: int, beyond: int = 0
-) -> list[dict[str, int | float]]:
-    """Deprecated (``FutureWarning``; use :func:`accuracy_by_visibility`): accuracy per
-    context length and needle alignment ``copy_distance % rate``, over copies longer than
-    ``beyond`` tokens.
-
-    Returns:
-        rows ``{"context_length", "alignment", "examples", "correct", "accuracy"}``, lengths in
-        the cells' order, alignments ascending; a pair with no such needle has no row.
-    """
-    warnings.warn(
-        "accuracy_by_alignment is deprecated: accuracy_by_visibility(cells) splits accuracy by "
-        "whether the model's heads see each copy (PasskeyOutcome.visibility), for any pattern.",
-        FutureWarning, stacklevel=2)
-    check_positive_int("rate", rate)
-    return _accuracy_by(
-        cells, "alignment",
-        lambda outcome: outcome.copy_distance % rate if outcome.copy_distance > beyond else None,
-        lambda alignment: alignment)
 
 
 def _accuracy_by(

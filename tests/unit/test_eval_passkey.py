@@ -14,7 +14,6 @@ from longnet.data.subword import from_backend
 from longnet.data.synthetic import NEEDLE_JITTER, min_passkey_length, needle_window
 from longnet.data.tokenizer import train_bpe
 from longnet.eval import (
-    accuracy_by_alignment,
     accuracy_by_visibility,
     check_passkey_grid,
     copy_distance,
@@ -97,39 +96,6 @@ def test_grid_counts_only_exact_answers():
     cells = evaluate_passkey(OracleLM(early_only), [1000], [0.0, 1.0], num_examples=4)
     assert [c.accuracy for c in cells] == [1.0, 0.0]
     assert [c.num_correct for c in cells] == [4, 0]
-
-
-def test_accuracy_by_alignment_splits_far_needles_by_distance_modulo_the_rate():
-    """A model that copies only over odd distances scores 1 at alignment 1 and 0 at alignment
-    0; the counts are those of the examples' own copy distances (bytes from the needle's key
-    to the byte before the answer)."""
-
-    def key_bytes(prompt: str) -> int:
-        return len(prompt) - 1 - (prompt.index("The pass key is ") + len("The pass key is "))
-
-    def odd_only(key: str, prompt: str) -> str:
-        return key if key_bytes(prompt) % 2 else "00000"
-
-    lengths, depths, beyond = [700, 1500], [0.0, 0.5, 1.0], 200
-    cells = evaluate_passkey(OracleLM(odd_only), lengths, depths, num_examples=6, seed=3)
-    with pytest.warns(FutureWarning, match="accuracy_by_visibility"):
-        rows = accuracy_by_alignment(cells, 2, beyond=beyond)
-    expected = []
-    for length in lengths:
-        distances = [key_bytes(e.prompt)
-                     for depth in depths for e in passkey_examples(6, length, depth, seed=3)]
-        for alignment in (0, 1):
-            far = [d for d in distances if d > beyond and d % 2 == alignment]
-            if far:
-                expected.append((length, alignment, len(far), len(far) * alignment))
-    assert [(r["context_length"], r["alignment"], r["examples"], r["correct"])
-            for r in rows] == expected
-    assert {r["accuracy"] for r in rows} == {0.0, 1.0}
-    with pytest.warns(FutureWarning):
-        assert sum(r["examples"] for r in accuracy_by_alignment(cells, 3)) == 2 * len(depths) * 6
-        assert accuracy_by_alignment(cells, 2, beyond=10**6) == []
-        with pytest.raises(ValueError, match="rate"):
-            accuracy_by_alignment(cells, 0)
 
 
 def test_accuracy_by_visibility_splits_copies_by_what_the_heads_see():
