@@ -169,7 +169,7 @@ def check_cache(cache: object, kind: type) -> None:
         return
     hint = ""
     if isinstance(cache, torch.distributed.ProcessGroup):
-        hint = (" (a process group is no longer an argument of forward: apply it to the model "
+        hint = (" (a process group is not an argument of forward: apply it to the model "
                 "once with longnet.distributed.parallelize(model, SequenceParallel(group)))")
     raise TypeError(
         f"cache must be a {kind.__name__} or None, got {type(cache).__name__} "

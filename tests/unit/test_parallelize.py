@@ -131,7 +131,7 @@ def test_the_encoder_pools_over_a_parallelized_group(group):
      "LongNetLM.forward.. got an unexpected keyword argument 'grop'"),
     (lambda lm, x: lm.model.layers[0].attn(torch.randn(1, 16, 32, dtype=torch.float64),
                                             torch.arange(16), dist.group.WORLD), TypeError,
-     r"cache must be a LayerKVCache or None, got ProcessGroup .*no longer an argument of "
+     r"cache must be a LayerKVCache or None, got ProcessGroup .*not an argument of "
      r"forward.*parallelize"),
     (lambda lm, x: lm(x, None, None, dist.group.WORLD), TypeError,
      "cache must be a KVCache or None, got ProcessGroup"),
