@@ -1,8 +1,6 @@
-"""Training: the causal-LM LightningModule, its learning rate, data order, callbacks.
-
-The ``longnet`` command (``longnet.cli``) drives these from YAML configs in ``configs/``;
-see ``docs/training.md``. The sequence-parallel strategies live in ``parallel/``.
-"""
+"""Training: the causal-LM LightningModule, its metrics, learning rate, data order and
+callbacks, driven by the ``longnet`` command from YAML configs (docs/training.md).
+The sequence-parallel strategies live in ``parallel/``."""
 
 from longnet.training.callbacks import ExportPretrained, LastCheckpoint, ValidateLastStep
 from longnet.training.checkpoint import (
@@ -11,16 +9,15 @@ from longnet.training.checkpoint import (
     load_lightning_checkpoint,
     read_checkpoint,
 )
-from longnet.training.curriculum import LengthCurriculum
-from longnet.training.lora import LoraSettings, merge_delta
-from longnet.training.module import (
-    CausalLMModule,
-    TokenAccuracy,
-    TokenCrossEntropy,
-    TrainingDiverged,
-    lm_summary,
+from longnet.training.curriculum import (
+    EpochIndexSampler,
+    EpochLoader,
+    LengthCurriculum,
+    ResumableDataOrder,
 )
-from longnet.training.order import EpochIndexSampler, EpochLoader, ResumableDataOrder
+from longnet.training.lora import LoraSettings, merge_delta
+from longnet.training.metrics import TokenAccuracy, TokenCrossEntropy, lm_summary
+from longnet.training.module import CausalLMModule, TrainingDiverged
 from longnet.training.parallel import (
     SequenceParallelLayout,
     SequenceParallelModule,

@@ -35,23 +35,14 @@ from longnet.validation import UsageError, check_positive_int
 
 
 def validation_follows(trainer: L.Trainer) -> bool:
-    """Whether the fit loop validates after the training batch whose ``on_train_batch_end``
-    runs now: Lightning's own decision (``_should_check_val_fx``), which the loop takes right
-    after that hook."""
+    """Whether the fit loop validates after the batch whose ``on_train_batch_end`` runs now."""
     fit_loop = trainer.fit_loop
     return fit_loop.epoch_loop._should_check_val_fx(fit_loop._data_fetcher)
 
 
 class ValidateLastStep(L.Callback):
-    """Validate after the last optimizer step of ``fit`` (``max_steps``) too: Lightning
-    validates every ``val_check_interval`` steps only, so a run whose length is not a multiple
-    of it (e.g. one extended with ``--trainer.max_steps``) would end with its best checkpoint,
-    export and ``metrics.json`` behind its last step.
-
-    Through Lightning's own stop request: ``trainer.should_stop``, set before the last
-    optimizer step, after which its loop validates (as for early stopping) and ends. The
-    ``longnet`` command adds it to every trainer.
-    """
+    """Validate after the last optimizer step of ``fit`` too (via ``should_stop``), so the
+    best checkpoint, export and ``metrics.json`` are not behind the last step."""
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule,
                                  optimizer: Any) -> None:
@@ -60,26 +51,9 @@ class ValidateLastStep(L.Callback):
 
 
 class LastCheckpoint(ModelCheckpoint):
-    """``last.ckpt``: the whole training state every ``every_n_train_steps`` optimizer steps,
-    after every validation of ``fit`` and when ``fit`` ends, for ``fit --ckpt_path last``.
-
-    A ``ModelCheckpoint`` (so ``ckpt_path="last"`` finds it) that keeps no top-k files; pair it
-    with a ``ModelCheckpoint(monitor="val/loss")`` for the best weights.
-
-    ``last.ckpt`` is written only where the run is complete up to its step, and it never names
-    a file that is deleted afterwards:
-
-    - at a step followed by a validation, it is written after that validation (not before, where
-      Lightning would skip the validation on resume), and after the other checkpoint callbacks
-      (it moves itself behind them in ``setup``): the best checkpoint it names is the one the
-      validation kept, not one the top-k callback deletes;
-    - a checkpoint resumed from (``on_load_checkpoint``) that names files deleted after it was
-      written (a run killed between a top-k update and the next ``last.ckpt``, or a
-      ``last.ckpt`` written before the validation of its step) forgets them, and the
-      checkpoints its run wrote after it that it does not know (the interrupted part, which
-      the resumed run does again) are deleted, so that no stale or duplicate best checkpoint
-      is exported or tested. A checkpoint of another folder restores no top-k state (this
-      folder's best starts afresh).
+    """``last.ckpt`` every ``every_n_train_steps`` steps, after each validation and at the end
+    of ``fit``, written after the other checkpoint callbacks so it never names a deleted file;
+    a resume forgets gone files and deletes the interrupted run's newer checkpoints.
 
     Args:
         dirpath: folder of ``last.ckpt``; None is ``<run folder>/checkpoints``.
@@ -91,8 +65,7 @@ class LastCheckpoint(ModelCheckpoint):
         super().__init__(
             dirpath=dirpath, save_last=True, save_top_k=0,
             every_n_train_steps=every_n_train_steps,
-            # always last.ckpt: a run resumed from a last.ckpt that another folder wrote (a
-            # moved run folder, a chunk's unpacked state) would write last-v1.ckpt beside it,
+            # a resume from another folder's last.ckpt would write last-v1.ckpt beside it,
             # and the next --ckpt_path last would resume the stale one
             enable_version_counter=False,
         )
@@ -117,9 +90,7 @@ class LastCheckpoint(ModelCheckpoint):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     def save_now(self, trainer: L.Trainer) -> Path | None:
-        """Write ``last.ckpt`` now, unless it holds this step already (a collective: call it on
-        every rank); returns its path. None outside the training of ``fit`` (nothing to
-        save: the sanity check, ``validate``, ``test``, ``predict``)."""
+        """Write ``last.ckpt`` unless current (collective); its path, None outside training."""
         if trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
             return None
         if self._last_global_step_saved != trainer.global_step:
@@ -128,10 +99,7 @@ class LastCheckpoint(ModelCheckpoint):
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
-        """Before Lightning restores the callbacks' states from ``checkpoint`` (see the class
-        docstring): states of other folders dropped, missing files forgotten, this run's
-        newer checkpoints deleted (rank 0). Only when ``fit`` resumes: Lightning restores the
-        callbacks of ``validate`` and ``test`` from their checkpoint too."""
+        """When ``fit`` resumes: drop other folders' states and clean up (class docstring)."""
         if trainer.state.fn != TrainerFn.FITTING:
             return
         states = checkpoint.get("callbacks") or {}
@@ -155,9 +123,7 @@ class LastCheckpoint(ModelCheckpoint):
 
 
 def forget_missing_files(state: dict[str, Any], mode: str) -> dict[str, Any]:
-    """A ``ModelCheckpoint`` state without the checkpoints that no longer exist: its
-    ``best_k_models``, best and k-th best recomputed from the remaining ones (``mode``: the
-    callback's ``"min"`` or ``"max"``)."""
+    """A ``ModelCheckpoint`` state without its deleted checkpoints, best and k-th recomputed."""
     kept = {path: score for path, score in state["best_k_models"].items() if Path(path).exists()}
     gone = sorted(set(state["best_k_models"]) - set(kept))
     if not gone:
@@ -180,10 +146,7 @@ def forget_missing_files(state: dict[str, Any], mode: str) -> dict[str, Any]:
 
 def remove_newer_checkpoints(folders: set[Path], known: set[str], resumed: str | Path,
                              checkpoint: Mapping[str, Any]) -> None:
-    """Delete the ``*.ckpt`` files of ``folders`` (``last*`` aside) that the checkpoint being
-    resumed (``checkpoint``, read from ``resumed``) does not know (``known``) and that its run
-    wrote after it (a later modification time, the same run id): what the run did after
-    ``checkpoint`` before it was interrupted, which the resumed run does again."""
+    """Delete checkpoints not in ``known`` that the same run wrote after ``resumed``."""
     run_id = checkpoint.get(RUN_ID_KEY)
     if run_id is None:
         return
@@ -206,9 +169,8 @@ def remove_newer_checkpoints(folders: set[Path], known: set[str], resumed: str |
 
 
 def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """The whole ``state_dict`` of ``model`` on the CPU. A model sharded by FSDP
-    (``ShardedSequenceParallelStrategy``) is gathered: a collective, call it on EVERY rank;
-    only rank 0 gets the tensors (the other ranks an empty dict)."""
+    """The whole ``state_dict`` of ``model`` on the CPU. An FSDP-sharded model is gathered: a
+    collective, call it on EVERY rank; only rank 0 gets the tensors."""
     if any(isinstance(param, DTensor) for param in model.parameters()):
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(model, options=options)
@@ -216,39 +178,13 @@ def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
 
 
 class ExportPretrained(L.Callback):
-    """At the end of ``fit``, write the model with ``save_pretrained`` (config.json,
-    model.safetensors, README.md card), loadable with ``LongNetLM.from_pretrained(dirpath)``,
-    and the data's tokenizer files (``tokenizer.json``, ``tokenizer_config.json``: a byte
-    model's own, else the datamodule's subword tokenizer), so that
-    ``AutoTokenizer.from_pretrained(dirpath)`` reads the same ids.
-
-    A destination that cannot be written (a file, a folder that is not writable, or a parent
-    that cannot be created or written), or that is, holds or is inside a LoRA run's base,
-    stops ``fit`` when it starts (``setup``), before any step, with a
-    :class:`~longnet.validation.UsageError` naming it and the fix. ``<run folder>/model`` is
-    the run's own: a model there (this run's export before a resume) is replaced (``longnet
-    fit`` refuses a run folder that holds another run). A ``dirpath`` given that already holds
-    a model or checkpoint is replaced by a resumed fit (the run's own earlier export) or with
-    ``overwrite``; a fresh fit refuses it when training starts, before the first step.
-
-    A ``fit`` that took no optimizer step (``max_steps: 0``, ``limit_train_batches: 0``,
-    ``max_epochs: 0``, stopped before the first step) has no trained weights: nothing is
-    written, with a warning.
-
-    A LoRA fine-tune (``CausalLMModule(lora=...)``) is exported as its delta folder (the
-    adapters and norms in bfloat16, ``lora.json`` naming the base:
-    :func:`~longnet.training.lora.save_delta`) with the tokenizer files;
-    :func:`~longnet.training.lora.merge_delta` makes it a full model folder.
-
-    Under ``ShardedSequenceParallelStrategy`` the final weights are gathered from every
-    rank's shards, and the best checkpoint is a folder of shards read on rank 0
-    (:func:`~longnet.training.read_checkpoint`).
+    """At the end of ``fit``, write the model (``save_pretrained``; a LoRA run's delta folder)
+    with the data's tokenizer files. A bad destination stops ``fit`` in ``setup``; a given
+    ``dirpath`` holding a model is replaced only by a resumed fit or with ``overwrite``.
 
     Args:
         dirpath: destination; None is ``<run folder>/model``.
-        weights: ``"best"``: the best checkpoint of the first ``ModelCheckpoint`` that has one
-            (what ``test`` with ``ckpt_path="best"`` evaluates); ``"last"`` or no best
-            checkpoint: the weights at the end of training.
+        weights: ``"best"`` (the first ``ModelCheckpoint``'s best, if any) or ``"last"``.
         overwrite: replace a model or checkpoint that ``dirpath`` holds on a fresh fit too.
     """
 
@@ -260,13 +196,11 @@ class ExportPretrained(L.Callback):
         self.exported: Path | None = None
 
     def destination(self, trainer: L.Trainer) -> Path:
-        """The folder written: ``dirpath``, else ``<run folder>/model`` (a collective: call it
-        on every rank, see :func:`run_dir`)."""
+        """``dirpath``, else ``<run folder>/model`` (a collective: :func:`run_dir`)."""
         return Path(self.dirpath) if self.dirpath else run_dir(trainer) / "model"
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        """For ``fit``: check on rank 0 that :meth:`destination` can be written (what
-        ``save_pretrained`` needs) and raise its :class:`UsageError` on every rank."""
+        """For ``fit``: check :meth:`destination` on rank 0, raise its error on every rank."""
         if stage != TrainerFn.FITTING:
             return
         target, problem = self.destination(trainer), None
@@ -283,8 +217,7 @@ class ExportPretrained(L.Callback):
             raise UsageError(problem)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """A fresh fit (no checkpoint resumed: known only now) must not replace a model that a
-        ``dirpath`` given holds, unless ``overwrite``; checked on rank 0 for every rank."""
+        """A fresh fit must not replace a model in a given ``dirpath`` unless ``overwrite``."""
         if self.dirpath is None or self.overwrite or trainer.ckpt_path is not None:
             return
         problem = None

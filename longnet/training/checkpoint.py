@@ -1,28 +1,6 @@
-"""Build the :class:`~longnet.modeling.LongNetLM` of a run, and read it out of a Lightning
-checkpoint, safely.
-
-The one loader of Lightning checkpoints (``*.ckpt``) that training (``ExportPretrained``) and
-evaluation (``longnet.eval.load_model``) share. A checkpoint is a file (one process, DDP) or a
-folder of shards written by every rank (``ShardedSequenceParallelStrategy``:
-``torch.distributed.checkpoint`` files plus Lightning's ``meta.pt``), read on one process
-whatever the world size that wrote it. Files and ``meta.pt`` are read with
-``torch.load(weights_only=True)``: tensors and plain containers only, never an arbitrary
-pickled object (so the module's hyper-parameters must be plain values, as ``longnet fit``
-writes them). A folder's ``.metadata`` (the shards' index) is a pickle that
-``torch.distributed.checkpoint`` reads as such: load folders you trust.
-
-``longnet export CKPT OUT`` writes a checkpoint's model as a
-``save_pretrained`` folder (:func:`export_pretrained`): into a temporary folder that then takes
-``OUT``'s place whole; an ``OUT`` that holds a model is replaced only when asked
-(``overwrite``), and one that is, holds or is inside the checkpoint or a LoRA run's base never
-(:func:`longnet.files.check_target`). A LoRA checkpoint is merged only into the base it was
-trained over (its recorded weights fingerprint: :func:`longnet.training.lora.check_same_base`).
-
-The model is built from the arguments of :class:`~longnet.training.CausalLMModule`
-(``model``, ``pretrained`` or ``config``, and ``overrides``) in one place: training builds
-it with :func:`build_lm`, and a checkpoint's is rebuilt by :func:`lm_config` from the same
-arguments stored in its hyper-parameters, its weights the ``state_dict`` entries under the
-attribute that holds it (``model.`` for ``CausalLMModule``).
+"""Build the :class:`~longnet.modeling.LongNetLM` of a run (:func:`build_lm`), and read it out
+of a Lightning checkpoint (a file, or a folder of shards read on one process) with
+``torch.load(weights_only=True)``; a folder's ``.metadata`` is a pickle: load folders you trust.
 """
 
 from __future__ import annotations
@@ -78,14 +56,10 @@ def build_lm(
     """A causal LM from exactly one source, with config fields replaced by ``overrides``.
 
     Args:
-        model: a zoo name (``"longnet-tiny"``, see ``longnet.modeling.list_models()``) or a
-            model folder; its config is used and the weights are freshly initialised.
-        pretrained: a zoo name or folder written by ``save_pretrained`` (or a local Hugging
-            Face GPT-2/Llama checkpoint); its weights are loaded.
+        model: a zoo name or model folder; fresh weights.
+        pretrained: a zoo name or ``save_pretrained`` folder (or local Hugging Face one).
         config: the fields of a :class:`~longnet.modeling.LongNetConfig` (fresh weights).
-        overrides: config fields to replace, e.g. ``{"hidden_size": 32, "num_layers": 2}``
-            (with ``pretrained``: only fields that keep the weights' shapes, such as
-            ``dropout``, ``gradient_checkpointing`` or the dilated pattern).
+        overrides: config fields to replace (with ``pretrained``: only shape-preserving ones).
 
     Raises:
         ValueError: none or several sources are given, or a field is invalid.
@@ -104,9 +78,7 @@ def lm_config(
     config: dict[str, Any] | None = None,
     overrides: dict[str, Any] | None = None,
 ) -> LongNetConfig:
-    """The config of the model :func:`build_lm` builds from the same arguments, without
-    building it (a ``pretrained`` source is read: its ``config.json``, and for a Hugging Face
-    checkpoint its weights too). Raises as :func:`build_lm`."""
+    """The config :func:`build_lm` would build from the same arguments; raises as it does."""
     _check_one_source(model, pretrained, config)
     overrides = dict(overrides or {})
     if pretrained is not None:
@@ -135,8 +107,7 @@ def is_sharded_checkpoint(path: str | Path) -> bool:
 
 
 def _torch_load(path: Path) -> Any:
-    """``torch.load(path, weights_only=True, mmap=True)`` on the CPU, or a ``UsageError``
-    naming the file and what is wrong with it."""
+    """``torch.load(path, weights_only=True, mmap=True)`` on the CPU, or a ``UsageError``."""
     if not zipfile.is_zipfile(path):
         raise UsageError(
             f"{path} is not a checkpoint: torch.save writes a zip archive and this file "
@@ -154,8 +125,7 @@ def _torch_load(path: Path) -> Any:
 
 
 def sharded_tensor_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
-    """Full shapes of the module's tensors in a sharded checkpoint folder, by ``state_dict``
-    name (read from the folder's index: no tensor is loaded)."""
+    """Full shapes of a sharded checkpoint's module tensors by name, from its index alone."""
     metadata = FileSystemReader(str(path)).read_metadata()
     prefix = f"{STATE_DICT}."
     return {
@@ -168,9 +138,7 @@ def sharded_tensor_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
 def checkpoint_shapes(
     path: str | Path, checkpoint: Mapping[str, Any]
 ) -> dict[str, tuple[int, ...]]:
-    """The shapes of the module's tensors in the checkpoint at ``path`` (``checkpoint``: what
-    :func:`read_checkpoint` returned for it), by ``state_dict`` name: a file's (memory-mapped:
-    nothing is read) or, for a folder of shards, its index's."""
+    """Module tensor shapes by name, without loading tensors (``checkpoint``: read's result)."""
     if is_sharded_checkpoint(path):
         return sharded_tensor_shapes(path)
     return {name: tuple(value.shape) for name, value in checkpoint[STATE_DICT].items()
@@ -178,19 +146,13 @@ def checkpoint_shapes(
 
 
 def read_checkpoint(path: str | Path, *, tensors: bool = True) -> dict[str, Any]:
-    """The contents of the Lightning checkpoint at ``path``, on the CPU: a file read with
-    ``torch.load(weights_only=True, mmap=True)`` (tensors stay on disk until used), or a folder
-    of shards whose ``state_dict`` is assembled into full tensors (on this process alone,
-    without a process group; optimizer states are not read) next to the entries of its
-    ``meta.pt``; with ``tensors=False`` a folder's ``state_dict`` is left empty (its
-    ``meta.pt`` alone: step, run id, hyper-parameters).
+    """The Lightning checkpoint at ``path`` on the CPU (a folder's ``state_dict`` assembled
+    into full tensors, no optimizer state; left empty with ``tensors=False``).
 
     Raises:
         FileNotFoundError: no checkpoint at ``path``.
-        UsageError: (a ``ValueError``) the file is not a ``torch.save`` archive (truncated,
-            random bytes, another kind of file), cannot be read that way (corrupt, or holding
-            objects other than tensors and plain containers) or has no ``state_dict``; the
-            message names the file.
+        UsageError: (a ``ValueError``) not a ``torch.save`` archive, unreadable with
+            ``weights_only``, or no ``state_dict``; the message names the file.
     """
     path = Path(path)
     if path.is_dir() and is_sharded_checkpoint(path):
@@ -203,8 +165,7 @@ def read_checkpoint(path: str | Path, *, tensors: bool = True) -> dict[str, Any]
         if not tensors:
             return {**checkpoint, STATE_DICT: {}}
         state: dict[str, Any] = {}
-        # what torch.distributed.checkpoint.format_utils.dcp_to_torch_save does, for the
-        # module's tensors only (dcp.load fills a copy of an empty dict, not the dict)
+        # dcp_to_torch_save for the module's tensors only (dcp.load would fill a copy)
         _load_state_dict(
             state,
             storage_reader=FileSystemReader(str(path)),
@@ -232,10 +193,7 @@ def _load_error(err: Exception) -> str:
 def checkpoint_config(
     checkpoint: Mapping[str, Any], *, source: str = "checkpoint"
 ) -> LongNetConfig:
-    """The ``LongNetConfig`` of a checkpoint's model: its ``hyper_parameters`` (those of
-    :class:`~longnet.training.CausalLMModule`) resolved by :func:`lm_config`, as the module
-    built it: ``model`` (a zoo name or folder) or ``pretrained`` (read now), or ``config`` (a
-    dict of fields), with ``overrides`` applied."""
+    """The ``LongNetConfig`` of a checkpoint's model, from its hyper-parameters."""
     hparams = checkpoint.get("hyper_parameters") or {}
     sources = {key: hparams.get(key) for key in MODEL_SOURCES}
     if isinstance(sources["config"], Mapping):
@@ -252,12 +210,8 @@ def checkpoint_config(
 def lm_state_dict(
     state_dict: Mapping[str, Tensor], *, source: str = "checkpoint", prefix: str | None = None
 ) -> dict[str, Tensor]:
-    """The tensors of the ``LongNetLM`` in a module's ``state_dict``, the prefix removed.
-
-    ``prefix``: the attribute path of the LM (``"model."`` for ``CausalLMModule``); None
-    finds it as the shortest prefix of a ``lm_head.weight`` next to
-    ``model.embed_tokens.weight``.
-    """
+    """The ``LongNetLM`` tensors of a module's ``state_dict``, ``prefix`` removed (None: the
+    shortest prefix of a ``lm_head.weight`` next to ``model.embed_tokens.weight``)."""
     if prefix is None:
         candidates = sorted(
             (name[: -len(LM_HEAD)] for name in state_dict if name.endswith(LM_HEAD)), key=len
@@ -283,24 +237,20 @@ def load_lightning_checkpoint(
     config: LongNetConfig | None = None,
     prefix: str | None = None,
 ) -> LongNetLM:
-    """The :class:`LongNetLM` inside a Lightning checkpoint, in eval mode on the CPU; that of
-    a LoRA fine-tune (a ``lora`` hyper-parameter, the checkpoint holding the delta) is its
-    ``pretrained`` base with the delta merged (:func:`~longnet.training.lora.merged_model`).
+    """The :class:`LongNetLM` inside a Lightning checkpoint, in eval mode on the CPU (a LoRA
+    fine-tune's: its base with the delta merged).
 
     Args:
         path: the ``.ckpt`` file or folder of shards (read by :func:`read_checkpoint`).
         dtype: parameter dtype (default float32).
-        config: the model's config; None reads it from the checkpoint
-            (:func:`checkpoint_config`).
+        config: the model's config; None: :func:`checkpoint_config`.
         prefix: see :func:`lm_state_dict`.
 
     Raises:
         FileNotFoundError, ValueError: as :func:`read_checkpoint`, :func:`checkpoint_config`
             and :func:`lm_state_dict`.
-        WeightsMismatchError: the weights do not fit the config (every missing, unexpected
-            and mis-shaped tensor named).
-        UsageError: a LoRA checkpoint over another base than its recorded one
-            (:func:`merged_lora_model`).
+        WeightsMismatchError: the weights do not fit the config.
+        UsageError: a LoRA checkpoint over another base than its recorded one.
     """
     path = Path(path)
     checkpoint = read_checkpoint(path)
@@ -330,12 +280,10 @@ def load_lightning_checkpoint(
 def merged_lora_model(hparams: Mapping[str, Any], state_dict: Mapping[str, Tensor], *,
                       source: str, prefix: str = MODEL_PREFIX,
                       base: Mapping[str, Any] | None = None) -> LongNetLM:
-    """The model of a LoRA fine-tune: its ``pretrained`` base (with ``overrides``) and the
-    delta under ``prefix`` in ``state_dict`` merged into it.
+    """A LoRA fine-tune's ``pretrained`` base with the delta under ``prefix`` merged in.
 
     Raises:
-        UsageError: ``base`` (the checkpoint's :data:`~longnet.training.lora.LORA_BASE_KEY`
-            record) names another weights fingerprint than the base built now's.
+        UsageError: ``base`` (the checkpoint's record) has another weights fingerprint.
     """
     model = build_lm(pretrained=hparams["pretrained"], overrides=hparams.get("overrides"))
     check_same_base(base, base_record(hparams["pretrained"], model), source)
@@ -345,13 +293,8 @@ def merged_lora_model(hparams: Mapping[str, Any], state_dict: Mapping[str, Tenso
 
 
 def last_checkpoint(folder: str | Path, name: str = "last.ckpt") -> Path | None:
-    """The run's checkpoint to resume from: ``folder/name`` (``LastCheckpoint`` writes
-    ``<run folder>/checkpoints/last.ckpt``) when it is complete, else None (start fresh).
-
-    Complete: a file, or a folder of shards with both its index (``.metadata``, which
-    ``torch.distributed.checkpoint`` writes after every rank's shards) and Lightning's
-    ``meta.pt`` (written after that); a folder a killed run left without them is not one.
-    ``longnet fit --ckpt_path last`` resumes from it (and starts fresh without one).
+    """The checkpoint ``--ckpt_path last`` resumes from: ``folder/name`` when complete (a file,
+    or shards with both ``.metadata`` and ``meta.pt``, written last), else None.
     """
     path = Path(folder) / name
     if path.is_file():
@@ -363,15 +306,12 @@ def last_checkpoint(folder: str | Path, name: str = "last.ckpt") -> Path | None:
 
 def export_pretrained(checkpoint: str | Path, target: str | Path, *,
                       overwrite: bool = False) -> Path:
-    """Write the model of a Lightning checkpoint (file or folder of shards) to ``target``
-    with ``save_pretrained``, and the tokenizer files the checkpoint recorded (a subword
-    tokenizer's; a byte model's are written by ``save_pretrained``), all swapped in at once;
+    """Write a checkpoint's model and tokenizer files to ``target`` (swapped in whole);
     returns ``target``.
 
     Raises:
-        UsageError: before the model is built, a ``target`` that holds a model or checkpoint
-            (without ``overwrite``), or that is, holds or is inside ``checkpoint`` or a LoRA
-            run's base (even with ``overwrite``); as :func:`load_lightning_checkpoint`.
+        UsageError: a ``target`` holding a model (without ``overwrite``) or overlapping
+            ``checkpoint`` or a LoRA base; as :func:`load_lightning_checkpoint`.
     """
     checkpoint = check_path_given(checkpoint, "CHECKPOINT")
     sources = {"the checkpoint": checkpoint}

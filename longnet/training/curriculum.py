@@ -1,19 +1,13 @@
-"""A length curriculum: short training windows first, then long ones, at equal tokens per step.
-
-The datamodule serves training windows of the longest length ``T`` (its ``seq_len``);
-:class:`LengthCurriculum` cuts each into ``T / L`` consecutive windows of the current stage's
-length ``L`` before the step (:func:`split_windows`). A stream cut every ``T`` tokens and
-split so is the stream cut every ``L`` tokens: the same windows as a datamodule with
-``seq_len: L`` (with ``pack_documents``, the same ``document_ids``), ``batch_size * T / L`` of
-them per step, so the tokens per step stay equal and the data order, its position in the
-checkpoint and the learning-rate schedule are the run's, whatever the stage. The stage, the
-RoPE base and the passkey examples (in the data's tokens) are functions of the optimizer step
-alone: nothing is saved, and a resumed run (``--ckpt_path``, a full chunk state, a compact
-handoff) continues the curriculum where it was, bit-exactly across a switch.
+"""What each training step reads: a resumable, exact data order (:class:`ResumableDataOrder`:
+a ``(seed, epoch)`` permutation split ``indices[rank::replicas]``, resumed mid-epoch exactly,
+each evaluation sample once) and a length curriculum (:class:`LengthCurriculum`: windows of the
+longest length cut into the stage's, a pure function of the optimizer step).
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,12 +16,13 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
+from torch.utils.data import DataLoader, RandomSampler, Sampler
 
 from longnet.data.subword import SubwordTokenizer
 from longnet.data.synthetic import LabelMode, PasskeyDataset, check_passkey_options
 from longnet.data.tokenizer import BYTES
 from longnet.nn.positional import RotaryEmbedding
-from longnet.training.module import PASSKEY_ROWS
+from longnet.training.metrics import PASSKEY_ROWS
 from longnet.training.parallel.strategy import SequenceParallelLayout
 from longnet.training.vocabulary import datamodule_seq_len
 from longnet.validation import (
@@ -38,14 +33,187 @@ from longnet.validation import (
     check_positive_int,
 )
 
+LOADER_HOOKS = {"train_dataloader": "train", "val_dataloader": "eval", "test_dataloader": "eval"}
 STAGE_KEYS = ("step", "seq_len", "rope_theta")
 PASSKEY_POOL = 1 << 62  # passkey example indices: step * rows + row, never exhausted
 
 
+class EpochIndexSampler(Sampler[int]):
+    """This replica's sample indices of one epoch (module docstring); ``skip`` samples are
+    dropped from the front of the next iteration only."""
+
+    def __init__(
+        self,
+        size: int,
+        *,
+        shuffle: bool,
+        seed: int,
+        num_replicas: int = 1,
+        rank: int = 0,
+        pad: bool = True,
+    ) -> None:
+        if num_replicas < 1 or not 0 <= rank < num_replicas:
+            raise ValueError(f"invalid replica layout: rank {rank} of {num_replicas}.")
+        self.size, self.shuffle, self.seed = size, shuffle, seed
+        self.num_replicas, self.rank, self.pad = num_replicas, rank, pad
+        self.epoch = 0
+        self.skip = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def indices(self, epoch: int) -> list[int]:
+        """All of this replica's indices of ``epoch`` (before any skip)."""
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            order = torch.randperm(self.size, generator=generator).tolist()
+        else:
+            order = list(range(self.size))
+        if self.pad and self.size:
+            total = -(-self.size // self.num_replicas) * self.num_replicas
+            order = (order * (total // self.size + 1))[:total]
+        return order[self.rank :: self.num_replicas]
+
+    def __len__(self) -> int:
+        if self.pad:
+            return -(-self.size // self.num_replicas)
+        return len(range(self.rank, self.size, self.num_replicas))
+
+    def __iter__(self) -> Iterator[int]:
+        order, skip = self.indices(self.epoch), self.skip
+        self.skip = 0
+        return iter(order[skip:])
+
+
+class EpochLoader:
+    """Batches in :class:`EpochIndexSampler` order, stateful so checkpoints keep the position.
+
+    Args:
+        base: the datamodule's loader; all but its sampler is kept.
+        seed: seed of the shuffled order.
+        num_replicas, rank: data-parallel layout.
+        pad: wrap-pad so every replica gets as many samples (training).
+        consumed: the trainer's finished batches of the epoch; None records 0.
+    """
+
+    def __init__(
+        self,
+        base: DataLoader,
+        *,
+        seed: int,
+        num_replicas: int = 1,
+        rank: int = 0,
+        pad: bool = True,
+        consumed: Callable[[], int] | None = None,
+    ) -> None:
+        self.sampler = EpochIndexSampler(
+            len(base.dataset),
+            shuffle=isinstance(base.sampler, RandomSampler),
+            seed=seed,
+            num_replicas=num_replicas,
+            rank=rank,
+            pad=pad,
+        )
+        extra: dict[str, Any] = {}
+        if base.num_workers > 0:
+            extra = {"prefetch_factor": base.prefetch_factor,
+                     "persistent_workers": base.persistent_workers}
+        self.loader = DataLoader(
+            base.dataset,
+            batch_size=base.batch_size,
+            sampler=self.sampler,
+            num_workers=base.num_workers,
+            collate_fn=base.collate_fn,
+            pin_memory=base.pin_memory,
+            drop_last=base.drop_last,
+            timeout=base.timeout,
+            worker_init_fn=base.worker_init_fn,
+            **extra,
+        )
+        self.dataset = base.dataset
+        self.batch_size = base.batch_size
+        self._consumed = consumed
+        self._iter_epoch = 0
+
+    @property
+    def batch_sampler(self) -> Any:
+        return self.loader.batch_sampler
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        self._iter_epoch = self.sampler.epoch
+        return iter(self.loader)
+
+    def state_dict(self) -> dict[str, int]:
+        consumed = int(self._consumed()) if self._consumed is not None else 0
+        return {"seed": self.sampler.seed, "epoch": self._iter_epoch, "consumed": consumed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue after the ``consumed`` batches of ``epoch`` (or at the next epoch)."""
+        self.sampler.seed = int(state["seed"])
+        epoch, consumed = int(state["epoch"]), int(state["consumed"])
+        if consumed >= len(self):
+            epoch, consumed = epoch + 1, 0
+        self.sampler.set_epoch(epoch)
+        self.sampler.skip = consumed * self.loader.batch_size
+
+
+def _default_seed() -> int:
+    return int(os.environ.get("PL_GLOBAL_SEED", 0))
+
+
+class ResumableDataOrder(L.Callback):
+    """Serve the datamodule's train/val/test ``DataLoader``\\ s over map-style datasets as
+    :class:`EpochLoader`\\ s (anything else is left to Lightning).
+
+    Args:
+        seed: seed of the shuffled training order; None: ``PL_GLOBAL_SEED`` or 0. A resumed
+            run reuses the checkpoint's.
+    """
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.seed = seed
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        datamodule = trainer.datamodule
+        if datamodule is None:
+            return
+        # keep the datamodule's own hooks once; rebind the wrappers to this trainer every time
+        originals = getattr(datamodule, "_longnet_loader_hooks", None)
+        if originals is None:
+            originals = {hook: getattr(datamodule, hook) for hook in LOADER_HOOKS}
+            datamodule._longnet_loader_hooks = originals
+        for hook, mode in LOADER_HOOKS.items():
+            setattr(datamodule, hook, self._wrap(trainer, originals[hook], mode))
+
+    def _wrap(self, trainer: L.Trainer, original: Callable[[], Any], mode: str):
+        def loader() -> Any:
+            base = original()
+            if not isinstance(base, DataLoader) or not hasattr(base.dataset, "__len__"):
+                return base
+            if base.batch_size is None:
+                return base  # a custom batch sampler: leave it to Lightning
+            kwargs = trainer.distributed_sampler_kwargs or {}
+            consumed = None
+            if mode == "train":
+                consumed = lambda: trainer.fit_loop.epoch_loop.batch_progress.current.processed
+            return EpochLoader(
+                base,
+                seed=self.seed if self.seed is not None else _default_seed(),
+                num_replicas=int(kwargs.get("num_replicas", 1)),
+                rank=int(kwargs.get("rank", 0)),
+                pad=mode == "train",
+                consumed=consumed,
+            )
+
+        return loader
+
+
 @dataclass(frozen=True)
 class Stage:
-    """From optimizer step ``step`` on, windows of ``seq_len`` tokens and (when not None) the
-    RoPE base ``rope_theta``."""
+    """From optimizer ``step`` on, windows of ``seq_len`` tokens and RoPE base ``rope_theta``."""
 
     step: int
     seq_len: int
@@ -53,11 +221,9 @@ class Stage:
 
 
 def split_windows(batch: dict[str, Any], seq_len: int) -> dict[str, Any]:
-    """Cut a training batch of windows ``(batch, T)`` into ``(batch * T / seq_len, seq_len)``
-    consecutive windows, in place (views, no copy); returns ``batch``.
-
-    Every ``(batch, T)`` tensor is reshaped (``input_ids``, ``labels``, ``document_ids``);
-    ``document_ids`` are renumbered from 0 in each window, as the datamodule numbers them.
+    """Cut every ``(batch, T)`` tensor of a training batch into ``(batch * T / seq_len,
+    seq_len)`` consecutive windows, in place (views); ``document_ids`` renumbered from 0 per
+    window. Returns ``batch``.
 
     Raises:
         ValueError: ``T`` is not a multiple of ``seq_len``.
@@ -77,43 +243,25 @@ def split_windows(batch: dict[str, Any], seq_len: int) -> dict[str, Any]:
 
 
 class LengthCurriculum(L.Callback):
-    """Train on short windows first, then on longer ones, at the same tokens per step (module
-    docstring), optionally with a RoPE base per stage and passkey examples of each stage's
-    length mixed in.
-
-    Set the datamodule's ``seq_len`` to the longest stage's length and its ``batch_size`` to
-    that stage's batch: a stage of length ``L`` then trains ``batch_size * seq_len / L``
-    windows per step. The stage's RoPE base is set on the model (its config, every rotary
-    embedding, and the module's ``overrides`` hyper-parameter, so checkpoints and the export
-    name it) before each training step; a stage without one keeps the previous stage's base,
-    the first such the model's configured one. Validation and test windows are the
-    datamodule's (the longest length) and use the base of the stage trained last.
-
-    ``train/seq_len`` is logged at every step.
+    """Train on short windows first, then longer ones, at the same tokens per step, optionally
+    with a RoPE base per stage (kept until the next names one) and passkey examples mixed in.
+    The datamodule's ``seq_len`` and ``batch_size`` are the longest stage's. Logs
+    ``train/seq_len``.
 
     Args:
-        stages: ``[{step: 0, seq_len: 4096, rope_theta: 1.0e5}, {step: 2000, seq_len: 16384},
-            ...]``: the first at step 0, steps increasing, each ``seq_len`` a divisor of the
-            datamodule's.
+        stages: ``[{step: 0, seq_len: 4096, rope_theta: 1.0e5}, {step: 2000, seq_len: 16384}]``:
+            the first at step 0, steps increasing, each ``seq_len`` dividing the datamodule's.
         passkey_fraction: share in ``[0, 1)`` of each step's windows replaced by passkey
-            examples of the stage's length (which windows: drawn from ``seed`` and the step
-            over the windows of all data-parallel ranks, each example on one rank:
-            :meth:`passkey_draws`; their ``document_ids`` are 0), in the data's tokens:
-            bytes, or a subword tokenizer's (``PasskeyDataset(tokenizer=...)``; the rows'
-            ``label_bytes`` too).
-            The datamodule's own ``passkey_fraction`` must be 0 (its examples are as long as
-            its ``seq_len`` and would be cut).
+            examples of the stage's length in the data's tokens (:meth:`passkey_draws`). The
+            datamodule's own ``passkey_fraction`` must be 0.
         passkey_label_mode: what the examples label (``PasskeyDataset``'s ``label_mode``).
         seed: seed of the examples and of the windows they replace.
 
     Raises:
-        ValueError: (here) malformed stages or passkey settings, naming the entry; every
-            passkey setting is checked, whether or not ``passkey_fraction`` turns them on.
-        UsageError: (``setup``) a stage length that does not divide the datamodule's, data
-            with its own passkey examples, passkeys in a stage too short for them (naming the
-            shortest length, in the data's tokens), a subword tokenizer not loaded yet, a
-            RoPE base for a model without rotary positions, or a sequence-parallel strategy
-            (its batches are shards).
+        ValueError: malformed stages or passkey settings (all checked), naming the entry.
+        UsageError: (``setup``) a stage length not dividing the data's, data with its own
+            passkeys, a stage too short for passkeys, a subword tokenizer not loaded yet, a
+            RoPE base without rotary positions, or a sequence-parallel strategy.
     """
 
     def __init__(
@@ -124,7 +272,7 @@ class LengthCurriculum(L.Callback):
         seed: int = 0,
     ) -> None:
         self.stages = _check_stages(stages)
-        # every option, passkeys on or off; the stages' lengths at setup, in the data's tokens
+        # every option is checked, passkeys on or off
         self.passkey_fraction = check_dropout("passkey_fraction", passkey_fraction)
         self.seed = check_non_negative_int("seed", seed)
         check_passkey_options(passkey_label_mode, seed=seed)
@@ -140,8 +288,7 @@ class LengthCurriculum(L.Callback):
         return [stage for stage in self.stages if stage.step <= step][-1]
 
     def rope_theta_at(self, step: int) -> float | None:
-        """The RoPE base of optimizer step ``step``: the last stage's up to it that names one,
-        else the model's configured one (None before ``setup``)."""
+        """The RoPE base at ``step``: the last named, else the model's (None before setup)."""
         check_non_negative_int("LengthCurriculum.rope_theta_at: step", step)
         named = [s.rope_theta for s in self.stages if s.step <= step and s.rope_theta]
         return named[-1] if named else self._configured_theta
@@ -198,8 +345,7 @@ class LengthCurriculum(L.Callback):
         pl_module.log("train/seq_len", float(stage.seq_len))
 
     def _passkey_setup(self, datamodule: Any) -> None:
-        """Take the data's subword tokenizer (None: bytes) and build every stage's examples,
-        refusing a stage too short for them."""
+        """Take the data's tokenizer and build every stage's examples (too short: refused)."""
         choice = getattr(datamodule, "tokenizer_choice", None)
         tokenizer = getattr(datamodule, "tokenizer", None)
         if getattr(choice, "kind", BYTES) != BYTES and not isinstance(tokenizer,
@@ -220,19 +366,15 @@ class LengthCurriculum(L.Callback):
     def passkey_examples(
         self, seq_len: int, tokenizer: SubwordTokenizer | None = None
     ) -> PasskeyDataset:
-        """The passkey examples of a stage of ``seq_len`` tokens of ``tokenizer`` (None:
-        bytes), indexed as :meth:`passkey_draws` gives."""
+        """The passkey examples of ``seq_len`` tokens of ``tokenizer`` (None: bytes)."""
         return PasskeyDataset(seq_len, PASSKEY_POOL, seed=self.seed,
                               label_mode=self.passkey_label_mode, tokenizer=tokenizer)
 
     def passkey_draws(
         self, step: int, rows: int, rank: int = 0, world_size: int = 1
     ) -> list[tuple[int, int]]:
-        """``[(row, index), ...]``: which of the ``rows`` windows that rank ``rank`` of
-        ``world_size`` data-parallel ranks trains at optimizer step ``step`` passkey examples
-        replace, and the index of each one's example in its stage's :meth:`passkey_examples`.
-        The step's ``world_size * rows`` windows are drawn together, each rank taking its
-        own slice, so no two ranks train the same example. Empty without passkeys."""
+        """``[(row, index), ...]``: rank ``rank``'s rows replaced at ``step`` and each example's
+        index, drawn over all ranks' windows so no two ranks train the same example."""
         check_non_negative_int("LengthCurriculum.passkey_draws: step", step)
         check_positive_int("LengthCurriculum.passkey_draws: rows", rows)
         check_positive_int("LengthCurriculum.passkey_draws: world_size", world_size)
@@ -252,9 +394,7 @@ class LengthCurriculum(L.Callback):
 
     def _mix_passkeys(self, batch: dict[str, Any], step: int, seq_len: int,
                       rank: int, world_size: int) -> None:
-        """Replace the windows drawn for ``step`` on rank ``rank`` of ``world_size`` by passkey
-        examples of ``seq_len`` tokens (with a subword tokenizer, their ``label_bytes`` too)
-        and mark them (``batch[PASSKEY_ROWS]``)."""
+        """Replace the windows drawn for ``step`` by passkey examples; mark them (PASSKEY_ROWS)."""
         examples = self._passkey_examples(seq_len)
         rows = batch["input_ids"].shape[0]
         marked = torch.zeros(rows, dtype=torch.bool, device=batch["input_ids"].device)
@@ -270,9 +410,7 @@ class LengthCurriculum(L.Callback):
 
 
 def set_rope_theta(pl_module: L.LightningModule, theta: float) -> None:
-    """Give the module's model the RoPE base ``theta``: its config, every rotary embedding
-    (RoPE and xPos) and the module's ``overrides`` hyper-parameter (what checkpoints record and
-    ``checkpoint_config`` rebuilds the model from)."""
+    """Set RoPE base ``theta`` in the config, rotary embeddings and ``overrides`` hparam."""
     model = pl_module.model
     if model.config.rope_theta == theta:
         return

@@ -1,35 +1,7 @@
-"""LoRA fine-tuning of a pretrained :class:`~longnet.modeling.LongNetLM` with ``peft``.
-
-:func:`apply_lora` puts low-rank adapters (Hu et al. 2021) on the model's linear projections
-named in the settings (``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``, ``gate_proj``,
-``up_proj``, ``down_proj``), in place, and freezes every other weight; the norms' scales stay
-trainable when asked (``train_norms``), and so do the key/value convolutions' weights
-(``train_kv_conv``, for a model with ``kv_conv_size``). What training changes is then the
-*delta*: the adapters, the norms and the convolutions. A
-:class:`~longnet.training.CausalLMModule` with ``lora`` keeps only the delta in its
-checkpoints (so ``last.ckpt``, the full-state pack and the compact handoff hold the delta,
-the base weights being rebuilt from the ``pretrained`` source the hyper-parameters name),
-and its export (:func:`save_delta`) is a delta folder:
-
-- ``lora.json``: ``{"format": "longnet-lora", "base": <pretrained source>,
-  "base_fingerprint": <sha256>, "overrides": {...}, "lora": {r, alpha, dropout,
-  target_modules, train_norms, train_kv_conv}}``;
-- ``lora.safetensors``: the delta in bfloat16, named as in the adapted ``LongNetLM``
-  (``model.layers.0.attn.q_proj.lora_A.default.weight``, ``model.layers.0.attn_norm.weight``);
-- the data's tokenizer files, as any export.
-
-:func:`merge_delta` rebuilds the base, loads the delta and merges it (``peft``'s
-``merge_and_unload``: ``W + (alpha / r) B A``) into a plain ``save_pretrained`` folder that
-``LongNetLM.from_pretrained`` loads. ``peft`` is imported only here, when LoRA is used (the
-``pretrained`` extra installs it).
-
-A LoRA run is bound to its base: :func:`weights_fingerprint` of the base as it was built when
-the run started is recorded in the run's checkpoints and handoffs (:data:`LORA_BASE_KEY`) and
-in ``lora.json``; a resume, an export and a merge over a base whose fingerprint differs (the
-folder was replaced, or another source given) are refused, naming both
-(:func:`check_same_base`). Deltas and checkpoints written before the fingerprint was recorded
-are accepted as they are. No writer writes into the base's folder (:func:`base_folder`),
-``overwrite`` or not.
+"""LoRA fine-tuning (Hu et al. 2021) of a pretrained :class:`~longnet.modeling.LongNetLM` with
+``peft``: only the *delta* (adapters, optionally norms and key/value convolutions) is trained,
+checkpointed and exported (:func:`save_delta`: ``lora.json`` and ``lora.safetensors``), bound to
+its base's :func:`weights_fingerprint`; :func:`merge_delta` makes a plain model folder.
 """
 
 from __future__ import annotations
@@ -62,18 +34,15 @@ DELTA_CONFIG = "lora.json"
 DELTA_WEIGHTS = "lora.safetensors"
 DELTA_FORMAT = "longnet-lora"
 LORA_BASE_KEY = "longnet_lora_base"
-"""Top-level key of a LoRA run's checkpoints (kept by the compact handoff) that names its base:
-``{"source": <pretrained source>, "fingerprint": <weights_fingerprint>}``."""
+"""Checkpoint key of a LoRA run's base: ``{"source", "fingerprint"}`` (:func:`base_record`)."""
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj", "gate_proj", "up_proj", "down_proj")
-"""The linear projections of a ``LongNetLM`` block (attention, then gated MLP)."""
 
 
 @dataclass(frozen=True)
 class LoraSettings:
-    """What :func:`apply_lora` adds: adapters of rank ``r`` scaled by ``alpha / r`` on the
-    linear layers whose name is in ``target_modules`` (with ``dropout`` on their input), the
-    norms' scales trainable when ``train_norms``, the key/value convolutions' weights
-    (``kv_conv_size``) when ``train_kv_conv``."""
+    """What :func:`apply_lora` adds: rank-``r`` adapters scaled by ``alpha / r`` (``dropout``
+    on their input) on ``target_modules``; trainable norm scales (``train_norms``) and
+    key/value convolutions (``train_kv_conv``)."""
 
     r: int = 16
     alpha: float = 32.0
@@ -84,8 +53,7 @@ class LoraSettings:
 
     @classmethod
     def from_mapping(cls, value: Any) -> LoraSettings:
-        """Settings from ``{r: 16, alpha: 32, dropout: 0.0, target_modules: [...],
-        train_norms: true}`` (missing keys take the defaults).
+        """Settings from a mapping such as ``{r: 16, alpha: 32}`` (missing keys: defaults).
 
         Raises:
             ValueError: not a mapping, an unknown key, or a value out of range (named).
@@ -134,14 +102,12 @@ def lora_config(settings: LoraSettings) -> Any:
 
 
 def apply_lora(model: LongNetLM, settings: LoraSettings) -> LongNetLM:
-    """Add the adapters of ``settings`` to ``model`` in place (``peft``'s
-    ``inject_adapter_in_model``; ``lora_B`` starts at zero, so the function is unchanged) and
-    freeze every weight but the adapters and, with ``train_norms``, the norms' scales (with
-    ``train_kv_conv``, the key/value convolutions' weights); returns ``model``.
+    """Add the adapters of ``settings`` to ``model`` in place (``lora_B`` starts at zero: the
+    function is unchanged) and freeze all but the delta; returns ``model``.
 
     Raises:
-        UsageError: a target name that is no linear layer of the model (the message lists
-            those it has).
+        UsageError: a target that is no linear layer of the model, or ``train_kv_conv``
+            without key/value convolutions.
         ImportError: ``peft`` is not installed.
     """
     linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
@@ -166,13 +132,10 @@ def trainable_names(module: nn.Module) -> set[str]:
 
 def merged_model(base: LongNetLM, settings: LoraSettings,
                  delta: Mapping[str, Tensor], *, source: str = "delta") -> LongNetLM:
-    """``base`` with the adapters of ``settings`` loaded from ``delta`` (names as in the
-    adapted ``LongNetLM``) merged into its weights (``peft``'s ``merge_and_unload``), and the
-    delta's norms; a plain ``LongNetLM`` (``base`` itself, changed in place).
+    """``base`` (changed in place) with ``delta`` merged into its weights: a plain LM.
 
     Raises:
-        UsageError: ``delta`` lacks a tensor the settings train, or holds one they do not
-            (the delta was written with other settings).
+        UsageError: ``delta``'s names are not those the settings train.
     """
     peft = require_peft()
     adapted = peft.tuners.lora.LoraModel(base, lora_config(settings), ADAPTER)
@@ -202,12 +165,7 @@ def apply_trainability(model: LongNetLM, settings: LoraSettings) -> None:
 
 
 def weights_fingerprint(model: nn.Module) -> str:
-    """The SHA-256 (hex) of ``model``'s weights: each tensor of its ``state_dict`` (a tied one
-    once) in name order, as its name, dtype, shape and bytes. Taken of a LoRA base as
-    :func:`~longnet.training.checkpoint.build_lm` builds it (``from_pretrained``: float32, the
-    overrides applied), it does not depend on the files' format (a LongNet folder, a Hugging
-    Face folder, a GGUF import) and costs one pass over the weights (about half a second for
-    135 M parameters)."""
+    """SHA-256 (hex) of ``model``'s unique tensors' names, dtypes, shapes and bytes."""
     digest = hashlib.sha256()
     for name, tensor in sorted(unique_state_dict(model).items()):
         data = tensor.detach().cpu().contiguous()
@@ -217,20 +175,17 @@ def weights_fingerprint(model: nn.Module) -> str:
 
 
 def base_record(source: str, base: nn.Module) -> dict[str, str]:
-    """What a LoRA run records of its base (:data:`LORA_BASE_KEY`): the ``pretrained`` source
-    and the :func:`weights_fingerprint` of ``base``, built from it."""
+    """A LoRA run's record of its base: ``pretrained`` ``source`` and its fingerprint."""
     return {"source": str(source), "fingerprint": weights_fingerprint(base)}
 
 
 def check_same_base(recorded: Mapping[str, Any] | None, current: Mapping[str, str],
                     what: str) -> None:
-    """Refuse to resume, export or merge ``what`` (a checkpoint, a delta folder) over a base
-    other than the one it was trained over: ``recorded`` (its :func:`base_record`) against
-    ``current``, the base built now. No record, or one without a fingerprint (written before
-    it was recorded), is accepted.
+    """Refuse ``what`` (a checkpoint, a delta folder) whose ``recorded`` base is not
+    ``current`` (:func:`base_record`); a record without a fingerprint passes.
 
     Raises:
-        UsageError: the fingerprints differ; the message names both, with both sources.
+        UsageError: the fingerprints differ.
     """
     fingerprint = (recorded or {}).get("fingerprint")
     if not fingerprint or fingerprint == current["fingerprint"]:
@@ -245,9 +200,7 @@ def check_same_base(recorded: Mapping[str, Any] | None, current: Mapping[str, st
 
 
 def base_folder(source: str | None) -> Path | None:
-    """The folder a LoRA run's ``pretrained`` source names, which no writer may write into: a
-    folder given, or a zoo name's (its import in the user cache when its weights come from
-    another distribution); None when it names none here."""
+    """The folder a ``pretrained`` source names (no writer may write into it), or None."""
     if source is None:
         return None
     path = Path(source)
@@ -274,14 +227,11 @@ def save_delta(folder: str | Path, delta: Mapping[str, Tensor], *, base: str,
                settings: LoraSettings, overrides: Mapping[str, Any] | None = None,
                dtype: torch.dtype = torch.bfloat16, base_fingerprint: str | None = None,
                overwrite: bool = False) -> Path:
-    """Write the delta folder ``folder`` (replaced whole; module docstring): ``delta``'s
-    floating-point tensors in ``dtype``, and ``lora.json`` naming ``base`` (the pretrained
-    source), its ``base_fingerprint`` (:func:`weights_fingerprint`), ``overrides`` and
-    ``settings``; returns ``folder``.
+    """Write the delta folder ``folder`` (module docstring; replaced whole), floating-point
+    tensors in ``dtype``; returns ``folder``.
 
     Raises:
-        UsageError: ``folder`` holds a model or checkpoint and not ``overwrite``, or is, holds
-            or is inside the base's folder (:func:`base_folder`), before anything is written.
+        UsageError: ``folder`` holds a model (without ``overwrite``) or overlaps the base's.
     """
     folder = check_target(folder, sources={"the LoRA base": base_folder(base)},
                           overwrite=overwrite, what="delta folder")
@@ -317,16 +267,12 @@ def read_delta(folder: str | Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
 
 
 def merge_delta(folder: str | Path, output: str | Path, *, overwrite: bool = False) -> Path:
-    """Write the model of the delta folder ``folder`` merged into its base as the
-    ``save_pretrained`` folder ``output`` (loadable with ``LongNetLM.from_pretrained``), with
-    the delta folder's other files (the tokenizer's), swapped in whole when complete; returns
-    ``output``.
+    """Write the delta folder ``folder`` merged into its base, with its other files (the
+    tokenizer's), as the ``save_pretrained`` folder ``output`` (swapped in whole); returns it.
 
     Raises:
-        UsageError: before the base is built, an ``output`` that holds a model or checkpoint
-            (without ``overwrite``) or that is, holds or is inside ``folder`` or the base's
-            folder (even with ``overwrite``); a base whose fingerprint is not the one
-            ``lora.json`` records (:func:`check_same_base`).
+        UsageError: an ``output`` holding a model (without ``overwrite``) or overlapping
+            ``folder`` or the base's; a base of another fingerprint than recorded.
         FileNotFoundError, UsageError: as :func:`read_delta` and :func:`merged_model`.
     """
     record, delta = read_delta(folder)

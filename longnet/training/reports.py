@@ -1,26 +1,6 @@
-"""What a run reports about itself while it runs and when it ends: progress lines, the last
-metrics (``metrics.json``), predictions, the training curves (``curves.png``) and every rank's
-peak memory (``memory.json``).
-
-Progress is counted in optimizer steps: Lightning's own bars count the batches of the current
-epoch against the *remaining* steps, which reads "Epoch 0/-2" (rich, ``max_epochs=-1``) and
-"300/99" after a resume. Both bars here show ``global_step`` of
-``trainer.estimated_stepping_batches`` (``max_steps`` when it is set), so a resumed run
-continues where it stopped: "step 300/400". :func:`progress_bar` picks one:
-:class:`StepProgressBar` (tqdm) when stdout is a terminal, :class:`LineProgressBar` (no carriage
-returns; one line every few percent) when it is a file or a pipe.
-
-Peak memory (:class:`PeakMemory`, the planner's counterpart: ``lab.memory`` and
-``lab/scripts/plan_context.py`` predict, this measures): on CUDA the caching allocator's peak
-(``torch.cuda.max_memory_allocated``); on CPU the process's peak resident set, ``VmHWM`` of
-``/proc/self/status``, reset when training starts (``/proc/self/clear_refs``, Linux >= 4.0).
-Both are read as *above the start*: the bytes the training step adds to what the process held
-when ``fit`` began training (parameters, the wrapped model, data loaders and, on CPU, the
-Python process itself). On CPU, glibc keeps freed buffers smaller than its adaptive mmap
-threshold (up to 32 MiB) in the process, so the resident peak can exceed the peak of live
-tensors. For the live peak, run with ``MALLOC_MMAP_THRESHOLD_=131072`` (freed buffers above
-128 KiB leave the resident set at once); ``memory.json`` records whether it was set.
-"""
+"""What a run reports: progress in optimizer steps (a resumed run reads "step 300/400"),
+``metrics.json``, predictions, ``curves.png`` and every rank's peak memory (``memory.json``:
+CUDA allocator peak or CPU ``VmHWM``, above the start; see :data:`MALLOC_FIXED`)."""
 
 from __future__ import annotations
 
@@ -54,9 +34,8 @@ SMOOTHING_FRACTION = 0.05
 MIB = 2**20
 MMAP_THRESHOLD = "MALLOC_MMAP_THRESHOLD_"
 MALLOC_FIXED = {MMAP_THRESHOLD: "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
-"""glibc settings under which freed buffers above 128 KiB leave the RSS at once, so that the
-peak RSS is the peak of live bytes (glibc's default adapts its threshold up to 32 MiB and keeps
-freed buffers below it). The benchmarks start their measuring processes under them."""
+"""glibc settings under which freed buffers above 128 KiB leave the RSS at once (the default
+keeps up to 32 MiB), so peak RSS is the peak of live bytes. The benchmarks run under them."""
 
 
 def total_steps(trainer: L.Trainer) -> float:
@@ -70,9 +49,7 @@ def _without_version(metrics: dict[str, Any]) -> dict[str, Any]:
 
 
 class StepProgressBar(TQDMProgressBar):
-    """Lightning's tqdm bar with the training bar counting optimizer steps: ``global_step`` of
-    the run's total steps, also after a resume. Validation, test and predict bars are
-    Lightning's."""
+    """Lightning's tqdm bar, its training bar counting optimizer steps (also after a resume)."""
 
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
         return _without_version(super().get_metrics(trainer, pl_module))
@@ -106,9 +83,7 @@ class StepProgressBar(TQDMProgressBar):
 
 
 class LineProgressBar(ProgressBar):
-    """Progress as plain lines on stdout, for logs and pipes (no carriage returns): about
-    ``lines`` lines per run, ``step N/T (P%)``, the progress-bar metrics, steps per second and
-    the time left; one line per validation with its ``val/*`` metrics.
+    """Progress as plain lines for logs and pipes, and one line per validation.
 
     Args:
         lines: how many progress lines a whole run prints (at most one per step).
@@ -186,12 +161,8 @@ def progress_bar() -> ProgressBar:
 
 
 class MetricsSummary(L.Callback):
-    """Write the last validation and test metrics to ``<run folder>/metrics.json``.
-
-    ``{"validate": {...}, "test": {...}}``, each with ``step``, the ``run_id`` of the run that
-    wrote it (the logger's, when it has one) and every ``val/*`` or ``test/*`` value; updated
-    after every validation (outside the sanity check) and test.
-    """
+    """Write the last validation and test metrics to ``<run folder>/metrics.json``:
+    ``{"validate": {...}, "test": {...}}``, each with ``step`` and ``run_id``."""
 
     def __init__(self, filename: str = "metrics.json") -> None:
         self.filename = filename
@@ -221,8 +192,7 @@ class MetricsSummary(L.Callback):
 
 
 class PredictionsWriter(BasePredictionWriter):
-    """Write ``predict`` outputs (per-sample ``loss_sum``, ``num_tokens``, ``bpb``) as JSON
-    lines, one file per data-parallel rank: ``<dirpath>/predictions-<rank>.jsonl``.
+    """Write ``predict`` outputs to ``<dirpath>/predictions-<data-parallel rank>.jsonl``.
 
     Args:
         dirpath: destination folder; None is the run folder.
@@ -234,16 +204,14 @@ class PredictionsWriter(BasePredictionWriter):
         self._folder: Path | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        # resolved here, on every rank (log_dir is a collective; ranks may get different
-        # numbers of predict batches)
+        # on every rank: log_dir is a collective (ranks may get different predict batch counts)
         self._folder = Path(self.dirpath) if self.dirpath else run_dir(trainer)
         path = self._path(trainer)
         if stage == "predict" and path is not None:
             path.unlink(missing_ok=True)  # a new predict replaces the file, never extends it
 
     def _path(self, trainer: L.Trainer) -> Path | None:
-        """This rank's file; None where another rank of its sequence-parallel group writes
-        the same values."""
+        """This rank's file; None where its sequence-parallel group's rank 0 writes it."""
         folder = self._folder or Path(self.dirpath or trainer.default_root_dir)
         strategy, rank = trainer.strategy, trainer.global_rank
         if isinstance(strategy, SequenceParallelLayout):
@@ -270,12 +238,8 @@ class PredictionsWriter(BasePredictionWriter):
 def read_curves(
     metrics_csv: str | Path, keys: Sequence[str] = CURVE_KEYS, run_id: str | None = None
 ) -> dict[str, list[tuple[int, float]]]:
-    """``key -> [(step, value), ...]`` (sorted by step) from a Lightning CSV log.
-
-    Rows without the key or a step are skipped; a step logged twice (a resumed run repeats
-    the steps after its last checkpoint) keeps the later row. With ``run_id``, only the rows
-    of that run are read (and rows without a ``run_id``: logs written without run ids).
-    """
+    """``key -> [(step, value), ...]`` (sorted; a repeated step keeps the later row) from a
+    Lightning CSV log, only ``run_id``'s rows (and rows without one) when given."""
     values: dict[str, dict[int, float]] = {key: {} for key in keys}
     with open(metrics_csv, newline="") as handle:
         for row in csv.DictReader(handle):
@@ -290,8 +254,7 @@ def read_curves(
 
 
 def trailing_mean(values: Sequence[float], window: int) -> list[float]:
-    """At every position, the mean of the last ``window`` values up to it (fewer at the
-    start). ``window`` must be positive."""
+    """At every position, the mean of the last ``window`` (> 0) values up to it."""
     check_positive_int("window", window)
     means, total = [], 0.0
     for i, value in enumerate(values):
@@ -303,10 +266,8 @@ def trailing_mean(values: Sequence[float], window: int) -> list[float]:
 def plot_training_curves(
     curves: Mapping[str, Sequence[tuple[int, float]]], path: str | Path, *, title: str = ""
 ) -> Path:
-    """Line plot of each curve (bits per byte) against the optimizer step; empty curves are
-    left out. A training curve (one batch per point, noisy) is drawn faint with its trailing
-    mean over ``SMOOTHING_FRACTION`` of its points on top. The PNG replaces ``path`` whole
-    (:func:`longnet.files.write_atomic`). Returns ``path``."""
+    """Plot each curve (bits per byte) against the optimizer step to the PNG ``path``
+    (atomically; returned); training curves faint, with their trailing mean on top."""
     fig = Figure(figsize=(7.0, 4.2), dpi=120, layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
@@ -334,9 +295,7 @@ def plot_training_curves(
 
 
 class TrainingCurves(L.Callback):
-    """When ``fit`` ends, plot ``train/bpb`` and ``val/bpb`` of this run (the rows with the
-    logger's ``run_id``, when it has one) from the run folder's ``metrics.csv`` (written by
-    ``RunLogger``) to ``<run folder>/<filename>``.
+    """When ``fit`` ends, plot this run's ``train/bpb`` and ``val/bpb`` to the run folder.
 
     Args:
         filename: the PNG's name inside the run folder.
@@ -378,14 +337,8 @@ def reset_peak_rss() -> bool:
 
 
 class PeakMemory(L.Callback):
-    """Write every rank's peak memory during ``fit`` to ``<run folder>/memory.json``.
-
-    ``{"device", "step", "peak_since", "malloc_mmap_threshold", "ranks": [{"rank",
-    "start_mib", "peak_mib", "peak_above_start_mib"}, ...]}``: ``start`` is what the rank held
-    when training began, ``peak`` the most it held until training ended (validation runs
-    included); ``peak_since`` is ``"train start"``, or ``"process start"`` where the peak
-    could not be reset. Collective at the end of training (one all-gather): every rank runs it.
-    """
+    """Write every rank's peak memory during ``fit`` (start, peak and peak above start, MiB)
+    to ``<run folder>/memory.json``; collective at train end."""
 
     def __init__(self, filename: str = "memory.json") -> None:
         self.filename = filename

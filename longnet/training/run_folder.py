@@ -1,21 +1,6 @@
-"""One run per run folder: the folder itself, a lock while a command works in it, a run id on
-its outputs, and its CSV log.
-
-The ``longnet`` command (``longnet.cli``) uses these around every subcommand:
-
-- :func:`run_dir`, :func:`run_folder`: the run folder (the logger's ``log_dir``), where
-  checkpoints, the saved config, the metrics and the exports go;
-- :class:`RunLock`: ``<run folder>/run.lock`` holds the pid, host and run id of the command
-  working in the folder (taken by rank 0 only, before any process is started or file written;
-  released when the command ends). A second command into the same folder is refused with the
-  folder, the live pid and the fix; a lock whose process is gone (killed) is taken over with a
-  note.
-- :func:`earlier_run_outputs`: a new ``fit`` (no ``--ckpt_path``) refuses a folder that already
-  holds another run's checkpoints or export, instead of mixing its files with them.
-- :class:`RunId`: the run id in every row of ``metrics.csv`` (:class:`RunLogger`), in
-  ``metrics.json`` and in every checkpoint, so a resumed run keeps its id.
-- :class:`RunLogger`: CSV metrics in the run folder that survive resumes and later runs,
-  every row tagged with the id of the run that wrote it.
+"""One run per run folder (:func:`run_dir`): a lock while a command works in it
+(:class:`RunLock`), a run id on its outputs (:class:`RunId`) and its CSV log
+(:class:`RunLogger`); a new ``fit`` refuses another run's outputs (:func:`earlier_run_outputs`).
 """
 
 from __future__ import annotations
@@ -99,12 +84,8 @@ class RunLock:
         return record if isinstance(record, dict) else {}
 
     def acquire(self) -> None:
-        """Take the lock, or raise :class:`UsageError` naming the live command that holds it.
-
-        A lock left by a process that no longer runs on this host (killed, machine restarted)
-        is taken over with a warning. A lock from another host cannot be checked, so it is
-        refused with the path to delete if that run is gone.
-        """
+        """Take the lock, or raise :class:`UsageError` naming the live command that holds it
+        (a dead process's lock on this host is taken over; another host's is refused)."""
         self.folder.mkdir(parents=True, exist_ok=True)
         staging = self.folder / f".{LOCK_NAME}.{os.getpid()}.{secrets.token_hex(3)}"
         staging.write_text(json.dumps(self._record()) + "\n")
@@ -151,9 +132,7 @@ class RunLock:
 
 
 def earlier_run_outputs(folder: str | Path, checkpoint_dirs: list[Path]) -> list[str]:
-    """What an earlier run left that a new run would mix with: checkpoints (``*.ckpt`` in
-    ``checkpoint_dirs``) and the ``model/`` export; paths relative to ``folder`` where they
-    are inside it."""
+    """An earlier run's checkpoints (in ``checkpoint_dirs``) and ``model/`` export."""
     folder = Path(folder)
     found = [path for directory in checkpoint_dirs for path in sorted(directory.glob("*.ckpt"))]
     if (folder / EXPORT_NAME).is_dir():
@@ -163,8 +142,8 @@ def earlier_run_outputs(folder: str | Path, checkpoint_dirs: list[Path]) -> list
 
 
 class RunId(L.Callback):
-    """Tag a run's outputs with its id: ``RunLogger`` rows and ``metrics.json`` (through the
-    logger's ``run_id``) and every checkpoint (key ``longnet_run_id``).
+    """Tag a run's outputs with its id: ``RunLogger`` rows, ``metrics.json`` and every
+    checkpoint (:data:`RUN_ID_KEY`).
 
     Args:
         run_id: the id; a resumed run passes the id of the checkpoint it resumes.
@@ -185,18 +164,13 @@ class RunId(L.Callback):
 
 
 def run_dir(trainer: L.Trainer) -> Path:
-    """The run folder: the logger's ``log_dir`` (else ``trainer.default_root_dir``).
-
-    ``trainer.log_dir`` broadcasts from rank 0: call this on EVERY rank (a rank-zero-only call
-    deadlocks a multi-process run).
-    """
+    """The run folder: the logger's ``log_dir`` (else ``trainer.default_root_dir``). A
+    collective: call it on EVERY rank (a rank-zero-only call deadlocks)."""
     return Path(trainer.log_dir or trainer.default_root_dir)
 
 
 def run_folder(trainer: L.Trainer) -> Path:
-    """The run folder as ``trainer.log_dir`` finds it (the first logger's ``log_dir``, else its
-    ``save_dir``, else ``default_root_dir``), without its collective: safe before the
-    processes of a multi-process run exist, and on one rank."""
+    """The run folder as ``trainer.log_dir`` finds it, without the collective."""
     logger = trainer.logger
     if logger is None:
         return Path(trainer.default_root_dir)
@@ -204,10 +178,7 @@ def run_folder(trainer: L.Trainer) -> Path:
 
 
 def checkpoint_dirs(trainer: L.Trainer, *, save_last: bool = False) -> list[Path]:
-    """The folders the trainer's ``ModelCheckpoint``\\ s write to (those with ``save_last``
-    only, if asked), resolved as Lightning does: ``dirpath``, else
-    ``<save_dir>/<name>/<version>/checkpoints`` of the first logger, else
-    ``<default_root_dir>/checkpoints``."""
+    """The folders the trainer's ``ModelCheckpoint``\\ s (``save_last`` ones) write to."""
     folders = []
     for callback in trainer.checkpoint_callbacks:
         if not isinstance(callback, ModelCheckpoint) or (save_last and not callback.save_last):
@@ -226,8 +197,7 @@ def checkpoint_dirs(trainer: L.Trainer, *, save_last: bool = False) -> list[Path
 
 
 class AppendingExperimentWriter(ExperimentWriter):
-    """Lightning's CSV writer, except that an existing ``metrics.csv`` is continued (its header
-    kept, rows appended) instead of deleted."""
+    """Lightning's CSV writer, continuing an existing ``metrics.csv`` instead of deleting it."""
 
     def _check_log_dir_exists(self) -> None:
         if self._fs.isfile(self.metrics_file_path):
@@ -236,17 +206,9 @@ class AppendingExperimentWriter(ExperimentWriter):
 
 
 class RunLogger(CSVLogger):
-    """Log to ``<save_dir>/<name>/metrics.csv`` (+ ``hparams.yaml``); that folder is the run
-    folder (``trainer.log_dir``) where checkpoints, the saved config and exports also go.
-
-    Unlike ``CSVLogger`` there is no ``version_N`` sub-folder, so re-running a command (e.g.
-    ``fit --ckpt_path last`` after an interruption, or ``test`` later) finds the same folder,
-    and ``metrics.csv`` is appended to, not replaced. Steps between the last checkpoint and an
-    interruption may appear twice; the later rows are the resumed run's.
-
-    Every row carries the ``run_id`` column: the id the ``longnet`` command gives each run
-    (:class:`RunId` sets :attr:`run_id`; a resumed run keeps its id), so rows
-    of different commands in one folder (a ``fit``, a later ``test``) stay apart.
+    """Log to ``<save_dir>/<name>/metrics.csv``, the run folder: unlike ``CSVLogger`` no
+    ``version_N`` sub-folder, rows appended across runs (redone steps twice, the later the
+    resume's), each with a ``run_id`` column (:class:`RunId`).
 
     Args:
         save_dir: parent folder of runs (not empty).

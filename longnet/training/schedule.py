@@ -1,16 +1,6 @@
-"""The optimizer and its learning rate, the one place that sets the rate of a run.
-
-- :func:`parameter_groups`, :func:`build_optimizer`: AdamW with decoupled weight decay on
-  matrices only, and its per-step schedule, :class:`WarmupCosine` (:func:`warmup_cosine`);
-- :func:`plan_schedule`: the decay re-laid over another step count while a run trains (a
-  resume to a new length, :func:`follow_configured_length`; a time budget's plans);
-- :class:`TimeBudget`, :class:`TrainingDeadline`: train for a wall-clock budget, or until a
-  clock time;
-- :class:`Rewarmup`: the rate ramped back up after a resume with fresh optimizer moments.
-
-A fixed step count keeps no time promise across machines that differ 3x in speed; a budget
-does: :class:`TimeBudget` plans the steps that fill it from the measured step rate, and lays
-the learning-rate decay over them.
+"""The optimizer and the one place that sets a run's learning rate: AdamW with a warmup-cosine
+schedule whose decay can be re-laid while training (:func:`plan_schedule`), a wall-clock budget
+or deadline, and a re-warmup after a resume with fresh moments (:class:`Rewarmup`).
 """
 
 from __future__ import annotations
@@ -32,19 +22,15 @@ from longnet.nn.short_conv import CausalShortConv
 from longnet.validation import UsageError, check_non_negative_int, check_positive_int, is_real
 
 REPLAN_AT = (0.25, 0.5, 0.75, 0.9)
-"""The shares of the plan at which :class:`TimeBudget` plans again, by default."""
+"""Default shares of the plan at which :class:`TimeBudget` plans again."""
 LATE_SHARE = 0.05
-"""How late (a share of the budget) the rate since the last plan may say a plan ends before
-:class:`TimeBudget` plans again between its shares."""
+"""Share of the budget a plan may be predicted late before :class:`TimeBudget` re-plans."""
 
 
 def parameter_groups(model: nn.Module, weight_decay: float,
                      kv_conv_lr: float | None = None) -> list[dict]:
-    """AdamW groups: weight decay on parameters with >= 2 dims (linear weights, embeddings),
-    none on vectors (biases, norm scales) and on the K/V convolutions' per-channel taps (they
-    start as the identity; decay would pull them towards dropping the keys). With
-    ``kv_conv_lr`` the taps are a third group with that peak learning rate (the schedule
-    scales it as it scales the others). Tied parameters appear once.
+    """AdamW groups: decay on >= 2-dim parameters, none on vectors and K/V convolution taps
+    (identity at init: decay would drop the keys), the taps at ``kv_conv_lr`` when given.
 
     Raises:
         ValueError: ``kv_conv_lr`` is given and no trainable convolution tap exists.
@@ -76,33 +62,24 @@ def parameter_groups(model: nn.Module, weight_decay: float,
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
-    """LR multiplier at optimizer step ``step`` (0-based).
-
-    Linear from ``1 / (warmup_steps + 1)`` up to 1 over ``warmup_steps`` steps, then a cosine
-    from 1 down to ``min_lr_ratio`` at ``total_steps``; constant ``min_lr_ratio`` after that.
+    """LR multiplier at 0-based optimizer ``step``: linear from ``1 / (warmup_steps + 1)`` to 1
+    over ``warmup_steps``, then a cosine to ``min_lr_ratio`` at ``total_steps``, then constant.
     """
     return WarmupCosine(warmup_steps, min_lr_ratio, ((0, total_steps),))(step)
 
 
 @dataclass
 class WarmupCosine:
-    """:func:`warmup_cosine` whose decay can be re-laid while it runs (a time budget's plans).
-
-    ``plans`` are ``(from_step, total_steps)`` pairs with increasing ``from_step``: from
-    ``max(from_step, warmup_steps)`` on, the cosine's progress goes on from where the plan
-    before left it, linearly to 1 at ``total_steps``, so the rate is continuous where a plan
-    starts. A plan that starts in the warmup is the schedule of its ``total_steps`` from the
-    start; the first plan's ``from_step`` is not read.
-    """
+    """:func:`warmup_cosine` whose decay can be re-laid while it runs: ``plans`` are
+    ``(from_step, total_steps)`` pairs; from each ``from_step`` the cosine's progress goes on
+    linearly to 1 at its ``total_steps`` (the rate stays continuous)."""
 
     warmup_steps: int
     min_lr_ratio: float
     plans: tuple[tuple[int, int], ...]
 
     def relaid(self, total_steps: int, from_step: int) -> WarmupCosine:
-        """This schedule with its decay laid over ``total_steps`` from ``from_step`` on; plans
-        starting at or after ``from_step`` are replaced, and a plan of the count already in
-        force changes nothing (the same rates, bit for bit)."""
+        """The decay laid over ``total_steps`` from ``from_step`` (the count in force: no-op)."""
         kept = tuple(plan for plan in self.plans if plan[0] < from_step)
         if kept and kept[-1][1] == total_steps:
             return replace(self, plans=kept)
@@ -127,8 +104,7 @@ class WarmupCosine:
 
 
 def _progress(step: int, start: int, progress_at_start: float, total: int) -> float:
-    """Progress at ``step`` of a plan that goes from ``progress_at_start`` at ``start`` to 1 at
-    ``total`` (at least one step later)."""
+    """Progress at ``step``, linear from ``progress_at_start`` at ``start`` to 1 at ``total``."""
     share = (step - start) / max(1, total - start)
     return min(1.0, progress_at_start + (1.0 - progress_at_start) * share)
 
@@ -149,13 +125,27 @@ def build_optimizer(
     return optimizer, scheduler
 
 
+def check_optimizer_settings(lr: float, weight_decay: float, betas: Sequence[float],
+                             eps: float, warmup_steps: int, total_steps: int | None,
+                             min_lr_ratio: float) -> None:
+    """Raise ValueError for AdamW or schedule settings out of range."""
+    if not lr > 0:
+        raise ValueError(f"learning_rate must be positive, got {lr!r}.")
+    if weight_decay < 0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}.")
+    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+        raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}.")
+    if not eps > 0:
+        raise ValueError(f"eps must be positive, got {eps!r}.")
+    check_non_negative_int("warmup_steps", warmup_steps)
+    if total_steps is not None:
+        check_positive_int("total_steps", total_steps)
+    if not 0 <= min_lr_ratio <= 1:
+        raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio!r}.")
+
+
 def plan_schedule(scheduler: LambdaLR, total_steps: int, from_step: int = 0) -> None:
-    """Lay the learning-rate decay of ``scheduler`` (:func:`build_optimizer`'s) over
-    ``total_steps`` optimizer steps from ``from_step`` on (:meth:`WarmupCosine.relaid`): the
-    rate at ``from_step`` is the one the schedule in force gives there and the cosine goes on
-    from it to its end at ``total_steps``; plans starting at or after ``from_step`` are
-    replaced. The warmup does not depend on the length, so a plan made during the warmup gives
-    the rates of a run configured with ``total_steps`` from its start."""
+    """Lay ``scheduler``'s decay over ``total_steps`` from ``from_step`` on (``relaid``)."""
     check_positive_int("total_steps", total_steps)
     check_non_negative_int("from_step", from_step)
     schedule = scheduler.lr_lambdas[0].relaid(total_steps, from_step)
@@ -166,11 +156,8 @@ def plan_schedule(scheduler: LambdaLR, total_steps: int, from_step: int = 0) -> 
 
 def follow_configured_length(trainer: L.Trainer, scheduler: LambdaLR, total_steps: int,
                              learning_rate: float) -> None:
-    """When training starts: a resumed fit whose schedule length ``total_steps`` is not the one
-    its checkpoint's schedule was laid over (``--trainer.max_steps N`` to extend a finished
-    run) trains with the schedule of a run of the new length from its start: where the old one
-    had ended, the rate goes back up (a warm restart). A :class:`TimeBudget` plans the schedule
-    itself and is left to."""
+    """A resumed fit with another ``total_steps`` than its checkpoint's schedule takes that of
+    a run of the new length (a warm restart); not under a :class:`TimeBudget`."""
     if any(isinstance(callback, TimeBudget) for callback in trainer.callbacks):
         return
     schedule = scheduler.lr_lambdas[0]
@@ -186,15 +173,8 @@ def follow_configured_length(trainer: L.Trainer, scheduler: LambdaLR, total_step
 
 
 class Rewarmup(L.Callback):
-    """Ramp the learning rate back up after a resume with fresh optimizer moments.
-
-    A fit that starts at step ``S > 0`` with optimizers that hold no state (for example a
-    checkpoint made from weights alone: the weights and the schedule's position, no AdamW moments)
-    would take its first steps at the scheduled rate with moments built from one gradient,
-    a large update. For the ``steps`` optimizer steps from ``S`` this callback multiplies
-    the rate its schedulers give by ``(k + 1) / (steps + 1)`` at step ``S + k``, as the
-    module's own warmup does from step 0. Any other start (step 0, a full checkpoint) is left
-    alone. ``S`` is kept in checkpoints, so a run stopped during the ramp resumes it exactly.
+    """Ramp the learning rate back up after a resume at step ``S`` with empty optimizer state
+    (a weights-only checkpoint): the rate times ``(k + 1) / (steps + 1)`` at step ``S + k``.
 
     Args:
         steps: optimizer steps of the ramp; 0 turns it off.
@@ -235,31 +215,10 @@ class Rewarmup(L.Callback):
 class TimeBudget(L.Callback):
     """Plan ``max_steps`` so that training takes about ``training_minutes`` of wall-clock time.
 
-    The rate is first measured over optimizer steps ``skip_steps .. skip_steps +
-    measure_steps`` (the first steps are slower: on a 2-core CPU steps 10-70 ran at 2.0
-    steps/s, later ones at 3.0); the plan is ``steps done + rate x time left``, capped by the
-    trainer's ``max_steps``. Then, at each share of ``replan_at`` of the planned steps, the
-    rate since the last plan gives a new plan and the learning-rate decay is re-laid from that
-    step to the new end (:func:`plan_schedule`). A first plan inside the warmup is
-    exact: the learning rates are those of a fixed ``max_steps`` of its count; a re-plan at a
-    steady rate plans the same count again. Training time starts at the first training step
-    and is kept across resumes: the sanity check, data preparation, the final validation and
-    test, and the time a run was stopped are not in the budget. One log line says each plan
-    and why (a re-plan only when it changes the count); with several ranks, rank 0's plan is
-    used by all.
-
-    The clock is also read after every step between those shares, so a machine that slows
-    down after the last plan cannot overrun the budget by minutes: once ``measure_steps`` steps
-    are timed since the last plan, a rate that says the plan would end more than
-    :data:`LATE_SHARE` of the budget late plans again at once; and training stops (the plan
-    becomes the current step, with one log line) after the first step that ends past the
-    budget, at most one step late.
-
-    Resuming (``--ckpt_path last``) keeps the plans, also from a run stopped before its first
-    plan (that plan is then made after the resume, from the steps timed then). A resumed run
-    whose ``max_steps`` differs from the one planned under (``--trainer.max_steps N`` to extend
-    a finished run) trains to ``N`` instead, with the schedule of a run of ``N`` steps, as a
-    run without a budget would, and plans no more.
+    The plan is ``steps done + rate x time left`` (capped by ``max_steps``; rate measured
+    after ``skip_steps``), the decay laid over it; it is re-made at each ``replan_at`` share,
+    or at once when running :data:`LATE_SHARE` late, and training stops past the budget. Only
+    training steps count, across resumes; rank 0's clock decides.
 
     Args:
         training_minutes: the budget for the training steps, in minutes.
@@ -284,7 +243,7 @@ class TimeBudget(L.Callback):
         self._train_start: float | None = None  # on the clock, less trained_s; None: not training
         self._window_start = 0.0
         self._window_from = self._plan_at = 0  # the steps timed for the next plan
-        self._scheduler: LambdaLR | None = None  # the module's, planned from on_train_start
+        self._scheduler: LambdaLR | None = None
 
     @property
     def planned_steps(self) -> int | None:
@@ -344,9 +303,7 @@ class TimeBudget(L.Callback):
         self._plan(trainer, pl_module, step, self.clock())
 
     def _check_clock(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
-        """Between the plan points: stop after a step that ends past the budget; plan again
-        when the rate since the last plan (over at least ``measure_steps`` steps) says the
-        plan would end more than :data:`LATE_SHARE` of the budget late. Rank 0 decides."""
+        """Between plan points: stop past the budget, or re-plan when running late."""
         now = self.clock()
         left = self.budget_s - (now - self._train_start)
         timed = step - self._window_from
@@ -367,8 +324,7 @@ class TimeBudget(L.Callback):
 
     def _plan(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int,
               now: float) -> None:
-        """Plan the steps that fill the budget from the rate since ``_window_from``, lay the
-        learning-rate decay over them and time the next window."""
+        """Plan the steps that fill the budget from the rate since ``_window_from``."""
         rate = (step - self._window_from) / max(now - self._window_start, 1e-9)
         left = self.budget_s - (now - self._train_start)
         wanted = step + max(1, math.floor(rate * left))
@@ -393,9 +349,7 @@ class TimeBudget(L.Callback):
                 f"{planned:,} steps (was {before:,}){capped}.")
 
     def _start_window(self, step: int, now: float | None = None) -> None:
-        """Time the steps from ``step`` for the next re-plan, at the next share of the plan at
-        least ``measure_steps`` past ``step`` (a shorter window would time a patch; none
-        left: never)."""
+        """Time from ``step`` to the next plan share at least ``measure_steps`` away."""
         self._window_from = step
         self._window_start = self.clock() if now is None else now
         shares = () if self.extended else self.replan_at
@@ -415,16 +369,8 @@ class TimeBudget(L.Callback):
 
 
 class TrainingDeadline(L.Callback):
-    """Stop training after the first optimizer step that ends past the wall-clock time ``at``
-    (UNIX seconds, as ``time.time()`` gives them), as ``trainer.max_time`` stops it: the
-    final validation, the test and the export still run.
-
-    For a job whose whole wall clock is bounded, such as a device call with a timeout:
-    ``at`` is its start plus its limit, less what must run after training. Whatever the
-    steps before training took (imports, the data build), training then ends in time; a
-    fixed ``max_time`` would have to assume the slowest start. With several ranks, rank 0's
-    clock decides for all.
-    """
+    """Stop training (not the final validation, test, export) after the first optimizer step
+    ending past ``at`` (UNIX seconds): unlike ``max_time``, the time before training counts."""
 
     def __init__(self, at: float) -> None:
         if not is_real(at) or not math.isfinite(at) or at <= 0:
@@ -443,8 +389,7 @@ class TrainingDeadline(L.Callback):
 
 
 def _budget_seconds(training_minutes: object) -> float:
-    """``training_minutes`` in seconds; ``UsageError`` unless a positive number whose seconds
-    are finite (``1e308`` minutes overflow)."""
+    """``training_minutes`` in seconds; ``UsageError`` unless positive with finite seconds."""
     seconds = math.inf
     if is_real(training_minutes) and training_minutes > 0:
         with contextlib.suppress(OverflowError):  # an int past float's range

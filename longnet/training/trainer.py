@@ -1,31 +1,6 @@
-"""The trainer the ``longnet`` command runs: its precision chosen by the hardware
-(:class:`AutoPrecisionTrainer`), and stopped by SIGTERM / SIGINT at a consistent point
-(:class:`StopOnSignal`).
-
-``precision: auto`` is ``bf16-mixed`` only where the hardware multiplies bfloat16 matrices
-natively: CUDA GPUs that support bfloat16, and CPUs with AMX (``amx_bf16``) or AVX512-BF16
-(``avx512_bf16``) in ``/proc/cpuinfo``. Elsewhere autocast is slower than float32 (it converts
-every weight and activation, then multiplies in float32 anyway), so ``auto`` is ``32-true``.
-
-Signals: Lightning notes SIGTERM and its loops raise ``SIGTERMException``, a ``SystemExit`` of
-status 0 (a scheduler sees success, nothing is saved); SIGINT interrupts a step anywhere, where
-no consistent checkpoint can be taken; under several ranks the flag is rank 0's alone.
-:class:`StopOnSignal` (on every trainer of the ``longnet`` command) instead:
-
-- during the training of ``fit``, notes the signal; at the end of every training step and
-  validation all ranks agree on whether any received one (one small all-reduce) and stop
-  there together, after the validation due at that step (resuming redoes and skips nothing).
-  ``LastCheckpoint`` writes ``last.ckpt``, one line says how to resume (``--ckpt_path last``)
-  and the exit status is ``128 + signal``: 143 for SIGTERM, 130 for SIGINT;
-- outside training (the sanity check, ``validate``, ``test``, ``predict``), stops the
-  evaluation loop at its next batch, with the same status and no checkpoint (nothing was
-  trained since the last one); under several ranks the others stop at their next collective,
-  naming them (:class:`~longnet.distributed.watch.RankWatch`);
-- on a second SIGINT, stops the process at once.
-
-Outside a trainer's run (building the data, the model, the export), the ``longnet`` command's
-:func:`raising_on_signals` makes either signal raise :class:`Interrupted` at once.
-"""
+"""The trainer the ``longnet`` command runs: ``precision: auto`` is ``bf16-mixed`` only where
+bfloat16 matrices multiply natively (:class:`AutoPrecisionTrainer`); SIGTERM / SIGINT stop it
+at a consistent point, status ``128 + signal`` (:class:`StopOnSignal`; Lightning exits 0)."""
 
 from __future__ import annotations
 
@@ -55,8 +30,7 @@ CPUINFO = Path("/proc/cpuinfo")
 
 
 def cpu_flags(cpuinfo: Path = CPUINFO) -> set[str]:
-    """The CPU's feature flags (the ``flags`` line of ``/proc/cpuinfo``); empty where that
-    file does not exist (not Linux) or has no such line."""
+    """The CPU's feature flags from ``/proc/cpuinfo``; empty where there are none."""
     try:
         text = cpuinfo.read_text()
     except OSError:
@@ -70,8 +44,7 @@ def cpu_flags(cpuinfo: Path = CPUINFO) -> set[str]:
 
 def auto_precision(device: Literal["cpu", "cuda"], flags: set[str] | None = None
                    ) -> tuple[str, str]:
-    """The precision ``auto`` stands for on ``device``, and why: ``("bf16-mixed", reason)``
-    where the hardware multiplies bfloat16 natively, else ``("32-true", reason)``.
+    """``("bf16-mixed" or "32-true", reason)``: what ``auto`` means on ``device``.
 
     Args:
         device: ``"cpu"`` or ``"cuda"`` (the current CUDA device).
@@ -91,8 +64,7 @@ def auto_precision(device: Literal["cpu", "cuda"], flags: set[str] | None = None
 
 
 def _device(accelerator: str | Accelerator) -> Literal["cpu", "cuda"] | None:
-    """The device kind an ``accelerator`` argument of ``Trainer`` resolves to (None: another
-    kind, e.g. ``mps``)."""
+    """The device kind ``accelerator`` resolves to (None: another kind, e.g. ``mps``)."""
     if isinstance(accelerator, CUDAAccelerator):
         return "cuda"
     if isinstance(accelerator, CPUAccelerator):
@@ -105,8 +77,7 @@ def _device(accelerator: str | Accelerator) -> Literal["cpu", "cuda"] | None:
 
 
 def resolve_precision(precision: Any, accelerator: str | Accelerator) -> Any:
-    """``precision`` unchanged, or for ``"auto"`` the precision of :func:`auto_precision` on
-    the device ``accelerator`` names (logged in one line with the reason).
+    """``precision``, ``"auto"`` resolved by :func:`auto_precision` (logged with the reason).
 
     Raises:
         ValueError: ``"auto"`` with an accelerator other than CPU or CUDA.
@@ -125,8 +96,7 @@ def resolve_precision(precision: Any, accelerator: str | Accelerator) -> Any:
 
 
 class AutoPrecisionTrainer(L.Trainer):
-    """Lightning's ``Trainer``, whose ``precision`` may also be ``"auto"``
-    (:func:`resolve_precision`); every other argument is the ``Trainer``'s."""
+    """Lightning's ``Trainer`` whose ``precision`` may also be ``"auto"``."""
 
     def __init__(self, *args: Any, accelerator: str | Accelerator = "auto",
                  precision: _PRECISION_INPUT | Literal["auto"] | None = None,
@@ -153,8 +123,7 @@ def signal_name(signum: int) -> str:
 
 
 class Interrupted(BaseException):
-    """A signal outside a trainer's run (:func:`raising_on_signals`); a ``BaseException``, as
-    ``KeyboardInterrupt``, so that no ``except Exception`` swallows it."""
+    """A signal outside a trainer's run (a ``BaseException``: ``except Exception`` misses it)."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(f"interrupted by {signal_name(signum)}")
@@ -163,9 +132,7 @@ class Interrupted(BaseException):
 
 @contextmanager
 def raising_on_signals() -> Iterator[None]:
-    """While the block runs, SIGTERM and SIGINT raise :class:`Interrupted` (in the main thread,
-    where signals are handled); the previous handlers come back when it ends. A trainer's run
-    replaces these with :class:`StopOnSignal`'s and Lightning restores them after it."""
+    """While the block runs, SIGTERM and SIGINT raise :class:`Interrupted` (main thread)."""
 
     def interrupt(signum: int, frame: FrameType | None) -> None:
         raise Interrupted(signum)
@@ -181,8 +148,9 @@ def raising_on_signals() -> Iterator[None]:
 
 
 class StopOnSignal(L.Callback):
-    """Stop a run on SIGTERM or SIGINT at a consistent point, with a checkpoint and exit
-    status ``128 + signal`` (module docstring).
+    """Stop a run on SIGTERM or SIGINT at a consistent point, status ``128 + signal``: in
+    ``fit``'s training all ranks agree each step and stop after its due validation with
+    ``last.ckpt``; elsewhere at the next batch; a second SIGINT stops at once.
 
     Attributes:
         signum: the signal that stops the run (agreed by all ranks during training), None
@@ -197,10 +165,8 @@ class StopOnSignal(L.Callback):
         self._agreed = False  # every rank stops at the same point
         self._trainer: L.Trainer | None = None
 
-    # ------------------------------------------------------------------ the handlers
     def _install(self, trainer: L.Trainer) -> None:
-        """Our handler for both signals, replacing Lightning's SIGTERM one (registered when the
-        run started; Lightning puts the previous handlers back when it ends)."""
+        """Our handler for both signals, replacing Lightning's (restored when the run ends)."""
         self._trainer = trainer
         if signal.getsignal(signal.SIGTERM) != self._on_signal:
             for signum in SIGNALS:
@@ -230,7 +196,6 @@ class StopOnSignal(L.Callback):
         """Lightning's flag: its loops raise ``SIGTERMException`` at their next check."""
         trainer._signal_connector.received_sigterm = True
 
-    # ------------------------------------------------------------------ Lightning hooks
     def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._install(trainer)
 
@@ -251,8 +216,7 @@ class StopOnSignal(L.Callback):
         self._install(trainer)
 
     def _agree(self, trainer: L.Trainer) -> bool:
-        """Whether any rank received a signal (every rank calls it at the same point; the
-        largest signal number wins); sets :attr:`signum`."""
+        """Whether any rank received a signal (collective; the largest number wins)."""
         agreed = self._received or 0
         if trainer.world_size > 1:
             received = torch.tensor(agreed, device=trainer.strategy.root_device)
@@ -278,8 +242,7 @@ class StopOnSignal(L.Callback):
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule,
                      exception: BaseException) -> None:
-        """A stop by a signal: ``last.ckpt`` (during training), the line saying how to resume,
-        and the exit status ``128 + signal`` (on every rank)."""
+        """A stop by a signal: ``last.ckpt`` (in training), a resume hint, status ``128 + sig``."""
         self._training = False
         if not isinstance(exception, SIGTERMException) or self.signum is None:
             return
@@ -302,8 +265,7 @@ class StopOnSignal(L.Callback):
 
 
 def save_last(trainer: L.Trainer) -> Path | None:
-    """``last.ckpt`` saved now by the trainer's first :class:`LastCheckpoint` (a collective:
-    call it on every rank); None without one."""
+    """``last.ckpt`` saved now by the first :class:`LastCheckpoint` (collective); None without."""
     callback = next((c for c in trainer.checkpoint_callbacks if isinstance(c, LastCheckpoint)),
                     None)
     return None if callback is None else callback.save_now(trainer)

@@ -1,7 +1,6 @@
-"""The data meets the model: the tokenizer's vocabulary and special ids given to a fresh model
-(refused for pretrained weights of another vocabulary or tokenizer), recorded in every checkpoint (a
-resume with another tokenizer is refused) and counted in bytes for bits per byte; the window
-length a datamodule serves (:func:`datamodule_seq_len`)."""
+"""The data meets the model: the tokenizer's vocabulary given to a fresh model (pretrained
+weights must match), recorded in checkpoints (checked on resume), counted in bytes for bits per
+byte; the window length a datamodule serves."""
 
 from __future__ import annotations
 
@@ -42,9 +41,7 @@ class TokenIds:
 
 
 def data_token_ids(datamodule: Any) -> TokenIds | None:
-    """The :class:`TokenIds` of a datamodule that chooses a subword tokenizer (one whose
-    ``tokenizer_choice`` is not bytes: ``LongDocumentDataModule``), else None: byte data
-    leaves the model as configured."""
+    """The :class:`TokenIds` of a datamodule that chooses a subword tokenizer, else None."""
     choice = getattr(datamodule, "tokenizer_choice", None)
     if choice is None or choice.kind == BYTES:
         return None
@@ -52,9 +49,7 @@ def data_token_ids(datamodule: Any) -> TokenIds | None:
 
 
 def datamodule_seq_len(datamodule: Any) -> int | None:
-    """The length of the windows ``datamodule`` serves: its ``seq_len``, else its
-    ``settings.seq_len`` (``longnet.data`` datamodules have one or the other); None when it
-    names no integer length (no datamodule, loaders given to the trainer directly)."""
+    """The window length ``datamodule`` serves (``seq_len`` or ``settings.seq_len``), or None."""
     seq_len = getattr(datamodule, "seq_len", None)
     if seq_len is None:
         seq_len = getattr(getattr(datamodule, "settings", None), "seq_len", None)
@@ -62,16 +57,11 @@ def datamodule_seq_len(datamodule: Any) -> int | None:
 
 
 def fitted_overrides(ids: TokenIds, config: LongNetConfig, hparams: Any) -> dict | None:
-    """The config overrides that give a fresh model the data's vocabulary and special ids
-    (None: the model already has them).
-
-    Pretrained weights keep their config (their EOS id included) when their ``vocab_size`` is
-    the tokenizer's.
+    """The config overrides giving a fresh model the data's vocabulary and special ids (None:
+    it has them, or pretrained weights of the same ``vocab_size``).
 
     Raises:
-        UsageError: ``pretrained`` weights of another vocabulary size, or a ``vocab_size`` set
-            in the config or overrides that is smaller than the tokenizer's (each names both
-            values and the fix).
+        UsageError: pretrained weights of another ``vocab_size``, or a configured one below it.
     """
     if ids.matches(config):
         return None
@@ -98,12 +88,8 @@ def fitted_overrides(ids: TokenIds, config: LongNetConfig, hparams: Any) -> dict
 
 def check_pretrained_tokenizer(pretrained: str | None, config: LongNetConfig,
                                tokenizer: ByteTokenizer | SubwordTokenizer | None) -> None:
-    """Refuse ``pretrained`` weights (a zoo name or model folder, ``config`` their config) whose
-    own tokenizer is not the data's ``tokenizer``, as a resume refuses a checkpoint's: the
-    fingerprints of both tokenizers' files where the model folder holds a ``tokenizer.json``,
-    else the vocabulary size and the end-of-document and padding ids its config sets (byte data
-    needs a byte-level model). Nothing for a fresh model (``pretrained`` None) or a tokenizer
-    not known yet (None: a BPE before the data's setup).
+    """Refuse ``pretrained`` weights whose own tokenizer (by file fingerprint, else
+    ``config``'s sizes and ids) is not the data's; nothing when either is None.
 
     Raises:
         UsageError: naming both tokenizers, what differs and the fix.
@@ -132,9 +118,7 @@ def check_pretrained_tokenizer(pretrained: str | None, config: LongNetConfig,
 
 
 def _tokenizer_facts(tokenizer: ByteTokenizer | SubwordTokenizer) -> dict[str, Any]:
-    """What :func:`check_pretrained_tokenizer` compares of a tokenizer: ids, special ids and
-    the fingerprint of its files (read back as a model folder's are: the same files give the
-    same fingerprint however the tokenizer was loaded; None for bytes)."""
+    """Sizes, special ids and files' fingerprint (None for bytes) of ``tokenizer``."""
     fingerprint = None if isinstance(tokenizer, ByteTokenizer) else \
         tokenizer_from_files(tokenizer.files, tokenizer.name).fingerprint
     return {"vocabulary size": tokenizer.vocab_size, "end-of-document id": tokenizer.eos_id,
@@ -154,8 +138,7 @@ def _described(facts: dict[str, Any]) -> str:
 
 
 def tokenizer_record(tokenizer: ByteTokenizer | SubwordTokenizer) -> dict[str, Any]:
-    """What a checkpoint keeps of the data's tokenizer: ``name``, ``fingerprint`` and the
-    ``files`` of a subword tokenizer (``save_pretrained`` layout); ``{"name": "bytes"}``."""
+    """What checkpoints keep of the tokenizer: ``name``, ``fingerprint`` and ``files``."""
     if isinstance(tokenizer, ByteTokenizer):
         return {"name": "bytes"}
     return {"name": tokenizer.name, "fingerprint": tokenizer.fingerprint,
@@ -163,10 +146,7 @@ def tokenizer_record(tokenizer: ByteTokenizer | SubwordTokenizer) -> dict[str, A
 
 
 def record_by_name(record: dict[str, Any]) -> dict[str, Any]:
-    """``record`` without its ``files`` when its name alone gives them back: a zoo name (the
-    zoo's ``list_models``) whose tokenizer here has the recorded fingerprint. Any other
-    record (bytes, a path, a zoo tokenizer that differs) is returned as it is.
-    :func:`record_with_files` is the inverse."""
+    """``record`` without ``files`` its zoo name gives back (same fingerprint), else as is."""
     name = record.get("name")
     if "files" not in record or name not in list_models():
         return record
@@ -181,12 +161,10 @@ def record_by_name(record: dict[str, Any]) -> dict[str, Any]:
 
 def record_with_files(record: dict[str, Any], source: str) -> dict[str, Any]:
     """``record`` with the ``files`` :func:`record_by_name` left out, read back from the zoo
-    tokenizer it names (``source``: what holds the record, for messages); a record with its
-    files is returned as it is.
+    (``source`` names the record's holder in messages).
 
     Raises:
-        UsageError: the named tokenizer cannot be read here, or its fingerprint is not the
-            recorded one (each message names both and the fix).
+        UsageError: the named tokenizer cannot be read here, or has another fingerprint.
     """
     if "files" in record or record.get("name") in (None, BYTES):
         return record
@@ -211,7 +189,7 @@ def check_tokenizer_record(record: dict[str, Any] | None,
     """Refuse to resume a checkpoint trained with another tokenizer than the data's.
 
     Raises:
-        UsageError: the fingerprints differ (the message names both tokenizers and the fix).
+        UsageError: the fingerprints differ.
     """
     if record is None:
         return
@@ -228,9 +206,8 @@ def check_tokenizer_record(record: dict[str, Any] | None,
 
 def scored_bytes(batch: dict[str, Tensor], labels: Tensor, eos_id: int | None,
                  bytes_per_token: float = 1.0) -> Tensor:
-    """``(batch,)`` UTF-8 bytes covered by the scored labels (``labels`` ``(batch, seq)``,
-    -100 not scored) of each sample: the data's ``label_bytes`` where it has them, else
-    ``bytes_per_token`` per scored label other than ``eos_id`` (byte text: one per byte)."""
+    """``(batch,)`` UTF-8 bytes covered by each sample's scored ``labels`` ``(batch, seq)``: the
+    data's ``label_bytes``, else ``bytes_per_token`` per scored non-``eos_id`` label."""
     scored = labels != IGNORE_INDEX
     if LABEL_BYTES in batch:
         return (batch[LABEL_BYTES] * scored).sum(-1)

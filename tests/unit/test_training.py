@@ -32,6 +32,7 @@ from longnet.training import (
     warmup_cosine,
 )
 from longnet.training import module as module_source
+from longnet.training.metrics import sample_mean_loss
 from longnet.training.parallel.batches import check_window_shards, shard_batch
 from longnet.training.parallel.strategy import SequenceParallelStrategy
 from longnet.validation import UsageError
@@ -400,7 +401,7 @@ def test_sample_loss_reduction_weighs_every_sample_equally():
     """Independent check: the mean over samples of each sample's own token-mean CE (labels
     with very different numbers of scored tokens), not the token mean."""
     torch.manual_seed(0)
-    module = CausalLMModule(model="longnet-tiny", overrides=TINY, loss_reduction="sample")
+    CausalLMModule(model="longnet-tiny", overrides=TINY, loss_reduction="sample")
     logits = torch.randn(3, 64, 256, dtype=torch.float64)
     labels = torch.randint(0, 256, (3, 64))
     labels[0, 5:] = -100          # 5 scored tokens
@@ -410,7 +411,7 @@ def test_sample_loss_reduction_weighs_every_sample_equally():
                                           labels[b][labels[b] != -100])
         for b in (0, 1)
     ) / 2
-    loss = module._sample_mean_loss(logits, labels, world=1)
+    loss = sample_mean_loss(logits, labels, world=1, group=None)
     assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
     token_mean = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
     assert abs(loss.item() - token_mean.item()) > 1e-3
