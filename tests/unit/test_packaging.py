@@ -1,5 +1,6 @@
-"""The package's shape: its layers import downwards only (docs/architecture.md §1); the wheel
-holds every package of ``longnet/`` and the zoo (``models/`` as ``longnet/_zoo``), and an
+"""The package's shape: its layers import downwards only (docs/architecture.md §1), no module
+passes 500 lines and no package 12 modules, nothing imports the lab; the wheel holds every
+package of ``longnet/`` and the zoo (``models/`` as ``longnet/_zoo``) and nothing else, and an
 installed package finds that zoo. ``.ci/run`` builds and installs the real wheel and loads a
 zoo model from it; these tests check the pieces without a build."""
 
@@ -7,6 +8,10 @@ from __future__ import annotations
 
 import ast
 import shutil
+import subprocess
+import sys
+import zipfile
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -217,3 +222,47 @@ def test_attention_modules_stay_small():
     sizes = {str(path.relative_to(REPO)): len(path.read_text().splitlines())
              for path in (REPO / "longnet" / "attention").glob("**/*.py")}
     assert {name: size for name, size in sizes.items() if size > 400} == {}
+
+
+MAX_FILE_LINES = 500
+MAX_PACKAGE_FILES = 12
+
+
+def test_the_library_reads_in_an_afternoon():
+    """No module of ``longnet`` passes 500 lines and no package holds more than 12 modules
+    (docs/architecture.md §1): a module has one job, a package a few."""
+    modules = sorted((REPO / "longnet").glob("**/*.py"))
+    sizes = {str(path.relative_to(REPO)): len(path.read_text().splitlines())
+             for path in modules}
+    assert {name: size for name, size in sizes.items() if size > MAX_FILE_LINES} == {}
+    counts = Counter(str(path.parent.relative_to(REPO)) for path in modules)
+    assert {name: count for name, count in counts.items() if count > MAX_PACKAGE_FILES} == {}
+
+
+def test_the_library_never_imports_the_lab():
+    """``lab/`` (benchmarks, planners, run operations) sits beside the library, outside the
+    wheel: nothing in ``longnet`` imports it, lazily or for type checking."""
+    lab_imports = []
+    for path in sorted((REPO / "longnet").glob("**/*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            lab_imports += [f"{path.relative_to(REPO)}: {name}" for name in names
+                            if name == "lab" or name.startswith("lab.")]
+    assert lab_imports == []
+
+
+def test_the_wheel_holds_the_library_and_the_zoo_and_no_lab(tmp_path):
+    """The wheel built from this checkout: ``longnet`` with every package and the zoo as
+    ``longnet/_zoo``, and nothing of ``lab/``, ``tests/`` or ``scripts/``."""
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps",
+                    "--no-build-isolation", "--wheel-dir", str(tmp_path), str(REPO)],
+                   check=True, timeout=300, capture_output=True)
+    (wheel,) = tmp_path.glob("longnet-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {name.split("/")[0] for name in names}
+    assert tops == {"longnet", wheel.name.split("-py3")[0] + ".dist-info"}, tops
+    modules = {name for name in names if name.endswith(".py")}
+    on_disk = {str(path.relative_to(REPO)) for path in (REPO / "longnet").glob("**/*.py")}
+    assert modules - {n for n in modules if n.startswith("longnet/_zoo/")} == on_disk
+    assert any(name.startswith("longnet/_zoo/longnet-tiny/") for name in names)
