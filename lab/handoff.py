@@ -39,12 +39,13 @@ from typing import Any
 import torch
 from safetensors.torch import save
 
+from lab.handoff_tokenizer import record_by_name, record_with_files
 from longnet.files import check_path_given, check_target, replace_folder, write_atomic
 from longnet.modeling.serialization import parse_safetensors
 from longnet.training.checkpoint import STATE_DICT, read_checkpoint
 from longnet.training.lora import LORA_BASE_KEY
 from longnet.training.run_folder import RUN_ID_KEY, checkpoint_run_id
-from longnet.training.vocabulary import TOKENIZER_KEY, record_by_name, record_with_files
+from longnet.training.vocabulary import TOKENIZER_KEY
 from longnet.validation import UsageError, check_positive_int, is_int
 
 MiB = 1 << 20
@@ -206,7 +207,7 @@ def handoff_checkpoint(folder: str | Path, target: str | Path, *,
         UsageError: ``handoff.json`` is not one :func:`write_handoff` wrote, the weights
             are not the ones it records (size, SHA-256) or do not match its tensor list, or
             the zoo tokenizer it names cannot be read here as recorded
-            (``vocabulary.record_with_files``); a ``target`` refused by
+            (``handoff_tokenizer.record_with_files``); a ``target`` refused by
             :func:`_write_checkpoint` (a folder, an existing checkpoint without ``overwrite``,
             another run's with it: ``start`` never replaces another run's only checkpoint).
     """

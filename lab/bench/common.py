@@ -1,7 +1,7 @@
 """Plumbing shared by the benchmark harnesses: measuring, describing and reporting a run.
 
 * glibc's allocator settings for child processes that measure their peak memory
-  (``malloc_env``, ``fixed_malloc``; the settings ``MALLOC_FIXED`` and the readers live in
+  (``MALLOC_FIXED``, ``malloc_env``, ``fixed_malloc``; the readers live in
   ``longnet.training.reports``);
 * what the error checks compare against: float64 ``reference_rows`` at ``sample_rows``, and
   dense SDPA in our ``(batch, seq, heads, head_dim)`` layout (``sdpa``);
@@ -37,7 +37,7 @@ import longnet.attention
 from longnet.attention import DilatedPattern
 from longnet.cli.arguments import path_argument
 from longnet.files import check_output_folder
-from longnet.training.reports import MALLOC_FIXED, MIB
+from longnet.training.reports import MIB, MMAP_THRESHOLD
 from longnet.validation import UsageError
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -47,6 +47,9 @@ DOCS = Path(__file__).resolve().parents[2] / "docs"
 """The repository's ``docs/`` folder, which ``--update-docs`` writes (in a checkout)."""
 
 # --------------------------------------------------------------------------- memory
+MALLOC_FIXED = {MMAP_THRESHOLD: "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+"""glibc settings under which freed buffers above 128 KiB leave the RSS at once (the default
+keeps up to 32 MiB), so peak RSS is the peak of live bytes. The benchmarks run under them."""
 
 
 def malloc_env(fixed: bool, env: dict[str, str] | None = None) -> dict[str, str]:

@@ -3,7 +3,7 @@ workers and the parent's aggregation (``ring_report.py`` turns the results into 
 the plot and the blocks of the ``## Sequence-parallel ring`` section of ``docs/benchmarks.md``,
 which defines every column).
 
-Measurement, per case in freshly spawned gloo processes (``longnet.distributed.run_workers``,
+Measurement, per case in freshly spawned gloo processes (``lab.workers.run_workers``,
 one thread each), ``--spawns`` times, configurations interleaved; every time two spawns, each
 starting with a warm-up call of the same system at ``256 * P`` tokens:
 
@@ -48,8 +48,8 @@ from lab.bench.common import (
 from lab.bench.instrument import KernelClock, SendCounter, replay_seconds
 from lab.bench.peers import ring_flash_attention
 from lab.memory import AttentionSetup, plan_memory
+from lab.workers import run_workers
 from longnet.attention import DilatedPattern, dilated_attention
-from longnet.distributed import run_workers
 from longnet.distributed.sequence_parallel import SequenceParallel
 from longnet.training.reports import reset_peak_rss, status_bytes
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from lab.memory.setup import AttentionSetup
+from lab.memory.setup import MERGE_TEMPORARIES, AttentionSetup
 from lab.memory.workspace import kernel_workspace_backward, kernel_workspace_forward
 from longnet.attention.blocks import BlockGroup, gathers_view
-from longnet.attention.kernels import MERGE_TEMPORARIES
 
 
 def local_chunks(setup: AttentionSetup) -> list[tuple[int, BlockGroup]]:

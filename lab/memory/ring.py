@@ -16,10 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lab.memory.local import _lse_part
-from lab.memory.setup import AttentionSetup
+from lab.memory.setup import MERGE_TEMPORARIES, AttentionSetup
 from lab.memory.workspace import kernel_workspace_backward, kernel_workspace_forward
 from longnet.attention.blocks import selected_rows
-from longnet.attention.kernels import MERGE_TEMPORARIES
 from longnet.attention.plan.spanning import heads_per_piece, segment_group
 from longnet.attention.ring import Schedule
 

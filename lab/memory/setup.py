@@ -21,6 +21,8 @@ from longnet.attention.plan.spanning import padded_length, plan_sequence_paralle
 
 MODELLED_DEVICE = torch.device("cpu")
 """The device whose kernels the plans model (ATen's CPU flash attention, a fused kernel)."""
+MERGE_TEMPORARIES = 3
+"""lse-sized temporaries alive at once in ``longnet.attention.kernels.lse_merge_``."""
 
 @dataclass(frozen=True)
 class AttentionSetup:

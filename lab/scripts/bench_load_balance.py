@@ -30,13 +30,13 @@ from lab.bench import common
 from lab.bench.balance import RankSteps, step_worker
 from lab.bench.ring import SECTION
 from lab.scripts.arguments import ScriptParser, run_cli
+from lab.workers import run_workers
 from longnet.cli.arguments import (
     float_argument,
     length_argument,
     non_negative_int_argument,
     positive_int_argument,
 )
-from longnet.distributed import run_workers
 from longnet.distributed.layouts import LAYOUTS
 from longnet.modeling.zoo import ZOO
 

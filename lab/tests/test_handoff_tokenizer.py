@@ -15,16 +15,12 @@ import pytest
 import torch
 
 from lab.handoff import HANDOFF, handoff_checkpoint, write_handoff
+from lab.handoff_tokenizer import record_by_name, record_with_files
 from longnet.data.subword import from_backend, load_tokenizer_folder
 from longnet.data.tokenizer import parse_tokenizer, train_bpe
 from longnet.modeling import LongNetConfig, LongNetLM, hub
 from longnet.modeling.hub import materialized_dir
-from longnet.training.vocabulary import (
-    TOKENIZER_KEY,
-    record_by_name,
-    record_with_files,
-    tokenizer_record,
-)
+from longnet.training.vocabulary import TOKENIZER_KEY, tokenizer_record
 from longnet.validation import UsageError
 from tests.scripts import REPO
 

@@ -106,13 +106,6 @@ def _sequence_major(t: Tensor) -> Tensor:
 
 
 # -- CPU: ATen's flash attention ----------------------------------------------------------------
-def cpu_flash_splits(q_len: int, k_len: int) -> tuple[int, int]:
-    """The query and key tile sizes ATen's CPU flash attention picks for a ``q_len x k_len``
-    block (they size its per-thread buffers; ``lab.memory`` reads them)."""
-    q_split = 256 if q_len >= 768 else 64 if q_len >= 192 else 32
-    return min(q_split, q_len), min(512, k_len)
-
-
 def cpu_flash_forward(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor]:
@@ -272,10 +265,6 @@ def select_kernel(
 
 
 # -- the accumulators (sequence layout, accumulation dtype) and the log-sum-exp merge ------------
-MERGE_TEMPORARIES = 3
-"""lse-sized temporaries alive at once in :func:`lse_merge_` (for the memory models)."""
-
-
 def lse_merge_(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
     """Fold attention over key set B into that over key set A, in place in ``out_a, lse_a``.
 

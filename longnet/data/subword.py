@@ -19,7 +19,8 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from longnet.files import write_atomic
-from longnet.modeling.config import CONFIG_NAME, MODEL_TYPE
+from longnet.modeling.config import MODEL_TYPE
+from longnet.modeling.hub import folder_config
 from longnet.validation import UsageError
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -230,7 +231,8 @@ def load_tokenizer_folder(folder: str | Path) -> SubwordTokenizer:
             "'longnet[hf]', or give its tokenizer.json file instead."
         ) from None
     # a longnet model folder: spare transformers reading (and warning about) its config.json
-    blank = {"config": PreTrainedConfig()} if _model_type(folder) == MODEL_TYPE else {}
+    ours = folder_config(folder).get("model_type") == MODEL_TYPE
+    blank = {"config": PreTrainedConfig()} if ours else {}
     try:
         loaded = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, **blank)
     except (OSError, ValueError, TypeError) as err:
@@ -258,14 +260,6 @@ def folder_tokenizer_files(folder: str | Path) -> dict[str, str]:
     """File name -> text of the tokenizer files ``folder`` holds."""
     return {path.name: path.read_text(encoding="utf-8") for path in sorted(Path(folder).iterdir())
             if path.is_file() and path.name in _SAVED_FILES}
-
-
-def _model_type(folder: Path) -> str | None:
-    try:
-        config = json.loads((folder / CONFIG_NAME).read_text())
-    except (OSError, ValueError):
-        return None
-    return config.get("model_type") if isinstance(config, dict) else None
 
 
 def tokenizer_from_files(files: Mapping[str, str], name: str) -> SubwordTokenizer:

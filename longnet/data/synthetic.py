@@ -358,31 +358,3 @@ class MQARDataset(Dataset):
         labelled = np.zeros(self.seq_len, dtype=bool)
         labelled[example.query_positions] = True
         return shifted_sample(example.tokens, labelled)
-
-
-def _check(predictions: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    if predictions.shape != labels.shape:
-        raise ValueError(
-            f"predictions have shape {tuple(predictions.shape)} but labels "
-            f"{tuple(labels.shape)}; pass argmax token ids of shape (batch, seq_len)."
-        )
-    return labels != IGNORE_INDEX
-
-
-def answer_accuracy(predictions: torch.Tensor, labels: torch.Tensor) -> float:
-    """Share of labelled positions whose predicted token equals the label.
-
-    Args:
-        predictions: ``(batch, seq_len)`` predicted token ids.
-        labels: ``(batch, seq_len)`` labels, ``IGNORE_INDEX`` where unscored.
-    """
-    scored = _check(predictions, labels)
-    if not scored.any():
-        raise ValueError("labels have no scored position (all are IGNORE_INDEX).")
-    return (predictions[scored] == labels[scored]).float().mean().item()
-
-
-def answer_exact_match(predictions: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """``(batch,)`` bools: every labelled position of the sample is predicted exactly."""
-    scored = _check(predictions, labels)
-    return ((predictions == labels) | ~scored).all(dim=-1)

@@ -22,10 +22,10 @@ from tqdm.auto import tqdm
 from longnet.attention import DilatedPattern
 from longnet.data import ByteTokenizer, passkey_examples, passkey_match
 from longnet.data.subword import SubwordTokenizer
-from longnet.data.synthetic import PasskeyExample, min_passkey_length
+from longnet.data.synthetic import PasskeyExample, check_passkey_options, min_passkey_length
 from longnet.eval.sliding import check_context_length
 from longnet.modeling import LongNetLM
-from longnet.validation import check_non_negative_int, check_positive_int, is_int
+from longnet.validation import check_non_negative_int, check_positive_int
 
 DENSE, SPARSE, UNSEEN = "dense", "sparse", "unseen"
 VISIBILITIES = (DENSE, SPARSE, UNSEEN)
@@ -85,8 +85,7 @@ def check_passkey_grid(
     """Validated ``(lengths, depths)``: distinct lengths of at least
     ``min_passkey_length(num_digits)`` bytes, distinct depths in ``[0, 1]``; ``ValueError``
     otherwise."""
-    if not is_int(num_digits) or not 1 <= num_digits <= 18:
-        raise ValueError(f"num_digits must be an integer in [1, 18], got {num_digits!r}.")
+    check_passkey_options(num_digits=num_digits)
     if not lengths or not depths:
         raise ValueError("give at least one context length and one depth.")
     shortest = min_passkey_length(num_digits)
@@ -287,28 +286,17 @@ def accuracy_by_visibility(cells: Sequence[PasskeyCell]) -> list[dict[str, int |
         in the cells' order, visibilities in ``VISIBILITIES``' order; a pair with no example
         has no row.
     """
-    return _accuracy_by(cells, "visibility", lambda outcome: outcome.visibility,
-                        VISIBILITIES.index)
-
-
-def _accuracy_by(
-    cells: Sequence[PasskeyCell], column: str, group: Callable[[PasskeyOutcome], Any],
-    order: Callable[[Any], int],
-) -> list[dict[str, Any]]:
-    """Rows ``{"context_length", column, "examples", "correct", "accuracy"}`` grouped by
-    length and ``group(outcome)`` (None: left out), groups sorted by ``order``."""
-    counts: dict[tuple[int, Any], list[int]] = {}
+    counts: dict[tuple[int, str], list[int]] = {}
     for cell in cells:
         for outcome in cell.outcomes:
-            key = group(outcome)
-            if key is not None:
-                tally = counts.setdefault((cell.length, key), [0, 0])
-                tally[0] += 1
-                tally[1] += outcome.correct
+            tally = counts.setdefault((cell.length, outcome.visibility), [0, 0])
+            tally[0] += 1
+            tally[1] += outcome.correct
     lengths = list(dict.fromkeys(cell.length for cell in cells))
     return [
-        {"context_length": length, column: key, "examples": examples, "correct": correct,
+        {"context_length": length, "visibility": key, "examples": examples, "correct": correct,
          "accuracy": correct / examples}
         for (length, key), (examples, correct) in sorted(
-            counts.items(), key=lambda item: (lengths.index(item[0][0]), order(item[0][1])))
+            counts.items(),
+            key=lambda item: (lengths.index(item[0][0]), VISIBILITIES.index(item[0][1])))
     ]

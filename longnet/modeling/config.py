@@ -313,12 +313,8 @@ def check_computation_fields(data: dict[str, Any], source: str | Path) -> None:
         )
 
 
-def _field_names() -> list[str]:
-    return [f.name for f in dataclasses.fields(LongNetConfig)]
-
-
 def _check_names(data: Iterable[str]) -> None:
-    known = _field_names()
+    known = [f.name for f in dataclasses.fields(LongNetConfig)]
     for name in data:
         if name not in known:
             close = difflib.get_close_matches(name, known, n=1)

@@ -1,4 +1,4 @@
-"""Autoregressive generation with a KV cache that follows the dilated pattern."""
+"""What ``LongNetLM.generate`` needs: its argument checks and next-token sampling."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import math
 import torch
 from torch import Tensor, nn
 
-from longnet.nn.kv_cache import KVCache
 from longnet.validation import check_bool, check_number, check_positive_int, describe, is_int
 
 
@@ -28,10 +27,12 @@ def sample_next(
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def _check(
-    model: nn.Module, input_ids: Tensor, max_new_tokens, temperature, top_k, eos_token_id,
-    generator, use_cache,
+def check_generate(
+    model: nn.Module, input_ids: Tensor, max_new_tokens: int, temperature: float,
+    top_k: int | None, eos_token_id: int | None, generator: torch.Generator | None,
+    use_cache: bool,
 ) -> None:
+    """Raise ``TypeError``/``ValueError`` for arguments ``LongNetLM.generate`` cannot take."""
     if not is_int(max_new_tokens):
         raise TypeError(f"max_new_tokens must be an int, got {describe(max_new_tokens)}.")
     if max_new_tokens < 0:
@@ -68,47 +69,3 @@ def _check(
             f"exceeds the {config.max_positions} learned positions of this model; generate "
             "fewer tokens or shorten the prompt."
         )
-
-
-@torch.no_grad()
-def generate(
-    model: nn.Module,
-    input_ids: Tensor,
-    max_new_tokens: int,
-    *,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    eos_token_id: int | None = None,
-    generator: torch.Generator | None = None,
-    use_cache: bool = True,
-) -> Tensor:
-    """See :meth:`longnet.modeling.LongNetLM.generate` (``model``: a ``LongNetLM``)."""
-    _check(model, input_ids, max_new_tokens, temperature, top_k, eos_token_id, generator,
-           use_cache)
-    was_training = model.training
-    model.eval()
-    try:
-        tokens = input_ids
-        if max_new_tokens == 0:
-            return tokens
-        cache = model.new_cache() if use_cache else None
-        logits = _last_logits(model, tokens, cache)
-        finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
-        for step in range(max_new_tokens):
-            next_ids = sample_next(logits, temperature, top_k, generator)
-            if eos_token_id is not None:
-                next_ids = next_ids.masked_fill(finished, eos_token_id)
-                finished = finished | (next_ids == eos_token_id)
-            tokens = torch.cat((tokens, next_ids[:, None].to(tokens.dtype)), dim=1)
-            if step == max_new_tokens - 1 or bool(finished.all()):
-                break
-            logits = (_last_logits(model, tokens[:, -1:], cache) if use_cache
-                      else _last_logits(model, tokens, None))
-        return tokens
-    finally:
-        model.train(was_training)
-
-
-def _last_logits(model: nn.Module, tokens: Tensor, cache: KVCache | None) -> Tensor:
-    """``(batch, vocab)`` logits of the last position only (a whole prompt's would be GBs)."""
-    return model.lm_head(model.model(tokens, cache=cache)[:, -1])

@@ -163,13 +163,18 @@ def _materialized_on_first_use(name: str, candidate: Path, source: Any) -> Path:
     return folder
 
 
+def folder_config(folder: str | Path) -> dict[str, Any]:
+    """``folder``'s ``config.json`` as a dict; empty if unreadable or not a JSON object."""
+    try:
+        data = json.loads((Path(folder) / CONFIG_NAME).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def _weights_source(folder: Path) -> Any:
     """The zoo folder's ``extra.weights_from``, or None."""
-    try:
-        data = json.loads((folder / CONFIG_NAME).read_text())
-    except (OSError, ValueError):
-        return None
-    return (data.get("extra") or {}).get(WEIGHTS_FROM) if isinstance(data, dict) else None
+    return (folder_config(folder).get("extra") or {}).get(WEIGHTS_FROM)
 
 
 def _instead(path: Path) -> str:

@@ -375,13 +375,33 @@ class LongNetLM(LongNetPreTrained):
         Stops when every row has produced ``eos_token_id`` (default ``config.eos_token_id``),
         padding finished rows with it. Prompts must not be padded. Returns ``(batch, seq + new)``.
         """
-        return generation.generate(
-            self,
-            input_ids,
-            max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            eos_token_id=eos_token_id if eos_token_id is not None else self.config.eos_token_id,
-            generator=generator,
-            use_cache=use_cache,
-        )
+        if eos_token_id is None:
+            eos_token_id = self.config.eos_token_id
+        generation.check_generate(self, input_ids, max_new_tokens, temperature, top_k,
+                                  eos_token_id, generator, use_cache)
+        was_training = self.training
+        self.eval()
+        try:
+            tokens = input_ids
+            if max_new_tokens == 0:
+                return tokens
+            cache = self.new_cache() if use_cache else None
+            logits = self._last_logits(tokens, cache)
+            finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+            for step in range(max_new_tokens):
+                next_ids = generation.sample_next(logits, temperature, top_k, generator)
+                if eos_token_id is not None:
+                    next_ids = next_ids.masked_fill(finished, eos_token_id)
+                    finished = finished | (next_ids == eos_token_id)
+                tokens = torch.cat((tokens, next_ids[:, None].to(tokens.dtype)), dim=1)
+                if step == max_new_tokens - 1 or bool(finished.all()):
+                    break
+                logits = (self._last_logits(tokens[:, -1:], cache) if use_cache
+                          else self._last_logits(tokens, None))
+            return tokens
+        finally:
+            self.train(was_training)
+
+    def _last_logits(self, tokens: Tensor, cache: KVCache | None) -> Tensor:
+        """``(batch, vocab)`` logits of the last position only (a whole prompt's would be GBs)."""
+        return self.lm_head(self.model(tokens, cache=cache)[:, -1])

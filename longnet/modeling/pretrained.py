@@ -22,6 +22,7 @@ from longnet.modeling.config import CONFIG_NAME, MODEL_TYPE, LongNetConfig, chec
 from longnet.modeling.hub import (
     WEIGHTS_FROM,
     external_weights_hint,
+    folder_config,
     materialized_dir,
     resolve_model_dir,
 )
@@ -152,7 +153,8 @@ def save_pretrained(model: nn.Module, directory: str | Path, name: str | None = 
         num_parameters=model.num_parameters(),
     )
     owned = SAVED_FILES
-    if not is_byte_level(model.config) and _vocabulary_size(directory) == model.config.vocab_size:
+    vocab_size = model.config.vocab_size
+    if not is_byte_level(model.config) and folder_config(directory).get("vocab_size") == vocab_size:
         owned = (CONFIG_NAME, WEIGHTS_NAME, CARD_NAME)
     with replace_folder(directory, owned, "save_pretrained directory") as folder:
         (folder / CONFIG_NAME).write_text(json.dumps(data, indent=2) + "\n")
@@ -160,15 +162,6 @@ def save_pretrained(model: nn.Module, directory: str | Path, name: str | None = 
         (folder / CARD_NAME).write_text(card)
         write_tokenizer_files(folder, model.config)
     return Path(directory)
-
-
-def _vocabulary_size(directory: str | Path) -> int | None:
-    """The ``vocab_size`` in ``directory``'s ``config.json`` (None if none)."""
-    try:
-        data = json.loads((Path(directory) / CONFIG_NAME).read_text())
-    except (OSError, ValueError):
-        return None
-    return data.get("vocab_size") if isinstance(data, dict) else None
 
 
 def read_config_json(files: dict[str, BinaryIO], folder: Path) -> dict[str, Any]:

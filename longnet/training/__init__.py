@@ -43,7 +43,6 @@ from longnet.training.schedule import (
     TimeBudget,
     TrainingDeadline,
     parameter_groups,
-    warmup_cosine,
 )
 from longnet.training.trainer import AutoPrecisionTrainer, StopOnSignal
 
@@ -90,5 +89,4 @@ __all__ = [
     "read_checkpoint",
     "read_curves",
     "shard_batch",
-    "warmup_cosine",
 ]

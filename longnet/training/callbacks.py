@@ -193,7 +193,6 @@ class ExportPretrained(L.Callback):
         if weights not in ("best", "last"):
             raise ValueError(f"weights must be 'best' or 'last', got {weights!r}.")
         self.dirpath, self.weights, self.overwrite = dirpath, weights, overwrite
-        self.exported: Path | None = None
 
     def destination(self, trainer: L.Trainer) -> Path:
         """``dirpath``, else ``<run folder>/model`` (a collective: :func:`run_dir`)."""
@@ -267,5 +266,4 @@ class ExportPretrained(L.Callback):
             tokenizer = getattr(getattr(trainer, "datamodule", None), "tokenizer", None)
             if isinstance(tokenizer, SubwordTokenizer):  # byte models carry their files already
                 tokenizer.save(target)
-        self.exported = target
         trainer.strategy.barrier("ExportPretrained")

@@ -1,6 +1,6 @@
 """What a run reports: progress in optimizer steps (a resumed run reads "step 300/400"),
 ``metrics.json``, predictions, ``curves.png`` and every rank's peak memory (``memory.json``:
-CUDA allocator peak or CPU ``VmHWM``, above the start; see :data:`MALLOC_FIXED`)."""
+CUDA allocator peak or CPU ``VmHWM``, above the start)."""
 
 from __future__ import annotations
 
@@ -33,9 +33,6 @@ SMOOTHING_FRACTION = 0.05
 """Training curves get a trailing mean over this fraction of their logged points."""
 MIB = 2**20
 MMAP_THRESHOLD = "MALLOC_MMAP_THRESHOLD_"
-MALLOC_FIXED = {MMAP_THRESHOLD: "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
-"""glibc settings under which freed buffers above 128 KiB leave the RSS at once (the default
-keeps up to 32 MiB), so peak RSS is the peak of live bytes. The benchmarks run under them."""
 
 
 def total_steps(trainer: L.Trainer) -> float:

@@ -61,18 +61,13 @@ def parameter_groups(model: nn.Module, weight_decay: float,
     return [*groups, {"params": taps, "weight_decay": 0.0, "lr": kv_conv_lr}]
 
 
-def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
-    """LR multiplier at 0-based optimizer ``step``: linear from ``1 / (warmup_steps + 1)`` to 1
-    over ``warmup_steps``, then a cosine to ``min_lr_ratio`` at ``total_steps``, then constant.
-    """
-    return WarmupCosine(warmup_steps, min_lr_ratio, ((0, total_steps),))(step)
-
-
 @dataclass
 class WarmupCosine:
-    """:func:`warmup_cosine` whose decay can be re-laid while it runs: ``plans`` are
-    ``(from_step, total_steps)`` pairs; from each ``from_step`` the cosine's progress goes on
-    linearly to 1 at its ``total_steps`` (the rate stays continuous)."""
+    """LR multiplier at 0-based optimizer ``step``: linear from ``1 / (warmup_steps + 1)`` to 1
+    over ``warmup_steps``, then a cosine to ``min_lr_ratio`` at ``total_steps``, then constant.
+    The decay can be re-laid while it runs: ``plans`` are ``(from_step, total_steps)`` pairs;
+    from each ``from_step`` the cosine's progress goes on linearly to 1 at its ``total_steps``
+    (the rate stays continuous)."""
 
     warmup_steps: int
     min_lr_ratio: float

@@ -199,21 +199,14 @@ class StopOnSignal(L.Callback):
     def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._install(trainer)
 
+    on_validation_start = on_test_start = on_predict_start = on_sanity_check_start
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._training = True
         self._install(trainer)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._training = False
-
-    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._install(trainer)
-
-    def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._install(trainer)
-
-    def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._install(trainer)
 
     def _agree(self, trainer: L.Trainer) -> bool:
         """Whether any rank received a signal (collective; the largest number wins)."""

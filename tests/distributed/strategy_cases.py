@@ -1,5 +1,5 @@
 """Workers for ``test_strategy.py``: tiny LongNet LMs trained with ``SequenceParallelStrategy``
-on spawned gloo process groups (``longnet.distributed.run_workers``), and the same runs on
+on spawned gloo process groups (``lab.workers.run_workers``), and the same runs on
 one process.
 
 Every run: a 2-layer, width-32 model with a dilated pattern whose branches span shards

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from longnet.distributed import run_workers
+from lab.workers import run_workers
 from tests.distributed.ring_cases import check_ring_cases, check_ring_errors
 
 pytestmark = pytest.mark.distributed

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from lab.memory.state import ParameterShapes, StateDtypes, model_config, state_memory
-from longnet.distributed import run_workers
+from lab.workers import run_workers
 from longnet.modeling import LongNetLM
 from longnet.training.checkpoint import export_pretrained
 from tests.distributed.sharded_cases import CLIP, STEPS, sharded_runs, single_device_run

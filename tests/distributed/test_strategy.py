@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from longnet.distributed import run_workers
+from lab.workers import run_workers
 from tests.distributed.strategy_cases import (
     STEPS,
     sequence_parallel_runs,

@@ -12,8 +12,6 @@ from longnet.data import (
     MQARDataset,
     PasskeyDataModule,
     PasskeyDataset,
-    answer_accuracy,
-    answer_exact_match,
     make_passkey_example,
     passkey_examples,
     passkey_match,
@@ -156,21 +154,6 @@ def test_mqar_bad_arguments() -> None:
         MQARDataset(num_kv_pairs=8, vocab_size=16)
     with pytest.raises(ValueError, match="num_queries"):
         MQARDataset(num_kv_pairs=4, num_queries=5)
-
-
-def test_answer_checks() -> None:
-    batch = torch.utils.data.default_collate([MQARDataset(size=4)[i] for i in range(4)])
-    labels = batch["labels"]
-    perfect = torch.where(labels == IGNORE_INDEX, 0, labels)
-    assert answer_accuracy(perfect, labels) == 1.0
-    assert answer_exact_match(perfect, labels).tolist() == [True] * 4
-    wrong = perfect.clone()
-    position = (labels[2] != IGNORE_INDEX).nonzero()[0, 0]
-    wrong[2, position] += 1
-    assert answer_exact_match(wrong, labels).tolist() == [True, True, False, True]
-    assert answer_accuracy(wrong, labels) == pytest.approx(15 / 16)
-    with pytest.raises(ValueError, match="shape"):
-        answer_accuracy(perfect[:, 1:], labels)
 
 
 @pytest.mark.parametrize("module_class", [PasskeyDataModule, MQARDataModule])

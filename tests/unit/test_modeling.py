@@ -643,7 +643,7 @@ def _sequence_parallel_case(rank, world_size, device):
 
 @pytest.mark.distributed
 def test_models_on_sequence_parallel_shards_equal_single_device():
-    from longnet.distributed import run_workers
+    from lab.workers import run_workers
 
     failures = run_workers(_sequence_parallel_case, 2, timeout=300)
     assert not any(failures), failures

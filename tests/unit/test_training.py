@@ -29,12 +29,12 @@ from longnet.training import (
     build_lm,
     lm_summary,
     parameter_groups,
-    warmup_cosine,
 )
 from longnet.training import module as module_source
 from longnet.training.metrics import sample_mean_loss
 from longnet.training.parallel.batches import check_window_shards, shard_batch
 from longnet.training.parallel.strategy import SequenceParallelStrategy
+from longnet.training.schedule import WarmupCosine
 from longnet.validation import UsageError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,7 +51,7 @@ TINY = {
 
 # ---------------------------------------------------------------------- optimizer, schedule
 def test_warmup_cosine_shape():
-    values = [warmup_cosine(step, 4, 14, 0.1) for step in range(20)]
+    values = [WarmupCosine(4, 0.1, ((0, 14),))(step) for step in range(20)]
     assert values[0] == pytest.approx(1 / 5)
     assert values[3] == pytest.approx(4 / 5)
     assert values[4] == pytest.approx(1.0)

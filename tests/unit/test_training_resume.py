@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks import Checkpoint
 
 from longnet.cli import main
 from longnet.modeling import LongNetLM
-from longnet.training import warmup_cosine
+from longnet.training.schedule import WarmupCosine
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS, SAVE_EVERY, KILL_AT = 8, 3, 7  # checkpoint at steps 3 and 6; killed during step 7
@@ -296,7 +296,8 @@ def test_a_finished_run_is_extended(tmp_path):
         rates = {int(row["step"]): float(row["lr-AdamW/pg1"])
                  for row in csv.DictReader(handle) if row.get("lr-AdamW/pg1")}
     for step in range(4, 7):
-        expected = warmup_cosine(step, 1, 7, hparams["min_lr_ratio"]) * hparams["learning_rate"]
+        expected = (WarmupCosine(1, hparams["min_lr_ratio"], ((0, 7),))(step)
+                    * hparams["learning_rate"])
         assert rates[step] == pytest.approx(expected, rel=1e-9), step
 
 

@@ -1,5 +1,6 @@
 """Run a function on ``world_size`` spawned processes in one process group (gloo on CPU, NCCL
-with a GPU per rank), with a deadline; a worker that raises, hangs or dies fails the caller.
+with a GPU per rank), with a deadline; a worker that raises, hangs or dies fails the caller
+(the distributed tests, ``lab/bench/ring.py``, ``lab/scripts/bench_load_balance.py``).
 """
 
 from __future__ import annotations
