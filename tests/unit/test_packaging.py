@@ -253,10 +253,17 @@ def test_the_library_never_imports_the_lab():
 
 
 def test_the_wheel_holds_the_library_and_the_zoo_and_no_lab(tmp_path):
-    """The wheel built from this checkout: ``longnet`` with every package and the zoo as
-    ``longnet/_zoo``, and nothing of ``lab/``, ``tests/`` or ``scripts/``."""
+    """The wheel built from this checkout's sources (copied: a ``build/`` folder of an
+    earlier build would add the modules it kept): ``longnet`` with every package and the zoo
+    as ``longnet/_zoo``, and nothing of ``lab/`` or ``tests/``."""
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    for name in ("longnet", "models"):
+        shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps",
-                    "--no-build-isolation", "--wheel-dir", str(tmp_path), str(REPO)],
+                    "--no-build-isolation", "--wheel-dir", str(tmp_path), str(source)],
                    check=True, timeout=300, capture_output=True)
     (wheel,) = tmp_path.glob("longnet-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
