@@ -1,16 +1,18 @@
 """Whether the block selection reaches a passkey: for one prompt of the evaluation's grid, the
-rank of the needle's block among each layer's and K/V head's candidate blocks, for the query
-whose prediction starts the answer.
+rank of the needle's block among each layer's and K/V head's candidate blocks, for the queries
+that choose the answer's first tokens.
 
     python -m lab.scripts.passkey_selection --model smollm2-135m-32k --length 112000 \
         --depth 0.75 [--example 0 --num-examples 1 --seed 0]
 
 The prompt is example ``--example`` of the cell ``(--length, --depth)`` drawn as
 ``longnet eval passkey --num-examples N --seed S`` draws it. The model answers it greedily
-(as the evaluation does); every call of the selection that scores the answering query records
-the needle's block (the block holding the key's first token), its rank by the selection's
-bound among the query's candidates (0: the highest) and whether it, or the block after it,
-is among the chosen ``top_k``. One line per layer, then the generated answer. A miss with the
+(as the evaluation does); every call of the selection that scores one of the queries from the
+prompt's last token to the one that predicts the answer's first digit (``copy_positions``; a
+subword tokenizer may put a space between them) records the needle's block (the block holding
+the key's first token), its rank by the selection's bound among the query's candidates (0: the
+highest) and whether it, or the block after it, is among the chosen ``top_k``. One line per
+query and layer, then the generated answer. A miss with the
 needle's block chosen in every layer is the model's reading, not the selection.
 """
 
@@ -93,14 +95,15 @@ def main(argv: list[str] | None = None) -> int:
     example = passkey_examples(args.num_examples, args.length, args.depth, args.seed)[args.example]
     key, query = copy_positions(example, tokenizer)
     ids = tokenizer.encode(prompt_text(example.prompt, tokenizer)[0])
-    records: list[NeedleRank] = []
+    records: list[tuple[int, NeedleRank]] = []
     select = selection.select_blocks
 
     def recording(q, k, row, retrieval, causal):
         chosen = select(q, k, row, retrieval, causal)
-        record = needle_ranks(q, k, row, retrieval.block, chosen, key, query)
-        if record is not None:
-            records.append(record)
+        for position in range(len(ids) - 1, query + 1):
+            record = needle_ranks(q, k, row, retrieval.block, chosen, key, position)
+            if record is not None:
+                records.append((position, record))
         return chosen
 
     selection.select_blocks = recording
@@ -111,9 +114,12 @@ def main(argv: list[str] | None = None) -> int:
         selection.select_blocks = select
     print(f"{len(ids):,} tokens; key at {key}, answering query at {query} "
           f"({query - key:,} tokens back); answer {example.answer}")
-    for layer, record in enumerate(records):
-        print(f"layer {layer:2d}: needle block {record.block} [{record.start}, {record.end}), "
-              f"rank per K/V head {record.ranks}, chosen {record.chosen}")
+    layers: dict[int, int] = {}
+    for position, record in records:
+        layer = layers[position] = layers.get(position, -1) + 1
+        print(f"query {position} layer {layer:2d}: needle block {record.block} "
+              f"[{record.start}, {record.end}), rank per K/V head {record.ranks}, "
+              f"chosen {record.chosen}")
     print(f"generated {tokenizer.decode(out[0, len(ids):].tolist())!r}")
     return 0
 

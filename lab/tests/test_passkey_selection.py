@@ -17,7 +17,7 @@ TINY = ['--model', 'longnet-tiny', '--overrides',
 def test_one_line_per_layer_and_a_chosen_block_ranks_within_top_k(capsys, one_thread):
     assert passkey_selection.main(TINY) == 0
     out = capsys.readouterr().out
-    lines = [line for line in out.splitlines() if line.startswith("layer")]
+    lines = [line for line in out.splitlines() if line.startswith("query 2042 layer")]
     assert len(lines) == 4  # longnet-tiny's layers, the answering query seen once each
     for line in lines:
         ranks = [int(r) for r in re.search(r"rank per K/V head \[([^]]*)\]", line)[1].split(",")]
