@@ -1,15 +1,3 @@
-"""Fixtures shared by the unit tests."""
+"""The lab's tests use the unit tests' fixtures."""
 
-from __future__ import annotations
-
-import pytest
-import torch
-
-
-@pytest.fixture
-def one_thread():
-    """Tiny models run as fast on one thread, and do not stall when the machine is busy."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+from tests.unit.conftest import one_thread  # noqa: F401
