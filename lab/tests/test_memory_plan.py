@@ -3,9 +3,7 @@ and of ``lab/scripts/plan_context.py``. Fast, single process; no timing."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
-from pathlib import Path
 from unittest.mock import patch
 
 import pytest
@@ -19,13 +17,12 @@ from lab.memory.local import (
     local_forward_workspace,
 )
 from lab.memory.ring import message_rows
+from lab.scripts import plan_context
 from longnet.attention import DilatedPattern
 from longnet.attention.blocks import branch_groups, gather, gathers_view
 from longnet.attention.plan import CPU_BLOCK_ELEMENTS, branch_chunks
 from longnet.attention.plan.spanning import fits_shards, padded_length, plan_sequence_parallel
 from longnet.attention.ring import pack
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _setup(**overrides) -> AttentionSetup:
@@ -42,14 +39,6 @@ def _setup(**overrides) -> AttentionSetup:
     )
     values.update(overrides)
     return AttentionSetup(**values)
-
-
-def _plan_context():
-    spec = importlib.util.spec_from_file_location(
-        "plan_context", ROOT / "lab" / "scripts" / "plan_context.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_bytes_sent_ring_by_hand():
@@ -156,7 +145,6 @@ def test_setup_refuses_misaligned_lengths_with_the_library_error():
 
 
 def test_plan_context_refuses_invalid_setups(capsys):
-    plan_context = _plan_context()
     common = ["--devices", "3", "--layers", "2", "--heads", "4", "--head-dim", "8"]
     code = plan_context.main(
         ["--seq-len", "1000", *common, "--segments", "256,512", "--rates", "1,2", "--no-pad"]
@@ -174,7 +162,6 @@ def test_plan_context_refuses_invalid_setups(capsys):
 
 
 def test_plan_context_reports_the_padded_length(capsys):
-    plan_context = _plan_context()
     args = [
         "--seq-len",
         "1000",
@@ -248,7 +235,6 @@ def test_local_workspace_is_that_of_every_chunk(seq_len, world, heads, batch, he
 def test_planning_time_does_not_grow_with_the_length(capsys):
     """1000M tokens took minutes and 10**21 never finished: the padding searched one shard
     length at a time and the local branches were planned segment by segment."""
-    plan_context = _plan_context()
     assert plan_context.main(["--seq-len", "1000M", "--devices", "8"]) == 0
     assert "padded length 1,073,741,824 (+25,165,824, 2.40%)" in capsys.readouterr().out
     assert plan_context.main(["--seq-len", str(10**21), "--devices", "1024"]) == 0

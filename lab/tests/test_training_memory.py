@@ -6,9 +6,6 @@ Single process, no process group; the 4-process comparison with measured shards 
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -20,10 +17,9 @@ from lab.memory.state import (
     shard_elements,
     state_memory,
 )
+from lab.scripts import plan_context
 from longnet.modeling import LongNetLM
 from longnet.validation import UsageError
-
-ROOT = Path(__file__).resolve().parents[2]
 
 SMALL = dict(
     hidden_size=32,
@@ -36,14 +32,6 @@ SMALL = dict(
 
 HAND = ParameterShapes(root=((10, 4),), blocks=(((6,), (3, 5)), ((6,), (3, 5))))
 """82 parameters: a root of 10 x 4 and two blocks of 6 + 3 x 5."""
-
-
-def _plan_context():
-    spec = importlib.util.spec_from_file_location(
-        "plan_context", ROOT / "lab" / "scripts" / "plan_context.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize(
@@ -159,7 +147,6 @@ MODEL_ARGS += ["--set", "hidden_size=32", "num_layers=2", "num_heads=4", "max_po
 
 
 def test_plan_context_prints_the_training_state_per_rank(capsys):
-    plan_context = _plan_context()
     assert plan_context.main([*MODEL_ARGS, "--world-size", "4", "--precision", "32-true"]) == 0
     out = capsys.readouterr().out
     config = model_config("longnet-tiny", {k: SMALL[k] for k in list(SMALL)[:4]})
@@ -180,7 +167,6 @@ def test_plan_context_prints_the_training_state_per_rank(capsys):
 
 
 def test_plan_context_refuses_bad_model_input(capsys):
-    plan_context = _plan_context()
     cases = [
         (
             ["--seq-len", "1000", "--devices", "2", "--model", "longnet-huge"],
