@@ -84,17 +84,19 @@ def per_document_reference(q, k, v, lengths_per_row, branches, causal,
     return torch.cat(outs), torch.cat(lses)
 
 
-def retrieval_selection(q, k, branches, causal: bool, sinks: int, block: int, top_k: int):
+def retrieval_selection(q, k, branches, causal: bool, sinks: int, block: int, top_k: int,
+                        neighbors: int = 0):
     """The blocks each query selects, from the spec with explicit loops: ``{(b, p, g): [block
     starts, best first]}`` for one document per batch row (``k`` with ``kv_heads`` heads).
 
     Blocks of ``block`` tokens are cut from the start of each segment of the largest rate-1
     branch (from ``sinks`` in the first), a segment's last block shorter; without a rate-1
     branch, from ``sinks`` over the whole document, complete blocks only (:func:`blocks_of`).
-    A candidate lies outside the query's local segment (the largest rate-1 branch's segment
-    holding ``p``, else ``p`` alone), before it when causal. Its score is the sum over the
-    group's query heads and channels of ``max(q_c * min_t k_c, q_c * max_t k_c)``; the highest
-    ``top_k`` win, the earlier block on a tie. Returned as ``(start, end)`` pairs."""
+    A candidate lies outside the query's reach (the largest rate-1 branch's segment holding
+    ``p`` with ``neighbors`` segments on each side, else ``p`` alone), before it when causal.
+    Its score is the sum over the group's query heads and channels of ``max(q_c * min_t k_c,
+    q_c * max_t k_c)``; the highest ``top_k`` win, the earlier block on a tie. Returned as
+    ``(start, end)`` pairs."""
     batch, seq_len, num_heads, head_dim = q.shape
     kv_heads = k.shape[2]
     group = num_heads // kv_heads
@@ -102,7 +104,7 @@ def retrieval_selection(q, k, branches, causal: bool, sinks: int, block: int, to
     chosen = {}
     for b in range(batch):
         for p in range(seq_len):
-            lo, hi = local_segment(p, seq_len, dense)
+            lo, hi = reach(p, seq_len, dense, neighbors)
             starts = [(s, e) for s, e in blocks_of(seq_len, dense, sinks, block)
                       if e <= lo or (not causal and s >= hi)]
             for g in range(kv_heads):
@@ -139,13 +141,24 @@ def local_segment(p: int, seq_len: int, dense_segments) -> tuple[int, int]:
     return p // w * w, min(p // w * w + w, seq_len)
 
 
+def reach(p: int, seq_len: int, dense_segments, neighbors: int) -> tuple[int, int]:
+    """``[lo, hi)``: the local segment holding ``p`` widened by ``neighbors`` segments a side."""
+    lo, hi = local_segment(p, seq_len, dense_segments)
+    if not dense_segments:
+        return lo, hi
+    w = max(dense_segments)
+    return max(0, lo - neighbors * w), min(seq_len, hi + neighbors * w)
+
+
 def dense_retrieval_attention(q, k, v, branches, causal: bool, sinks: int, block: int,
-                              top_k: int, scale: float | None = None, far_q=None, far_k=None):
-    """Reference ``(out, lse)`` of the dilated branches plus the sinks and the block selection,
-    one softmax over the multiset union of their keys, for one document per batch row; ``k, v``
-    may have fewer heads than ``q`` (grouped-query attention). The retrieval branches score
-    with ``far_q, far_k`` (default ``q, k``): each key they give is a term of its own beside
-    the dilated branches' term for the same key."""
+                              top_k: int, scale: float | None = None, far_q=None, far_k=None,
+                              neighbors: int = 0):
+    """Reference ``(out, lse)`` of the dilated branches plus the neighbours, the sinks and the
+    block selection, one softmax over the multiset union of their keys, for one document per
+    batch row; ``k, v`` may have fewer heads than ``q`` (grouped-query attention). The
+    neighbours (the keys of the query's reach outside its local segment, before it when
+    causal) score with ``q, k`` like the dilated branches; sinks and blocks with ``far_q,
+    far_k`` (default ``q, k``). Each key a branch gives is a term of its own."""
     batch, seq_len, num_heads, head_dim = q.shape
     group = num_heads // k.shape[2]
     scale = head_dim**-0.5 if scale is None else scale
@@ -156,11 +169,15 @@ def dense_retrieval_attention(q, k, v, branches, causal: bool, sinks: int, block
     dense = [w for w, r in branches if r == 1]
     for p in range(seq_len):
         lo, hi = local_segment(p, seq_len, dense)
+        reach_lo, reach_hi = reach(p, seq_len, dense, neighbors)
+        for t in range(seq_len):
+            if reach_lo <= t < lo or (not causal and hi <= t < reach_hi):
+                near[:, :, p, t] += 1
         for t in range(min(sinks, seq_len)):
-            if t < lo or (not causal and t >= hi):
+            if t < reach_lo or (not causal and t >= reach_hi):
                 far[:, :, p, t] += 1
     selection = retrieval_selection(far_q.detach(), far_k.detach(), branches, causal, sinks,
-                                    block, top_k)
+                                    block, top_k, neighbors)
     for (b, p, g), starts in selection.items():
         for s, e in starts:
             far[b, g * group : (g + 1) * group, p, s:e] += 1

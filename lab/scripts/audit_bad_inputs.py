@@ -43,9 +43,9 @@ import yaml
 
 import longnet
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = Path(longnet.__file__).resolve().parent
-CASES = ROOT / "scripts" / "bad_inputs"
+CASES = ROOT / "lab" / "bad_inputs"
 GOOD = ("clear error", "correct")
 TRACEBACK = "Traceback (most recent call last)"
 FRAME = re.compile(r'^(\[rank\d+\]: )?\s*File "(?P<file>[^"]+)", line \d+')

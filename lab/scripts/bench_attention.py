@@ -82,7 +82,7 @@ from longnet.cli.arguments import (
     positive_int_argument,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).resolve()
 
 

@@ -40,7 +40,7 @@ from longnet.cli.arguments import (
 from longnet.distributed.layouts import LAYOUTS
 from longnet.modeling.zoo import ZOO
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PREFIX = "bench_load_balance"
 HEADER = ["P", "layout", "step s (wall)", "speed-up vs contiguous", "busy s per rank",
           "waiting share per rank", "busiest / mean"]

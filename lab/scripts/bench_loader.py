@@ -30,7 +30,7 @@ from longnet.cli.arguments import length_argument, positive_int_argument
 from longnet.data import LongDocumentDataModule
 from longnet.files import check_output_folder, write_atomic
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HEADER = ["workers", "batch", "seq_len", "batches", "seconds", "M tokens/s"]
 
 

@@ -8,7 +8,9 @@ causal; the 32K recipe's pattern ``(2048, 1) .. (32768, 16)``):
 * ``sdpa``: dense ``scaled_dot_product_attention`` (K/V heads expanded);
 * ``dilated``: ``dilated_attention`` with the pattern;
 * ``+sinks``: the pattern with ``--sinks`` attention sinks;
-* ``+sinks+select``: and block selection (``--block``, ``--top-k``).
+* ``+sinks+select``: and block selection (``--block``, ``--top-k``);
+* ``window+neighbors+sinks+select``: the zoo's ``smollm2-135m-32k`` attention: the pattern's
+  first branch alone with ``--neighbors`` neighbour segments, the sinks and the selection.
 
 Each length times forward (``torch.no_grad``) and forward + backward (an upstream gradient
 into ``out``) for every arm, interleaved repeat by repeat, and reports the median seconds
@@ -37,7 +39,7 @@ import torch.nn.functional as F
 from lab.bench import common
 from longnet.attention import DilatedPattern, Retrieval, dilated_attention
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BEGIN, END = "<!-- bench_retrieval: begin -->", "<!-- bench_retrieval: end -->"
 RECIPE = [(2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)]
 
@@ -46,6 +48,8 @@ def arms(args: argparse.Namespace) -> dict[str, Callable | None]:
     """The systems by name: ``f(q, k, v) -> out``; None where it does not run at that length."""
     sinks = Retrieval(sinks=args.sinks)
     select = Retrieval(sinks=args.sinks, block=args.block, top_k=args.top_k)
+    zoo = Retrieval(sinks=args.sinks, block=args.block, top_k=args.top_k,
+                    neighbors=args.neighbors)
 
     def sdpa(q, k, v):
         groups = q.shape[2] // k.shape[2]
@@ -60,6 +64,8 @@ def arms(args: argparse.Namespace) -> dict[str, Callable | None]:
                                                     retrieval=sinks),
         "+sinks+select": lambda q, k, v: dilated_attention(q, k, v, RECIPE, causal=True,
                                                            retrieval=select),
+        "window+neighbors+sinks+select": lambda q, k, v: dilated_attention(
+            q, k, v, RECIPE[:1], causal=True, retrieval=zoo),
     }
 
 
@@ -69,7 +75,7 @@ def keys_per_query(name: str, n: int, heads: int, args: argparse.Namespace) -> f
     counted exactly for the sampled queries)."""
     if name == "sdpa":
         return (n + 1) / 2
-    pattern = DilatedPattern(RECIPE)
+    pattern = DilatedPattern(RECIPE[:1] if name.startswith("window") else RECIPE)
     queries = torch.linspace(0, n - 1, 64).long()
     counts = pattern.key_multiplicity(queries, torch.arange(n), heads, causal=True)
     total = float((counts > 0).sum()) / (64 * heads)
@@ -77,10 +83,12 @@ def keys_per_query(name: str, n: int, heads: int, args: argparse.Namespace) -> f
         return total
     dense = max(w for w, r in RECIPE if r == 1)
     local_start = queries // dense * dense
-    sinks = torch.clamp(local_start, max=args.sinks).float()
-    blocks = torch.clamp((local_start - args.sinks).clamp(min=0) // args.block, max=args.top_k)
+    neighbors = args.neighbors if name.startswith("window") else 0
+    reach_start = (local_start - neighbors * dense).clamp(min=0)
+    sinks = torch.clamp(reach_start, max=args.sinks).float()
+    blocks = torch.clamp((reach_start - args.sinks).clamp(min=0) // args.block, max=args.top_k)
     extra = sinks if name == "+sinks" else sinks + blocks.float() * args.block
-    return total + float(extra.mean())
+    return total + float((local_start - reach_start + extra).mean())
 
 
 def measure(fn: Callable, q, k, v, backward: bool) -> float:
@@ -164,6 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sinks", type=int, default=4)
     parser.add_argument("--block", type=int, default=64)
     parser.add_argument("--top-k", type=int, default=16)
+    parser.add_argument("--neighbors", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-sdpa", type=int, default=32768)
     parser.add_argument("--max-backward", type=int, default=32768)
@@ -183,7 +192,8 @@ def main(argv: list[str] | None = None) -> None:
         f"Machine: {common.machine(threads=True)}; nothing else running. float32, batch 1, "
         f"{args.heads} heads, "
         f"{args.kv_heads} K/V heads, head_dim {args.head_dim}; retrieval: {args.sinks} sinks, "
-        f"blocks of {args.block}, top {args.top_k}; {time.strftime('%Y-%m-%d')}. "
+        f"blocks of {args.block}, top {args.top_k}, {args.neighbors} neighbour segment(s) in "
+        f"the window arm; {time.strftime('%Y-%m-%d')}. "
         f"Command: `{command}`.", "", text, "", f"![retrieval benchmark]({png.name})", END])
     if args.update_docs:
         doc = ROOT / "docs" / "benchmarks.md"

@@ -64,7 +64,7 @@ from longnet.cli.arguments import (
     positive_int_argument,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 """The repository: the commit the report names."""
 TRANSPORTS = ("ring", "allgather")
 

@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda":
         machine = f"{torch.cuda.get_device_name()}, torch {torch.__version__}; host {machine}"
     head = common.run_lines(finished, machine,
-                            common.commit_version(Path(__file__).resolve().parents[1]))
+                            common.commit_version(Path(__file__).resolve().parents[2]))
     block = "\n".join([f"### {tag}", "", *head,
                        f"- model: `{args.model}`, batch {args.batch}, precision {args.precision}, "
                        f"{args.steps} timed steps per point after {args.warmup} warm-up, "

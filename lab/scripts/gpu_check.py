@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # this checkout's longnet, installed or not (the steps: PYTHONPATH)
 
 from longnet.files import check_output_folder  # noqa: E402  (no torch, no data layer)

@@ -64,7 +64,7 @@ def needle_ranks(q: torch.Tensor, k: torch.Tensor, row: selection.RowGeometry, b
     qg = rearrange(q[i:i + 1].double(), "n (g h) d -> n g h d", g=k.shape[1])
     bound = (torch.einsum("ngd,jgd->ngj", qg.clamp(min=0).sum(2), high)
              + torch.einsum("ngd,jgd->ngj", qg.clamp(max=0).sum(2), low))[0]
-    bound = bound.masked_fill(~(ends <= row.lo[i])[None], float("-inf"))
+    bound = bound.masked_fill(~(ends <= row.reach_lo[i])[None], float("-inf"))
     ranks = (bound > bound[:, needle:needle + 1]).sum(-1).tolist()
     hits = [bool(((chosen[i, g] == needle) | (chosen[i, g] == needle + 1)).any())
             for g in range(k.shape[1])]

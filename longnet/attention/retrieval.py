@@ -1,5 +1,7 @@
-"""The retrieval branches' attention (keys from ``selection``; docs/architecture.md §2): sinks
-per query tile, each selected block with the queries that chose it (no K/V copy per query).
+"""The retrieval branches' attention (keys from ``selection``; docs/architecture.md §2):
+neighbours and sinks per query tile, each selected block with the queries that chose it (no
+K/V copy per query). Neighbours score with the dilated branches' ``q, k``; sinks and blocks
+with ``far_q, far_k`` (a rotary model's ``retrieval_positions``).
 """
 
 from __future__ import annotations
@@ -10,33 +12,68 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
+from longnet.attention.kernels import select_kernel
 from longnet.attention.op import dilated_attention_backward_op, dilated_attention_op
 from longnet.attention.pattern import DilatedPattern
-from longnet.attention.selection import Retrieval, Selection, block_rows, sink_keys
+from longnet.attention.selection import (
+    Retrieval,
+    Selection,
+    block_rows,
+    neighbor_keys,
+    sink_keys,
+)
 
 QUERY_TILE = 1024
-"""Queries per tile of the sinks' attention."""
+"""Queries per tile of the neighbours' and sinks' attention."""
 
 
-def _forward(q: Tensor, k: Tensor, v: Tensor, selection: Selection, retrieval: Retrieval,
-             causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+def _tile_keys(q: Tensor, k: Tensor, far_q: Tensor, far_k: Tensor, selection: Selection,
+               retrieval: Retrieval, causal: bool):
+    """``(tile, near, positions, allowed)`` for each query tile and key set given per tile:
+    the neighbours (``near``: scored with ``q, k``) and the sinks (with ``far_q, far_k``)."""
+    for first in range(0, q.shape[0], QUERY_TILE):
+        tile = slice(first, min(first + QUERY_TILE, q.shape[0]))
+        if retrieval.neighbors:
+            yield tile, True, *neighbor_keys(selection.row, tile, causal)
+        if retrieval.sinks:
+            yield tile, False, *sink_keys(selection.row, retrieval.sinks, tile, causal)
+
+
+def _accumulate(out: Tensor, lse: Tensor, rows: slice | Tensor, part_out: Tensor,
+                part_lse: Tensor) -> None:
+    """Merge one key set's ``(part_out, part_lse)`` into ``out[rows], lse[rows]`` in place."""
+    old_lse = lse[rows]
+    new_lse = torch.logaddexp(old_lse, part_lse)
+    finite = new_lse.nan_to_num(neginf=0.0)  # rows without any key yet stay 0 and -inf
+    out[rows] = (out[rows] * torch.exp(old_lse - finite)[..., None]
+                 + part_out * torch.exp(part_lse - finite)[..., None])
+    lse[rows] = new_lse
+
+
+def _forward(q: Tensor, k: Tensor, v: Tensor, far_q: Tensor, far_k: Tensor,
+             selection: Selection, retrieval: Retrieval, causal: bool,
+             scale: float) -> tuple[Tensor, Tensor]:
     """``(out, lse)`` ``(queries, heads, dim)``, ``(queries, heads)`` of one batch element."""
     compute = torch.promote_types(q.dtype, torch.float32)
     group, row = q.shape[1] // k.shape[1], selection.row
     out = q.new_zeros(q.shape, dtype=compute)
     lse = q.new_full(q.shape[:2], float("-inf"), dtype=compute)
-    if retrieval.sinks:
-        for first in range(0, q.shape[0], QUERY_TILE):
-            tile = slice(first, min(first + QUERY_TILE, q.shape[0]))
-            positions, allowed = sink_keys(row, retrieval.sinks, tile, causal)
-            scores = _scores(q[tile], k[positions], allowed[:, None, :], group, scale)
-            tile_lse = torch.logsumexp(scores, dim=-1)
-            probs = torch.exp(scores - tile_lse.nan_to_num(neginf=0.0)[..., None])
-            out[tile] = _values(probs, v[positions], group)
-            lse[tile] = tile_lse
+    for tile, near, positions, allowed in _tile_keys(q, k, far_q, far_k, selection, retrieval,
+                                                     causal):
+        rows_q, rows_k = (q, k) if near else (far_q, far_k)
+        if not bool(allowed.any()):
+            continue
+        if bool(allowed.all()):  # every query of the tile sees every key: a fused kernel
+            tile_out, tile_lse = _unmasked(rows_q[tile], rows_k[positions], v[positions], scale)
+            _accumulate(out, lse, tile, tile_out.to(compute), tile_lse.to(compute))
+            continue
+        scores = _scores(rows_q[tile], rows_k[positions], allowed[:, None, :], group, scale)
+        tile_lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - tile_lse.nan_to_num(neginf=0.0)[..., None])
+        _accumulate(out, lse, tile, _values(probs, v[positions], group), tile_lse)
     for g, blocks in enumerate(selection.block_queries):
         heads = slice(g * group, (g + 1) * group)
-        q_g, k_g, v_g = q[:, heads].to(compute), k[:, g].to(compute), v[:, g].to(compute)
+        q_g, k_g, v_g = far_q[:, heads].to(compute), far_k[:, g].to(compute), v[:, g].to(compute)
         out_g, lse_g = out[:, heads].contiguous(), lse[:, heads].contiguous()
         for j, queries in blocks:
             keys = block_rows(row, j)
@@ -44,36 +81,33 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, selection: Selection, retrieval: R
             block_lse = torch.logsumexp(scores, dim=-1)
             block_out = torch.einsum("nhs,sd->nhd", torch.exp(scores - block_lse[..., None]),
                                      v_g[keys])
-            old_lse = lse_g.index_select(0, queries)
-            new_lse = torch.logaddexp(old_lse, block_lse)
-            merged = (out_g.index_select(0, queries) * torch.exp(old_lse - new_lse)[..., None]
-                      + block_out * torch.exp(block_lse - new_lse)[..., None])
-            out_g.index_copy_(0, queries, merged)
-            lse_g.index_copy_(0, queries, new_lse)
+            _accumulate(out_g, lse_g, queries, block_out, block_lse)
         out[:, heads], lse[:, heads] = out_g, lse_g
     return out, lse
 
 
-def _backward(d_out: Tensor, delta: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor,
-              selection: Selection, retrieval: Retrieval, causal: bool,
-              scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """The retrieval branches' share of ``dq, dk, dv`` of one batch element, given the lse of
-    all branches together and ``delta = rowsum(d_out * out) - d_lse``."""
+def _backward(d_out: Tensor, delta: Tensor, q: Tensor, k: Tensor, v: Tensor, far_q: Tensor,
+              far_k: Tensor, lse: Tensor, selection: Selection, retrieval: Retrieval,
+              causal: bool, scale: float) -> tuple[Tensor, ...]:
+    """The retrieval branches' share of ``dq, dk, d_far_q, d_far_k, dv`` of one batch element,
+    given the lse of all branches together and ``delta = rowsum(d_out * out) - d_lse``."""
     compute, group, row = lse.dtype, q.shape[1] // k.shape[1], selection.row
-    dq = torch.zeros_like(q, dtype=compute)
-    dk = torch.zeros_like(k, dtype=compute)
+    grads_qk = {near: (torch.zeros_like(q, dtype=compute), torch.zeros_like(k, dtype=compute))
+                for near in (True, False)}
     dv = torch.zeros_like(v, dtype=compute)
     finite_lse = lse.nan_to_num(neginf=0.0)
-    if retrieval.sinks:
-        for first in range(0, q.shape[0], QUERY_TILE):
-            tile = slice(first, min(first + QUERY_TILE, q.shape[0]))
-            positions, allowed = sink_keys(row, retrieval.sinks, tile, causal)
-            scores = _scores(q[tile], k[positions], allowed[:, None, :], group, scale)
-            probs = torch.exp(scores - finite_lse[tile, :, None])
-            grads = _score_grads(probs, d_out[tile], v[positions], delta[tile], group, scale)
-            dq[tile] = _values(grads, k[positions], group)
-            dk.index_add_(0, positions, _keys_grad(grads, q[tile], group))
-            dv.index_add_(0, positions, _keys_grad(probs, d_out[tile], group))
+    for tile, near, positions, allowed in _tile_keys(q, k, far_q, far_k, selection, retrieval,
+                                                     causal):
+        rows_q, rows_k = (q, k) if near else (far_q, far_k)
+        dq, dk = grads_qk[near]
+        scores = _scores(rows_q[tile], rows_k[positions], allowed[:, None, :], group, scale)
+        probs = torch.exp(scores - finite_lse[tile, :, None])
+        grads = _score_grads(probs, d_out[tile], v[positions], delta[tile], group, scale)
+        dq[tile] += _values(grads, rows_k[positions], group)
+        dk.index_add_(0, positions, _keys_grad(grads, rows_q[tile], group))
+        dv.index_add_(0, positions, _keys_grad(probs, d_out[tile], group))
+    dq, dk = grads_qk[False]
+    q, k = far_q, far_k
     for g, blocks in enumerate(selection.block_queries):
         heads = slice(g * group, (g + 1) * group)
         q_g, k_g, v_g = q[:, heads].to(compute), k[:, g].to(compute), v[:, g].to(compute)
@@ -90,7 +124,7 @@ def _backward(d_out: Tensor, delta: Tensor, q: Tensor, k: Tensor, v: Tensor, lse
             dk[keys, g] += torch.einsum("nhs,nhd->sd", grads, q_rows)
             dv[keys, g] += torch.einsum("nhs,nhd->sd", probs, d_rows)
         dq[:, heads] += dq_g
-    return dq, dk, dv
+    return *grads_qk[True], dq, dk, dv
 
 
 def _delta(d_out: Tensor | None, d_lse: Tensor | None, out: Tensor) -> tuple[Tensor, Tensor]:
@@ -98,25 +132,6 @@ def _delta(d_out: Tensor | None, d_lse: Tensor | None, out: Tensor) -> tuple[Ten
     d_out = torch.zeros_like(out) if d_out is None else d_out.to(out.dtype)
     delta = (d_out * out).sum(-1)
     return d_out, delta if d_lse is None else delta - d_lse.to(out.dtype)
-
-
-class _RetrievalAttention(torch.autograd.Function):
-    """The retrieval branches alone on one batch element, given the selection."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, selection, retrieval, causal, scale):
-        out, lse = _forward(q, k, v, selection, retrieval, causal, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.call = selection, retrieval, causal, scale
-        ctx.set_materialize_grads(False)
-        return out.to(q.dtype), lse
-
-    @staticmethod
-    def backward(ctx, d_out, d_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        d_out, delta = _delta(d_out, d_lse, out)
-        dq, dk, dv = _backward(d_out, delta, q, k, v, lse, *ctx.call)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 class _DilatedWithRetrieval(torch.autograd.Function):
@@ -129,7 +144,7 @@ class _DilatedWithRetrieval(torch.autograd.Function):
         group = q.shape[2] // k.shape[2]
         k_all, v_all = (t.repeat_interleave(group, dim=2) for t in (k, v))
         near_out, near_lse = dilated_attention_op(q, k_all, v_all, *op_args)
-        fars = [_forward(far_q[b], far_k[b], v[b], s, retrieval, causal, scale)
+        fars = [_forward(q[b], k[b], v[b], far_q[b], far_k[b], s, retrieval, causal, scale)
                 for b, s in enumerate(selections)]
         far_out = torch.stack([out for out, _ in fars])
         far_lse = rearrange(torch.stack([lse for _, lse in fars]), "b n h -> b h n")
@@ -155,9 +170,9 @@ class _DilatedWithRetrieval(torch.autograd.Function):
                                rearrange(d_lse, "b h n -> b n h"), out.to(lse.dtype))
         d_far_q, d_far_k = torch.zeros_like(dq), torch.zeros_like(dk)
         for b, selection in enumerate(selections):
-            grads = _backward(d_rows[b], delta[b], far_q[b], far_k[b], v[b], lse[b].T,
-                              selection, retrieval, causal, scale)
-            for total, grad in zip((d_far_q, d_far_k, dv), grads):
+            grads = _backward(d_rows[b], delta[b], q[b], k[b], v[b], far_q[b], far_k[b],
+                              lse[b].T, selection, retrieval, causal, scale)
+            for total, grad in zip((dq, dk, d_far_q, d_far_k, dv), grads):
                 total[b] += grad
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_far_q.to(far_q.dtype),
                 d_far_k.to(far_k.dtype), *(None,) * 5)
@@ -179,6 +194,17 @@ def dilated_with_retrieval(
     ]
     return _DilatedWithRetrieval.apply(q, k, v, far_q, far_k, op_args, selections, retrieval,
                                        causal, scale)
+
+
+def _unmasked(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` ``(queries, heads, dim)``, ``(queries, heads)`` of ``q`` against every
+    key of ``k, v`` ``(keys, kv_heads, dim)``, by the device's fused kernel (forward only: the
+    backward recomputes the scores)."""
+    kernel = select_kernel(q.device, q.dtype, q.shape[-1])
+    k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    out, lse = kernel.forward(*(rearrange(t, "n h d -> 1 h n d") for t in (q, k, v)), False,
+                              scale)[:2]
+    return rearrange(out, "1 h n d -> n h d"), rearrange(lse, "1 h n -> n h")
 
 
 def _scores(q: Tensor, k: Tensor, allowed: Tensor, group: int, scale: float) -> Tensor:
@@ -222,8 +248,10 @@ def retrieval_attention(
     causal: bool,
     scale: float,
     documents: Sequence[Sequence[int]] | None = None,
+    far_qk: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """The retrieval branches alone, to be merged with the dilated ones by :func:`merge_attention`.
+    """The retrieval branches alone, to be merged with the dilated ones by :func:`merge_attention`
+    (KV-cache decoding; gradients, if asked for, through plain torch ops).
 
     Args:
         q: ``(batch, queries, heads, head_dim)``, the last ``queries`` key positions.
@@ -232,20 +260,23 @@ def retrieval_attention(
         pattern: the dilated pattern beside them (it fixes each query's local segment).
         documents: every batch element's document lengths (summing to ``keys``), or None for
             one document per element.
+        far_qk: ``(far_q, far_k)`` like ``q, k`` that the sinks and blocks score with
+            (default ``q, k``).
     Returns:
         ``out`` ``(batch, queries, heads, head_dim)`` in ``q``'s dtype and ``lse`` ``(batch,
         heads, queries)`` (accumulation dtype); 0 and ``-inf`` where a query has no such key.
     """
     batch, queries = q.shape[:2]
     keys = k.shape[1]
+    far_q, far_k = (q, k) if far_qk is None else far_qk
     outs, lses = [], []
     for b in range(batch):
         lengths = (keys,) if documents is None else tuple(documents[b])
-        selection = Selection.make(q[b].detach(), k[b].detach(), lengths, pattern, retrieval,
-                                    causal)
-        out, lse = _RetrievalAttention.apply(q[b], k[b], v[b], selection, retrieval, causal,
-                                             scale)
-        outs.append(out)
+        selection = Selection.make(far_q[b].detach(), far_k[b].detach(), lengths, pattern,
+                                    retrieval, causal)
+        out, lse = _forward(q[b], k[b], v[b], far_q[b], far_k[b], selection, retrieval, causal,
+                            scale)
+        outs.append(out.to(q.dtype))
         lses.append(lse.T)
     return torch.stack(outs), torch.stack(lses)
 

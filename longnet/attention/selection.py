@@ -1,13 +1,16 @@
-"""Which keys the retrieval branches give (sinks, query-aware blocks; architecture.md §2).
-
-Both reach keys at any offset and join the dilated branches' softmax:
+"""Which keys the retrieval branches give (neighbours, sinks, query-aware blocks;
+architecture.md §2). They join the dilated branches' softmax:
+- **neighbours** ``n``: the ``n`` local segments before the query's own (and after it,
+  without ``causal``), at their own positions: with them a query always sees at least ``n``
+  segments of its recent past densely (Longformer's sliding chunks);
 - **sinks** ``n``: the first ``n`` tokens of each document (StreamingLLM);
 - **selection** ``(block, top_k)``: each local segment is cut into blocks of ``block`` tokens;
   each query scores the blocks by an upper bound of its scores (Quest's per-channel min/max,
   summed over a K/V head's query heads) and attends to its ``top_k`` best (InfLLM, Quest, NSA).
-Both give only keys outside the query's *local segment* (of the pattern's largest rate-1
-branch; the query alone without one) and, with ``causal``, before it. The selection is not
-differentiated; ``retrieval`` attends to the keys chosen here.
+The *local segment* is the pattern's largest rate-1 branch's (the query alone without one);
+its *reach* adds the neighbours. Sinks and selection give only keys outside the reach and,
+with ``causal``, before it. The selection is not differentiated; ``retrieval`` attends to the
+keys chosen here.
 """
 
 from __future__ import annotations
@@ -29,24 +32,28 @@ class Retrieval:
 
     Args:
         sinks: the first ``sinks`` tokens of each document, keys of every query outside
-            their local segment (0: none).
+            their reach (0: none).
         block: tokens per selectable block, cut from each local segment's start.
         top_k: blocks each query (per K/V head) selects (0: no selection).
+        neighbors: local segments on each side of the query's own (before it only, causal)
+            whose keys it sees at their own positions (0: none; needs a rate-1 branch).
     """
 
     sinks: int = 0
     block: int = 64
     top_k: int = 0
+    neighbors: int = 0
 
     def __post_init__(self) -> None:
         check_non_negative_int("Retrieval: sinks", self.sinks)
         check_positive_int("Retrieval: block", self.block)
         check_non_negative_int("Retrieval: top_k", self.top_k)
+        check_non_negative_int("Retrieval: neighbors", self.neighbors)
 
     @property
     def active(self) -> bool:
         """Whether any key comes from these branches."""
-        return self.sinks > 0 or self.top_k > 0
+        return self.sinks > 0 or self.top_k > 0 or self.neighbors > 0
 
 
 def check_retrieval(where: str, retrieval: object) -> Retrieval | None:
@@ -65,15 +72,28 @@ def local_segment_length(pattern: DilatedPattern) -> int | None:
     return max((w for w, r in pattern.branches if r == 1), default=None)
 
 
+def check_neighbors(where: str, pattern: DilatedPattern, retrieval: Retrieval | None) -> None:
+    """``ValueError`` for neighbours without a rate-1 branch (no local segment to extend)."""
+    if retrieval is not None and retrieval.neighbors and local_segment_length(pattern) is None:
+        raise ValueError(
+            f"{where}: Retrieval(neighbors={retrieval.neighbors}) extends the local segment "
+            f"of a rate-1 branch, and the pattern {pattern.branches} has none; add a branch "
+            "(w, 1) or set neighbors=0."
+        )
+
+
 @dataclass(frozen=True)
 class RowGeometry:
     """Where one batch element's keys and queries (query ``i`` at key ``offset + i``) sit:
-    documents per key, local segments per query, each block's keys, in position order."""
+    documents per key, local segments ``[lo, hi)`` and reaches ``[reach_lo, reach_hi)`` per
+    query, each block's keys, in position order."""
 
     doc_start: Tensor  # (keys,)
     doc_end: Tensor  # (keys,)
     lo: Tensor  # (queries,)
     hi: Tensor  # (queries,)
+    reach_lo: Tensor  # (queries,)
+    reach_hi: Tensor  # (queries,)
     block_start: Tensor  # (blocks,)
     block_end: Tensor  # (blocks,)
     offset: int
@@ -95,17 +115,22 @@ def row_geometry(
     window = local_segment_length(pattern)
     positions = torch.arange(keys - queries, keys, device=device)
     start = doc_start[keys - queries:]
+    end = doc_end[keys - queries:]
     if window is not None:
         lo = start + (positions - start) // window * window
-        hi = torch.minimum(lo + window, doc_end[keys - queries:])
+        hi = torch.minimum(lo + window, end)
+        margin = retrieval.neighbors * window
+        reach_lo, reach_hi = torch.maximum(lo - margin, start), torch.minimum(hi + margin, end)
     else:
         lo, hi = positions, positions + 1
+        reach_lo, reach_hi = lo, hi
     blocks, first = [], 0
     for length in lengths:
         blocks += document_blocks(first, length, window, retrieval)
         first += length
     bounds = torch.tensor(blocks, dtype=torch.long, device=device).reshape(-1, 2).T.contiguous()
-    return RowGeometry(doc_start, doc_end, lo, hi, bounds[0], bounds[1], keys - queries)
+    return RowGeometry(doc_start, doc_end, lo, hi, reach_lo, reach_hi, bounds[0], bounds[1],
+                       keys - queries)
 
 
 def document_blocks(first: int, length: int, window: int | None,
@@ -160,9 +185,9 @@ def select_blocks(q: Tensor, k: Tensor, row: RowGeometry, retrieval: Retrieval,
     low, high = members.amin(1), members.amax(1)  # (blocks, kv_heads, dim)
     for first in range(0, queries, SCORED_AT_ONCE):
         part = slice(first, min(first + SCORED_AT_ONCE, queries))
-        # causal: only the blocks ending before the part's last local segment can be chosen
+        # causal: only the blocks ending before the part's last reach can be chosen
         blocks = (len(starts) if not causal else
-                  int(torch.searchsorted(ends, row.lo[part].max(), right=True)))
+                  int(torch.searchsorted(ends, row.reach_lo[part].max(), right=True)))
         top = min(retrieval.top_k, blocks)
         if top == 0:
             continue
@@ -183,19 +208,19 @@ def select_blocks(q: Tensor, k: Tensor, row: RowGeometry, retrieval: Retrieval,
 
 
 def _candidates(row: RowGeometry, blocks: slice, part: slice, causal: bool) -> Tensor:
-    """``(queries, blocks)`` bool: ``blocks`` in the query's document outside its segment."""
+    """``(queries, blocks)`` bool: ``blocks`` in the query's document outside its reach."""
     starts, ends = row.block_start[blocks], row.block_end[blocks]
     same = row.doc_start[starts][None, :] == row.doc_start[row.offset + part.start:
                                                            row.offset + part.stop][:, None]
-    outside = ends[None, :] <= row.lo[part, None]
+    outside = ends[None, :] <= row.reach_lo[part, None]
     if not causal:
-        outside |= starts[None, :] >= row.hi[part, None]
+        outside |= starts[None, :] >= row.reach_hi[part, None]
     return same & outside
 
 
 def sink_keys(row: RowGeometry, sinks: int, tile: slice, causal: bool) -> tuple[Tensor, Tensor]:
     """The sinks of a query tile's documents, ``positions`` ``(keys,)``, and ``allowed``
-    ``(tile, keys)`` bool: same document, outside the local segment (before it if causal)."""
+    ``(tile, keys)`` bool: same document, outside the reach (before it if causal)."""
     device = row.lo.device
     keys = slice(row.offset + tile.start, row.offset + tile.stop)
     query_doc = row.doc_start[keys]
@@ -203,10 +228,23 @@ def sink_keys(row: RowGeometry, sinks: int, tile: slice, causal: bool) -> tuple[
     positions = torch.cat([torch.arange(doc, min(doc + sinks, end), device=device) for doc, end
                            in zip(starts.tolist(), row.doc_end[starts].tolist())])
     same = row.doc_start[positions][None, :] == query_doc[:, None]
-    allowed = same & (positions[None, :] < row.lo[tile, None])
+    allowed = same & (positions[None, :] < row.reach_lo[tile, None])
     if not causal:
-        allowed |= same & (positions[None, :] >= row.hi[tile, None])
+        allowed |= same & (positions[None, :] >= row.reach_hi[tile, None])
     return positions, allowed
+
+
+def neighbor_keys(row: RowGeometry, tile: slice, causal: bool) -> tuple[Tensor, Tensor]:
+    """The neighbours of a query tile, ``positions`` ``(keys,)`` and ``allowed`` ``(tile,
+    keys)`` bool: inside the query's reach, outside its local segment (before it if causal)."""
+    lo, hi = row.lo[tile, None], row.hi[tile, None]
+    before = torch.arange(int(row.reach_lo[tile].min()), int(lo.max()), device=lo.device)
+    allowed = (before >= row.reach_lo[tile, None]) & (before < lo)
+    if causal:
+        return before, allowed
+    after = torch.arange(int(hi.min()), int(row.reach_hi[tile].max()), device=lo.device)
+    allowed_after = (after >= hi) & (after < row.reach_hi[tile, None])
+    return torch.cat((before, after)), torch.cat((allowed, allowed_after), dim=1)
 
 
 def _block_queries(chosen: Tensor, blocks: int) -> list[list[tuple[int, Tensor]]]:

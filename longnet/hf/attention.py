@@ -19,6 +19,7 @@ positions, dropout and sliding windows are refused.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from longnet.attention import DilatedPattern, Retrieval, dilated_attention
-from longnet.attention.selection import check_retrieval
+from longnet.attention.selection import check_neighbors, check_retrieval
 from longnet.nn.kv_cache import decode_attention
 
 ATTENTION_NAME = "longnet_dilated"
@@ -114,8 +115,8 @@ def _retrieval(config: Any) -> Retrieval | None:
         return Retrieval(**value)
     except (TypeError, ValueError) as err:
         raise ValueError(
-            f"config.{RETRIEVAL_ATTRIBUTE} = {value!r}: {err} It takes the keys sinks, block "
-            "and top_k, e.g. {'sinks': 4, 'block': 64, 'top_k': 16}."
+            f"config.{RETRIEVAL_ATTRIBUTE} = {value!r}: {err} It takes the keys sinks, block, "
+            "top_k and neighbors, e.g. {'sinks': 4, 'block': 64, 'top_k': 16}."
         ) from None
 
 
@@ -147,8 +148,9 @@ def use_dilated_attention(
     pattern = DilatedPattern.coerce(pattern)
     retrieval = check_retrieval("use_dilated_attention", retrieval)
     setattr(model.config, PATTERN_ATTRIBUTE, [list(branch) for branch in pattern.branches])
-    setattr(model.config, RETRIEVAL_ATTRIBUTE, None if retrieval is None else {
-        "sinks": retrieval.sinks, "block": retrieval.block, "top_k": retrieval.top_k})
+    check_neighbors("use_dilated_attention", pattern, retrieval)
+    setattr(model.config, RETRIEVAL_ATTRIBUTE,
+            None if retrieval is None else dataclasses.asdict(retrieval))
     model.set_attn_implementation(ATTENTION_NAME)
     return model
 

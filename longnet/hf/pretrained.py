@@ -32,6 +32,7 @@ from longnet.modeling.hub import (
     VARIANT_OF,
     WEIGHTS_FROM,
     external_weights_hint,
+    is_current,
     materialized_dir,
 )
 from longnet.modeling.importers import (
@@ -123,7 +124,8 @@ def materialize(name: str, *, force: bool = False) -> Path:
             f"entries name one under extra.{WEIGHTS_FROM} in {folder / 'config.json'})."
         )
     target = materialized_dir(name)
-    if (target / "model.safetensors").is_file() and not force:
+    if ((target / "model.safetensors").is_file() and not force
+            and is_current(target, folder, external)):
         return target
     check_target(target, overwrite=True,  # the cache's own entry, incomplete or forced
                  what=f"the user cache's folder of {name} (${CACHE_ENV} moves the cache)")

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from longnet.attention import DilatedPattern, Retrieval
+from longnet.attention.selection import check_neighbors
 from longnet.files import write_atomic
 from longnet.modeling.hub import CONFIG_NAME, resolve_model_dir
 from longnet.nn.attention import check_heads, check_retrieval_positions
@@ -70,6 +71,8 @@ class LongNetConfig:
         attention_sinks: first tokens of each document every query also sees (0: none).
         select_block, select_top_k: each query attends to the ``select_top_k`` blocks of
             ``select_block`` tokens whose keys bound its scores highest (0: no selection).
+        neighbor_segments: local segments before the query's own (both sides when
+            bidirectional) that it also sees densely, at their own positions (0: none).
         retrieval_positions: where retrieval keys sit: ``"own"`` (their positions) or
             ``"before_segment"`` (RoPE only: just before the query's local segment).
         position_encoding: ``"xpos"`` (the paper's), ``"rope"``, ``"learned"`` or ``"none"``.
@@ -108,6 +111,7 @@ class LongNetConfig:
     attention_sinks: int = 0
     select_block: int = 64
     select_top_k: int = 0
+    neighbor_segments: int = 0
     retrieval_positions: str = "own"
     position_encoding: str = "xpos"
     rope_theta: float = 10000.0
@@ -147,7 +151,8 @@ class LongNetConfig:
     @property
     def retrieval(self) -> Retrieval | None:
         """The retrieval branches (sinks, block selection), or None when there are none."""
-        retrieval = Retrieval(self.attention_sinks, self.select_block, self.select_top_k)
+        retrieval = Retrieval(self.attention_sinks, self.select_block, self.select_top_k,
+                              self.neighbor_segments)
         return retrieval if retrieval.active else None
 
     @property
@@ -179,6 +184,7 @@ class LongNetConfig:
         check_non_negative_int("attention_sinks", self.attention_sinks)
         check_positive_int("select_block", self.select_block)
         check_non_negative_int("select_top_k", self.select_top_k)
+        check_non_negative_int("neighbor_segments", self.neighbor_segments)
         check_retrieval_positions(self.retrieval_positions, self.retrieval is not None,
                                   self.position_encoding == "rope")
         check_choice("ffn_kind", self.ffn_kind, FFN_KINDS)
@@ -214,6 +220,7 @@ class LongNetConfig:
                 raise ValueError(f"segment_lengths/dilation_rates: {err}") from None
             if self.position_encoding == "xpos":
                 check_xpos_pattern(pattern, pattern.segment_lengths[-1])
+        check_neighbors("LongNetConfig", self.pattern, self.retrieval)
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             value = getattr(self, name)
             if value is not None and (not is_int(value) or not 0 <= value < self.vocab_size):

@@ -136,7 +136,8 @@ def resolve_model_dir(name_or_dir: str | os.PathLike) -> Path:
         if not source:
             return candidate
         materialized = materialized_dir(name)
-        if (materialized / WEIGHTS_NAME).is_file():
+        if (materialized / WEIGHTS_NAME).is_file() and (
+                _materializer is None or is_current(materialized, candidate, source)):
             return materialized
         return _materialized_on_first_use(name, candidate, source)
     known = list_models()
@@ -170,6 +171,20 @@ def folder_config(folder: str | Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def is_current(materialized: Path, entry: Path, source: Any) -> bool:
+    """False for a variant (:data:`VARIANT_OF` in its ``weights_from`` ``source``) cached
+    under another config than the zoo ``entry``'s (an upgrade changed how it reads its
+    base's weights: it is relinked, in seconds); True otherwise."""
+    from longnet.modeling.config import LongNetConfig  # the config module imports this one
+
+    if not isinstance(source, dict) or VARIANT_OF not in source:
+        return True
+    try:
+        return LongNetConfig.load(materialized) == LongNetConfig.load(entry)
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def _weights_source(folder: Path) -> Any:

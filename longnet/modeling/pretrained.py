@@ -112,9 +112,11 @@ def model_card(
             else []
         ),
         *(
-            [f"| Retrieval branches | {config.attention_sinks} sinks, top {config.select_top_k} "
-             f"blocks of {config.select_block}, positions {config.retrieval_positions} |"]
-            if config.attention_sinks or config.select_top_k
+            ["| Retrieval branches | "
+             + f"{config.neighbor_segments} neighbour segment(s), " * bool(config.neighbor_segments)
+             + f"{config.attention_sinks} sinks, top {config.select_top_k} blocks of "
+             f"{config.select_block}, positions {config.retrieval_positions} |"]
+            if config.retrieval is not None
             else []
         ),
         f"| Context length | {config.max_positions:,} tokens |",

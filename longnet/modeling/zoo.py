@@ -157,8 +157,10 @@ ZOO: dict[str, ZooEntry] = {
         "sinks) and the 16 blocks of 64 earlier tokens its K/V head group scores highest "
         "(Quest's bound), all in one softmax. The sinks and chosen blocks are rotated as if "
         "just before the query's window (retrieval_positions before_segment), so no distance "
-        "leaves the 8K the base was trained on. Keys per query at 32K: about 2,100 of dense "
-        "attention's 16,384 on average.",
+        "leaves the 8K the base was trained on. Keys per query at 32K: about 2,000 of dense "
+        "attention's 16,384 on average. For language modelling load it with "
+        "neighbor_segments=1 (the window before the query's own too: fewer bits, fewer "
+        "passkeys; docs/evaluation.md).",
     ),
     "longnet-small": ZooEntry(
         LongNetConfig(

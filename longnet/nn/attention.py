@@ -8,7 +8,12 @@ from torch import Tensor, nn
 
 from longnet.attention import DilatedPattern, Retrieval, dilated_attention
 from longnet.attention.documents import PackedDocuments
-from longnet.attention.selection import block_offsets, check_retrieval, local_segment_length
+from longnet.attention.selection import (
+    block_offsets,
+    check_neighbors,
+    check_retrieval,
+    local_segment_length,
+)
 from longnet.compiled import refuse
 from longnet.distributed.halo import previous_rows
 from longnet.distributed.layouts import stripes_per_rank
@@ -105,6 +110,7 @@ class MultiheadDilatedAttention(nn.Module):
         self.head_dim = head_dim
         self.pattern = DilatedPattern.coerce(pattern)
         self.retrieval = check_retrieval("MultiheadDilatedAttention", retrieval)
+        check_neighbors("MultiheadDilatedAttention", self.pattern, self.retrieval)
         self.retrieval_positions = check_retrieval_positions(
             retrieval_positions, self.retrieval is not None, type(positional) is RotaryEmbedding)
         self.causal = causal
@@ -306,12 +312,14 @@ class MultiheadDilatedAttention(nn.Module):
 
     def _far_rows(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """``q`` ``(b, n, h, d)`` and ``k`` ``(b, n, kv_h, d)`` rotated for ``"before_segment"``:
-        a query at ``p`` by ``p - segment start + max(block, sinks)``, a key by its offset in
-        its block (a sink by its position)."""
+        a query at ``p`` by ``p - segment start + neighbours' length + max(block, sinks)``, a
+        key by its offset in its block (a sink by its position): the sinks and chosen blocks
+        sit just before the query's reach."""
         assert isinstance(self.positional, RotaryEmbedding) and self.retrieval is not None
         window = local_segment_length(self.pattern)
         into_segment = positions % window if window else torch.zeros_like(positions)
-        lead = max(self.retrieval.block, self.retrieval.sinks)
+        lead = (max(self.retrieval.block, self.retrieval.sinks)
+                + self.retrieval.neighbors * (window or 0))
         q = apply_rotary(q, *self.positional.cos_sin(into_segment + lead))
         offsets = block_offsets(positions, window, self.retrieval)
         return q, apply_rotary(k, *self.positional.cos_sin(offsets))

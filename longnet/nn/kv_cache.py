@@ -158,8 +158,8 @@ def decode_attention(
             f"decode_attention: the retrieval branches read every key, but the keys start at "
             f"position {key_start}; this is a bug, please report it."
         )
-    far_q, far_k = (q, k) if retrieval_qk is None else retrieval_qk
-    far = retrieval_attention(far_q, far_k, v, pattern, retrieval, causal=True, scale=scale)
+    far = retrieval_attention(q, k, v, pattern, retrieval, causal=True, scale=scale,
+                              far_qk=retrieval_qk)
     return merge_attention((near, far), q.dtype)[0]
 
 

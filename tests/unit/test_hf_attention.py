@@ -118,13 +118,13 @@ def test_what_it_cannot_run_is_refused(tmp_path):
 
 def test_retrieval_branches_equal_longnet_lm_and_decode_with_the_cache(
         tmp_path, _llama_without_float32_casts):  # noqa: F811
-    """Sinks and block selection in transformers' Llama: logits equal LongNetLM's with the
-    same weights and branches, cached one-token steps equal the full forward, and the branches
-    are saved with the model."""
+    """Neighbours, sinks and block selection in transformers' Llama: logits equal LongNetLM's
+    with the same weights and branches, cached one-token steps equal the full forward, and the
+    branches are saved with the model."""
     _llama(tmp_path, max_position_embeddings=128, eos_token_id=None, bos_token_id=None)
-    retrieval = Retrieval(sinks=2, block=4, top_k=2)
+    retrieval = Retrieval(sinks=2, block=4, top_k=2, neighbors=1)
     lm = LongNetLM.from_pretrained(tmp_path, dtype=F64, pattern=PATTERN, attention_sinks=2,
-                                   select_block=4, select_top_k=2)
+                                   select_block=4, select_top_k=2, neighbor_segments=1)
     hf = use_dilated_attention(_load(tmp_path), PATTERN, retrieval)
     x = _tokens(1, 77)
     with torch.no_grad():
@@ -138,7 +138,8 @@ def test_retrieval_branches_equal_longnet_lm_and_decode_with_the_cache(
     torch.testing.assert_close(torch.cat(steps, dim=1), expected, rtol=0, atol=1e-10)
     hf.save_pretrained(tmp_path / "saved")
     again = _load(tmp_path / "saved", attn_implementation=ATTENTION_NAME)
-    assert again.config.longnet_retrieval == {"sinks": 2, "block": 4, "top_k": 2}
+    assert again.config.longnet_retrieval == {"sinks": 2, "block": 4, "top_k": 2,
+                                              "neighbors": 1}
     again.config.longnet_retrieval = {"sinks": 2, "blocks": 4}
     with pytest.raises(ValueError, match="longnet_retrieval"):
         again(x)

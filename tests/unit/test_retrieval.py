@@ -1,5 +1,5 @@
-"""The retrieval branches (attention sinks, query-aware block selection) against the loop
-reference of ``tests/reference.py``: outputs, ``lse`` and every gradient in float64 with a
+"""The retrieval branches (neighbours, attention sinks, query-aware block selection) against
+the loop reference of ``tests/reference.py``: outputs, ``lse`` and every gradient in float64 with a
 random upstream gradient into both, and the selection itself, rule for rule."""
 
 from __future__ import annotations
@@ -26,15 +26,19 @@ from tests.reference import (
 PATTERN = [(8, 1), (16, 2), (32, 4)]
 
 CASES = {
-    # name: (seq, heads, kv_heads, branches, sinks, block, top_k, documents)
-    "sinks+select": (53, 4, 4, PATTERN, 2, 4, 3, None),
-    "select-gqa": (61, 4, 2, PATTERN, 0, 3, 2, None),
-    "sinks-only-gqa": (45, 6, 2, PATTERN, 3, 4, 0, None),
-    "top_k-beyond-blocks": (40, 2, 1, PATTERN, 1, 5, 50, None),
-    "short-no-past-block": (11, 2, 2, PATTERN, 2, 4, 2, None),
-    "no-rate-1-branch": (37, 4, 2, [(8, 2), (32, 4)], 2, 4, 2, None),
-    "sinks-longer-than-segment": (35, 2, 2, [(4, 1), (16, 2)], 6, 3, 2, None),
-    "packed": (60, 4, 2, PATTERN, 2, 4, 2, ((13, 30, 17), (60,))),
+    # name: (seq, heads, kv_heads, branches, sinks, block, top_k, documents, neighbors)
+    "sinks+select": (53, 4, 4, PATTERN, 2, 4, 3, None, 0),
+    "select-gqa": (61, 4, 2, PATTERN, 0, 3, 2, None, 0),
+    "sinks-only-gqa": (45, 6, 2, PATTERN, 3, 4, 0, None, 0),
+    "top_k-beyond-blocks": (40, 2, 1, PATTERN, 1, 5, 50, None, 0),
+    "short-no-past-block": (11, 2, 2, PATTERN, 2, 4, 2, None, 0),
+    "no-rate-1-branch": (37, 4, 2, [(8, 2), (32, 4)], 2, 4, 2, None, 0),
+    "sinks-longer-than-segment": (35, 2, 2, [(4, 1), (16, 2)], 6, 3, 2, None, 0),
+    "packed": (60, 4, 2, PATTERN, 2, 4, 2, ((13, 30, 17), (60,)), 0),
+    "neighbors+sinks+select": (71, 4, 2, PATTERN, 2, 3, 3, None, 1),
+    "neighbors-only": (45, 4, 4, PATTERN, 0, 4, 0, None, 2),
+    "neighbors-wider-than-the-row": (30, 2, 1, [(4, 1), (16, 2)], 3, 2, 4, None, 9),
+    "neighbors-packed": (60, 4, 2, PATTERN, 2, 4, 2, ((13, 30, 17), (60,)), 1),
 }
 
 
@@ -46,15 +50,17 @@ def _inputs(seq, heads, kv_heads, batch=2, seed=0):
     return q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
 
 
-def _reference(q, k, v, branches, causal, sinks, block, top_k, documents):
-    attend = functools.partial(_reference_one, sinks=sinks, block=block, top_k=top_k)
+def _reference(q, k, v, branches, causal, sinks, block, top_k, documents, neighbors=0):
+    attend = functools.partial(_reference_one, sinks=sinks, block=block, top_k=top_k,
+                               neighbors=neighbors)
     if documents is None:
         return attend(q, k, v, branches, causal)
     return per_document_reference(q, k, v, documents, branches, causal, attend=attend)
 
 
-def _reference_one(q, k, v, branches, causal, *, sinks, block, top_k):
-    return dense_retrieval_attention(q, k, v, branches, causal, sinks, block, top_k)
+def _reference_one(q, k, v, branches, causal, *, sinks, block, top_k, neighbors):
+    return dense_retrieval_attention(q, k, v, branches, causal, sinks, block, top_k,
+                                     neighbors=neighbors)
 
 
 @pytest.mark.parametrize("lse_gradient", [True, False], ids=["d_lse", "no-d_lse"])
@@ -63,14 +69,16 @@ def _reference_one(q, k, v, branches, causal, *, sinks, block, top_k):
 def test_matches_the_reference_with_gradients(case, causal, lse_gradient):
     """Without a gradient into ``lse`` the dilated part runs its fused kernels' backward with
     the merged ``out``/``lse``; with one, the math backward."""
-    seq, heads, kv_heads, branches, sinks, block, top_k, documents = CASES[case]
+    seq, heads, kv_heads, branches, sinks, block, top_k, documents, neighbors = CASES[case]
     batch = 1 if documents is None and case == "short-no-past-block" else 2
     q, k, v = _inputs(seq, heads, kv_heads, batch=batch)
     ids = None if documents is None else document_ids_of(documents)
     out, lse = dilated_attention(q, k, v, branches, causal=causal, return_lse=True,
                                  document_ids=ids,
-                                 retrieval=Retrieval(sinks=sinks, block=block, top_k=top_k))
-    ref_out, ref_lse = _reference(q, k, v, branches, causal, sinks, block, top_k, documents)
+                                 retrieval=Retrieval(sinks=sinks, block=block, top_k=top_k,
+                                                     neighbors=neighbors))
+    ref_out, ref_lse = _reference(q, k, v, branches, causal, sinks, block, top_k, documents,
+                                  neighbors)
     torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-10, atol=1e-12)
     gen = torch.Generator().manual_seed(1)
@@ -88,17 +96,18 @@ def test_matches_the_reference_with_gradients(case, causal, lse_gradient):
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 def test_own_query_and_key_rows_for_the_retrieval_branches(causal):
-    """``retrieval_qk``: the retrieval branches select and attend with their own rows (a key
-    both parts give is two terms of the softmax, each with its part's score); gradients reach
-    q, k, v and both far tensors."""
-    seq, heads, kv_heads, branches, sinks, block, top_k, _ = CASES["select-gqa"]
+    """``retrieval_qk``: the sinks and blocks select and attend with their own rows (a key
+    both parts give is two terms of the softmax, each with its part's score), the neighbours
+    with ``q, k``; gradients reach q, k, v and both far tensors."""
+    seq, heads, kv_heads, branches, sinks, block, top_k, _, _ = CASES["select-gqa"]
     q, k, v = _inputs(seq, heads, kv_heads)
     far_q, far_k, _ = _inputs(seq, heads, kv_heads, seed=5)
     out, lse = dilated_attention(q, k, v, branches, causal=causal, return_lse=True,
-                                 retrieval=Retrieval(sinks=2, block=block, top_k=top_k),
+                                 retrieval=Retrieval(sinks=2, block=block, top_k=top_k,
+                                                     neighbors=1),
                                  retrieval_qk=(far_q, far_k))
     ref_out, ref_lse = dense_retrieval_attention(q, k, v, branches, causal, 2, block, top_k,
-                                                 far_q=far_q, far_k=far_k)
+                                                 far_q=far_q, far_k=far_k, neighbors=1)
     torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-10, atol=1e-12)
     d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
@@ -116,27 +125,33 @@ def test_own_query_and_key_rows_for_the_retrieval_branches(causal):
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 def test_small_query_chunks_and_tiles_give_the_same_result(causal, monkeypatch):
-    """The selection scored in chunks of 7 queries and the sinks attended in tiles of 5 (a
-    chunk's own block range, tiles across documents) give the reference's result."""
-    seq, heads, kv_heads, branches, sinks, block, top_k, documents = CASES["packed"]
+    """The selection scored in chunks of 7 queries and the neighbours and sinks attended in
+    tiles of 5 (a chunk's own block range, tiles across segments and documents) give the
+    reference's result."""
+    seq, heads, kv_heads, branches, sinks, block, top_k, documents, neighbors = CASES[
+        "neighbors-packed"]
     monkeypatch.setattr(selection_module, "SCORED_AT_ONCE", 7)
     monkeypatch.setattr(retrieval_module, "QUERY_TILE", 5)
     q, k, v = _inputs(seq, heads, kv_heads)
     out, lse = dilated_attention(q, k, v, branches, causal=causal, return_lse=True,
                                  document_ids=document_ids_of(documents),
-                                 retrieval=Retrieval(sinks=sinks, block=block, top_k=top_k))
-    ref_out, ref_lse = _reference(q, k, v, branches, causal, sinks, block, top_k, documents)
+                                 retrieval=Retrieval(sinks=sinks, block=block, top_k=top_k,
+                                                     neighbors=neighbors))
+    ref_out, ref_lse = _reference(q, k, v, branches, causal, sinks, block, top_k, documents,
+                                  neighbors)
     torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("neighbors", [0, 1])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
-def test_the_selection_is_the_rule(causal):
+def test_the_selection_is_the_rule(causal, neighbors):
     """Each query's chosen blocks, per K/V head, equal the loop reference's list exactly."""
     seq, heads, kv_heads, branches, sinks, block, top_k = 70, 4, 2, PATTERN, 2, 4, 3
     q, k, _ = _inputs(seq, heads, kv_heads)
-    retrieval = Retrieval(sinks=sinks, block=block, top_k=top_k)
-    want = retrieval_selection(q.detach(), k.detach(), branches, causal, sinks, block, top_k)
+    retrieval = Retrieval(sinks=sinks, block=block, top_k=top_k, neighbors=neighbors)
+    want = retrieval_selection(q.detach(), k.detach(), branches, causal, sinks, block, top_k,
+                               neighbors)
     pattern = DilatedPattern(branches)
     for b in range(2):
         row = row_geometry((seq,), seq, pattern, retrieval, q.device)
@@ -212,10 +227,30 @@ def test_no_retrieval_is_the_dilated_call():
     ({"sinks": -1}, "sinks"),
     ({"block": 0}, "block"),
     ({"top_k": 1.5}, "top_k"),
+    ({"neighbors": -1}, "neighbors"),
 ])
 def test_bad_settings_are_named(kwargs, message):
     with pytest.raises((TypeError, ValueError), match=message):
         Retrieval(**kwargs)
+
+
+def test_neighbors_need_a_local_segment():
+    q, k, v = _inputs(16, 2, 2)
+    with pytest.raises(ValueError, match=r"neighbors=1.*has none; add a branch \(w, 1\)"):
+        dilated_attention(q, k, v, [(8, 2)], retrieval=Retrieval(neighbors=1))
+    with pytest.raises(ValueError, match="neighbors=2"):
+        LongNetConfig(segment_lengths=(8,), dilation_rates=(2,), neighbor_segments=2)
+
+
+def test_neighbors_give_the_previous_segment_densely():
+    """With one neighbour a query at the start of its segment sees the whole previous
+    segment: a key 7 positions back, in the segment before, becomes what it reads."""
+    q = torch.zeros(1, 24, 1, 4, dtype=torch.float64)
+    k, v = torch.zeros_like(q), torch.zeros_like(q)
+    q[0, 16, 0, 0], k[0, 9, 0, 0], v[0, 9, 0, 1] = 40.0, 1.0, 7.0
+    plain = dilated_attention(q, k, v, [(8, 1)], causal=True)
+    found = dilated_attention(q, k, v, [(8, 1)], causal=True, retrieval=Retrieval(neighbors=1))
+    assert plain[0, 16, 0, 1] == 0.0 and found[0, 16, 0, 1] > 6.9
 
 
 def test_retrieval_must_be_a_retrieval():
@@ -224,10 +259,12 @@ def test_retrieval_must_be_a_retrieval():
         dilated_attention(q, k, v, PATTERN, retrieval={"sinks": 4})
 
 
-def test_bfloat16_is_close_to_float64():
-    """bfloat16 inputs against the float64 call on the same (rounded) values."""
+def test_bfloat16_is_close_to_float64(monkeypatch):
+    """bfloat16 inputs against the float64 call on the same (rounded) values; tiles of one
+    segment each, so the neighbours run the fused kernel."""
+    monkeypatch.setattr(retrieval_module, "QUERY_TILE", 8)
     q, k, v = (t.detach().bfloat16() for t in _inputs(80, 4, 2))
-    retrieval = Retrieval(sinks=2, block=4, top_k=3)
+    retrieval = Retrieval(sinks=2, block=4, top_k=3, neighbors=1)
     want = dilated_attention(q.double(), k.double(), v.double(), PATTERN, causal=True,
                              retrieval=retrieval)
     got = dilated_attention(q, k, v, PATTERN, causal=True, retrieval=retrieval)
@@ -257,19 +294,22 @@ def _rotate(x, positions, theta=10000.0):
     return torch.cat((z.real, z.imag), dim=-1)
 
 
-@pytest.mark.parametrize("pattern, sinks, block", [
-    (PATTERN, 2, 4), (PATTERN, 6, 4), ([(8, 2), (32, 4)], 2, 4),
-], ids=["window-8", "sinks-beyond-block", "no-rate-1-branch"])
-def test_before_segment_places_each_far_block_before_the_segment_in_order(pattern, sinks, block):
-    """``retrieval_positions="before_segment"`` equals, by hand: the dilated branches with keys
-    rotated to their positions; the retrieval branches with the query at ``p - segment start +
-    max(block, sinks)`` and each key at its offset in its block (a sink at its position), so a
-    far key at offset ``o`` is seen that many positions before the segment, in order."""
+@pytest.mark.parametrize("pattern, sinks, block, neighbors", [
+    (PATTERN, 2, 4, 0), (PATTERN, 6, 4, 0), ([(8, 2), (32, 4)], 2, 4, 0), (PATTERN, 2, 4, 2),
+], ids=["window-8", "sinks-beyond-block", "no-rate-1-branch", "two-neighbors"])
+def test_before_segment_places_each_far_block_before_the_reach_in_order(
+    pattern, sinks, block, neighbors
+):
+    """``retrieval_positions="before_segment"`` equals, by hand: the dilated branches and the
+    neighbours with keys rotated to their positions; the sinks and blocks with the query at
+    ``p - segment start + neighbors * segment + max(block, sinks)`` and each key at its offset
+    in its block (a sink at its position), so a far key at offset ``o`` is seen that many
+    positions before the reach, in order."""
     torch.manual_seed(3)
     seq = 53
     attn = MultiheadDilatedAttention(
         32, 4, pattern, num_kv_heads=2, positional=RotaryEmbedding(8), bias=False,
-        retrieval=Retrieval(sinks=sinks, block=block, top_k=2),
+        retrieval=Retrieval(sinks=sinks, block=block, top_k=2, neighbors=neighbors),
         retrieval_positions="before_segment").double()
     x = torch.randn(2, seq, 32, dtype=torch.float64)
     q = attn.q_proj(x).unflatten(-1, (4, 8))
@@ -281,21 +321,24 @@ def test_before_segment_places_each_far_block_before_the_segment_in_order(patter
     offsets = torch.tensor([t if t < sinks else  # a key's offset in its block (a sink: t)
                             (t - max(t // window * window if window else 0, sinks)) % block
                             for t in range(seq)])
+    lead = max(block, sinks) + neighbors * (window or 0)
     out, _ = dense_retrieval_attention(
         _rotate(q, positions), _rotate(k, positions), v, pattern, True, sinks, block, 2,
-        far_q=_rotate(q, into_segment + max(block, sinks)), far_k=_rotate(k, offsets))
+        far_q=_rotate(q, into_segment + lead), far_k=_rotate(k, offsets), neighbors=neighbors)
     torch.testing.assert_close(attn(x), attn.out_proj(out.flatten(2)), rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("neighbors", [0, 1])
 @pytest.mark.parametrize("rule", ["own", "before_segment"])
-def test_cached_decoding_equals_the_full_forward(rule):
+def test_cached_decoding_equals_the_full_forward(rule, neighbors):
     """Layer level: a prefill, single tokens and a chunk against the cache give the full
     forward's output; the cache keeps every key (the selection may read any past block), and
     with "before_segment" the keys as the retrieval branches score them."""
     torch.manual_seed(1)
     attn = MultiheadDilatedAttention(
         32, 4, PATTERN, num_kv_heads=2, positional=RotaryEmbedding(8),
-        retrieval=Retrieval(sinks=2, block=4, top_k=2), retrieval_positions=rule).double()
+        retrieval=Retrieval(sinks=2, block=4, top_k=2, neighbors=neighbors),
+        retrieval_positions=rule).double()
     x = torch.randn(2, 75, 32, dtype=torch.float64)
     full = attn(x)
     cache = LayerKVCache()
@@ -308,7 +351,7 @@ def test_cached_decoding_equals_the_full_forward(rule):
 
 @pytest.mark.parametrize("rule", ["own", "before_segment"])
 def test_greedy_generation_with_the_cache_equals_the_full_forward(rule):
-    model = _retrieval_lm(retrieval_positions=rule)
+    model = _retrieval_lm(retrieval_positions=rule, neighbor_segments=1)
     prompt = torch.randint(0, 50, (1, 9), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         generated = model.generate(prompt, 70, temperature=0)
@@ -319,13 +362,16 @@ def test_greedy_generation_with_the_cache_equals_the_full_forward(rule):
 
 
 def test_the_config_carries_the_branches(tmp_path):
-    model = _retrieval_lm()
-    assert model.model.layers[0].attn.retrieval == Retrieval(sinks=2, block=4, top_k=2)
+    model = _retrieval_lm(neighbor_segments=1)
+    branches = Retrieval(sinks=2, block=4, top_k=2, neighbors=1)
+    assert model.model.layers[0].attn.retrieval == branches
     model.save_pretrained(tmp_path)
-    assert json.loads((tmp_path / "config.json").read_text())["select_top_k"] == 2
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert (saved["select_top_k"], saved["neighbor_segments"]) == (2, 1)
     loaded = LongNetLM.from_pretrained(tmp_path, dtype=torch.float64)
-    assert loaded.config.retrieval == Retrieval(sinks=2, block=4, top_k=2)
-    off = LongNetLM.from_pretrained(tmp_path, attention_sinks=0, select_top_k=0)
+    assert loaded.config.retrieval == branches
+    off = LongNetLM.from_pretrained(tmp_path, attention_sinks=0, select_top_k=0,
+                                    neighbor_segments=0)
     assert off.config.retrieval is None and off.model.layers[0].attn.retrieval is None
     x = torch.randint(0, 50, (1, 70))
     with torch.no_grad():
@@ -336,6 +382,7 @@ def test_the_config_carries_the_branches(tmp_path):
     ({"attention_sinks": -1}, "attention_sinks"),
     ({"select_block": 0}, "select_block"),
     ({"select_top_k": "4"}, "select_top_k"),
+    ({"neighbor_segments": -1}, "neighbor_segments"),
     ({"retrieval_positions": "fixed", "attention_sinks": 2, "position_encoding": "rope"},
      "retrieval_positions"),
     ({"retrieval_positions": "before_segment", "position_encoding": "rope"}, "there are none"),
