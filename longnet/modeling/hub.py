@@ -175,16 +175,13 @@ def folder_config(folder: str | Path) -> dict[str, Any]:
 
 def is_current(materialized: Path, entry: Path, source: Any) -> bool:
     """False for a variant (:data:`VARIANT_OF` in its ``weights_from`` ``source``) cached
-    under another config than the zoo ``entry``'s (an upgrade changed how it reads its
-    base's weights: it is relinked, in seconds); True otherwise."""
-    from longnet.modeling.config import LongNetConfig  # the config module imports this one
-
+    under another ``config.json`` than the zoo ``entry``'s (an upgrade changed how it reads
+    its base's weights: it is relinked, in seconds); True otherwise."""
     if not isinstance(source, dict) or VARIANT_OF not in source:
         return True
-    try:
-        return LongNetConfig.load(materialized) == LongNetConfig.load(entry)
-    except (OSError, ValueError, TypeError):
-        return False
+    fields = [{k: v for k, v in folder_config(folder).items() if k != "architecture"}
+              for folder in (materialized, entry)]
+    return fields[0] == fields[1]
 
 
 def _weights_source(folder: Path) -> Any:
