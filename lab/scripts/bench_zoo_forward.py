@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 import time
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     png = out / "bench_zoo_forward.png"
     plot(rows, png)
-    command = "python -m lab.scripts.bench_zoo_forward " + " ".join(argv or sys.argv[1:])
+    command = "python -m lab.scripts.bench_zoo_forward " + shlex.join(argv or sys.argv[1:])
     arms = "; ".join(f"{label}: `{name}` {json.dumps(over) if over else ''}".rstrip()
                      for label, name, over in args.arms)
     block = "\n".join([
