@@ -19,9 +19,8 @@ not timed). Inputs are random normal (the selection's attention costs the same w
 queries choose: each reads ``top_k`` blocks). ``--max-sdpa`` and ``--max-backward`` skip the
 arms or modes beyond those lengths (dense attention's quadratic cost on a CPU).
 
-Outputs: a table on stdout, ``<out>/bench_retrieval.png`` and ``<out>/bench_retrieval.md``;
-``--update-docs`` writes the plot to ``docs/`` and replaces the retrieval block of
-``docs/benchmarks.md``.
+Outputs: a table on stdout, ``<out>/bench_retrieval.png`` and the run's block in
+``<out>/benchmarks.md``; ``--update-docs`` writes both into ``docs/``.
 """
 
 from __future__ import annotations
@@ -39,8 +38,7 @@ import torch.nn.functional as F
 from lab.bench import common
 from longnet.attention import DilatedPattern, Retrieval, dilated_attention
 
-ROOT = Path(__file__).resolve().parents[2]
-BEGIN, END = "<!-- bench_retrieval: begin -->", "<!-- bench_retrieval: end -->"
+SECTION = "## Retrieval branches (CPU)"
 RECIPE = [(2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)]
 
 
@@ -144,11 +142,7 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = common.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=False)
     for ax, mode in zip(axes, ("fwd", "fwd+bwd")):
         for system in dict.fromkeys(r["system"] for r in rows):
@@ -182,30 +176,19 @@ def main(argv: list[str] | None = None) -> None:
     rows = run(args)
     text = table(rows)
     print(text)
-    out = ROOT / "docs" if args.update_docs else args.out
+    out = common.DOCS if args.update_docs else args.out
     out.mkdir(parents=True, exist_ok=True)
     png = out / "bench_retrieval.png"
     plot(rows, png)
-    command = "python -m lab.scripts.bench_retrieval " + " ".join(argv or sys.argv[1:])
+    command = common.command_line("bench_retrieval", sys.argv[1:] if argv is None else argv)
     block = "\n".join([
-        BEGIN,
         f"Machine: {common.machine(threads=True)}; nothing else running. float32, batch 1, "
         f"{args.heads} heads, "
         f"{args.kv_heads} K/V heads, head_dim {args.head_dim}; retrieval: {args.sinks} sinks, "
         f"blocks of {args.block}, top {args.top_k}, {args.neighbors} neighbour segment(s) in "
         f"the window arm; {time.strftime('%Y-%m-%d')}. "
-        f"Command: `{command}`.", "", text, "", f"![retrieval benchmark]({png.name})", END])
-    if args.update_docs:
-        doc = ROOT / "docs" / "benchmarks.md"
-        current = doc.read_text()
-        if BEGIN in current:
-            head, rest = current.split(BEGIN, 1)
-            current = head + block + rest.split(END, 1)[1]
-        else:
-            current = current.rstrip("\n") + "\n\n## Retrieval branches (CPU)\n\n" + block + "\n"
-        doc.write_text(current)
-    else:
-        (out / "bench_retrieval.md").write_text(block + "\n")
+        f"Command: `{command}`.", "", text, "", f"![retrieval benchmark]({png.name})"])
+    common.write_blocks(out / "benchmarks.md", SECTION, "bench_retrieval", {"cpu": block})
     print(f"wrote {png}", file=sys.stderr)
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import statistics
 import sys
 import time
@@ -32,7 +31,6 @@ import torch
 from lab.bench import common
 from longnet.eval import load_model
 
-ROOT = Path(__file__).resolve().parents[2]
 SECTION = "## Whole zoo models' forward pass (CPU)"
 INTRO = ("A whole model's forward pass (`lab/scripts/bench_zoo_forward.py`): SmolLM2-135M read "
          "at long lengths with dense attention (YaRN x4) against the zoo's retrieval settings, "
@@ -118,11 +116,11 @@ def main(argv: list[str] | None = None) -> None:
     rows = run(args)
     text = table(rows)
     print(text)
-    out = ROOT / "docs" if args.update_docs else args.out
+    out = common.DOCS if args.update_docs else args.out
     out.mkdir(parents=True, exist_ok=True)
     png = out / "bench_zoo_forward.png"
     plot(rows, png)
-    command = "python -m lab.scripts.bench_zoo_forward " + shlex.join(argv or sys.argv[1:])
+    command = common.command_line("bench_zoo_forward", sys.argv[1:] if argv is None else argv)
     arms = "; ".join(f"{label}: `{name}` {json.dumps(over) if over else ''}".rstrip()
                      for label, name, over in args.arms)
     block = "\n".join([

@@ -18,7 +18,7 @@ from longnet.attention.op import attend, attend_backward, dilated_attention_op, 
 from longnet.attention.pattern import DilatedPattern
 from longnet.attention.plan import AttentionPlan, default_block_elements, plan_attention
 from longnet.attention.retrieval import dilated_with_retrieval
-from longnet.attention.selection import Retrieval, check_neighbors, check_retrieval
+from longnet.attention.selection import Retrieval, check_retrieval
 from longnet.compiled import refuse
 from longnet.distributed.sequence_parallel import TRANSPORTS, SequenceParallel
 from longnet.validation import check_bool, check_positive_float, is_int
@@ -119,8 +119,7 @@ def dilated_attention(
     if check_finite:
         _check_finite(q, k, v)
     pattern = DilatedPattern.coerce(pattern)
-    retrieval = check_retrieval("dilated_attention", retrieval)
-    check_neighbors("dilated_attention", pattern, retrieval)
+    retrieval = check_retrieval("dilated_attention", retrieval, pattern)
     if retrieval_qk is not None:
         _check_retrieval_qk(q, k, retrieval, retrieval_qk)
     if sequence_parallel is None:
@@ -132,8 +131,8 @@ def dilated_attention(
     if retrieval is not None and grouped:
         raise NotImplementedError(
             "dilated_attention: the retrieval branches (neighbours, sinks, block selection) do "
-            "not run "
-            "under sequence parallelism yet; run them on one device, or pass retrieval=None."
+            "not run under sequence parallelism yet; run them on one device, or pass "
+            "retrieval=None."
         )
     if document_ids is not None and grouped and layout != "contiguous":
         raise ValueError(

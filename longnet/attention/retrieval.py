@@ -27,12 +27,11 @@ QUERY_TILE = 1024
 """Queries per tile of the neighbours' and sinks' attention."""
 
 
-def _tile_keys(q: Tensor, k: Tensor, far_q: Tensor, far_k: Tensor, selection: Selection,
-               retrieval: Retrieval, causal: bool):
+def _tile_keys(queries: int, selection: Selection, retrieval: Retrieval, causal: bool):
     """``(tile, near, positions, allowed)`` for each query tile and key set given per tile:
     the neighbours (``near``: scored with ``q, k``) and the sinks (with ``far_q, far_k``)."""
-    for first in range(0, q.shape[0], QUERY_TILE):
-        tile = slice(first, min(first + QUERY_TILE, q.shape[0]))
+    for first in range(0, queries, QUERY_TILE):
+        tile = slice(first, min(first + QUERY_TILE, queries))
         if retrieval.neighbors:
             yield tile, True, *neighbor_keys(selection.row, tile, causal)
         if retrieval.sinks:
@@ -58,8 +57,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, far_q: Tensor, far_k: Tensor,
     group, row = q.shape[1] // k.shape[1], selection.row
     out = q.new_zeros(q.shape, dtype=compute)
     lse = q.new_full(q.shape[:2], float("-inf"), dtype=compute)
-    for tile, near, positions, allowed in _tile_keys(q, k, far_q, far_k, selection, retrieval,
-                                                     causal):
+    for tile, near, positions, allowed in _tile_keys(q.shape[0], selection, retrieval, causal):
         rows_q, rows_k = (q, k) if near else (far_q, far_k)
         if not bool(allowed.any()):
             continue
@@ -96,8 +94,7 @@ def _backward(d_out: Tensor, delta: Tensor, q: Tensor, k: Tensor, v: Tensor, far
                 for near in (True, False)}
     dv = torch.zeros_like(v, dtype=compute)
     finite_lse = lse.nan_to_num(neginf=0.0)
-    for tile, near, positions, allowed in _tile_keys(q, k, far_q, far_k, selection, retrieval,
-                                                     causal):
+    for tile, near, positions, allowed in _tile_keys(q.shape[0], selection, retrieval, causal):
         rows_q, rows_k = (q, k) if near else (far_q, far_k)
         dq, dk = grads_qk[near]
         scores = _scores(rows_q[tile], rows_k[positions], allowed[:, None, :], group, scale)
@@ -106,11 +103,10 @@ def _backward(d_out: Tensor, delta: Tensor, q: Tensor, k: Tensor, v: Tensor, far
         dq[tile] += _values(grads, rows_k[positions], group)
         dk.index_add_(0, positions, _keys_grad(grads, rows_q[tile], group))
         dv.index_add_(0, positions, _keys_grad(probs, d_out[tile], group))
-    dq, dk = grads_qk[False]
-    q, k = far_q, far_k
+    d_far_q, d_far_k = grads_qk[False]  # the blocks score with the far rows
     for g, blocks in enumerate(selection.block_queries):
         heads = slice(g * group, (g + 1) * group)
-        q_g, k_g, v_g = q[:, heads].to(compute), k[:, g].to(compute), v[:, g].to(compute)
+        q_g, k_g, v_g = far_q[:, heads].to(compute), far_k[:, g].to(compute), v[:, g].to(compute)
         d_out_g, lse_g, delta_g = d_out[:, heads], finite_lse[:, heads], delta[:, heads]
         dq_g = torch.zeros_like(q_g)
         for j, queries in blocks:
@@ -121,10 +117,10 @@ def _backward(d_out: Tensor, delta: Tensor, q: Tensor, k: Tensor, v: Tensor, far
             d_probs = torch.einsum("nhd,sd->nhs", d_rows, v_g[keys])
             grads = probs * (d_probs - delta_g.index_select(0, queries)[..., None]) * scale
             dq_g.index_add_(0, queries, torch.einsum("nhs,sd->nhd", grads, k_g[keys]))
-            dk[keys, g] += torch.einsum("nhs,nhd->sd", grads, q_rows)
+            d_far_k[keys, g] += torch.einsum("nhs,nhd->sd", grads, q_rows)
             dv[keys, g] += torch.einsum("nhs,nhd->sd", probs, d_rows)
-        dq[:, heads] += dq_g
-    return *grads_qk[True], dq, dk, dv
+        d_far_q[:, heads] += dq_g
+    return *grads_qk[True], d_far_q, d_far_k, dv
 
 
 def _delta(d_out: Tensor | None, d_lse: Tensor | None, out: Tensor) -> tuple[Tensor, Tensor]:

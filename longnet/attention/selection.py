@@ -56,13 +56,21 @@ class Retrieval:
         return self.sinks > 0 or self.top_k > 0 or self.neighbors > 0
 
 
-def check_retrieval(where: str, retrieval: object) -> Retrieval | None:
-    """``retrieval`` if it is an active :class:`Retrieval`, else None; ``TypeError`` else."""
+def check_retrieval(where: str, retrieval: object, pattern: DilatedPattern) -> Retrieval | None:
+    """``retrieval`` if it is an active :class:`Retrieval`, else None: ``TypeError`` for
+    anything else, ``ValueError`` for neighbours beside a ``pattern`` without a rate-1 branch
+    (no local segment to extend)."""
     if retrieval is not None and not isinstance(retrieval, Retrieval):
         raise TypeError(
             f"{where}: retrieval must be a longnet.attention.Retrieval or None, got "
             f"{type(retrieval).__name__} {retrieval!r}; e.g. Retrieval(sinks=4, block=64, "
             "top_k=16)."
+        )
+    if retrieval is not None and retrieval.neighbors and local_segment_length(pattern) is None:
+        raise ValueError(
+            f"{where}: Retrieval(neighbors={retrieval.neighbors}) extends the local segment "
+            f"of a rate-1 branch, and the pattern {pattern.branches} has none; add a branch "
+            "(w, 1) or set neighbors=0."
         )
     return retrieval if retrieval is not None and retrieval.active else None
 
@@ -70,16 +78,6 @@ def check_retrieval(where: str, retrieval: object) -> Retrieval | None:
 def local_segment_length(pattern: DilatedPattern) -> int | None:
     """The pattern's largest rate-1 segment, or None (the local segment is the query alone)."""
     return max((w for w, r in pattern.branches if r == 1), default=None)
-
-
-def check_neighbors(where: str, pattern: DilatedPattern, retrieval: Retrieval | None) -> None:
-    """``ValueError`` for neighbours without a rate-1 branch (no local segment to extend)."""
-    if retrieval is not None and retrieval.neighbors and local_segment_length(pattern) is None:
-        raise ValueError(
-            f"{where}: Retrieval(neighbors={retrieval.neighbors}) extends the local segment "
-            f"of a rate-1 branch, and the pattern {pattern.branches} has none; add a branch "
-            "(w, 1) or set neighbors=0."
-        )
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from longnet.attention import DilatedPattern, Retrieval, dilated_attention
-from longnet.attention.selection import check_neighbors, check_retrieval
+from longnet.attention.selection import check_retrieval
 from longnet.nn.kv_cache import decode_attention
 
 ATTENTION_NAME = "longnet_dilated"
@@ -142,13 +142,12 @@ def use_dilated_attention(
     ``retrieval`` branches, set in ``model.config`` (saved with it); returns ``model``.
 
     Raises:
-        ValueError: an invalid pattern.
+        ValueError: an invalid pattern, or neighbours beside a pattern without a rate-1 branch.
         TypeError: ``retrieval`` is not a :class:`~longnet.attention.Retrieval` or None.
     """
     pattern = DilatedPattern.coerce(pattern)
-    retrieval = check_retrieval("use_dilated_attention", retrieval)
+    retrieval = check_retrieval("use_dilated_attention", retrieval, pattern)
     setattr(model.config, PATTERN_ATTRIBUTE, [list(branch) for branch in pattern.branches])
-    check_neighbors("use_dilated_attention", pattern, retrieval)
     setattr(model.config, RETRIEVAL_ATTRIBUTE,
             None if retrieval is None else dataclasses.asdict(retrieval))
     model.set_attn_implementation(ATTENTION_NAME)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from longnet.attention import DilatedPattern, Retrieval
-from longnet.attention.selection import check_neighbors
+from longnet.attention.selection import check_retrieval
 from longnet.files import write_atomic
 from longnet.modeling.hub import CONFIG_NAME, resolve_model_dir
 from longnet.nn.attention import check_heads, check_retrieval_positions
@@ -220,7 +220,7 @@ class LongNetConfig:
                 raise ValueError(f"segment_lengths/dilation_rates: {err}") from None
             if self.position_encoding == "xpos":
                 check_xpos_pattern(pattern, pattern.segment_lengths[-1])
-        check_neighbors("LongNetConfig", self.pattern, self.retrieval)
+        check_retrieval("LongNetConfig", self.retrieval, self.pattern)
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             value = getattr(self, name)
             if value is not None and (not is_int(value) or not 0 <= value < self.vocab_size):

@@ -8,12 +8,7 @@ from torch import Tensor, nn
 
 from longnet.attention import DilatedPattern, Retrieval, dilated_attention
 from longnet.attention.documents import PackedDocuments
-from longnet.attention.selection import (
-    block_offsets,
-    check_neighbors,
-    check_retrieval,
-    local_segment_length,
-)
+from longnet.attention.selection import block_offsets, check_retrieval, local_segment_length
 from longnet.compiled import refuse
 from longnet.distributed.halo import previous_rows
 from longnet.distributed.layouts import stripes_per_rank
@@ -109,8 +104,7 @@ class MultiheadDilatedAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.pattern = DilatedPattern.coerce(pattern)
-        self.retrieval = check_retrieval("MultiheadDilatedAttention", retrieval)
-        check_neighbors("MultiheadDilatedAttention", self.pattern, self.retrieval)
+        self.retrieval = check_retrieval("MultiheadDilatedAttention", retrieval, self.pattern)
         self.retrieval_positions = check_retrieval_positions(
             retrieval_positions, self.retrieval is not None, type(positional) is RotaryEmbedding)
         self.causal = causal
