@@ -9,3 +9,6 @@ IGNORE_INDEX = -100
 
 NATS_PER_BIT = math.log(2.0)
 """``ln 2``: nats divided by this are bits."""
+
+DELTA_CONFIG = "lora.json"
+"""The record of a LoRA delta folder (``training.lora``), beside ``lora.safetensors``."""

@@ -8,11 +8,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from longnet.constants import DELTA_CONFIG
 from longnet.files import check_path_given
 from longnet.modeling import LongNetConfig, list_models
 from longnet.modeling.hub import WEIGHTS_FROM
 from longnet.training.checkpoint import export_pretrained
-from longnet.training.lora import DELTA_CONFIG, merge_delta
+from longnet.training.lora import merge_delta
 from longnet.validation import UsageError
 
 OVERWRITE_HELP = "replace an OUTPUT that holds a model or checkpoint"

@@ -15,6 +15,7 @@ import lightning as L
 from lightning.pytorch.callbacks import Timer
 from lightning.pytorch.trainer.states import RunningStage
 
+from longnet.constants import DELTA_CONFIG
 from longnet.files import check_output_folder, check_path_given
 from longnet.training.checkpoint import (
     checkpoint_config,
@@ -260,8 +261,11 @@ def checkpoints_hint(trainer: L.Trainer) -> str:
 def describe_run(folder: Path, cut: bool = False) -> str:
     """Lines naming what a run left in its folder; ``cut``: ``max_time`` stopped the training."""
     model = ("model stopped by max_time, under-trained" if cut else "trained model")
+    load = ("LoRA delta: longnet export {path} OUTPUT merges it into its base"
+            if (folder / "model" / DELTA_CONFIG).is_file()
+            else "LongNetLM.from_pretrained({path!r})")
     outputs = (
-        ("model/", model + ": LongNetLM.from_pretrained({path!r})"),
+        ("model/", f"{model}: {load}"),
         ("curves.png", "training curves (bits per byte vs step)"),
         ("metrics.json", "final validation and test metrics"),
         ("metrics.csv", "every logged value"),

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from longnet.constants import DELTA_CONFIG
 from longnet.modeling.serialization import WEIGHTS_NAME
 from longnet.validation import UsageError
 
@@ -191,9 +192,15 @@ def _weights_source(folder: Path) -> Any:
 
 def _instead(path: Path) -> str:
     """What to load in place of ``path``, a file or a folder without ``config.json``."""
+    if (path / DELTA_CONFIG).is_file():
+        return (f"it is a LoRA delta ({DELTA_CONFIG}): merge it into its base with longnet "
+                f"export {path} OUTPUT and load OUTPUT.")
     if (path / "model" / CONFIG_NAME).is_file():
         return (f"it is a training run's folder: load {path / 'model'}, the run's "
                 "save_pretrained export.")
+    if (path / "model" / DELTA_CONFIG).is_file():
+        return (f"it is a training run's folder with a LoRA delta: merge it with longnet "
+                f"export {path / 'model'} OUTPUT and load OUTPUT.")
     if path.suffix == ".ckpt":
         return ("it is a Lightning checkpoint: export its model with python "
                 f"longnet export {path} OUTPUT and load OUTPUT (a save_pretrained "

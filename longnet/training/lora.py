@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import save
 from torch import Tensor, nn
 
+from longnet.constants import DELTA_CONFIG
 from longnet.files import check_target, model_entries, replace_folder
 from longnet.modeling import LongNetLM, list_models, models_dir
 from longnet.modeling.hub import materialized_dir
@@ -30,7 +31,6 @@ from longnet.validation import UsageError, check_positive_float, check_positive_
 
 ADAPTER = "default"
 """The ``peft`` adapter name (it appears in the delta's tensor names)."""
-DELTA_CONFIG = "lora.json"
 DELTA_WEIGHTS = "lora.safetensors"
 DELTA_FORMAT = "longnet-lora"
 LORA_BASE_KEY = "longnet_lora_base"

@@ -18,6 +18,7 @@ import yaml
 
 from lab.handoff import handoff_checkpoint, write_handoff
 from longnet.cli import main
+from longnet.cli.run_checks import describe_run
 from longnet.modeling import LongNetLM
 from longnet.training import CausalLMModule
 from longnet.training.checkpoint import export_pretrained, load_lightning_checkpoint
@@ -253,6 +254,13 @@ def test_the_export_is_the_delta_and_merges_into_a_loadable_model(base, runs, tm
     assert record["base"] == str(base) and record["lora"] == LORA
     assert record["overrides"] == PATTERN
     assert {t.dtype for t in delta.values()} == {torch.bfloat16}
+    with pytest.raises(FileNotFoundError, match=rf"LoRA delta \(lora.json\): merge it into its "
+                       rf"base with longnet export {exported} OUTPUT"):
+        LongNetLM.from_pretrained(exported)
+    with pytest.raises(FileNotFoundError, match=rf"with a LoRA delta: merge it with longnet "
+                       rf"export {exported} OUTPUT"):
+        LongNetLM.from_pretrained(runs / "full")
+    assert f"LoRA delta: longnet export {exported} OUTPUT" in describe_run(runs / "full")
 
     trained = load_lightning_checkpoint(runs / "full" / "checkpoints" / "last.ckpt")
     assert not any("lora" in name for name in trained.state_dict())  # merged
