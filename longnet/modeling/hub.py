@@ -202,9 +202,8 @@ def _instead(path: Path) -> str:
         return (f"it is a training run's folder with a LoRA delta: merge it with longnet "
                 f"export {path / 'model'} OUTPUT and load OUTPUT.")
     if path.suffix == ".ckpt":
-        return ("it is a Lightning checkpoint: export its model with python "
-                f"longnet export {path} OUTPUT and load OUTPUT (a save_pretrained "
-                "folder).")
+        return (f"it is a Lightning checkpoint: export its model with longnet export {path} "
+                "OUTPUT and load OUTPUT (a save_pretrained folder).")
     if (path.parent / CONFIG_NAME).is_file():
         return f"load the model folder that holds it, {path.parent}."
     return ("give a folder written by save_pretrained, a Hugging Face checkpoint folder, or a "
