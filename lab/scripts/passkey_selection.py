@@ -47,27 +47,27 @@ class NeedleRank:
     chosen: list[bool]
 
 
-def needle_ranks(q: torch.Tensor, k: torch.Tensor, row: selection.RowGeometry, block: int,
-                 chosen: torch.Tensor, key: int, query: int) -> NeedleRank | None:
+def needle_ranks(q: torch.Tensor, bounds: tuple[torch.Tensor, torch.Tensor],
+                 row: selection.RowGeometry, chosen: torch.Tensor, key: int,
+                 query: int) -> NeedleRank | None:
     """The needle's rank for query position ``query`` in one call of
-    :func:`~longnet.attention.selection.select_blocks` (``q`` ``(queries, heads, dim)``, ``k``
-    ``(keys, kv_heads, dim)``, blocks of ``block`` tokens, ``chosen`` its result); None when
-    the call holds no such query or the key lies in no block."""
+    :func:`~longnet.attention.selection.select_blocks` (``q`` ``(queries, heads, dim)``,
+    ``bounds`` its blocks' key minima and maxima ``(blocks, kv_heads, dim)``, ``chosen`` its
+    result); None when the call holds no such query or the key lies in no block."""
     i = query - row.offset
     starts, ends = row.block_start, row.block_end
     needle = int(torch.searchsorted(starts, torch.tensor(key), right=True)) - 1
     if not 0 <= i < q.shape[0] or needle < 0 or key >= int(ends[needle]):
         return None
-    rows = torch.minimum(starts[:, None] + torch.arange(block), ends[:, None] - 1)
-    members = k[rows].double()
-    low, high = members.amin(1), members.amax(1)
-    qg = rearrange(q[i:i + 1].double(), "n (g h) d -> n g h d", g=k.shape[1])
+    low, high = (t.double() for t in bounds)
+    kv_heads = low.shape[1]
+    qg = rearrange(q[i:i + 1].double(), "n (g h) d -> n g h d", g=kv_heads)
     bound = (torch.einsum("ngd,jgd->ngj", qg.clamp(min=0).sum(2), high)
              + torch.einsum("ngd,jgd->ngj", qg.clamp(max=0).sum(2), low))[0]
     bound = bound.masked_fill(~(ends <= row.reach_lo[i])[None], float("-inf"))
     ranks = (bound > bound[:, needle:needle + 1]).sum(-1).tolist()
     hits = [bool(((chosen[i, g] == needle) | (chosen[i, g] == needle + 1)).any())
-            for g in range(k.shape[1])]
+            for g in range(kv_heads)]
     return NeedleRank(needle, int(starts[needle]), int(ends[needle]), ranks, hits)
 
 
@@ -98,10 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     records: list[tuple[int, NeedleRank]] = []
     select = selection.select_blocks
 
-    def recording(q, k, row, retrieval, causal):
-        chosen = select(q, k, row, retrieval, causal)
+    def recording(q, bounds, row, retrieval, causal):
+        chosen = select(q, bounds, row, retrieval, causal)
         for position in range(len(ids) - 1, query + 1):
-            record = needle_ranks(q, k, row, retrieval.block, chosen, key, position)
+            record = needle_ranks(q, bounds, row, chosen, key, position)
             if record is not None:
                 records.append((position, record))
         return chosen

@@ -17,7 +17,8 @@ from longnet.attention.kernels import kernel_names
 from longnet.attention.op import attend, attend_backward, dilated_attention_op, flat_documents
 from longnet.attention.pattern import DilatedPattern
 from longnet.attention.plan import AttentionPlan, default_block_elements, plan_attention
-from longnet.attention.retrieval import dilated_with_retrieval
+from longnet.attention.retrieval import dilated_with_retrieval, merge_attention
+from longnet.attention.ring_retrieval import ring_retrieval
 from longnet.attention.selection import Retrieval, check_retrieval
 from longnet.compiled import refuse
 from longnet.distributed.sequence_parallel import TRANSPORTS, SequenceParallel
@@ -128,11 +129,11 @@ def dilated_attention(
         layout, world_size = sequence_parallel.layout, sequence_parallel.world_size
         transports = transports_per_branch(sequence_parallel.transport, len(pattern.branches))
     grouped = world_size > 1  # a group of one rank runs as one device
-    if retrieval is not None and grouped:
-        raise NotImplementedError(
-            "dilated_attention: the retrieval branches (neighbours, sinks, block selection) do "
-            "not run under sequence parallelism yet; run them on one device, or pass "
-            "retrieval=None."
+    if retrieval is not None and grouped and layout != "contiguous":
+        raise ValueError(
+            "dilated_attention: the retrieval branches (neighbours, sinks, block selection) "
+            f"run under sequence parallelism on contiguous shards only (not layout={layout!r} "
+            "yet); pass SequenceParallel(group, layout='contiguous')."
         )
     if document_ids is not None and grouped and layout != "contiguous":
         raise ValueError(
@@ -146,7 +147,8 @@ def dilated_attention(
         budget = agree_on_call(
             f"shape={tuple(q.shape)} dtype={q.dtype} pattern={pattern.branches} causal={causal} "
             f"scale={scale} transport={transports} kernel={kernel} layout={layout} "
-            f"documents={document_ids is not None}",
+            f"documents={document_ids is not None} retrieval={retrieval} "
+            f"retrieval_qk={retrieval_qk is not None}",
             default_block_elements(q.device) if block_elements is None else int(block_elements),
             process_group,
             q.device,
@@ -175,6 +177,10 @@ def dilated_attention(
     )
     out, lse = _DilatedAttention.apply(q, _expand_kv(q, k), _expand_kv(q, v), plan,
                                       process_group)
+    if retrieval is not None:
+        far = ring_retrieval(q, k, v, pattern, retrieval, causal=causal, scale=scale,
+                             documents=documents, group=process_group, far_qk=retrieval_qk)
+        out, lse = merge_attention(((out, lse), far), q.dtype)
     return (out, lse) if return_lse else out
 
 

@@ -18,8 +18,8 @@ from longnet.attention.pattern import DilatedPattern
 from longnet.attention.selection import (
     Retrieval,
     Selection,
-    block_rows,
     neighbor_keys,
+    select,
     sink_keys,
 )
 
@@ -27,18 +27,34 @@ QUERY_TILE = 1024
 """Queries per tile of the neighbours' and sinks' attention."""
 
 
-def _tile_keys(queries: int, selection: Selection, retrieval: Retrieval, causal: bool):
-    """``(tile, near, positions, allowed)`` for each query tile and key set given per tile:
-    the neighbours (``near``: scored with ``q, k``) and the sinks (with ``far_q, far_k``)."""
+def _tile_keys(queries: int, selection: Selection, retrieval: Retrieval, causal: bool,
+               keys: range):
+    """``(tile, near, rows, allowed)`` for each query tile and key set given per tile: the
+    neighbours (``near``: scored with ``q, k``) and the sinks (with ``far_q, far_k``), those at
+    positions in ``keys``, ``rows`` counted from its start."""
     for first in range(0, queries, QUERY_TILE):
         tile = slice(first, min(first + QUERY_TILE, queries))
+        sets = []
         if retrieval.neighbors:
-            yield tile, True, *neighbor_keys(selection.row, tile, causal)
+            sets.append((True, *neighbor_keys(selection.row, tile, causal)))
         if retrieval.sinks:
-            yield tile, False, *sink_keys(selection.row, retrieval.sinks, tile, causal)
+            sets.append((False, *sink_keys(selection.row, retrieval.sinks, tile, causal)))
+        for near, positions, allowed in sets:
+            inside = (positions >= keys.start) & (positions < keys.stop)
+            yield tile, near, positions[inside] - keys.start, allowed[:, inside]
 
 
-def _accumulate(out: Tensor, lse: Tensor, rows: slice | Tensor, part_out: Tensor,
+def _block_keys(selection: Selection, blocks: list[tuple[int, Tensor]], keys: range):
+    """``(rows, queries)`` of the chosen ``blocks`` ``[(block, queries), ...]`` with keys at
+    positions in ``keys``, ``rows`` the slice of those keys counted from its start."""
+    starts, ends = selection.row.block_start.tolist(), selection.row.block_end.tolist()
+    for j, queries in blocks:
+        first, stop = max(starts[j], keys.start), min(ends[j], keys.stop)
+        if first < stop:
+            yield slice(first - keys.start, stop - keys.start), queries
+
+
+def accumulate_(out: Tensor, lse: Tensor, rows: slice | Tensor, part_out: Tensor,
                 part_lse: Tensor) -> None:
     """Merge one key set's ``(part_out, part_lse)`` into ``out[rows], lse[rows]`` in place."""
     old_lse = lse[rows]
@@ -49,52 +65,58 @@ def _accumulate(out: Tensor, lse: Tensor, rows: slice | Tensor, part_out: Tensor
     lse[rows] = new_lse
 
 
-def _forward(q: Tensor, k: Tensor, v: Tensor, far_q: Tensor, far_k: Tensor,
-             selection: Selection, retrieval: Retrieval, causal: bool,
-             scale: float) -> tuple[Tensor, Tensor]:
-    """``(out, lse)`` ``(queries, heads, dim)``, ``(queries, heads)`` of one batch element."""
+def retrieval_forward(q: Tensor, k: Tensor, v: Tensor, far_q: Tensor, far_k: Tensor,
+                      selection: Selection, retrieval: Retrieval, causal: bool, scale: float,
+                      keys_from: int = 0) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` ``(queries, heads, dim)``, ``(queries, heads)`` of one batch element's
+    queries against its keys ``k, v, far_k`` ``(keys, kv_heads, dim)`` at the positions from
+    ``keys_from`` (all keys on one device; one rank's shard under sequence parallelism)."""
     compute = torch.promote_types(q.dtype, torch.float32)
-    group, row = q.shape[1] // k.shape[1], selection.row
+    group, keys = q.shape[1] // k.shape[1], range(keys_from, keys_from + k.shape[0])
     out = q.new_zeros(q.shape, dtype=compute)
     lse = q.new_full(q.shape[:2], float("-inf"), dtype=compute)
-    for tile, near, positions, allowed in _tile_keys(q.shape[0], selection, retrieval, causal):
+    for tile, near, positions, allowed in _tile_keys(q.shape[0], selection, retrieval, causal,
+                                                     keys):
         rows_q, rows_k = (q, k) if near else (far_q, far_k)
         if not bool(allowed.any()):
             continue
         if bool(allowed.all()):  # every query of the tile sees every key: a fused kernel
             tile_out, tile_lse = _unmasked(rows_q[tile], rows_k[positions], v[positions], scale)
-            _accumulate(out, lse, tile, tile_out.to(compute), tile_lse.to(compute))
+            accumulate_(out, lse, tile, tile_out.to(compute), tile_lse.to(compute))
             continue
         scores = _scores(rows_q[tile], rows_k[positions], allowed[:, None, :], group, scale)
         tile_lse = torch.logsumexp(scores, dim=-1)
         probs = torch.exp(scores - tile_lse.nan_to_num(neginf=0.0)[..., None])
-        _accumulate(out, lse, tile, _values(probs, v[positions], group), tile_lse)
+        accumulate_(out, lse, tile, _values(probs, v[positions], group), tile_lse)
     for g, blocks in enumerate(selection.block_queries):
         heads = slice(g * group, (g + 1) * group)
         q_g, k_g, v_g = far_q[:, heads].to(compute), far_k[:, g].to(compute), v[:, g].to(compute)
         out_g, lse_g = out[:, heads].contiguous(), lse[:, heads].contiguous()
-        for j, queries in blocks:
-            keys = block_rows(row, j)
-            scores = torch.einsum("nhd,sd->nhs", q_g.index_select(0, queries), k_g[keys]) * scale
+        for rows, queries in _block_keys(selection, blocks, keys):
+            scores = torch.einsum("nhd,sd->nhs", q_g.index_select(0, queries), k_g[rows]) * scale
             block_lse = torch.logsumexp(scores, dim=-1)
             block_out = torch.einsum("nhs,sd->nhd", torch.exp(scores - block_lse[..., None]),
-                                     v_g[keys])
-            _accumulate(out_g, lse_g, queries, block_out, block_lse)
+                                     v_g[rows])
+            accumulate_(out_g, lse_g, queries, block_out, block_lse)
         out[:, heads], lse[:, heads] = out_g, lse_g
     return out, lse
 
 
-def _backward(d_out: Tensor, delta: Tensor, q: Tensor, k: Tensor, v: Tensor, far_q: Tensor,
-              far_k: Tensor, lse: Tensor, selection: Selection, retrieval: Retrieval,
-              causal: bool, scale: float) -> tuple[Tensor, ...]:
-    """The retrieval branches' share of ``dq, dk, d_far_q, d_far_k, dv`` of one batch element,
-    given the lse of all branches together and ``delta = rowsum(d_out * out) - d_lse``."""
-    compute, group, row = lse.dtype, q.shape[1] // k.shape[1], selection.row
+def retrieval_backward(d_out: Tensor, delta: Tensor, q: Tensor, k: Tensor, v: Tensor,
+                       far_q: Tensor, far_k: Tensor, lse: Tensor, selection: Selection,
+                       retrieval: Retrieval, causal: bool, scale: float,
+                       keys_from: int = 0) -> tuple[Tensor, ...]:
+    """The retrieval branches' share of ``dq, dk, d_far_q, d_far_k, dv`` of one batch element
+    (keys as in :func:`retrieval_forward`), given the ``lse`` its softmax is normalised by
+    and ``delta = rowsum(d_out * out) - d_lse``."""
+    compute, group = lse.dtype, q.shape[1] // k.shape[1]
+    keys = range(keys_from, keys_from + k.shape[0])
     grads_qk = {near: (torch.zeros_like(q, dtype=compute), torch.zeros_like(k, dtype=compute))
                 for near in (True, False)}
     dv = torch.zeros_like(v, dtype=compute)
     finite_lse = lse.nan_to_num(neginf=0.0)
-    for tile, near, positions, allowed in _tile_keys(q.shape[0], selection, retrieval, causal):
+    for tile, near, positions, allowed in _tile_keys(q.shape[0], selection, retrieval, causal,
+                                                     keys):
         rows_q, rows_k = (q, k) if near else (far_q, far_k)
         dq, dk = grads_qk[near]
         scores = _scores(rows_q[tile], rows_k[positions], allowed[:, None, :], group, scale)
@@ -109,21 +131,21 @@ def _backward(d_out: Tensor, delta: Tensor, q: Tensor, k: Tensor, v: Tensor, far
         q_g, k_g, v_g = far_q[:, heads].to(compute), far_k[:, g].to(compute), v[:, g].to(compute)
         d_out_g, lse_g, delta_g = d_out[:, heads], finite_lse[:, heads], delta[:, heads]
         dq_g = torch.zeros_like(q_g)
-        for j, queries in blocks:
-            keys = block_rows(row, j)
+        for rows, queries in _block_keys(selection, blocks, keys):
             q_rows, d_rows = q_g.index_select(0, queries), d_out_g.index_select(0, queries)
-            probs = torch.exp(torch.einsum("nhd,sd->nhs", q_rows, k_g[keys]) * scale
+            probs = torch.exp(torch.einsum("nhd,sd->nhs", q_rows, k_g[rows]) * scale
                               - lse_g.index_select(0, queries)[..., None])
-            d_probs = torch.einsum("nhd,sd->nhs", d_rows, v_g[keys])
+            d_probs = torch.einsum("nhd,sd->nhs", d_rows, v_g[rows])
             grads = probs * (d_probs - delta_g.index_select(0, queries)[..., None]) * scale
-            dq_g.index_add_(0, queries, torch.einsum("nhs,sd->nhd", grads, k_g[keys]))
-            d_far_k[keys, g] += torch.einsum("nhs,nhd->sd", grads, q_rows)
-            dv[keys, g] += torch.einsum("nhs,nhd->sd", probs, d_rows)
+            dq_g.index_add_(0, queries, torch.einsum("nhs,sd->nhd", grads, k_g[rows]))
+            d_far_k[rows, g] += torch.einsum("nhs,nhd->sd", grads, q_rows)
+            dv[rows, g] += torch.einsum("nhs,nhd->sd", probs, d_rows)
         d_far_q[:, heads] += dq_g
     return *grads_qk[True], d_far_q, d_far_k, dv
 
 
-def _delta(d_out: Tensor | None, d_lse: Tensor | None, out: Tensor) -> tuple[Tensor, Tensor]:
+def output_delta(d_out: Tensor | None, d_lse: Tensor | None,
+                 out: Tensor) -> tuple[Tensor, Tensor]:
     """``d_out`` (zeros for None) and ``rowsum(d_out * out) - d_lse`` in ``out``'s dtype."""
     d_out = torch.zeros_like(out) if d_out is None else d_out.to(out.dtype)
     delta = (d_out * out).sum(-1)
@@ -140,7 +162,8 @@ class _DilatedWithRetrieval(torch.autograd.Function):
         group = q.shape[2] // k.shape[2]
         k_all, v_all = (t.repeat_interleave(group, dim=2) for t in (k, v))
         near_out, near_lse = dilated_attention_op(q, k_all, v_all, *op_args)
-        fars = [_forward(q[b], k[b], v[b], far_q[b], far_k[b], s, retrieval, causal, scale)
+        fars = [retrieval_forward(q[b], k[b], v[b], far_q[b], far_k[b], s, retrieval, causal,
+                                  scale)
                 for b, s in enumerate(selections)]
         far_out = torch.stack([out for out, _ in fars])
         far_lse = rearrange(torch.stack([lse for _, lse in fars]), "b n h -> b h n")
@@ -162,11 +185,11 @@ class _DilatedWithRetrieval(torch.autograd.Function):
                                                    *op_args)
         dq, dk, dv = (t.to(lse.dtype) for t in (dq, dk, dv))
         dk, dv = (rearrange(t, "b n (g h) d -> b n g h d", h=group).sum(3) for t in (dk, dv))
-        d_rows, delta = _delta(d_out, None if d_lse is None else
+        d_rows, delta = output_delta(d_out, None if d_lse is None else
                                rearrange(d_lse, "b h n -> b n h"), out.to(lse.dtype))
         d_far_q, d_far_k = torch.zeros_like(dq), torch.zeros_like(dk)
         for b, selection in enumerate(selections):
-            grads = _backward(d_rows[b], delta[b], q[b], k[b], v[b], far_q[b], far_k[b],
+            grads = retrieval_backward(d_rows[b], delta[b], q[b], k[b], v[b], far_q[b], far_k[b],
                               lse[b].T, selection, retrieval, causal, scale)
             for total, grad in zip((dq, dk, d_far_q, d_far_k, dv), grads):
                 total[b] += grad
@@ -183,9 +206,9 @@ def dilated_with_retrieval(
     ``op_args``: the op's arguments after ``q, k, v``; ``far_qk``: default ``q, k``."""
     far_q, far_k = (q, k) if far_qk is None else far_qk
     selections = [
-        Selection.make(far_q[b].detach(), far_k[b].detach(),
-                        (q.shape[1],) if documents is None else tuple(documents[b]),
-                        pattern, retrieval, causal)
+        select(far_q[b].detach(), far_k[b].detach(),
+               (q.shape[1],) if documents is None else tuple(documents[b]), pattern, retrieval,
+               causal)
         for b in range(q.shape[0])
     ]
     return _DilatedWithRetrieval.apply(q, k, v, far_q, far_k, op_args, selections, retrieval,
@@ -268,10 +291,10 @@ def retrieval_attention(
     outs, lses = [], []
     for b in range(batch):
         lengths = (keys,) if documents is None else tuple(documents[b])
-        selection = Selection.make(far_q[b].detach(), far_k[b].detach(), lengths, pattern,
-                                    retrieval, causal)
-        out, lse = _forward(q[b], k[b], v[b], far_q[b], far_k[b], selection, retrieval, causal,
-                            scale)
+        selection = select(far_q[b].detach(), far_k[b].detach(), lengths, pattern, retrieval,
+                           causal)
+        out, lse = retrieval_forward(q[b], k[b], v[b], far_q[b], far_k[b], selection, retrieval,
+                                     causal, scale)
         outs.append(out.to(q.dtype))
         lses.append(lse.T)
     return torch.stack(outs), torch.stack(lses)

@@ -99,10 +99,12 @@ class RowGeometry:
 
 def row_geometry(
     lengths: Sequence[int], queries: int, pattern: DilatedPattern, retrieval: Retrieval,
-    device: torch.device,
+    device: torch.device, first_query: int | None = None,
 ) -> RowGeometry:
-    """The :class:`RowGeometry` of documents of ``lengths``; the queries are the last ones."""
+    """The :class:`RowGeometry` of documents of ``lengths``; the queries are the ``queries``
+    positions from ``first_query`` (default: the last ones)."""
     keys = sum(lengths)
+    offset = keys - queries if first_query is None else first_query
     doc_start = torch.repeat_interleave(
         torch.tensor([sum(lengths[:i]) for i in range(len(lengths))], device=device),
         torch.tensor(list(lengths), device=device),
@@ -111,9 +113,9 @@ def row_geometry(
         torch.tensor(list(lengths), device=device), torch.tensor(list(lengths), device=device)
     )
     window = local_segment_length(pattern)
-    positions = torch.arange(keys - queries, keys, device=device)
-    start = doc_start[keys - queries:]
-    end = doc_end[keys - queries:]
+    positions = torch.arange(offset, offset + queries, device=device)
+    start = doc_start[offset:offset + queries]
+    end = doc_end[offset:offset + queries]
     if window is not None:
         lo = start + (positions - start) // window * window
         hi = torch.minimum(lo + window, end)
@@ -128,7 +130,7 @@ def row_geometry(
         first += length
     bounds = torch.tensor(blocks, dtype=torch.long, device=device).reshape(-1, 2).T.contiguous()
     return RowGeometry(doc_start, doc_end, lo, hi, reach_lo, reach_hi, bounds[0], bounds[1],
-                       keys - queries)
+                       offset)
 
 
 def document_blocks(first: int, length: int, window: int | None,
@@ -159,32 +161,45 @@ SCORED_AT_ONCE = 4096
 
 
 @torch.no_grad()
-def select_blocks(q: Tensor, k: Tensor, row: RowGeometry, retrieval: Retrieval,
-                  causal: bool) -> Tensor:
+def block_bounds(k: Tensor, row: RowGeometry, retrieval: Retrieval,
+                 keys_from: int = 0) -> tuple[Tensor, Tensor]:
+    """Each block's per-channel minimum and maximum key ``(blocks, kv_heads, head_dim)`` over
+    its keys among ``k`` ``(keys, kv_heads, head_dim)``, the positions from ``keys_from``:
+    ``+inf`` and ``-inf`` where none (under sequence parallelism, reduced over the ranks)."""
+    compute = torch.promote_types(k.dtype, torch.float32)
+    # a short block's rows repeat its last key: the same minimum and maximum
+    rows = torch.minimum(row.block_start[:, None] + torch.arange(retrieval.block, device=k.device),
+                         row.block_end[:, None] - 1) - keys_from
+    present = ((rows >= 0) & (rows < k.shape[0]))[..., None, None]
+    members = k[rows.clamp(0, max(k.shape[0] - 1, 0))].to(compute)
+    low = members.masked_fill(~present, float("inf")).amin(1)
+    high = members.masked_fill(~present, float("-inf")).amax(1)
+    return low, high
+
+
+@torch.no_grad()
+def select_blocks(q: Tensor, bounds: tuple[Tensor, Tensor], row: RowGeometry,
+                  retrieval: Retrieval, causal: bool) -> Tensor:
     """Each query's ``top_k`` blocks per K/V head, by the upper bound ``sum_h sum_c max(q[h, c]
     * min_j[c], q[h, c] * max_j[c])`` of ``q . k`` in block ``j`` (ties: the earlier block).
 
     Args:
-        q: ``(queries, heads, head_dim)``; k: ``(keys, kv_heads, head_dim)`` of one batch element.
+        q: ``(queries, heads, head_dim)`` of one batch element; bounds: :func:`block_bounds`.
     Returns:
         ``(queries, kv_heads, top_k)`` int64 block indices in no particular order, ``-1`` where
         a query has fewer candidates than ``top_k``.
     """
-    queries, kv_heads = q.shape[0], k.shape[1]
-    starts, ends = row.block_start, row.block_end
+    low, high = bounds
+    queries, kv_heads = q.shape[0], low.shape[1]
+    ends = row.block_end
     chosen = q.new_full((queries, kv_heads, retrieval.top_k), -1, dtype=torch.long)
-    if retrieval.top_k == 0 or len(starts) == 0:
+    if retrieval.top_k == 0 or len(ends) == 0:
         return chosen
-    compute = torch.promote_types(q.dtype, torch.float32)
-    # a short block's rows repeat its last key: the same minimum and maximum
-    rows = torch.minimum(starts[:, None] + torch.arange(retrieval.block, device=k.device),
-                         ends[:, None] - 1)
-    members = k[rows].to(compute)
-    low, high = members.amin(1), members.amax(1)  # (blocks, kv_heads, dim)
+    compute = low.dtype
     for first in range(0, queries, SCORED_AT_ONCE):
         part = slice(first, min(first + SCORED_AT_ONCE, queries))
         # causal: only the blocks ending before the part's last reach can be chosen
-        blocks = (len(starts) if not causal else
+        blocks = (len(ends) if not causal else
                   int(torch.searchsorted(ends, row.reach_lo[part].max(), right=True)))
         top = min(retrieval.top_k, blocks)
         if top == 0:
@@ -199,7 +214,7 @@ def select_blocks(q: Tensor, k: Tensor, row: RowGeometry, retrieval: Retrieval,
         tied = (bound == kth) & candidate
         wanted = top - (bound > kth).sum(-1, keepdim=True)
         picked = ((bound > kth) | (tied & (tied.cumsum(-1) <= wanted))) & candidate
-        earlier = torch.arange(blocks, 0, -1, device=k.device)  # larger for earlier blocks
+        earlier = torch.arange(blocks, 0, -1, device=q.device)  # larger for earlier blocks
         order = torch.topk(picked * earlier, top, dim=-1)
         chosen[part, :, :top] = order.indices.masked_fill(order.values == 0, -1)
     return chosen
@@ -269,14 +284,17 @@ class Selection:
     block_queries: list[list[tuple[int, Tensor]]]
 
     @classmethod
-    def make(cls, q: Tensor, k: Tensor, lengths: Sequence[int], pattern: DilatedPattern,
+    def make(cls, q: Tensor, row: RowGeometry, bounds: tuple[Tensor, Tensor],
              retrieval: Retrieval, causal: bool) -> Selection:
-        """``q`` ``(queries, heads, dim)``, ``k`` ``(keys, kv_heads, dim)`` of one element."""
-        row = row_geometry(lengths, q.shape[0], pattern, retrieval, q.device)
-        chosen = select_blocks(q, k, row, retrieval, causal)
+        """``q`` ``(queries, heads, dim)`` of one element; ``bounds``: :func:`block_bounds`."""
+        chosen = select_blocks(q, bounds, row, retrieval, causal)
         return cls(row, chosen, _block_queries(chosen, len(row.block_start)))
 
 
-def block_rows(row: RowGeometry, block: int) -> slice:
-    """The key positions of block ``block``."""
-    return slice(int(row.block_start[block]), int(row.block_end[block]))
+def select(q: Tensor, k: Tensor, lengths: Sequence[int], pattern: DilatedPattern,
+           retrieval: Retrieval, causal: bool) -> Selection:
+    """The :class:`Selection` of one batch element on one device: ``q`` ``(queries, heads,
+    dim)``, the last of the keys ``k`` ``(keys, kv_heads, dim)`` of documents of ``lengths``."""
+    row = row_geometry(lengths, q.shape[0], pattern, retrieval, q.device)
+    return Selection.make(q, row, block_bounds(k, row, retrieval), retrieval, causal)
+

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from lab.workers import run_workers
+from tests.distributed.retrieval_cases import check_retrieval_cases
 from tests.distributed.ring_cases import check_ring_cases, check_ring_errors
 
 pytestmark = pytest.mark.distributed
@@ -20,6 +21,12 @@ def test_ring_matches_single_device_and_reference(world_size):
 @pytest.mark.slow
 def test_ring_matches_single_device_and_reference_world_8():
     failures = run_workers(check_ring_cases, 8, timeout=1200)
+    assert not any(failures), "\n".join(f for rank_failures in failures for f in rank_failures)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_retrieval_branches_match_single_device_and_reference(world_size):
+    failures = run_workers(check_retrieval_cases, world_size, timeout=600)
     assert not any(failures), "\n".join(f for rank_failures in failures for f in rank_failures)
 
 

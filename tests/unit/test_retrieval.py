@@ -13,7 +13,7 @@ import torch
 import longnet.attention.retrieval as retrieval_module
 import longnet.attention.selection as selection_module
 from longnet.attention import DilatedPattern, Retrieval, dilated_attention
-from longnet.attention.selection import row_geometry, select_blocks
+from longnet.attention.selection import block_bounds, row_geometry, select_blocks
 from longnet.modeling import LongNetConfig, LongNetLM
 from longnet.nn import LayerKVCache, MultiheadDilatedAttention, RotaryEmbedding
 from tests.reference import (
@@ -155,7 +155,8 @@ def test_the_selection_is_the_rule(causal, neighbors):
     pattern = DilatedPattern(branches)
     for b in range(2):
         row = row_geometry((seq,), seq, pattern, retrieval, q.device)
-        chosen = select_blocks(q[b].detach(), k[b].detach(), row, retrieval, causal)
+        chosen = select_blocks(q[b].detach(), block_bounds(k[b].detach(), row, retrieval), row,
+                               retrieval, causal)
         for p in range(seq):
             for g in range(kv_heads):
                 got = [(int(row.block_start[j]), int(row.block_end[j]))
@@ -172,7 +173,7 @@ def test_a_tie_goes_to_the_earlier_block(top_k):
     k[10:12] = 2.0  # block 5 beats all others for the query at 15 (its segment starts at 12)
     q = torch.ones(16, 1, 4, dtype=torch.float64)
     row = row_geometry((16,), 16, DilatedPattern([(4, 1)]), retrieval, q.device)
-    chosen = select_blocks(q, k, row, retrieval, causal=True)
+    chosen = select_blocks(q, block_bounds(k, row, retrieval), row, retrieval, causal=True)
     assert sorted(chosen[15, 0].tolist()) == sorted([5, *range(top_k - 1)])
     assert sorted(chosen[7, 0].tolist()) == sorted([*range(min(top_k, 2)), *[-1] * (top_k - 2)])
     assert chosen[3, 0].tolist() == [-1] * top_k
