@@ -129,12 +129,6 @@ def dilated_attention(
         layout, world_size = sequence_parallel.layout, sequence_parallel.world_size
         transports = transports_per_branch(sequence_parallel.transport, len(pattern.branches))
     grouped = world_size > 1  # a group of one rank runs as one device
-    if retrieval is not None and grouped and layout != "contiguous":
-        raise ValueError(
-            "dilated_attention: the retrieval branches (neighbours, sinks, block selection) "
-            f"run under sequence parallelism on contiguous shards only (not layout={layout!r} "
-            "yet); pass SequenceParallel(group, layout='contiguous')."
-        )
     if document_ids is not None and grouped and layout != "contiguous":
         raise ValueError(
             "dilated_attention: document_ids with sequence_parallel run on contiguous shards "
@@ -179,7 +173,8 @@ def dilated_attention(
                                       process_group)
     if retrieval is not None:
         far = ring_retrieval(q, k, v, pattern, retrieval, causal=causal, scale=scale,
-                             documents=documents, group=process_group, far_qk=retrieval_qk)
+                             documents=documents, group=process_group, layout=layout,
+                             far_qk=retrieval_qk)
         out, lse = merge_attention(((out, lse), far), q.dtype)
     return (out, lse) if return_lse else out
 

@@ -1,9 +1,10 @@
 """The retrieval branches under sequence parallelism (docs/architecture.md §4). Each rank's
-queries stay; its shard of ``k, v, far_k`` travels once around the group, and every rank adds
-the sinks, neighbours and chosen blocks that lie in the shard it holds, merged by log-sum-exp;
-in the backward their gradients travel with the shard back to its owner. Choosing blocks
-needs every block's key bounds: one all-reduce (minimum, maximum) of ``(blocks, kv_heads,
-head_dim)``, a ``block``-th of the keys. Contiguous shards only.
+queries stay; its shard of ``k, v`` (and far key rows) travels once around the group, and
+every rank adds the sinks, neighbours and chosen blocks that lie in the shard it holds,
+merged by log-sum-exp; in the backward their gradients travel with the shard back to its
+owner. Choosing blocks needs every block's key bounds: one all-reduce (minimum, maximum) of
+``(blocks, kv_heads, head_dim)``, a ``block``-th of the keys. A shard is one stripe of the
+sequence (contiguous layout) or two (zigzag), each a window of positions.
 """
 
 from __future__ import annotations
@@ -23,20 +24,30 @@ from longnet.attention.retrieval import (
     retrieval_forward,
 )
 from longnet.attention.ring import Peers
-from longnet.attention.selection import Retrieval, Selection, block_bounds, row_geometry
+from longnet.attention.selection import (
+    Retrieval,
+    RowGeometry,
+    Selection,
+    block_bounds,
+    row_geometry,
+)
+from longnet.distributed.layouts import rank_stripes, stripes_per_rank
+
+Stripe = tuple[int, slice]
+"""``(first position, rows of the shard)`` of one stripe of a rank's shard."""
 
 
 def ring_retrieval(
     q: Tensor, k: Tensor, v: Tensor, pattern: DilatedPattern, retrieval: Retrieval, *,
     causal: bool, scale: float, documents: Sequence[Sequence[int]] | None,
-    group: dist.ProcessGroup, far_qk: tuple[Tensor, Tensor] | None = None,
+    group: dist.ProcessGroup, layout: str, far_qk: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """The retrieval branches of this rank's contiguous shard, to be merged with the dilated
-    ones by :func:`~longnet.attention.retrieval.merge_attention`.
+    """The retrieval branches of this rank's shard, to be merged with the dilated ones by
+    :func:`~longnet.attention.retrieval.merge_attention`.
 
     Args:
         q: ``(batch, shard, heads, head_dim)``; k, v: ``(batch, shard, kv_heads, head_dim)``,
-            rank ``r`` of the ``group`` holding positions ``[r * shard, (r + 1) * shard)``.
+            this rank's shard of the ``group``'s sequence in ``layout``.
         documents: every batch element's document lengths over the whole sequence, or None.
         far_qk: ``(far_q, far_k)`` like ``q, k`` that sinks and blocks score with (default
             ``q, k``).
@@ -45,17 +56,36 @@ def ring_retrieval(
         heads, shard)``; 0 and ``-inf`` where a query has no such key.
     """
     far_q, far_k = (q, k) if far_qk is None else far_qk
-    shard, size = q.shape[1], dist.get_world_size(group)
-    first = dist.get_rank(group) * shard
-    rows = [row_geometry((shard * size,) if documents is None else tuple(documents[b]), shard,
-                         pattern, retrieval, q.device, first_query=first)
+    size = dist.get_world_size(group)
+    stripes = [shard_stripes(rank, size, layout, q.shape[1]) for rank in range(size)]
+    mine = stripes[dist.get_rank(group)]
+    rows = [[row_geometry((q.shape[1] * size,) if documents is None else tuple(documents[b]),
+                          part.stop - part.start, pattern, retrieval, q.device,
+                          first_query=first) for first, part in mine]
             for b in range(q.shape[0])]
-    bounds = _reduce_bounds([block_bounds(far_k[b].detach(), row, retrieval, keys_from=first)
-                             for b, row in enumerate(rows)], group)
-    selections = [Selection.make(far_q[b].detach(), row, bound, retrieval, causal)
-                  for b, (row, bound) in enumerate(zip(rows, bounds))]
-    return _RingRetrieval.apply(q, k, v, *(far_qk or (None, None)), selections, retrieval,
-                                causal, scale, group)
+    bounds = _reduce_bounds([_stripe_bounds(far_k[b].detach(), rows[b][0], retrieval, mine)
+                             for b in range(q.shape[0])], group)
+    selections = [[Selection.make(far_q[b, part].detach(), row, bounds[b], retrieval, causal)
+                   for row, (_, part) in zip(rows[b], mine)] for b in range(q.shape[0])]
+    return _RingRetrieval.apply(q, k, v, *(far_qk or (None, None)), selections, stripes,
+                                retrieval, causal, scale, group)
+
+
+def shard_stripes(rank: int, world_size: int, layout: str, shard: int) -> list[Stripe]:
+    """The :data:`Stripe` s of ``rank``'s shard of ``shard`` rows."""
+    length = shard // stripes_per_rank(layout)
+    return [(stripe * length, slice(slot * length, (slot + 1) * length))
+            for slot, stripe in enumerate(rank_stripes(rank, world_size, layout))]
+
+
+def _pairs(mine: list[Stripe], held: list[Stripe],
+           causal: bool) -> Iterator[tuple[int, slice, int, slice]]:
+    """``(query stripe number, query rows, first key position, key rows)`` of the stripes of
+    this rank's queries and of the shard held; causal: not the keys all after the queries."""
+    for number, (query_first, query_rows) in enumerate(mine):
+        for key_first, key_rows in held:
+            if not (causal and key_first >= query_first + query_rows.stop - query_rows.start):
+                yield number, query_rows, key_first, key_rows
 
 
 class _RingRetrieval(torch.autograd.Function):
@@ -64,33 +94,36 @@ class _RingRetrieval(torch.autograd.Function):
     far rows (None) the message is ``(k, v)``: ``k`` serves as both."""
 
     @staticmethod
-    def forward(ctx, q, k, v, far_q, far_k, selections, retrieval, causal, scale, group):
+    def forward(ctx, q, k, v, far_q, far_k, selections, stripes, retrieval, causal, scale,
+                group):
         compute = torch.promote_types(q.dtype, torch.float32)
         out = q.new_zeros(q.shape, dtype=compute)
         lse = q.new_full(q.shape[:3], float("-inf"), dtype=compute)
         rows_q = q if far_q is None else far_q
         message = torch.stack((k, v) if far_k is None else (k, v, far_k))
         far = 0 if far_k is None else 2  # the far key rows' place in the message
-        for source, last in _hops(group, causal):
+        rank = dist.get_rank(group)
+        for source, last in _hops(group):
             incoming = None if last else _pass_on(group, message, 0, "forward")
-            if source is not None:
-                keys_from = source * q.shape[1]
+            for number, queries, keys_from, keys in _pairs(stripes[rank], stripes[source],
+                                                           causal):
                 for b, selection in enumerate(selections):
-                    k_b, v_b = message[0, b], message[1, b]
-                    part = retrieval_forward(q[b], k_b, v_b, rows_q[b], message[far, b],
-                                             selection, retrieval, causal, scale, keys_from)
-                    accumulate_(out[b], lse[b], slice(None), *part)
+                    held = message[:, b, keys]
+                    part = retrieval_forward(q[b, queries], held[0], held[1],
+                                             rows_q[b, queries], held[far], selection[number],
+                                             retrieval, causal, scale, keys_from)
+                    accumulate_(out[b], lse[b], queries, *part)
             if incoming is not None:
                 message = incoming()
         ctx.save_for_backward(q, k, v, far_q, far_k, out, lse)
-        ctx.call = selections, retrieval, causal, scale, group
+        ctx.call = selections, stripes, retrieval, causal, scale, group
         ctx.set_materialize_grads(False)
         return out.to(q.dtype), rearrange(lse, "b n h -> b h n")
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
         q, k, v, far_q, far_k, out, lse = ctx.saved_tensors
-        selections, retrieval, causal, scale, group = ctx.call
+        selections, stripes, retrieval, causal, scale, group = ctx.call
         d_rows, delta = output_delta(d_out, None if d_lse is None
                                      else rearrange(d_lse, "b h n -> b n h"), out)
         rows_q = q if far_q is None else far_q
@@ -98,18 +131,21 @@ class _RingRetrieval(torch.autograd.Function):
         message = torch.stack((k, v) if far_k is None else (k, v, far_k))
         grads = torch.zeros_like(message, dtype=lse.dtype)  # the gradients of the shard held
         far = 0 if far_k is None else 2
-        for source, last in _hops(group, causal):
+        rank = dist.get_rank(group)
+        for source, last in _hops(group):
             incoming = None if last else _pass_on(group, message, 0, "backward")
-            if source is not None:
-                keys_from = source * q.shape[1]
+            for number, queries, keys_from, keys in _pairs(stripes[rank], stripes[source],
+                                                           causal):
                 for b, selection in enumerate(selections):
+                    held = message[:, b, keys]
                     d_q, d_k, d_far_q_b, d_far_k, d_v = retrieval_backward(
-                        d_rows[b], delta[b], q[b], message[0, b], message[1, b], rows_q[b],
-                        message[far, b], lse[b], selection, retrieval, causal, scale, keys_from)
-                    dq[b] += d_q
-                    d_far_q[b] += d_far_q_b
-                    grads[:, b] += torch.stack((d_k + d_far_k, d_v) if far_k is None
-                                               else (d_k, d_v, d_far_k))
+                        d_rows[b, queries], delta[b, queries], q[b, queries], held[0], held[1],
+                        rows_q[b, queries], held[far], lse[b, queries], selection[number],
+                        retrieval, causal, scale, keys_from)
+                    dq[b, queries] += d_q
+                    d_far_q[b, queries] += d_far_q_b
+                    grads[:, b, keys] += torch.stack((d_k + d_far_k, d_v) if far_k is None
+                                                     else (d_k, d_v, d_far_k))
             grads = _pass_on(group, grads, 1, "backward, gradients")()
             if incoming is not None:
                 message = incoming()
@@ -119,17 +155,26 @@ class _RingRetrieval(torch.autograd.Function):
             dq, d_far_q = dq + d_far_q, None
         d_far_k = None if far_k is None else grads[2].to(far_k.dtype)
         return (dq.to(q.dtype), d_k, d_v, None if d_far_q is None else d_far_q.to(far_q.dtype),
-                d_far_k, *(None,) * 5)
+                d_far_k, *(None,) * 6)
 
 
-def _hops(group: dist.ProcessGroup, causal: bool) -> Iterator[tuple[int | None, bool]]:
-    """``(source, last)`` per hop: at hop ``h`` this rank holds rank ``r - h``'s shard
-    (``source``; None when ``causal`` and all of it lies in the queries' future); ``last``:
-    nothing to pass on after it."""
+def _hops(group: dist.ProcessGroup) -> Iterator[tuple[int, bool]]:
+    """``(source, last)`` per hop: at hop ``h`` this rank holds rank ``r - h``'s shard;
+    ``last``: nothing to pass on after it."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     for hop in range(size):
-        source = (rank - hop) % size
-        yield (None if causal and source > rank else source), hop + 1 == size
+        yield (rank - hop) % size, hop + 1 == size
+
+
+def _stripe_bounds(far_k: Tensor, row: RowGeometry, retrieval: Retrieval,
+                   mine: list[Stripe]) -> tuple[Tensor, Tensor]:
+    """:func:`block_bounds` over the keys of this rank's stripes (``far_k`` ``(shard,
+    kv_heads, head_dim)``)."""
+    parts = [block_bounds(far_k[rows], row, retrieval, keys_from=first) for first, rows in mine]
+    low, high = parts[0]
+    for part_low, part_high in parts[1:]:
+        low, high = torch.minimum(low, part_low), torch.maximum(high, part_high)
+    return low, high
 
 
 def _pass_on(group: dist.ProcessGroup, tensor: Tensor, tag: int,

@@ -1,8 +1,9 @@
 """Worker bodies for the retrieval branches under sequence parallelism: every rank builds the
-same global float64 inputs, runs its contiguous shard and compares out, lse and the gradients
-of q, k, v (and of the far rows, when given) with the single-device call and with the loop
-reference of ``tests/reference.py``; then a rotary attention layer with the branches at
-``retrieval_positions="before_segment"`` against the single-device layer."""
+same global float64 inputs, runs its shard (contiguous or zigzag) and compares out, lse and
+the gradients of q, k, v (and of the far rows, when given) with the single-device call and
+with the loop reference of ``tests/reference.py``; then a rotary attention layer with the
+branches at ``retrieval_positions="before_segment"`` against the single-device layer, on both
+layouts."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def retrieval_cases(world_size: int) -> list[dict]:
     """Shards of 12 (7 for one): local segments spanning ranks, blocks crossing shard
     boundaries, sinks on the first rank only, neighbours reaching into the previous rank,
     grouped-query attention, packed documents spanning ranks, own far rows, ``top_k`` beyond
-    the blocks there are, no rate-1 branch; both directions, half with a gradient into lse."""
+    the blocks there are, no rate-1 branch, zigzag shards; both directions, half with a
+    gradient into lse."""
     n = 12 * world_size
     cases = {
         # name: (shard, heads, kv_heads, branches, Retrieval(sinks, block, top_k, neighbors),
@@ -36,10 +38,14 @@ def retrieval_cases(world_size: int) -> list[dict]:
         "top_k-beyond-blocks": (7, 2, 1, [(7, 1), (14, 2)], Retrieval(1, 3, 50, 2), None,
                                 False),
         "no-rate-1-branch": (12, 4, 2, [(6, 2), (n, 4)], Retrieval(2, 4, 2), None, False),
+        # zigzag: stripes of 6, rank r holding stripes r and 2P - 1 - r
+        "zigzag": (12, 4, 2, [(6, 1), (n, 3)], Retrieval(2, 4, 2, 1), None, False),
+        "zigzag-far-rows": (12, 4, 2, [(3, 1), (12, 2)], Retrieval(1, 5, 3, 2), None, True),
     }
     return [dict(name=f"{name}-{'causal' if causal else 'bidir'}", shard=shard, heads=heads,
                  kv_heads=kv_heads, branches=branches, retrieval=retrieval, documents=documents,
-                 far_rows=far_rows, causal=causal, lse_grad=(index + causal) % 2 == 0)
+                 far_rows=far_rows, causal=causal, lse_grad=(index + causal) % 2 == 0,
+                 layout="zigzag" if name.startswith("zigzag") else "contiguous")
             for index, (name, (shard, heads, kv_heads, branches, retrieval, documents, far_rows))
             in enumerate(cases.items())
             for causal in (True, False)]
@@ -67,10 +73,11 @@ def check_retrieval_cases(rank: int, world_size: int, device: torch.device) -> l
                 _check_case(rank, world_size, device, case, seed)
             except AssertionError as error:
                 failures.append(f"tags forced to 0: {case['name']}: {error}")
-    try:
-        _check_layer(rank, world_size, device)
-    except AssertionError as error:
-        failures.append(f"rotary layer with retrieval branches: {error}")
+    for layout in ("contiguous", "zigzag"):
+        try:
+            _check_layer(rank, world_size, device, layout)
+        except AssertionError as error:
+            failures.append(f"rotary layer with retrieval branches, {layout}: {error}")
     return failures
 
 
@@ -87,7 +94,7 @@ def _check_case(rank: int, world_size: int, device: torch.device, case: dict, se
     _, ref_lse = attend(*tensors)
     d_lse = torch.randn(ref_lse.shape, generator=gen, dtype=torch.float64)
     d_lse = d_lse.masked_fill(ref_lse.isinf(), 0) if case["lse_grad"] else None
-    shard = shard_positions(n, rank, world_size, "contiguous")
+    shard = shard_positions(n, rank, world_size, case["layout"])
     ids = None if case["documents"] is None else document_ids_of(case["documents"])
 
     def library(sequence_parallel, rows):
@@ -102,7 +109,7 @@ def _check_case(rank: int, world_size: int, device: torch.device, case: dict, se
     everything = slice(None)
     ring = _run([t[:, shard].to(device) for t in tensors], d_out[:, shard],
                 None if d_lse is None else d_lse[..., shard],
-                library(SequenceParallel(dist.group.WORLD), shard))
+                library(SequenceParallel(dist.group.WORLD, case["layout"]), shard))
     single = _run(tensors, d_out, d_lse, library(None, everything))
     reference = _run(tensors, d_out, d_lse, attend)
     names = ("out", "lse", "dq", "dk", "dv", "d_far_q", "d_far_k")
@@ -138,10 +145,11 @@ def _run(tensors, d_out, d_lse, fn):
     return [t.detach().cpu() for t in (out, lse, *torch.autograd.grad(loss, tensors))]
 
 
-def _check_layer(rank: int, world_size: int, device: torch.device) -> None:
+def _check_layer(rank: int, world_size: int, device: torch.device, layout: str) -> None:
     """A causal ``MultiheadDilatedAttention`` with rotary positions, sinks, block selection and
-    a neighbour, the far rows rotated ``"before_segment"``, on this rank's shard equals the
-    single-device layer: output, input gradient and (summed over ranks) every parameter's."""
+    a neighbour, the far rows rotated ``"before_segment"``, on this rank's shard (the default
+    positions of the ``layout``) equals the single-device layer: output, input gradient and
+    (summed over ranks) every parameter's."""
     torch.manual_seed(12)
     n = 12 * world_size
     attn = MultiheadDilatedAttention(
@@ -159,9 +167,9 @@ def _check_layer(rank: int, world_size: int, device: torch.device) -> None:
         return out.detach(), grads[0], list(grads[1:])
 
     full_out, full_dx, full_dparams = run(x, None, upstream)
-    shard = shard_positions(n, rank, world_size, "contiguous")
+    shard = shard_positions(n, rank, world_size, layout)
     attn.to(device)
-    out, dx, dparams = run(x[:, shard].to(device), SequenceParallel(dist.group.WORLD),
+    out, dx, dparams = run(x[:, shard].to(device), SequenceParallel(dist.group.WORLD, layout),
                            upstream[:, shard])
     for grad in dparams:
         dist.all_reduce(grad)

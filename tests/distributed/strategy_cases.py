@@ -42,6 +42,9 @@ MODEL_OVERRIDES = {
     "segment_lengths": [32, 64, 128],
     "dilation_rates": [1, 2, 4],
 }
+RETRIEVAL_OVERRIDES = {"attention_sinks": 2, "select_block": 8, "select_top_k": 2,
+                       "neighbor_segments": 1}
+"""The ``"retrieval"`` variant's branches beside the pattern (blocks cross shard edges)."""
 
 
 class TokenWindows(Dataset):
@@ -93,7 +96,7 @@ class TinyData(L.LightningDataModule):
         return DataLoader(self.val, batch_size=self.eval_batch_size)
 
 
-def make_module(loss_reduction: str = "token") -> CausalLMModule:
+def make_module(loss_reduction: str = "token", retrieval: bool = False) -> CausalLMModule:
     """The seeded module, its parameters float64 from the start: Lightning restores a
     checkpoint before ``64-true`` converts the module, so a module built in float32 would
     round the resumed parameters to float32 (5.96e-8 = 2**-24 on the weights near 1)."""
@@ -103,7 +106,7 @@ def make_module(loss_reduction: str = "token") -> CausalLMModule:
     try:
         return CausalLMModule(
             model="longnet-tiny",
-            overrides=MODEL_OVERRIDES,
+            overrides=MODEL_OVERRIDES | (RETRIEVAL_OVERRIDES if retrieval else {}),
             learning_rate=1e-3,
             warmup_steps=1,
             total_steps=STEPS,
@@ -141,19 +144,20 @@ def result(trainer: L.Trainer, module: CausalLMModule) -> dict[str, Any]:
     }
 
 
-def single_device_run(loss_reduction: str = "token", documents: bool = False) -> dict[str, Any]:
-    """The reference: one process, the whole global batch."""
+def single_device_run(loss_reduction: str = "token", variant: str = "plain") -> dict[str, Any]:
+    """The reference: one process, the whole global batch; ``variant``: ``"plain"``,
+    ``"documents"`` (packed documents) or ``"retrieval"`` (the model with retrieval branches)."""
     torch.set_num_threads(1)
-    module = make_module(loss_reduction)
+    module = make_module(loss_reduction, variant == "retrieval")
     trainer = L.Trainer(devices=1, **trainer_kwargs())
-    trainer.fit(module, datamodule=TinyData(GLOBAL_BATCH, documents=documents))
+    trainer.fit(module, datamodule=TinyData(GLOBAL_BATCH, documents=variant == "documents"))
     return result(trainer, module)
 
 
 def sequence_parallel_run(rank: int, world_size: int, device: torch.device,
                           sequence_parallel_size: int, checkpoint_dir: str | None = None,
                           loss_reduction: str = "token", load_balance: bool = True,
-                          documents: bool = False) -> dict:
+                          variant: str = "plain") -> dict:
     """One rank of a ``(world_size / sp, sp)`` mesh on the launcher's process group.
 
     With ``checkpoint_dir``: also save a checkpoint at step 2 (all ranks take part), resume a
@@ -171,10 +175,11 @@ def sequence_parallel_run(rank: int, world_size: int, device: torch.device,
     folder = None
     if checkpoint_dir is not None:
         folder = os.path.join(checkpoint_dir, f"sp{sequence_parallel_size}-{loss_reduction}-"
-                              f"{'zigzag' if load_balance else 'contiguous'}")
+                              f"{'zigzag' if load_balance else 'contiguous'}-{variant}")
         kwargs.update(enable_checkpointing=True, callbacks=[ModelCheckpoint(
             dirpath=folder, filename="{step}", every_n_train_steps=2, save_top_k=-1)])
-    module = make_module(loss_reduction)
+    documents = variant == "documents"
+    module = make_module(loss_reduction, variant == "retrieval")
     used = strategy()
     trainer = L.Trainer(devices=world_size, strategy=used, **kwargs)
     trainer.fit(module, datamodule=TinyData(GLOBAL_BATCH // data_parallel, documents=documents))
@@ -184,7 +189,7 @@ def sequence_parallel_run(rank: int, world_size: int, device: torch.device,
     out["sp_ranks"] = sorted(torch.distributed.get_process_group_ranks(
         used.sequence_parallel_group))
     if folder is not None:
-        resumed = make_module(loss_reduction)
+        resumed = make_module(loss_reduction, variant == "retrieval")
         trainer = L.Trainer(devices=world_size, strategy=strategy(), **trainer_kwargs())
         trainer.fit(resumed, datamodule=TinyData(GLOBAL_BATCH // data_parallel,
                                                  documents=documents),
@@ -198,11 +203,11 @@ def sequence_parallel_run(rank: int, world_size: int, device: torch.device,
 
 
 def sequence_parallel_runs(rank: int, world_size: int, device: torch.device,
-                           runs: tuple[tuple[int, str, bool, bool], ...],
+                           runs: tuple[tuple[int, str, bool, str], ...],
                            checkpoint_dir: str | None = None) -> list[dict]:
     """:func:`sequence_parallel_run` for each ``(sequence-parallel size, loss reduction,
-    load_balance, documents)``, one after another in the same processes (one spawn for
+    load_balance, variant)``, one after another in the same processes (one spawn for
     several meshes)."""
     return [sequence_parallel_run(rank, world_size, device, sp, checkpoint_dir, reduction,
-                                  balance, documents)
-            for sp, reduction, balance, documents in runs]
+                                  balance, variant)
+            for sp, reduction, balance, variant in runs]

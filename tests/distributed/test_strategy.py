@@ -2,9 +2,10 @@
 (1 x 4) meshes, three AdamW steps with gradient clipping on sequences padded to fit the
 pattern, give the single-process parameters to 1e-9 and the same validation loss, in float64,
 with the token-mean loss and with the sample-mean loss (each sample's tokens spread over its
-group's shards), with zigzag shards (the default) and contiguous ones, and on packed documents
-that cross shard boundaries (contiguous shards); a checkpoint saved on all ranks resumes to the
-same parameters."""
+group's shards), with zigzag shards (the default) and contiguous ones, on packed documents
+that cross shard boundaries (contiguous shards), and with retrieval branches (sinks, block
+selection, a neighbour segment) on zigzag shards; a checkpoint saved on all ranks resumes to
+the same parameters."""
 
 from __future__ import annotations
 
@@ -20,10 +21,10 @@ from tests.distributed.strategy_cases import (
 
 pytestmark = pytest.mark.distributed
 
-# (data-parallel, sequence-parallel, loss reduction, load_balance, packed documents)
-MESHES = ((2, 2, "token", True, False), (1, 4, "token", True, False),
-          (2, 2, "sample", True, False), (2, 2, "token", False, False),
-          (1, 4, "token", False, True))
+# (data-parallel, sequence-parallel, loss reduction, load_balance, variant: strategy_cases)
+MESHES = ((2, 2, "token", True, "plain"), (1, 4, "token", True, "plain"),
+          (2, 2, "sample", True, "plain"), (2, 2, "token", False, "plain"),
+          (1, 4, "token", False, "documents"), (1, 4, "token", True, "retrieval"))
 
 # float64 (strategy_cases): AdamW turns a rounding error d of a gradient into a parameter
 # change of at most learning rate x d / eps = 1e-3 x d / 1e-8; float64 rounds the gradients'
@@ -37,20 +38,21 @@ ATOL = 1e-9
 
 @pytest.fixture(scope="module")
 def references():
-    return {(reduction, documents): single_device_run(reduction, documents)
-            for reduction, documents in (("token", False), ("sample", False), ("token", True))}
+    return {(reduction, variant): single_device_run(reduction, variant)
+            for reduction, variant in (("token", "plain"), ("sample", "plain"),
+                                       ("token", "documents"), ("token", "retrieval"))}
 
 
 def test_meshes_equal_single_device_training(references, tmp_path):
     runs_asked = tuple(mesh[1:] for mesh in MESHES)
     per_rank = run_workers(sequence_parallel_runs, 4, runs_asked, str(tmp_path), timeout=600)
-    for index, (dp, sp, reduction, balance, documents) in enumerate(MESHES):
+    for index, (dp, sp, reduction, balance, variant) in enumerate(MESHES):
         runs = [rank_runs[index] for rank_runs in per_rank]
-        reference = references[reduction, documents]
+        reference = references[reduction, variant]
         layout = "zigzag" if balance else "contiguous"
         for rank, run in enumerate(runs):
             where = (f"mesh {dp}x{sp}, {reduction} loss, {layout}"
-                     f"{', packed documents' if documents else ''}, rank {rank}")
+                     f"{'' if variant == 'plain' else ', ' + variant}, rank {rank}")
             assert run["mesh"] == (dp, sp) and run["layout"] == layout, where
             assert run["sp_ranks"] == list(range(rank // sp * sp, rank // sp * sp + sp)), where
             assert run["global_step"] == STEPS, where

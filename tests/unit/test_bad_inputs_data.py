@@ -16,13 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from longnet.attention import Retrieval
 from longnet.data import LongDocumentDataModule
 from longnet.data.corpus import CorpusSettings, build_long_document_splits, corpus_cache_key
 from longnet.data.encoding import check_fractions
 from longnet.data.sources import files_source
 from longnet.files import replace_folder, write_atomic
-from longnet.nn import MultiheadDilatedAttention
 from longnet.training.parallel.batches import shard_batch
 from longnet.training.parallel.strategy import SequenceParallelStrategy
 from longnet.validation import UsageError
@@ -138,24 +136,7 @@ def test_packed_documents_on_zigzag_shards_are_refused_before_the_mesh(tmp_path)
             with pytest.raises(UsageError, match="load_balance: false"):
                 strategy._start_layout()
         else:
-            strategy._check_zigzag()
-
-
-def test_retrieval_branches_on_zigzag_shards_are_refused_before_the_mesh():
-    """Every stage: the branches run on contiguous shards only (load_balance: false)."""
-    retrieval = MultiheadDilatedAttention(8, 2, [(4, 1)], retrieval=Retrieval(sinks=1))
-    for load_balance, layer, refused in ((True, retrieval, True), (False, retrieval, False),
-                                         (True, MultiheadDilatedAttention(8, 2, [(4, 1)]),
-                                          False)):
-        module = torch.nn.Sequential(layer)
-        module.trainer = SimpleNamespace(datamodule=None, state=SimpleNamespace(fn="validate"))
-        strategy = SequenceParallelStrategy(2, load_balance=load_balance)
-        strategy._lightning_module = module
-        if refused:
-            with pytest.raises(UsageError, match="retrieval branches .* load_balance: false"):
-                strategy._start_layout()
-        else:
-            strategy._check_zigzag()
+            strategy._check_packed_documents()
 
 
 def test_shard_batch_refuses_document_ids_on_zigzag_shards_as_a_usage_error():

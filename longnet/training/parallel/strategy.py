@@ -25,7 +25,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from longnet.attention import DilatedPattern
 from longnet.distributed.sequence_parallel import SequenceParallel
 from longnet.distributed.watch import RankWatch
-from longnet.nn import MultiheadDilatedAttention
 from longnet.training.parallel.batches import shard_batch
 from longnet.validation import UsageError, check_positive_int
 
@@ -199,36 +198,23 @@ class SequenceParallelLayout:
             _MESHES.add(self._device_mesh)
         return self._device_mesh
 
-    def _check_zigzag(self) -> None:
-        """On zigzag shards, refuse what runs on contiguous ones only, before any data is
-        read: packed documents in ``fit`` (validation and test windows carry no
-        ``document_ids``) and the retrieval branches."""
-        if self.sequence_layout != "zigzag":
-            return
-        module = self.lightning_module
-        trainer = module.trainer
-        fix = ("set the strategy's load_balance: false "
-               "(--trainer.strategy.init_args.load_balance false).")
+    def _check_packed_documents(self) -> None:
+        """Refuse to fit packed documents (``pack_documents``) on zigzag shards before any
+        data is read (validation and test windows carry no ``document_ids``)."""
+        trainer = self.lightning_module.trainer
         packed = getattr(trainer.datamodule, "pack_documents", False)
-        if trainer.state.fn == TrainerFn.FITTING and packed is True:
+        if trainer.state.fn == TrainerFn.FITTING and self.sequence_layout == "zigzag" \
+                and packed is True:
             raise UsageError(
                 "packed documents (data pack_documents: true) run on contiguous sequence shards "
-                f"only, not on the zigzag shards of load_balance: true; {fix}"
-            )
-        if isinstance(module, torch.nn.Module) and any(
-            isinstance(m, MultiheadDilatedAttention) and m.retrieval is not None
-            for m in module.modules()
-        ):
-            raise UsageError(
-                "the retrieval branches (attention_sinks, select_top_k, neighbor_segments) run "
-                f"on contiguous sequence shards only, not on the zigzag shards of load_balance: "
-                f"true; {fix}"
+                "only, not on the zigzag shards of load_balance: true; set the strategy's "
+                "load_balance: false (--trainer.strategy.init_args.load_balance false)."
             )
 
     def _start_layout(self) -> DeviceMesh:
         """Once the process group is up (every ``fit``/``validate``/``test``): check, build
         the mesh, start watching the ranks, tame the SIGTERM handler."""
-        self._check_zigzag()
+        self._check_packed_documents()
         mesh = self._build_mesh()
         destroy_process_group_at_exit()
         if self._watch is None and self.world_size > 1:
