@@ -37,16 +37,26 @@ def tiny_gpu_config(name: str, cache_dir: Path, steps: int = 3) -> dict:
     return config
 
 
-def tiny_pretrained_config(name: str, cache_dir: Path, base: Path, steps: int = 3) -> dict:
+def tiny_pretrained_config(name: str, cache_dir: Path, base: Path, steps: int = 3,
+                           overlay: str | None = None) -> dict:
     """:func:`tiny_gpu_config` of a recipe that fine-tunes a pretrained model, with ``base``
     (a small imported model folder with its tokenizer) in place of its ``pretrained`` model
-    and tokenizer, the pattern, positions and RoPE extension at 1/128 of their lengths, and
-    LoRA of rank 4."""
+    and tokenizer, the pattern, positions, RoPE extension and selected blocks at 1/128 of
+    their lengths (at least 1), and LoRA of rank 4; ``overlay``: a config of
+    ``lab/configs/gpu/`` given after it (``--config``), whose run name, base and overrides
+    replace the recipe's."""
     config = tiny_gpu_config(name, cache_dir, steps)
     model = config["model"]["init_args"]
+    if overlay is not None:
+        extra = yaml.safe_load((REPO / "lab" / "configs" / "gpu" / f"{overlay}.yaml").read_text())
+        config["trainer"]["logger"] = extra["trainer"]["logger"]
+        model.update(pretrained=extra["model"]["init_args"]["pretrained"],
+                     overrides=extra["model"]["init_args"]["overrides"])
     overrides = model["overrides"]
     overrides.update(max_positions=overrides["max_positions"] // SHRINK,
                      segment_lengths=[n // SHRINK for n in overrides["segment_lengths"]])
+    if "select_block" in overrides:
+        overrides["select_block"] = max(1, overrides["select_block"] // SHRINK)
     extension = overrides.get("rope_extension")
     if extension:
         extension["original_max_position_embeddings"] //= SHRINK

@@ -17,9 +17,11 @@ import torch
 import yaml
 
 from lab.handoff import handoff_checkpoint, write_handoff
+from longnet.attention import Retrieval
 from longnet.cli import main
 from longnet.cli.run_checks import describe_run
 from longnet.modeling import LongNetLM
+from longnet.modeling.zoo import ZOO
 from longnet.training import CausalLMModule
 from longnet.training.checkpoint import export_pretrained, load_lightning_checkpoint
 from longnet.training.lora import (
@@ -312,3 +314,30 @@ def test_the_smollm2_32k_recipe_runs_on_the_cpu_at_tiny_size(base, tmp_path):
     assert metrics["test"]["step"] == 3 and metrics["test"]["test/bpb"] > 0
     profile = (tmp_path / "run" / "profile.txt").read_text()
     assert profile.startswith("Profile of training step 1 on cpu")
+
+
+def test_the_branches_overlay_of_the_32k_recipe_runs_on_the_cpu_at_tiny_size(base, tmp_path):
+    """``lab/configs/gpu/smollm2_135m_32k_branches.yaml`` given after the recipe, at 1/128 of
+    its lengths: the zoo entry's window, sinks, selection and neighbour segment over the
+    base, 3 LoRA steps; the delta records the branches, the merged model runs them."""
+    overlay = yaml.safe_load(
+        (REPO / "lab" / "configs" / "gpu" / "smollm2_135m_32k_branches.yaml").read_text())
+    overrides = overlay["model"]["init_args"]["overrides"]
+    entry = ZOO["smollm2-135m-32k"].config  # the overlay spells out the zoo entry
+    assert overlay["model"]["init_args"]["pretrained"] == "smollm2-135m"
+    assert {name: getattr(entry, name) for name in overrides if name != "neighbor_segments"} \
+        == {name: tuple(value) if isinstance(value, list) else value
+            for name, value in overrides.items() if name != "neighbor_segments"}
+    assert overrides["neighbor_segments"] == 1 and entry.rope_extension is None
+    config = tiny_pretrained_config("smollm2_135m_32k", tmp_path / "cache", base,
+                                    overlay="smollm2_135m_32k_branches")
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert fit(path, tmp_path, "run") == 0
+    record, _ = read_delta(tmp_path / "run" / "model")
+    assert record["overrides"]["select_top_k"] == 16
+    assert record["overrides"]["retrieval_positions"] == "before_segment"
+    merged = LongNetLM.from_pretrained(export_pretrained(
+        tmp_path / "run" / "checkpoints" / "last.ckpt", tmp_path / "merged"))
+    attention = merged.model.layers[0].attn
+    assert attention.retrieval == Retrieval(sinks=4, block=1, top_k=16, neighbors=1)
