@@ -78,14 +78,34 @@ def shard_stripes(rank: int, world_size: int, layout: str, shard: int) -> list[S
             for slot, stripe in enumerate(rank_stripes(rank, world_size, layout))]
 
 
-def _pairs(mine: list[Stripe], held: list[Stripe],
-           causal: bool) -> Iterator[tuple[int, slice, int, slice]]:
-    """``(query stripe number, query rows, first key position, key rows)`` of the stripes of
-    this rank's queries and of the shard held; causal: not the keys all after the queries."""
-    for number, (query_first, query_rows) in enumerate(mine):
-        for key_first, key_rows in held:
-            if not (causal and key_first >= query_first + query_rows.stop - query_rows.start):
-                yield number, query_rows, key_first, key_rows
+class _Turn:
+    """One turn of every shard's ``message`` ``(2 or 3, batch, shard, kv_heads, head_dim)``
+    around the group: iterating gives ``(query stripe number, query rows, first key position,
+    key rows, message held)`` per pair of a stripe of this rank's queries and a stripe of the
+    shard held (causal: not the key stripes wholly after the query stripe), the next shard
+    posted before the hop's work. ``carry`` (the backward's gradients of the shard held)
+    travels after each hop and is home after the turn."""
+
+    def __init__(self, group: dist.ProcessGroup, message: Tensor, stripes: list[list[Stripe]],
+                 causal: bool, label: str, carry: Tensor | None = None) -> None:
+        self.group, self.message, self.stripes = group, message, stripes
+        self.causal, self.label, self.carry = causal, label, carry
+
+    def __iter__(self) -> Iterator[tuple[int, slice, int, slice, Tensor]]:
+        rank, size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        for hop in range(size):
+            source = (rank - hop) % size
+            last = hop + 1 == size
+            incoming = None if last else _pass_on(self.group, self.message, 0, self.label)
+            for number, (query_first, queries) in enumerate(self.stripes[rank]):
+                for keys_from, keys in self.stripes[source]:
+                    query_end = query_first + queries.stop - queries.start
+                    if not (self.causal and keys_from >= query_end):
+                        yield number, queries, keys_from, keys, self.message
+            if self.carry is not None:
+                self.carry = _pass_on(self.group, self.carry, 1, f"{self.label}, gradients")()
+            if incoming is not None:
+                self.message = incoming()
 
 
 class _RingRetrieval(torch.autograd.Function):
@@ -102,19 +122,14 @@ class _RingRetrieval(torch.autograd.Function):
         rows_q = q if far_q is None else far_q
         message = torch.stack((k, v) if far_k is None else (k, v, far_k))
         far = 0 if far_k is None else 2  # the far key rows' place in the message
-        rank = dist.get_rank(group)
-        for source, last in _hops(group):
-            incoming = None if last else _pass_on(group, message, 0, "forward")
-            for number, queries, keys_from, keys in _pairs(stripes[rank], stripes[source],
-                                                           causal):
-                for b, selection in enumerate(selections):
-                    held = message[:, b, keys]
-                    part = retrieval_forward(q[b, queries], held[0], held[1],
-                                             rows_q[b, queries], held[far], selection[number],
-                                             retrieval, causal, scale, keys_from)
-                    accumulate_(out[b], lse[b], queries, *part)
-            if incoming is not None:
-                message = incoming()
+        for number, queries, keys_from, keys, held in _Turn(group, message, stripes, causal,
+                                                             "forward"):
+            for b, selection in enumerate(selections):
+                rows = held[:, b, keys]
+                part = retrieval_forward(q[b, queries], rows[0], rows[1], rows_q[b, queries],
+                                         rows[far], selection[number], retrieval, causal, scale,
+                                         keys_from)
+                accumulate_(out[b], lse[b], queries, *part)
         ctx.save_for_backward(q, k, v, far_q, far_k, out, lse)
         ctx.call = selections, stripes, retrieval, causal, scale, group
         ctx.set_materialize_grads(False)
@@ -129,41 +144,27 @@ class _RingRetrieval(torch.autograd.Function):
         rows_q = q if far_q is None else far_q
         dq, d_far_q = (torch.zeros_like(t, dtype=lse.dtype) for t in (q, rows_q))
         message = torch.stack((k, v) if far_k is None else (k, v, far_k))
-        grads = torch.zeros_like(message, dtype=lse.dtype)  # the gradients of the shard held
         far = 0 if far_k is None else 2
-        rank = dist.get_rank(group)
-        for source, last in _hops(group):
-            incoming = None if last else _pass_on(group, message, 0, "backward")
-            for number, queries, keys_from, keys in _pairs(stripes[rank], stripes[source],
-                                                           causal):
-                for b, selection in enumerate(selections):
-                    held = message[:, b, keys]
-                    d_q, d_k, d_far_q_b, d_far_k, d_v = retrieval_backward(
-                        d_rows[b, queries], delta[b, queries], q[b, queries], held[0], held[1],
-                        rows_q[b, queries], held[far], lse[b, queries], selection[number],
-                        retrieval, causal, scale, keys_from)
-                    dq[b, queries] += d_q
-                    d_far_q[b, queries] += d_far_q_b
-                    grads[:, b, keys] += torch.stack((d_k + d_far_k, d_v) if far_k is None
-                                                     else (d_k, d_v, d_far_k))
-            grads = _pass_on(group, grads, 1, "backward, gradients")()
-            if incoming is not None:
-                message = incoming()
-        # back home after a whole turn
+        turn = _Turn(group, message, stripes, causal, "backward",
+                     carry=torch.zeros_like(message, dtype=lse.dtype))
+        for number, queries, keys_from, keys, held in turn:
+            for b, selection in enumerate(selections):
+                rows = held[:, b, keys]
+                d_q, d_k, d_far_q_b, d_far_k, d_v = retrieval_backward(
+                    d_rows[b, queries], delta[b, queries], q[b, queries], rows[0], rows[1],
+                    rows_q[b, queries], rows[far], lse[b, queries], selection[number],
+                    retrieval, causal, scale, keys_from)
+                dq[b, queries] += d_q
+                d_far_q[b, queries] += d_far_q_b
+                turn.carry[:, b, keys] += torch.stack((d_k + d_far_k, d_v) if far_k is None
+                                                      else (d_k, d_v, d_far_k))
+        grads = turn.carry  # back home after a whole turn
         d_k, d_v = grads[0].to(k.dtype), grads[1].to(v.dtype)
         if far_q is None:
             dq, d_far_q = dq + d_far_q, None
         d_far_k = None if far_k is None else grads[2].to(far_k.dtype)
         return (dq.to(q.dtype), d_k, d_v, None if d_far_q is None else d_far_q.to(far_q.dtype),
                 d_far_k, *(None,) * 6)
-
-
-def _hops(group: dist.ProcessGroup) -> Iterator[tuple[int, bool]]:
-    """``(source, last)`` per hop: at hop ``h`` this rank holds rank ``r - h``'s shard;
-    ``last``: nothing to pass on after it."""
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
-    for hop in range(size):
-        yield (rank - hop) % size, hop + 1 == size
 
 
 def _stripe_bounds(far_k: Tensor, row: RowGeometry, retrieval: Retrieval,

@@ -14,9 +14,14 @@ import torch.distributed as dist
 
 from longnet.attention import Retrieval, dilated_attention
 from longnet.distributed.layouts import shard_positions
-from longnet.distributed.sequence_parallel import SequenceParallel, parallelize
+from longnet.distributed.sequence_parallel import SequenceParallel
 from longnet.nn import MultiheadDilatedAttention, RotaryEmbedding
-from tests.distributed.ring_cases import TOL, tags_forced_to_zero
+from tests.distributed.ring_cases import (
+    TOL,
+    check_layer_on_shards,
+    run_with_gradients,
+    tags_forced_to_zero,
+)
 from tests.reference import dense_retrieval_attention, document_ids_of, per_document_reference
 
 
@@ -107,11 +112,11 @@ def _check_case(rank: int, world_size: int, device: torch.device, case: dict, se
         return call
 
     everything = slice(None)
-    ring = _run([t[:, shard].to(device) for t in tensors], d_out[:, shard],
+    ring = run_with_gradients([t[:, shard].to(device) for t in tensors], d_out[:, shard],
                 None if d_lse is None else d_lse[..., shard],
                 library(SequenceParallel(dist.group.WORLD, case["layout"]), shard))
-    single = _run(tensors, d_out, d_lse, library(None, everything))
-    reference = _run(tensors, d_out, d_lse, attend)
+    single = run_with_gradients(tensors, d_out, d_lse, library(None, everything))
+    reference = run_with_gradients(tensors, d_out, d_lse, attend)
     names = ("out", "lse", "dq", "dk", "dv", "d_far_q", "d_far_k")
     for name, mine, one, ref in zip(names, ring, single, reference):
         index = (Ellipsis, shard) if name == "lse" else (slice(None), shard)
@@ -134,17 +139,6 @@ def _reference(q, k, v, far_q=None, far_k=None, *, branches, causal, retrieval, 
     return per_document_reference(q, k, v, documents, branches, causal, attend=one)
 
 
-def _run(tensors, d_out, d_lse, fn):
-    """``fn(*tensors) -> (out, lse)`` with a random upstream gradient into ``out`` (and into
-    ``lse`` unless ``d_lse`` is None); returns ``[out, lse, *gradients]`` on the CPU."""
-    tensors = [t.detach().clone().requires_grad_() for t in tensors]
-    out, lse = fn(*tensors)
-    loss = (out * d_out.to(out.device)).sum()
-    if d_lse is not None:
-        loss = loss + (lse.masked_fill(torch.isinf(lse), 0) * d_lse.to(out.device)).sum()
-    return [t.detach().cpu() for t in (out, lse, *torch.autograd.grad(loss, tensors))]
-
-
 def _check_layer(rank: int, world_size: int, device: torch.device, layout: str) -> None:
     """A causal ``MultiheadDilatedAttention`` with rotary positions, sinks, block selection and
     a neighbour, the far rows rotated ``"before_segment"``, on this rank's shard (the default
@@ -157,25 +151,4 @@ def _check_layer(rank: int, world_size: int, device: torch.device, layout: str) 
         retrieval=Retrieval(sinks=2, block=3, top_k=2, neighbors=1),
         retrieval_positions="before_segment",
     ).double()
-    x = torch.randn(2, n, 24, dtype=torch.float64)
-    upstream = torch.randn(2, n, 24, dtype=torch.float64)
-
-    def run(inputs, sequence_parallel, grad_out):
-        inputs = inputs.detach().clone().requires_grad_()
-        out = parallelize(attn, sequence_parallel)(inputs)
-        grads = torch.autograd.grad(out, [inputs, *attn.parameters()], grad_out.to(out.device))
-        return out.detach(), grads[0], list(grads[1:])
-
-    full_out, full_dx, full_dparams = run(x, None, upstream)
-    shard = shard_positions(n, rank, world_size, layout)
-    attn.to(device)
-    out, dx, dparams = run(x[:, shard].to(device), SequenceParallel(dist.group.WORLD, layout),
-                           upstream[:, shard])
-    for grad in dparams:
-        dist.all_reduce(grad)
-    checks = [("out", out, full_out[:, shard]), ("dx", dx, full_dx[:, shard])]
-    checks += [(f"d{name}", got, want) for (name, _), got, want in
-               zip(attn.named_parameters(), dparams, full_dparams)]
-    for name, got, want in checks:
-        error = (got.cpu() - want).abs().max().item()
-        assert error <= TOL, f"rank {rank}: {name} vs single-device: max error {error:.2e}"
+    check_layer_on_shards(attn, n, rank, world_size, device, layout)

@@ -201,6 +201,14 @@ def _check_kv_conv_layer(rank: int, world_size: int, device: torch.device, layou
     ).double()
     with torch.no_grad():
         attn.kv_conv.weight.normal_()
+    check_layer_on_shards(attn, n, rank, world_size, device, layout)
+
+
+def check_layer_on_shards(attn: torch.nn.Module, n: int, rank: int, world_size: int,
+                          device: torch.device, layout: str) -> None:
+    """``attn`` (an attention layer of width 24) on this rank's shard of a random float64
+    input of ``n`` tokens, under ``SequenceParallel(WORLD, layout)``, equals the layer on one
+    device: output, input gradient and (summed over ranks) every parameter's gradient."""
     x = torch.randn(2, n, 24, dtype=torch.float64)
     upstream = torch.randn(2, n, 24, dtype=torch.float64)
     params = list(attn.parameters())
@@ -227,7 +235,7 @@ def _check_kv_conv_layer(rank: int, world_size: int, device: torch.device, layou
         assert error <= TOL, f"rank {rank}: {name} vs single-device: max error {error:.2e}"
 
 
-def _run(tensors, d_out, d_lse, fn):
+def run_with_gradients(tensors, d_out, d_lse, fn):
     """``fn(q, k, v) -> (out, lse)`` with a random upstream gradient into ``out`` (and into
     ``lse`` unless ``d_lse`` is None); returns ``[out, lse, dq, dk, dv]`` on the CPU."""
     tensors = [t.detach().clone().requires_grad_() for t in tensors]
@@ -253,7 +261,7 @@ def _check_case(rank: int, world_size: int, device: torch.device, case: dict, se
     d_lse = d_lse if case["lse_grad"] else None
     shard = shard_positions(n, rank, world_size, case.get("layout", "contiguous"))
     ring, single = _run_library(q, k, v, d_out, d_lse, shard, case, device)
-    reference = _run((q, k, v), d_out, d_lse, exact)
+    reference = run_with_gradients((q, k, v), d_out, d_lse, exact)
     names = ("out", "lse", "dq", "dk", "dv")
     for name, mine, one, ref in zip(names, ring, single, reference):
         index = (Ellipsis, shard) if name == "lse" else (slice(None), shard)
@@ -269,7 +277,7 @@ def _run_library(q, k, v, d_out, d_lse, shard, case, device):
     """``(ring shard results, single-device results)`` of ``dilated_attention``."""
     branches, causal = case["branches"], case["causal"]
     ids = document_ids_of(case["documents"]) if "documents" in case else None
-    ring = _run(
+    ring = run_with_gradients(
         [t[:, shard].to(device) for t in (q, k, v)],
         d_out[:, shard],
         None if d_lse is None else d_lse[..., shard],
@@ -287,7 +295,7 @@ def _run_library(q, k, v, d_out, d_lse, shard, case, device):
             document_ids=None if ids is None else ids[:, shard].to(device),
         ),
     )
-    single = _run(
+    single = run_with_gradients(
         (q, k, v),
         d_out,
         d_lse,
