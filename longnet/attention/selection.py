@@ -170,11 +170,13 @@ def block_bounds(k: Tensor, row: RowGeometry, retrieval: Retrieval,
     # a short block's rows repeat its last key: the same minimum and maximum
     rows = torch.minimum(row.block_start[:, None] + torch.arange(retrieval.block, device=k.device),
                          row.block_end[:, None] - 1) - keys_from
-    present = ((rows >= 0) & (rows < k.shape[0]))[..., None, None]
+    present = (rows >= 0) & (rows < k.shape[0])
     members = k[rows.clamp(0, max(k.shape[0] - 1, 0))].to(compute)
-    low = members.masked_fill(~present, float("inf")).amin(1)
-    high = members.masked_fill(~present, float("-inf")).amax(1)
-    return low, high
+    if bool(present.all()):  # one device: every key is here
+        return members.amin(1), members.amax(1)
+    absent = ~present[..., None, None]
+    return (members.masked_fill(absent, float("inf")).amin(1),
+            members.masked_fill(absent, float("-inf")).amax(1))
 
 
 @torch.no_grad()
