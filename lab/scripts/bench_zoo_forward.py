@@ -7,7 +7,8 @@ two ways):
 
 * ``dense + YaRN x4``: ``smollm2-135m`` with one dense branch of 32,768 tokens and YaRN x4
   (dense SDPA in every layer);
-* ``smollm2-135m-32k``: the zoo entry (a 2,048-token window, sinks and block selection).
+* ``smollm2-135m-32k``: the zoo entry (a 2,048-token window and the one before it, sinks and
+  block selection).
 
 Each length times ``model(ids)`` under ``torch.no_grad`` (random token ids, batch 1, float32),
 arms interleaved repeat by repeat after a warm-up round, and reports the median seconds. Keys

@@ -29,6 +29,7 @@ from longnet.modeling import LongNetConfig, LongNetLM, models_dir, resolve_model
 from longnet.modeling.gguf import check_gguf_file
 from longnet.modeling.hub import (
     CACHE_ENV,
+    DELTA_SHA256,
     VARIANT_OF,
     WEIGHTS_FROM,
     external_weights_hint,
@@ -40,7 +41,7 @@ from longnet.modeling.importers import (
     import_hf_checkpoint,
 )
 from longnet.modeling.pretrained import CARD_NAME, SAVED_FILES, model_card
-from longnet.modeling.serialization import WEIGHTS_NAME, load_state_checked
+from longnet.modeling.serialization import WEIGHTS_NAME, load_state_checked, save_weights
 from longnet.modeling.zoo import ZOO
 
 GGUF_SUFFIX = ".gguf"
@@ -130,7 +131,8 @@ def materialize(name: str, *, force: bool = False) -> Path:
     check_target(target, overwrite=True,  # the cache's own entry, incomplete or forced
                  what=f"the user cache's folder of {name} (${CACHE_ENV} moves the cache)")
     if VARIANT_OF in external:
-        _write_variant(materialize(external[VARIANT_OF], force=force), target, config)
+        _write_variant(materialize(external[VARIANT_OF], force=force), target, config,
+                       folder if DELTA_SHA256 in external else None)
     else:
         import_pretrained(distribution_file(name, external), target, expected=config,
                           overwrite=True)
@@ -139,13 +141,40 @@ def materialize(name: str, *, force: bool = False) -> Path:
     return target
 
 
-def _write_variant(base: Path, target: Path, config: LongNetConfig) -> None:
-    """``target``: ``base``'s weights and tokenizer files, linked, and ``config``."""
+def _write_variant(base: Path, target: Path, config: LongNetConfig,
+                   delta: Path | None = None) -> None:
+    """``target``: ``base``'s tokenizer files, linked, ``config``, and ``base``'s weights:
+    linked, or with the LoRA delta of the folder ``delta`` merged in (its ``lora.json``
+    names the base and the overrides it was trained with)."""
     with replace_folder(target, (*SAVED_FILES, *TOKENIZER_FILES), "output") as folder:
         for path in sorted(base.iterdir()):
-            if path.name == WEIGHTS_NAME or path.name in TOKENIZER_FILES:
+            if path.name in TOKENIZER_FILES or (path.name == WEIGHTS_NAME and delta is None):
                 link_or_copy(path, folder / path.name)
+        if delta is not None:
+            save_weights(_merged(base, delta), folder / WEIGHTS_NAME)
         config.save(folder)
+
+
+def _merged(base: Path, delta: Path) -> LongNetLM:
+    """The model folder ``base`` with the delta folder ``delta`` merged into its weights.
+
+    Raises:
+        UsageError: the base's weights are not those the delta was trained on.
+    """
+    from longnet.training.lora import (  # LoRA needs peft (the pretrained extra)
+        LoraSettings,
+        base_record,
+        check_same_base,
+        merged_model,
+        read_delta,
+    )
+
+    record, tensors = read_delta(delta)
+    model = LongNetLM.from_pretrained(base, **record["overrides"])
+    recorded = {"source": record["base"], "fingerprint": record.get("base_fingerprint")}
+    check_same_base(recorded, base_record(record["base"], model), f"the delta in {delta}")
+    return merged_model(model, LoraSettings.from_mapping(record["lora"]), tensors,
+                        source=str(delta / "lora.safetensors"))
 
 
 def resolve_or_materialize(name_or_dir: str | Path) -> Path:

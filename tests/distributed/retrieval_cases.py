@@ -19,6 +19,7 @@ from longnet.nn import MultiheadDilatedAttention, RotaryEmbedding
 from tests.distributed.ring_cases import (
     TOL,
     check_layer_on_shards,
+    collect_failure,
     run_with_gradients,
     tags_forced_to_zero,
 )
@@ -65,24 +66,18 @@ def _documents(n: int) -> list[tuple[int, ...]]:
 def check_retrieval_cases(rank: int, world_size: int, device: torch.device) -> list[str]:
     """Run every case, then the first two again with every tag forced to 0, then the layer;
     return descriptions of the failures."""
-    failures = []
+    failures: list[str] = []
     cases = retrieval_cases(world_size)
     for seed, case in enumerate(cases):
-        try:
-            _check_case(rank, world_size, device, case, seed)
-        except AssertionError as error:
-            failures.append(f"{case['name']}: {error}")
+        collect_failure(failures, case["name"], _check_case, rank, world_size, device, case,
+                        seed)
     with tags_forced_to_zero():
         for seed, case in enumerate(cases[:2]):
-            try:
-                _check_case(rank, world_size, device, case, seed)
-            except AssertionError as error:
-                failures.append(f"tags forced to 0: {case['name']}: {error}")
+            collect_failure(failures, f"tags forced to 0: {case['name']}", _check_case, rank,
+                            world_size, device, case, seed)
     for layout in ("contiguous", "zigzag"):
-        try:
-            _check_layer(rank, world_size, device, layout)
-        except AssertionError as error:
-            failures.append(f"rotary layer with retrieval branches, {layout}: {error}")
+        collect_failure(failures, f"rotary layer with retrieval branches, {layout}",
+                        _check_layer, rank, world_size, device, layout)
     return failures
 
 

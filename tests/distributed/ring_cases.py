@@ -160,31 +160,34 @@ def check_ring_cases(rank: int, world_size: int, device: torch.device,
     of a segment group on one rank), the cases of packed documents across ranks, and the
     first causal and bidirectional case of each transport (``tag_free="some"``), every case
     again (``"all"``) or none (``"none"``)."""
-    failures = []
+    failures: list[str] = []
     cases = ring_cases(world_size)
     for seed, case in enumerate(cases):
-        try:
-            _check_case(rank, world_size, device, case, seed)
-        except AssertionError as error:
-            failures.append(f"{case['name']} {case['branches']}: {error}")
+        collect_failure(failures, f"{case['name']} {case['branches']}", _check_case, rank,
+                        world_size, device, case, seed)
     chosen = {"all": list(enumerate(cases)), "none": [],
               "some": [(seed, case) for seed, case in enumerate(cases)
                        if case.get("layout") == "zigzag" or "documents" in case
                        or case["name"].startswith("local+whole")]}[tag_free]
     with tags_forced_to_zero() as asked:
         for seed, case in chosen:
-            try:
-                _check_case(rank, world_size, device, case, seed)
-            except AssertionError as error:
-                failures.append(f"tags forced to 0: {case['name']} {case['branches']}: {error}")
+            collect_failure(failures, f"tags forced to 0: {case['name']} {case['branches']}",
+                            _check_case, rank, world_size, device, case, seed)
     if chosen and world_size > 1 and not any(asked):
         failures.append("tags forced to 0: no message asked for a tag other than 0")
     for layout in ("contiguous", "zigzag"):
-        try:
-            _check_kv_conv_layer(rank, world_size, device, layout)
-        except AssertionError as error:
-            failures.append(f"attention layer with a K/V convolution, {layout}: {error}")
+        collect_failure(failures, f"attention layer with a K/V convolution, {layout}",
+                        _check_kv_conv_layer, rank, world_size, device, layout)
     return failures
+
+
+def collect_failure(failures: list[str], label: str, check, *args) -> None:
+    """Run ``check(*args)``; an ``AssertionError`` is appended to ``failures`` as ``label:
+    message`` (so one rank reports every failing case, not the first)."""
+    try:
+        check(*args)
+    except AssertionError as error:
+        failures.append(f"{label}: {error}")
 
 
 def _check_kv_conv_layer(rank: int, world_size: int, device: torch.device, layout: str) -> None:

