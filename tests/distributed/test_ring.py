@@ -24,7 +24,7 @@ def test_ring_matches_single_device_and_reference_world_8():
     assert not any(failures), "\n".join(f for rank_failures in failures for f in rank_failures)
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_retrieval_branches_match_single_device_and_reference(world_size):
     failures = run_workers(check_retrieval_cases, world_size, timeout=600)
     assert not any(failures), "\n".join(f for rank_failures in failures for f in rank_failures)

