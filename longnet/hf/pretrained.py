@@ -151,30 +151,10 @@ def _write_variant(base: Path, target: Path, config: LongNetConfig,
             if path.name in TOKENIZER_FILES or (path.name == WEIGHTS_NAME and delta is None):
                 link_or_copy(path, folder / path.name)
         if delta is not None:
-            save_weights(_merged(base, delta), folder / WEIGHTS_NAME)
+            from longnet.training.lora import delta_merged  # LoRA needs peft (pretrained extra)
+
+            save_weights(delta_merged(delta, base), folder / WEIGHTS_NAME)
         config.save(folder)
-
-
-def _merged(base: Path, delta: Path) -> LongNetLM:
-    """The model folder ``base`` with the delta folder ``delta`` merged into its weights.
-
-    Raises:
-        UsageError: the base's weights are not those the delta was trained on.
-    """
-    from longnet.training.lora import (  # LoRA needs peft (the pretrained extra)
-        LoraSettings,
-        base_record,
-        check_same_base,
-        merged_model,
-        read_delta,
-    )
-
-    record, tensors = read_delta(delta)
-    model = LongNetLM.from_pretrained(base, **record["overrides"])
-    recorded = {"source": record["base"], "fingerprint": record.get("base_fingerprint")}
-    check_same_base(recorded, base_record(record["base"], model), f"the delta in {delta}")
-    return merged_model(model, LoraSettings.from_mapping(record["lora"]), tensors,
-                        source=str(delta / "lora.safetensors"))
 
 
 def resolve_or_materialize(name_or_dir: str | Path) -> Path:

@@ -266,6 +266,23 @@ def read_delta(folder: str | Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
     return record, read_safetensors(folder / DELTA_WEIGHTS)
 
 
+def delta_merged(folder: str | Path, base: str | Path | None = None) -> LongNetLM:
+    """The delta folder ``folder`` merged into its recorded base (or ``base``, a folder of
+    the same weights) read with the recorded overrides: a plain LM.
+
+    Raises:
+        FileNotFoundError, UsageError: as :func:`read_delta` and :func:`merged_model`;
+            a base of another fingerprint than recorded.
+    """
+    record, delta = read_delta(folder)
+    model = LongNetLM.from_pretrained(record["base"] if base is None else base,
+                                      **record["overrides"])
+    recorded = {"source": record["base"], "fingerprint": record.get("base_fingerprint")}
+    check_same_base(recorded, base_record(record["base"], model), f"the delta {folder}")
+    return merged_model(model, LoraSettings.from_mapping(record["lora"]), delta,
+                        source=str(Path(folder) / DELTA_WEIGHTS))
+
+
 def merge_delta(folder: str | Path, output: str | Path, *, overwrite: bool = False) -> Path:
     """Write the delta folder ``folder`` merged into its base, with its other files (the
     tokenizer's), as the ``save_pretrained`` folder ``output`` (swapped in whole); returns it.
@@ -275,15 +292,11 @@ def merge_delta(folder: str | Path, output: str | Path, *, overwrite: bool = Fal
             ``folder`` or the base's; a base of another fingerprint than recorded.
         FileNotFoundError, UsageError: as :func:`read_delta` and :func:`merged_model`.
     """
-    record, delta = read_delta(folder)
+    record, _ = read_delta(folder)
     check_target(output, sources={"the source": folder,
                                   "the LoRA base": base_folder(record["base"])},
                  overwrite=overwrite, what="OUTPUT")
-    base = LongNetLM.from_pretrained(record["base"], **record["overrides"])
-    recorded = {"source": record["base"], "fingerprint": record.get("base_fingerprint")}
-    check_same_base(recorded, base_record(record["base"], base), f"the delta {folder}")
-    model = merged_model(base, LoraSettings.from_mapping(record["lora"]), delta,
-                         source=str(Path(folder) / DELTA_WEIGHTS))
+    model = delta_merged(folder)
     with replace_folder(output, owned=model_entries(output) | set(SAVED_FILES),
                         what="OUTPUT") as temp:
         model.save_pretrained(temp, name=Path(output).name)

@@ -279,7 +279,7 @@ def test_a_variant_cached_under_an_older_config_is_rebuilt(tmp_path, monkeypatch
     delta's SHA-256 among it) rebuilds the cached variant from its base and its zoo folder's
     delta on the next use; the base is not imported again. (The stand-in base cannot take
     the real delta: the merge is the test above's, stood in for here.)"""
-    import longnet.hf.pretrained as pretrained
+    import longnet.training.lora as lora
 
     monkeypatch.setenv("LONGNET_CACHE", str(tmp_path))
     real = importlib.metadata.distribution
@@ -288,7 +288,7 @@ def test_a_variant_cached_under_an_older_config_is_rebuilt(tmp_path, monkeypatch
     stand_in = LongNetLM(LongNetConfig(num_layers=1))  # the base as imported, small
     stand_in.save_pretrained(materialized_dir("smollm2-135m"))
     merges = []
-    monkeypatch.setattr(pretrained, "_merged", lambda base, delta: merges.append(
+    monkeypatch.setattr(lora, "delta_merged", lambda delta, base: merges.append(
         (base, delta)) or LongNetLM.from_pretrained(base))
     entry = LongNetConfig.load(models_dir() / "smollm2-135m-32k")
     cached = materialized_dir("smollm2-135m-32k")
