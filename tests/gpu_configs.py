@@ -42,7 +42,7 @@ def tiny_pretrained_config(name: str, cache_dir: Path, base: Path, steps: int = 
     """:func:`tiny_gpu_config` of a recipe that fine-tunes a pretrained model, with ``base``
     (a small imported model folder with its tokenizer) in place of its ``pretrained`` model
     and tokenizer, the pattern, positions, RoPE extension and selected blocks at 1/128 of
-    their lengths (at least 1), and LoRA of rank 4; ``overlay``: a config of
+    their lengths (blocks of at least 4 tokens), and LoRA of rank 4; ``overlay``: a config of
     ``lab/configs/gpu/`` given after it (``--config``), whose run name, base and overrides
     replace the recipe's."""
     config = tiny_gpu_config(name, cache_dir, steps)
@@ -56,7 +56,7 @@ def tiny_pretrained_config(name: str, cache_dir: Path, base: Path, steps: int = 
     overrides.update(max_positions=overrides["max_positions"] // SHRINK,
                      segment_lengths=[n // SHRINK for n in overrides["segment_lengths"]])
     if "select_block" in overrides:
-        overrides["select_block"] = max(1, overrides["select_block"] // SHRINK)
+        overrides["select_block"] = max(4, overrides["select_block"] // SHRINK)
     extension = overrides.get("rope_extension")
     if extension:
         extension["original_max_position_embeddings"] //= SHRINK

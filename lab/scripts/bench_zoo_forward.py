@@ -11,8 +11,10 @@ two ways):
   block selection).
 
 Each length times ``model(ids)`` under ``torch.no_grad`` (random token ids, batch 1, float32),
-arms interleaved repeat by repeat after a warm-up round, and reports the median seconds. Keys
-per query are not counted here (``bench_retrieval`` counts them per attention call).
+arms interleaved repeat by repeat, and reports the median seconds. Every model first runs
+once on ``--warmup-tokens`` tokens (thread pools, kernels; a warm-up round at 32K would add
+minutes per arm). Keys per query are not counted here (``bench_retrieval`` counts them per
+attention call).
 
 Outputs: a table on stdout, ``<out>/bench_zoo_forward.png`` and the run's block in
 ``<out>/benchmarks.md``; ``--update-docs`` writes both into ``docs/``.
@@ -54,15 +56,16 @@ def run(args: argparse.Namespace) -> list[dict]:
     models = {label: load_model(name, overrides=overrides).model
               for label, name, overrides in args.arms}
     vocab = min(model.config.vocab_size for model in models.values())
+    for model in models.values():
+        seconds(model, torch.randint(vocab, (1, args.warmup_tokens)))
     rows = []
     for n in args.lengths:
         ids = torch.randint(vocab, (1, n), generator=torch.Generator().manual_seed(n))
         times: dict[str, list[float]] = {label: [] for label in models}
-        for repeat in range(args.repeats + 1):  # the first round warms up
+        for repeat in range(args.repeats):
             for label in list(models) if repeat % 2 else list(models)[::-1]:
                 took = seconds(models[label], ids)
-                if repeat:
-                    times[label].append(took)
+                times[label].append(took)
                 print(f"  n={n} {label}: {took:.1f} s", file=sys.stderr)
         rows += [{"n": n, "system": label, "seconds": statistics.median(times[label])}
                  for label in models]
@@ -110,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--labels", nargs="+")
     parser.add_argument("--overrides", nargs="+", default=[])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup-tokens", type=int, default=2048)
     parser.add_argument("--out", type=Path, default=Path("runs/bench_zoo_forward"))
     parser.add_argument("--update-docs", action="store_true")
     args = parser.parse_args(argv)
@@ -126,7 +130,8 @@ def main(argv: list[str] | None = None) -> None:
                      for label, name, over in args.arms)
     block = "\n".join([
         f"Machine: {common.machine(threads=True)}; nothing else running. float32, batch 1, "
-        f"random token ids, medians of {args.repeats} after a warm-up round; "
+        f"random token ids, medians of {args.repeats} after a warm-up of {args.warmup_tokens:,} "
+        f"tokens per model; "
         f"{time.strftime('%Y-%m-%d')}. Arms: {arms}. Command: `{command}`.", "", text, "",
         f"![whole-model forward]({png.name})"])
     common.write_blocks(out / "benchmarks.md", SECTION, "bench_zoo_forward", {"cpu": block},

@@ -340,4 +340,4 @@ def test_the_branches_overlay_of_the_32k_recipe_runs_on_the_cpu_at_tiny_size(bas
     merged = LongNetLM.from_pretrained(export_pretrained(
         tmp_path / "run" / "checkpoints" / "last.ckpt", tmp_path / "merged"))
     attention = merged.model.layers[0].attn
-    assert attention.retrieval == Retrieval(sinks=4, block=1, top_k=16, neighbors=1)
+    assert attention.retrieval == Retrieval(sinks=4, block=4, top_k=16, neighbors=1)
