@@ -25,6 +25,7 @@ from torch import Tensor
 
 from longnet.attention import dilated_attention
 from longnet.attention.retrieval import merge_attention
+from longnet.attention.selection import local_segment_length
 from longnet.nn.attention import MultiheadDilatedAttention
 from longnet.nn.positional import RotaryEmbedding, check_position_ids, default_position_ids
 
@@ -50,13 +51,11 @@ def divided_forward(self: MultiheadDilatedAttention, x: Tensor, position_ids: Te
     k = rearrange(self.k_proj(x), "b n (h d) -> b n h d", h=self.num_kv_heads)
     v = rearrange(self.v_proj(x), "b n (h d) -> b n h d", h=self.num_kv_heads)
     far = None if self.retrieval_positions == "own" else self._far_rows(q, k, position_ids)
-    # the retrieval branches reach past the largest rate-1 segment: they go with its call
-    local = max(((w, i) for i, (w, r) in enumerate(self.pattern.branches) if r == 1),
-                default=(None, None))[1]
+    window = local_segment_length(self.pattern)  # the retrieval branches go with its call
     parts = []
-    for index, (w, r) in enumerate(self.pattern.branches):
+    for w, r in self.pattern.branches:
         q_r, k_r = self.positional(q, k, position_ids // r)
-        retrieval = self.retrieval if index == local else None
+        retrieval = self.retrieval if (w, r) == (window, 1) else None
         parts.append(dilated_attention(
             q_r, k_r, v, [(w, r)], causal=self.causal, scale=self.scale, return_lse=True,
             retrieval=retrieval, retrieval_qk=far if retrieval is not None else None))
