@@ -1,4 +1,5 @@
-"""``lab.scripts.plot_positions``: curves by model and context, renamed, and a missing file."""
+"""``lab.scripts.plot_positions``: curves by model and context, renamed, skipped, and a
+missing file or curve."""
 
 from __future__ import annotations
 
@@ -24,3 +25,17 @@ def test_curves_are_read_per_model_and_context_and_plotted(tmp_path):
 def test_a_missing_file_is_named(tmp_path):
     with pytest.raises(SystemExit, match="no-such.csv: no such file"):
         plot_positions.read_curves([tmp_path / "no-such.csv"])
+
+
+def test_skipped_curves_are_left_out_and_unknown_ones_refused(tmp_path, monkeypatch, capsys):
+    (tmp_path / "a.csv").write_text(HEADER + "m,8192,0,512,10,0.9\nm,32768,0,512,10,0.7\n")
+    plotted = {}
+    monkeypatch.setattr(plot_positions, "plot_bits_by_position",
+                        lambda curves, out, title: plotted.update(curves) or out)
+    plot_positions.main([str(tmp_path / "a.csv"), "--out", str(tmp_path / "p.png"),
+                         "--skip", "m @ 8,192"])
+    assert plotted == {"m @ 32,768": [(0, 512, 0.7)]}
+    with pytest.raises(SystemExit):
+        plot_positions.main([str(tmp_path / "a.csv"), "--out", str(tmp_path / "p.png"),
+                             "--skip", "m @ 1,024"])
+    assert "no such curve" in capsys.readouterr().err
